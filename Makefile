@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh Debian machine with Python 3.11:
+#   make run    set up .venv, train the tiny default config as 8 local CPU processes (gloo)
+#   make test   set up .venv, bring up the local SLURM cluster (as root), run the test suite
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.nanotrain-installed
+
+.PHONY: run test venv cluster-up cluster-down clean
+
+venv: $(STAMP)
+
+# torch==2.13.0 is the machine's local CPU wheel; any other torch request downloads gigabytes.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	@touch $@
+
+run: venv
+	$(PY) submit.py configs/tiny_cpu.yaml --local
+
+cluster-up:
+	@if [ "$$(id -u)" = 0 ]; then slurm/local-cluster.sh up; \
+	elif [ "$$CI" = true ]; then echo "make test: CI needs root to start the SLURM cluster" >&2; exit 1; \
+	else echo "make test: not root, SLURM tests use an existing cluster or are skipped"; fi
+
+cluster-down:
+	slurm/local-cluster.sh down
+
+test: venv cluster-up
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,208 @@
+"""YAML -> typed `Config`, with `--set section.field=value` overrides.
+
+Why not dacite/pydantic: we want every error to be one line that names the field and says how to
+fix it (closest valid key for typos), and YAML 1.1 quirks handled (`3e-4` is a *string* to PyYAML).
+The type hints of `schema.py` are the only source of truth; this module interprets them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from nanotrain.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A user error in a config file or override: the message is one line, ready to print."""
+
+
+def _closest(name: str, valid) -> str:
+    match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(valid)}"
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _parse_value(where: str, hint: Any, value: Any) -> Any:
+    """Convert one YAML value to `hint`, or raise ConfigError naming `where`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Union:  # Optional[X]
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _parse_value(where, inner[0], value)
+    if value is None:
+        raise ConfigError(f"{where}: must be set (null is not allowed here)")
+    if origin is Literal:
+        for option in args:
+            if value == option and type(value) is type(option):
+                return option
+            if isinstance(value, str) and isinstance(option, str) and value.lower() == option.lower():
+                return option
+        choices = ", ".join(repr(a) for a in args)
+        return _fail(f"{where}: {_describe(value)} is not one of {choices}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        return _fail(f"{where}: expected true or false, got {_describe(value)}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        return _fail(f"{where}: expected an integer, got {_describe(value)}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        return _fail(f"{where}: expected a number, got {_describe(value)}")
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        return _fail(f"{where}: expected a string, got {_describe(value)}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            return _fail(f"{where}: expected a list of {len(args)} values, got {_describe(value)}")
+        return tuple(_parse_value(f"{where}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value)))
+    if origin is list:
+        if not isinstance(value, list):
+            return _fail(f"{where}: expected a list, got {_describe(value)}")
+        return [_parse_value(f"{where}[{i}]", args[0], v) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            return _fail(f"{where}: expected a mapping of key: value, got {_describe(value)}")
+        return {str(k): _parse_value(f"{where}.{k}", args[1], v) for k, v in value.items()}
+    raise TypeError(f"unsupported config type {hint!r} for {where}")  # a bug in schema.py
+
+
+def _fail(message: str):
+    raise ConfigError(message)
+
+
+def _check_range(where: str, meta: typing.Mapping, value: Any) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is not None and value < lo:
+        raise ConfigError(f"{where}: {value} is below the minimum {lo}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{where}: {value} is above the maximum {hi}")
+
+
+def _build_section(section: str, cls: type, raw: Any):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{section}: expected a mapping of fields, got {_describe(raw)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise ConfigError(f"{section}.{key}: unknown key in section '{section}'{_closest(str(key), fields)}")
+        where = f"{section}.{key}"
+        parsed = _parse_value(where, hints[key], value)
+        _check_range(where, fields[key].metadata, parsed)
+        kwargs[key] = parsed
+    return cls(**kwargs)
+
+
+def sections() -> dict[str, type]:
+    """Section name -> dataclass, in the order of `Config`."""
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def config_from_dict(raw: Any) -> Config:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: expected a mapping of sections at the top level, got {_describe(raw)}")
+    known = sections()
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{key}: unknown section{_closest(str(key), known)}")
+    return Config(**{name: _build_section(name, cls, raw.get(name)) for name, cls in known.items()})
+
+
+def config_to_dict(config: Config) -> dict:
+    """Plain YAML-safe dict (tuples become lists), the inverse of `config_from_dict`."""
+    def plain(value):
+        if isinstance(value, tuple):
+            return [plain(v) for v in value]
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+    return plain(dataclasses.asdict(config))
+
+
+def apply_override(raw: dict, assignment: str) -> None:
+    """Apply one `section.field[.key]=value` to the raw dict; the value is parsed as YAML."""
+    path, sep, text = assignment.partition("=")
+    if not sep or not path:
+        raise ConfigError(f"--set {assignment!r}: expected section.field=value, e.g. training.train_steps=200")
+    keys = path.strip().split(".")
+    known = sections()
+    if len(keys) < 2:
+        raise ConfigError(f"--set {assignment!r}: expected section.field=value, e.g. parallelism.tp=2")
+    if keys[0] not in known:
+        raise ConfigError(f"--set {path}: unknown section '{keys[0]}'{_closest(keys[0], known)}")
+    field_names = [f.name for f in dataclasses.fields(known[keys[0]])]
+    if keys[1] not in field_names:
+        raise ConfigError(f"--set {path}: unknown key in section '{keys[0]}'{_closest(keys[1], field_names)}")
+    if len(keys) > 3 or (len(keys) == 3 and typing.get_origin(
+            typing.get_type_hints(known[keys[0]])[keys[1]]) is not dict):
+        raise ConfigError(f"--set {path}: '{keys[0]}.{keys[1]}' has no sub-keys")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {path}: the value is not valid YAML ({exc.problem})") from None
+    node = raw.setdefault(keys[0], {})
+    if node is None:
+        node = raw[keys[0]] = {}
+    if not isinstance(node, dict):
+        raise ConfigError(f"{keys[0]}: expected a mapping of fields, got {_describe(node)}")
+    for key in keys[1:-1]:
+        child = node.get(key)
+        child = dict(child) if isinstance(child, dict) else {}
+        node[key] = child
+        node = child
+    node[keys[-1]] = value
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found: pass the path of a YAML file, e.g. configs/tiny_cpu.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}: invalid YAML{at}: {getattr(exc, 'problem', exc)}") from None
+    return {} if raw is None else raw
+
+
+def load_config(path: str | Path | None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Read a YAML file (or start from defaults), apply overrides, and parse with types."""
+    raw = read_yaml(path) if path is not None else {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {_describe(raw)}")
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return config_from_dict(raw)
+
+
+def dump_config(config: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))

@@ -1,0 +1,138 @@
+"""The config schema: one dataclass per YAML section.
+
+Field names are the public interface (DESIGN.md); users, tests and docs rely on them. Each field's
+type hint drives parsing (see `loader.py`), and `metadata` carries the range checks, so a new field
+is declared once, here, and is parsed, validated and documented from that single place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+def bounded(default, lo=None, hi=None, doc: str = ""):
+    """A field with an inclusive numeric range, checked by the loader with the field's name."""
+    return field(default=default, metadata={"min": lo, "max": hi, "doc": doc})
+
+
+def doc(default, text: str):
+    """A plain field with a one-line description; `list`/`dict` defaults become factories."""
+    if default in (list, dict):
+        return field(default_factory=default, metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass
+class ParallelismArgs:
+    dp: int = bounded(1, 1, doc="data-parallel replicas")
+    tp: int = bounded(1, 1, doc="tensor-parallel shards of each layer")
+    pp: int = bounded(1, 1, doc="pipeline stages")
+    cp: int = bounded(1, 1, doc="context-parallel shards of the sequence")
+    ep: int = bounded(1, 1, doc="expert-parallel groups")
+    pp_engine: Literal["afab", "1f1b", "interleaved_1f1b"] = doc("1f1b", "pipeline schedule")
+    pp_virtual_stages: int = bounded(1, 1, doc="model chunks per pp rank (interleaved_1f1b)")
+    tp_mode: Literal["ALL_REDUCE", "REDUCE_SCATTER"] = doc(
+        "ALL_REDUCE", "REDUCE_SCATTER = sequence parallelism")
+    tp_linear_async_communication: bool = doc(False, "overlap TP collectives with matmuls")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp * self.ep
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = bounded(256, 1)
+    hidden_size: int = bounded(128, 1)
+    intermediate_size: int = bounded(512, 1)
+    num_layers: int = bounded(4, 1)
+    num_attention_heads: int = bounded(4, 1)
+    num_key_value_heads: Optional[int] = bounded(None, 1, doc="defaults to num_attention_heads")
+    max_position_embeddings: int = bounded(2048, 1)
+    rope_theta: float = bounded(10000.0, 1e-9)
+    rms_norm_eps: float = bounded(1e-5, 0.0, 1.0)
+    tie_word_embeddings: bool = False
+    dtype: Literal["float32", "bfloat16", "float16"] = doc(
+        "bfloat16", "compute dtype on GPU; CPU runs always compute in float32")
+    init_std: float = bounded(0.02, 0.0)
+
+
+@dataclass
+class TrainingArgs:
+    train_steps: int = bounded(100, 1)
+    sequence_length: int = bounded(256, 1)
+    micro_batch_size: int = bounded(1, 1)
+    batch_accumulation_per_replica: int = bounded(1, 1, doc="micro-batches per step = pipeline m")
+    seed: int = bounded(42, 0, 2**63 - 1)
+
+
+@dataclass
+class OptimizerArgs:
+    lr: float = bounded(3e-4, 0.0)
+    weight_decay: float = bounded(0.1, 0.0)
+    betas: tuple[float, float] = doc((0.9, 0.95), "AdamW (beta1, beta2), each in [0, 1)")
+    eps: float = bounded(1e-8, 0.0)
+    clip_grad: Optional[float] = bounded(1.0, 0.0, doc="global grad-norm clip; null disables")
+    warmup_steps: int = bounded(0, 0)
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr: float = bounded(0.0, 0.0)
+    zero_stage: Literal[0, 1] = doc(0, "1 shards optimizer states across dp")
+
+
+@dataclass
+class DataArgs:
+    source: str = doc("stdlib", "files/dir/glob, a hub dataset name, or 'stdlib' (Python's own sources)")
+    text_column: str = "text"
+    tokenizer: str = doc("byte", "'byte' or a path to a tokenizer.json")
+    num_workers: int = bounded(0, 0)
+
+
+@dataclass
+class CheckpointArgs:
+    path: Optional[str] = doc(None, "default <run dir>/checkpoints")
+    interval: int = bounded(0, 0, doc="save every N steps; 0 = only on demand / preemption")
+    keep_last: int = bounded(2, 1)
+    resume: bool = doc(True, "continue from the latest complete checkpoint in the run dir")
+    save_on_preemption: bool = True
+
+
+@dataclass
+class LoggingArgs:
+    dir: str = doc("logs", "parent of run directories")
+    run_name: Optional[str] = doc(None, "run directory name; default <config name>-<timestamp>")
+    log_interval: int = bounded(1, 1)
+    tensorboard: bool = True
+
+
+@dataclass
+class SlurmArgs:
+    gpus_per_node: int = bounded(0, 0, doc="0 = CPU-only cluster (then tasks_per_node)")
+    tasks_per_node: Optional[int] = bounded(None, 1, doc="CPU clusters; GPU: = gpus_per_node")
+    cpus_per_task: int = bounded(1, 1)
+    mem_gb: Optional[float] = bounded(None, 0.0)
+    gpu_memory_gb: Optional[float] = bounded(None, 0.0, doc="for the --dry-run memory estimate")
+    time: int = bounded(60, 1, doc="time limit, minutes")
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    exclusive: bool = False
+    max_requeues: int = bounded(3, 0)
+    signal: Literal["USR1", "USR2", "TERM", "INT", "HUP"] = doc(
+        "USR2", "sent by SLURM before the time limit / on preemption")
+    signal_delay_s: int = bounded(120, 0, doc="seconds before the limit that the signal comes")
+    setup: list[str] = doc(list, "shell lines run before srun (module load, source venv)")
+    sbatch_extra: dict[str, str] = doc(dict, "extra #SBATCH options, e.g. {mail-type: END}")
+    env: dict[str, str] = doc(dict, "exported before init (NCCL_*, InfiniBand settings)")
+
+
+@dataclass
+class Config:
+    parallelism: ParallelismArgs = field(default_factory=ParallelismArgs)
+    model: ModelArgs = field(default_factory=ModelArgs)
+    training: TrainingArgs = field(default_factory=TrainingArgs)
+    optimizer: OptimizerArgs = field(default_factory=OptimizerArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    checkpoints: CheckpointArgs = field(default_factory=CheckpointArgs)
+    logging: LoggingArgs = field(default_factory=LoggingArgs)
+    slurm: SlurmArgs = field(default_factory=SlurmArgs)

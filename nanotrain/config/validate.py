@@ -1,0 +1,163 @@
+"""Cross-field validation: everything that can be known wrong before a job is submitted.
+
+Each check raises `ConfigError` with one line naming the field(s) and the fix. Per-field types and
+ranges are checked by the loader; here live the rules that relate fields to each other, to the
+world size, and to the shell script the job becomes (no value may inject shell into sbatch).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from nanotrain.config.loader import ConfigError
+from nanotrain.config.schema import Config
+
+# SLURM names (partition, account, qos, constraint expressions) never need shell metacharacters.
+_SLURM_NAME = re.compile(r"^[A-Za-z0-9_.,:|&*\[\]@+-]+$")
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_SBATCH_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Options that nanotrain derives itself; setting them in sbatch_extra would contradict the grid.
+_DERIVED_SBATCH = {"nodes", "ntasks", "ntasks-per-node", "gpus-per-node", "gpus", "gres", "time",
+                   "partition", "account", "qos", "constraint", "cpus-per-task", "mem", "signal",
+                   "output", "error", "job-name", "exclusive", "open-mode", "requeue"}
+
+
+def _fail(message: str):
+    raise ConfigError(message)
+
+
+def parallel_product(config: Config) -> str:
+    p = config.parallelism
+    return f"dp*tp*pp*cp*ep = {p.dp}*{p.tp}*{p.pp}*{p.cp}*{p.ep} = {p.world_size}"
+
+
+def validate_model(config: Config) -> None:
+    """Rules that tie the model shape to the parallel layout and the batch."""
+    m, p, t = config.model, config.parallelism, config.training
+    kv = m.num_key_value_heads or m.num_attention_heads
+    if m.hidden_size % m.num_attention_heads:
+        _fail(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_attention_heads "
+              f"({m.num_attention_heads}): choose heads that divide the hidden size")
+    if (m.hidden_size // m.num_attention_heads) % 2:
+        _fail(f"model: head dim hidden_size/num_attention_heads = {m.hidden_size // m.num_attention_heads} "
+              "must be even for RoPE: change hidden_size or num_attention_heads")
+    if m.num_attention_heads % kv:
+        _fail(f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
+              f"model.num_key_value_heads ({kv}) for grouped-query attention")
+    if m.num_attention_heads % p.tp:
+        _fail(f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by parallelism.tp "
+              f"({p.tp}): lower tp or change the head count")
+    if kv % p.tp:
+        _fail(f"model.num_key_value_heads ({kv}) must be divisible by parallelism.tp ({p.tp}): "
+              "lower tp or raise num_key_value_heads")
+    if m.intermediate_size % p.tp:
+        _fail(f"model.intermediate_size ({m.intermediate_size}) must be divisible by parallelism.tp "
+              f"({p.tp})")
+    if t.sequence_length > m.max_position_embeddings:
+        _fail(f"training.sequence_length ({t.sequence_length}) exceeds model.max_position_embeddings "
+              f"({m.max_position_embeddings}): raise max_position_embeddings or shorten the sequence")
+    if p.tp_mode == "REDUCE_SCATTER" and t.sequence_length % p.tp:
+        _fail(f"training.sequence_length ({t.sequence_length}) must be divisible by parallelism.tp "
+              f"({p.tp}) under tp_mode REDUCE_SCATTER (sequence shards)")
+    chunks = p.pp * p.pp_virtual_stages
+    if m.num_layers < chunks:
+        what = f"pp*pp_virtual_stages = {p.pp}*{p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else f"pp ({p.pp})"
+        _fail(f"model.num_layers ({m.num_layers}) must be at least parallelism.{what}: "
+              "every pipeline stage needs a layer")
+    if p.pp_virtual_stages > 1 and p.pp_engine != "interleaved_1f1b":
+        _fail(f"parallelism.pp_virtual_stages ({p.pp_virtual_stages}) needs pp_engine: interleaved_1f1b")
+    m_micro = t.batch_accumulation_per_replica
+    if p.pp > 1 and p.pp_engine == "1f1b" and m_micro < p.pp:
+        _fail(f"training.batch_accumulation_per_replica ({m_micro}) must be >= parallelism.pp ({p.pp}) "
+              "for pp_engine 1f1b: raise it, or use pp_engine: afab")
+    if p.pp_engine == "interleaved_1f1b" and m_micro % p.pp:
+        _fail(f"training.batch_accumulation_per_replica ({m_micro}) must be a multiple of parallelism.pp "
+              f"({p.pp}) for pp_engine interleaved_1f1b")
+
+
+def validate_optimizer(config: Config) -> None:
+    o, t = config.optimizer, config.training
+    for i, beta in enumerate(o.betas):
+        if not 0.0 <= beta < 1.0:
+            _fail(f"optimizer.betas[{i}]: {beta} must be in [0, 1)")
+    if o.min_lr > o.lr:
+        _fail(f"optimizer.min_lr ({o.min_lr}) must not exceed optimizer.lr ({o.lr})")
+    if o.warmup_steps > t.train_steps:
+        _fail(f"optimizer.warmup_steps ({o.warmup_steps}) exceeds training.train_steps ({t.train_steps})")
+
+
+def validate_names(config: Config) -> None:
+    """Values that end up in paths or in the sbatch script must be inert."""
+    s = config.slurm
+    for name in ("partition", "account", "qos", "constraint"):
+        value = getattr(s, name)
+        if value is not None and not _SLURM_NAME.match(value):
+            _fail(f"slurm.{name}: {value!r} contains characters SLURM names never use "
+                  "(letters, digits and _.,:|&*[]@+- only)")
+    for where, path in (("logging.dir", config.logging.dir), ("checkpoints.path", config.checkpoints.path)):
+        if path is not None and _CONTROL.search(path):
+            _fail(f"{where}: a path without newlines or control characters, please")
+    run = config.logging.run_name
+    if run is not None and not _RUN_NAME.match(run):
+        _fail(f"logging.run_name: {run!r} must be letters, digits, '.', '_' or '-' (it is a directory name)")
+    for i, line in enumerate(s.setup):
+        if _CONTROL.search(line):
+            _fail(f"slurm.setup[{i}]: one shell line per entry, without newlines or control characters")
+    for key, value in s.sbatch_extra.items():
+        if not _SBATCH_KEY.match(key):
+            _fail(f"slurm.sbatch_extra.{key}: not an sbatch option name (lowercase, e.g. mail-type)")
+        if key.replace("_", "-") in _DERIVED_SBATCH:
+            _fail(f"slurm.sbatch_extra.{key}: nanotrain sets this option itself; use the slurm.* field "
+                  "or the parallelism sizes instead")
+        if _CONTROL.search(value):
+            _fail(f"slurm.sbatch_extra.{key}: the value must be one line without control characters")
+    for key, value in s.env.items():
+        if not _ENV_KEY.match(key):
+            _fail(f"slurm.env.{key}: not a valid environment variable name")
+        if _CONTROL.search(value):
+            _fail(f"slurm.env.{key}: the value must be one line without control characters")
+
+
+@dataclass(frozen=True)
+class SlurmLayout:
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int
+
+
+def slurm_layout(config: Config) -> SlurmLayout:
+    """Nodes and tasks per node for a SLURM job, from the world size: the grid decides the job."""
+    s, world = config.slurm, config.parallelism.world_size
+    if s.gpus_per_node > 0:
+        if s.tasks_per_node is not None and s.tasks_per_node != s.gpus_per_node:
+            _fail(f"slurm.tasks_per_node ({s.tasks_per_node}) must equal slurm.gpus_per_node "
+                  f"({s.gpus_per_node}) on GPU nodes (one task per GPU); drop tasks_per_node")
+        per_node, field = s.gpus_per_node, "gpus_per_node"
+    else:
+        if s.tasks_per_node is None:
+            _fail("slurm.tasks_per_node: must be set when slurm.gpus_per_node is 0 (CPU-only nodes)")
+        per_node, field = s.tasks_per_node, "tasks_per_node"
+    if world < per_node:
+        _fail(f"parallelism: {parallel_product(config)} is smaller than slurm.{field} ({per_node}): "
+              f"set slurm.{field}: {world} or raise dp")
+    if world % per_node:
+        _fail(f"parallelism: {parallel_product(config)} is not a multiple of slurm.{field} ({per_node}): "
+              f"make the product a multiple of {per_node}, or set slurm.{field} to a divisor of {world}")
+    return SlurmLayout(nodes=world // per_node, tasks_per_node=per_node, gpus_per_node=s.gpus_per_node)
+
+
+def check_world_size(config: Config, world_size: int, where: str) -> None:
+    """The product of the parallel sizes must equal the processes actually running."""
+    if config.parallelism.world_size != world_size:
+        _fail(f"parallelism: {parallel_product(config)} but {where} has {world_size} processes: "
+              f"change dp (or tp/pp) so that the product is {world_size}, or launch {config.parallelism.world_size} processes")
+
+
+def validate(config: Config, *, slurm: bool = False) -> SlurmLayout | None:
+    """All pre-submission checks; returns the SLURM layout when `slurm` is true."""
+    validate_model(config)
+    validate_optimizer(config)
+    validate_names(config)
+    return slurm_layout(config) if slurm else None

@@ -1,0 +1,148 @@
+"""`submit.py CONFIG [--dry-run] [--emit DIR] [--local] [--set section.field=value ...]`.
+
+Everything a user can get wrong is checked here, before anything is submitted or started, and
+reported as one `error:` line with exit status 2. With no flag the job goes to SLURM when
+`sbatch` is on PATH, else it runs as local processes.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from nanotrain.config import Config, ConfigError, SlurmLayout, load_config, validate
+from nanotrain.launch import rundir, sbatch
+
+EXIT_USER_ERROR = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one `error:` line (no usage dump) and exit 2."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="submit.py", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
+    parser.add_argument("--set", metavar="SECTION.FIELD=VALUE", action="append", default=[],
+                        help="override a config field (value parsed as YAML); repeatable")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true",
+                      help="validate, print the rank grid and the sbatch script; submit nothing")
+    mode.add_argument("--emit", metavar="DIR",
+                      help="write a standalone .sbatch script (and its config) to DIR for plain `sbatch`")
+    parser.add_argument("--local", action="store_true",
+                        help="run as local processes (gloo on CPU) even when SLURM is available")
+    return parser
+
+
+def describe_layout(config: Config, layout: SlurmLayout | None) -> str:
+    p = config.parallelism
+    grid = f"world {p.world_size} = dp{p.dp} x tp{p.tp} x pp{p.pp} x cp{p.cp} x ep{p.ep}"
+    if layout is None:
+        return f"{grid}; {p.world_size} local processes"
+    gpus = f", {layout.gpus_per_node} GPUs per node" if layout.gpus_per_node else " (CPU)"
+    return f"{grid}; {layout.nodes} node(s) x {layout.tasks_per_node} tasks{gpus}"
+
+
+def grid_summary(config: Config) -> str:
+    from nanotrain.parallel.grid import RankGrid
+
+    p = config.parallelism
+    return RankGrid(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep).summary()
+
+
+def dry_run(config: Config, layout: SlurmLayout | None, run_dir: Path, config_arg: str) -> int:
+    print(f"config: {config_arg} (valid)")
+    print(f"run directory: {run_dir}")
+    print(f"layout: {describe_layout(config, layout)}")
+    print(grid_summary(config))
+    if layout is None:
+        print(f"\nlocal: {config.parallelism.world_size} processes of "
+              f"`{sys.executable} -m nanotrain.launch.task {run_dir / rundir.CONFIG_FILE}`")
+    else:
+        print("\n# sbatch script (written and submitted by submitit):")
+        print(sbatch.render_sbatch(config, layout, run_dir, sbatch.submitit_command(run_dir)))
+    return 0
+
+
+def emit(config: Config, layout: SlurmLayout, out_dir: Path) -> int:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = config.logging.run_name
+    config_path = (out_dir / f"{name}.yaml").resolve()
+    from nanotrain.config import dump_config
+
+    dump_config(config, config_path)
+    script = out_dir / f"{name}.sbatch"
+    script.write_text(sbatch.render_sbatch(config, layout, rundir.run_dir_of(config),
+                                           sbatch.task_command(config_path)))
+    script.chmod(0o755)
+    print(f"wrote {script} and {config_path}")
+    print(f"submit with: sbatch {script}")
+    return 0
+
+
+def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
+    import submitit
+
+    from nanotrain.launch.task import run_task
+
+    config_path = rundir.write_run_dir(config, run_dir)
+    executor = submitit.SlurmExecutor(folder=sbatch.job_folder(run_dir),
+                                      max_num_timeout=config.slurm.max_requeues)
+    executor.update_parameters(**sbatch.executor_parameters(config, layout))
+    try:
+        job = executor.submit(run_task, str(config_path))
+    except (subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as exc:
+        detail = str(getattr(exc, "stderr", None) or exc).strip().splitlines()
+        print(f"error: sbatch refused the job: {detail[-1] if detail else exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    rundir.write_launch_record(run_dir, mode="slurm", job_id=job.job_id, argv=sys.argv[1:])
+    print(f"submitted job {job.job_id}: {describe_layout(config, layout)}")
+    print(f"run directory: {run_dir}")
+    print(f"stdout: {job.paths.stdout}  (task 0; task R writes {job.job_id}_R_log.out)")
+    print(f"stderr: {job.paths.stderr}")
+    print(f"tensorboard: tensorboard --logdir {config.logging.dir}")
+    return 0
+
+
+def run_locally(config: Config, run_dir: Path) -> int:
+    from nanotrain.launch.local import run_local
+
+    config_path = rundir.write_run_dir(config, run_dir)
+    rundir.write_launch_record(run_dir, mode="local", argv=sys.argv[1:])
+    world = config.parallelism.world_size
+    print(f"local run: {describe_layout(config, None)}; run directory: {run_dir}", flush=True)
+    status = run_local(config_path, world, sbatch.job_folder(run_dir))
+    print(f"tensorboard: tensorboard --logdir {config.logging.dir}", flush=True)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if args.emit and args.local:
+            raise ConfigError("--emit writes a SLURM script; it cannot be combined with --local")
+        use_slurm = not args.local and (args.emit is not None or args.dry_run or shutil.which("sbatch") is not None)
+        config = load_config(args.config, args.set)
+        layout = validate(config, slurm=use_slurm)
+        run_dir = rundir.resolve_run(config, args.config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if args.dry_run:
+        return dry_run(config, layout, run_dir, args.config)
+    if args.emit:
+        return emit(config, layout, Path(args.emit))
+    if use_slurm:
+        return submit_slurm(config, layout, run_dir)
+    return run_locally(config, run_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

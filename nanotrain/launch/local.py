@@ -1,0 +1,113 @@
+"""Run a job as local processes (one per rank, gloo on CPU): `submit.py --local`.
+
+Why not submitit's local executor: it neither streams output nor ends the other ranks when one
+fails. Here rank 0's output streams to the terminal (and to `job/rank-0.log`), every other rank
+writes `job/rank-R.log`, the first rank that fails ends the rest within seconds (a hang is a
+failure), and SIGINT/SIGTERM/SIGUSR1/SIGUSR2 sent to the launcher are passed on to every rank —
+the same signals SLURM sends before a preemption or time limit.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from nanotrain.launch.env import free_port
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+_CLEARED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID", "SLURM_JOB_ID")
+
+
+def rank_env(rank: int, world_size: int, port: int, threads: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _CLEARED}
+    env.update({
+        "NANOTRAIN_LAUNCHER": "local", "RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
+    })
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    return env
+
+
+def _tee(stream, sink, log_path: Path) -> None:
+    with open(log_path, "ab") as log:
+        for line in iter(stream.readline, b""):
+            log.write(line)
+            log.flush()
+            sink.write(line)
+            sink.flush()
+
+
+def _stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_local(config_path: Path, world_size: int, log_dir: Path, *, quiet: bool = False,
+              threads: int = 1) -> int:
+    """Start `world_size` ranks of `nanotrain.launch.task`; return the job's exit status."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    command = [sys.executable, "-u", "-m", "nanotrain.launch.task", str(config_path)]
+    procs: list[subprocess.Popen] = []
+    tee: threading.Thread | None = None
+    for rank in range(world_size):
+        env = rank_env(rank, world_size, port, threads)
+        if rank == 0 and not quiet:
+            proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            tee = threading.Thread(target=_tee, args=(proc.stdout, sys.stdout.buffer, log_dir / "rank-0.log"),
+                                   daemon=True)
+            tee.start()
+        else:
+            with open(log_dir / f"rank-{rank}.log", "ab") as log:
+                proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        procs.append(proc)
+
+    previous = {sig: signal.getsignal(sig) for sig in FORWARDED_SIGNALS}
+
+    def forward(signum, _frame):
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, forward)
+    try:
+        status = _wait(procs, log_dir)
+    finally:
+        _stop_all(procs)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if tee is not None:
+            tee.join(timeout=5)
+    return status
+
+
+def _wait(procs: list[subprocess.Popen], log_dir: Path) -> int:
+    """Block until every rank exits, or the first failure (then the rest are stopped)."""
+    while True:
+        codes = [proc.poll() for proc in procs]
+        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            print(f"error: rank {rank} exited with status {code}; its log: {log_dir / f'rank-{rank}.log'}",
+                  file=sys.stderr, flush=True)
+            return code if code > 0 else 128 - code
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(0.2)

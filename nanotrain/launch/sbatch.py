@@ -1,0 +1,83 @@
+"""Config -> submitit SLURM parameters -> the sbatch script.
+
+One function (`executor_parameters`) decides every `#SBATCH` line, and submitit's own
+`_make_sbatch_string` renders it, so `--dry-run`, `--emit` and a real submission can never
+disagree: dry-run prints what `SlurmExecutor` would write, and `--emit` renders the same
+parameters around a plain `python -m nanotrain.launch.task CONFIG` command instead of
+submitit's pickled function, so the emitted file needs no Python driver.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from submitit.slurm.slurm import _make_sbatch_string
+
+from nanotrain.config import Config, SlurmLayout
+
+
+def job_folder(run_dir: Path) -> Path:
+    """Where SLURM writes the job's stdout/stderr (`%j` = job id, `%t` = task rank)."""
+    return run_dir / "job"
+
+
+def setup_lines(config: Config) -> list[str]:
+    """Shell run by the batch script before srun; values are quoted so none can inject shell."""
+    s = config.slurm
+    lines = list(s.setup)
+    env = dict(s.env)
+    env.setdefault("OMP_NUM_THREADS", str(s.cpus_per_task))  # torch would use every core per task
+    if s.signal != "USR2":
+        env["SUBMITIT_PREEMPT_SIGNAL"] = s.signal  # submitit's handler listens for this signal
+    lines += [f"export {key}={shlex.quote(value)}" for key, value in env.items()]
+    return lines
+
+
+def executor_parameters(config: Config, layout: SlurmLayout) -> dict:
+    """Keyword arguments of submitit's `SlurmExecutor.update_parameters` for this job."""
+    s = config.slurm
+    params: dict = {
+        "job_name": config.logging.run_name,
+        "nodes": layout.nodes,
+        "ntasks_per_node": layout.tasks_per_node,
+        "cpus_per_task": s.cpus_per_task,
+        "time": s.time,
+        "signal_delay_s": s.signal_delay_s,
+        "setup": setup_lines(config),
+        # One failed rank must end the whole step at once instead of leaving the others hanging
+        # in a collective until the time limit.
+        "srun_args": ["--kill-on-bad-exit=1"],
+        "stderr_to_stdout": False,
+    }
+    if layout.gpus_per_node:
+        params["gpus_per_node"] = layout.gpus_per_node
+    if s.mem_gb is not None:
+        whole = float(s.mem_gb).is_integer() and s.mem_gb >= 1
+        params["mem"] = f"{int(s.mem_gb)}G" if whole else f"{max(1, round(s.mem_gb * 1024))}M"
+    for name in ("partition", "account", "qos", "constraint"):
+        if getattr(s, name) is not None:
+            params[name] = getattr(s, name)
+    if s.exclusive:
+        params["exclusive"] = True
+    extra = dict(s.sbatch_extra)
+    if s.signal != "USR2":  # submitit always renders USR2; the configured signal replaces it
+        extra["signal"] = f"{s.signal}@{s.signal_delay_s}"
+    if extra:
+        params["additional_parameters"] = extra
+    return params
+
+
+def submitit_command(run_dir: Path) -> str:
+    """The command line submitit's executor puts in the script (it runs the pickled task)."""
+    return f"{shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(str(job_folder(run_dir)))}"
+
+
+def task_command(config_path: Path) -> str:
+    """The command of a standalone script: every srun task runs the nanotrain task entry."""
+    return f"{shlex.quote(sys.executable)} -u -m nanotrain.launch.task {shlex.quote(str(config_path))}"
+
+
+def render_sbatch(config: Config, layout: SlurmLayout, run_dir: Path, command: str) -> str:
+    return _make_sbatch_string(command=command, folder=str(job_folder(run_dir)),
+                               **executor_parameters(config, layout))

@@ -1,0 +1,53 @@
+"""The per-process entry point of every job: `python -m nanotrain.launch.task CONFIG`.
+
+The same function runs under submitit (pickled), an emitted sbatch script, torchrun, and the
+local launcher, so the four launch paths differ only in how the environment is mapped.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from nanotrain.config import ConfigError, check_world_size, load_config, validate
+from nanotrain.launch.env import export_user_env, setup_distributed_env
+from nanotrain.launch.rundir import run_dir_of, write_run_dir
+
+
+def run_task(config_path: str) -> dict:
+    config = load_config(config_path)
+    validate(config)
+    export_user_env(config.slurm.env)
+    env = setup_distributed_env()
+    check_world_size(config, env.world_size, f"this {env.launcher} job")
+    run_dir = run_dir_of(config)
+    if env.rank == 0 and not (run_dir / "config.yaml").is_file():
+        write_run_dir(config, run_dir)  # an emitted script's first run creates its run directory
+
+    from nanotrain.launch.smoke import smoke_step
+    from nanotrain.parallel.context import ParallelContext
+
+    p = config.parallelism
+    pc = ParallelContext(tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp,
+                         data_parallel_size=p.dp, context_parallel_size=p.cp,
+                         expert_parallel_size=p.ep)
+    try:
+        return smoke_step(pc, env, Path(run_dir))
+    finally:
+        pc.destroy()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m nanotrain.launch.task CONFIG.yaml", file=sys.stderr)
+        return 2
+    try:
+        run_task(args[0])
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Every bad input a user can give: exit status 2, one `error:` line naming the field and the fix,
+no traceback, and nothing submitted or started (these run with no SLURM needed: --dry-run and
+validation happen before any submission)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nanotrain.launch.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_cpu.yaml"
+
+
+def run_cli(argv, capsys):
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def write_config(tmp_path: Path, mutate) -> Path:
+    raw = yaml.safe_load(TINY.read_text())
+    mutate(raw)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+# (id, config mutation or None, extra CLI args, fragments the one-line message must contain)
+BAD_CONFIGS = [
+    ("unknown-key", lambda c: c["parallelism"].update(tpp=2), [], ["parallelism.tpp", "did you mean 'tp'"]),
+    ("unknown-section", lambda c: c.update(paralelism={"dp": 1}), [], ["paralelism", "did you mean 'parallelism'"]),
+    ("wrong-type-int", lambda c: c["parallelism"].update(dp="two"), [], ["parallelism.dp", "expected an integer"]),
+    ("wrong-type-bool", lambda c: c["model"].update(tie_word_embeddings="yes please"), [],
+     ["model.tie_word_embeddings", "true or false"]),
+    ("float-for-int", lambda c: c["training"].update(train_steps=1.5), [], ["training.train_steps", "integer"]),
+    ("out-of-range", lambda c: c["parallelism"].update(tp=0), [], ["parallelism.tp", "minimum 1"]),
+    ("negative-lr", lambda c: c["optimizer"].update(lr=-1.0), [], ["optimizer.lr", "minimum"]),
+    ("bad-choice", lambda c: c["parallelism"].update(pp_engine="gpipe"), [],
+     ["parallelism.pp_engine", "'afab'", "'1f1b'"]),
+    ("bad-tp-mode", lambda c: c["parallelism"].update(tp_mode="SEQUENCE"), [], ["parallelism.tp_mode"]),
+    ("bad-dtype", lambda c: c["model"].update(dtype="fp8"), [], ["model.dtype", "bfloat16"]),
+    ("betas-shape", lambda c: c["optimizer"].update(betas=[0.9]), [], ["optimizer.betas", "2 values"]),
+    ("betas-range", lambda c: c["optimizer"].update(betas=[0.9, 1.5]), [], ["optimizer.betas[1]", "[0, 1)"]),
+    ("section-not-mapping", lambda c: c.update(training=[1, 2]), [], ["training", "mapping"]),
+    ("heads-vs-tp", lambda c: c["parallelism"].update(tp=8, dp=1, pp=1), [],
+     ["model.num_attention_heads", "parallelism.tp"]),
+    ("kv-heads-vs-tp", lambda c: c["model"].update(num_key_value_heads=1), [],
+     ["model.num_key_value_heads", "parallelism.tp"]),
+    ("heads-vs-kv", lambda c: c["model"].update(num_attention_heads=4, num_key_value_heads=3), [],
+     ["model.num_attention_heads", "num_key_value_heads"]),
+    ("hidden-vs-heads", lambda c: c["model"].update(hidden_size=66), [], ["model.hidden_size", "num_attention_heads"]),
+    ("intermediate-vs-tp", lambda c: c["model"].update(intermediate_size=255), [],
+     ["model.intermediate_size", "parallelism.tp"]),
+    ("seq-vs-tp-rs", lambda c: (c["parallelism"].update(tp_mode="REDUCE_SCATTER"),
+                               c["training"].update(sequence_length=63)), [],
+     ["training.sequence_length", "REDUCE_SCATTER"]),
+    ("layers-vs-pp", lambda c: c["model"].update(num_layers=1), [], ["model.num_layers", "parallelism.pp"]),
+    ("layers-vs-virtual", lambda c: (c["parallelism"].update(pp_engine="interleaved_1f1b", pp_virtual_stages=4),
+                                    c["training"].update(batch_accumulation_per_replica=4)), [],
+     ["model.num_layers", "pp_virtual_stages"]),
+    ("1f1b-few-microbatches", lambda c: c["training"].update(batch_accumulation_per_replica=1), [],
+     ["batch_accumulation_per_replica", "1f1b"]),
+    ("interleaved-m", lambda c: (c["parallelism"].update(pp_engine="interleaved_1f1b", pp_virtual_stages=2),
+                                c["training"].update(batch_accumulation_per_replica=3)), [],
+     ["batch_accumulation_per_replica", "multiple of parallelism.pp"]),
+    ("virtual-needs-interleaved", lambda c: c["parallelism"].update(pp_virtual_stages=2), [],
+     ["pp_virtual_stages", "interleaved_1f1b"]),
+    ("seq-vs-positions", lambda c: c["training"].update(sequence_length=512), [],
+     ["training.sequence_length", "max_position_embeddings"]),
+    ("min-lr-above-lr", lambda c: c["optimizer"].update(min_lr=1.0), [], ["optimizer.min_lr", "optimizer.lr"]),
+    ("warmup-too-long", lambda c: c["optimizer"].update(warmup_steps=10_000), [],
+     ["optimizer.warmup_steps", "training.train_steps"]),
+    ("world-not-multiple", lambda c: (c["parallelism"].update(dp=3), c["slurm"].update(tasks_per_node=8)), [],
+     ["dp*tp*pp*cp*ep = 3*2*2*1*1 = 12", "not a multiple of slurm.tasks_per_node (8)"]),
+    ("cpu-cluster-needs-tasks", lambda c: c["slurm"].update(tasks_per_node=None), [], ["slurm.tasks_per_node"]),
+    ("tasks-vs-gpus", lambda c: c["slurm"].update(gpus_per_node=4, tasks_per_node=2), [],
+     ["slurm.tasks_per_node", "gpus_per_node"]),
+    ("world-below-node", lambda c: (c["parallelism"].update(dp=1, tp=1, pp=1),), [],
+     ["smaller than slurm.tasks_per_node"]),
+    ("partition-injection", lambda c: c["slurm"].update(partition="debug; rm -rf /"), [], ["slurm.partition"]),
+    ("account-injection", lambda c: c["slurm"].update(account="$(whoami)"), [], ["slurm.account"]),
+    ("run-name-path", lambda c: c["logging"].update(run_name="../escape"), [], ["logging.run_name"]),
+    ("setup-newline", lambda c: c["slurm"].update(setup=["module load x\nrm -rf /"]), [], ["slurm.setup[0]"]),
+    ("env-key", lambda c: c["slurm"].update(env={"BAD-KEY": "1"}), [], ["slurm.env.BAD-KEY"]),
+    ("env-newline", lambda c: c["slurm"].update(env={"NCCL_DEBUG": "INFO\necho pwned"}), [], ["slurm.env.NCCL_DEBUG"]),
+    ("sbatch-extra-derived", lambda c: c["slurm"].update(sbatch_extra={"nodes": "4"}), [],
+     ["slurm.sbatch_extra.nodes", "sets this option itself"]),
+    ("sbatch-extra-key", lambda c: c["slurm"].update(sbatch_extra={"Mail Type": "END"}), [],
+     ["slurm.sbatch_extra.Mail Type"]),
+    ("bad-signal", lambda c: c["slurm"].update(signal="KILL"), [], ["slurm.signal", "'USR2'"]),
+    ("null-required", lambda c: c["training"].update(seed=None), [], ["training.seed", "null"]),
+    # command-line inputs
+    ("set-no-equals", None, ["--set", "parallelism.tp"], ["--set", "section.field=value"]),
+    ("set-unknown-key", None, ["--set", "training.steps=10"], ["training.steps", "did you mean 'train_steps'"]),
+    ("set-unknown-section", None, ["--set", "train.train_steps=10"], ["unknown section 'train'"]),
+    ("set-no-section", None, ["--set", "tp=2"], ["section.field=value"]),
+    ("set-bad-type", None, ["--set", "parallelism.tp=two"], ["parallelism.tp", "integer"]),
+    ("set-subkey-on-scalar", None, ["--set", "parallelism.tp.x=1"], ["has no sub-keys"]),
+    ("set-bad-yaml", None, ["--set", "slurm.setup=[unclosed"], ["slurm.setup", "not valid YAML"]),
+    ("emit-and-local", None, ["--emit", "somewhere", "--local"], ["--emit", "--local"]),
+    ("dry-run-and-emit", None, ["--dry-run", "--emit", "x"], ["not allowed with argument"]),
+    ("unknown-flag", None, ["--frobnicate"], ["unrecognized arguments"]),
+]
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS])
+def test_bad_input_exits_2_with_one_line(case, tmp_path, capsys, monkeypatch):
+    _, mutate, extra, fragments = case
+    monkeypatch.chdir(tmp_path)  # nothing may be written; a stray run dir would land here
+    config = write_config(tmp_path, mutate) if mutate else TINY
+    code, out, err = run_cli([config, "--dry-run", *extra] if "--emit" not in extra else [config, *extra],
+                             capsys)
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "somewhere").exists()
+
+
+def test_missing_config_file(capsys, tmp_path):
+    code, _, err = run_cli([tmp_path / "nope.yaml", "--dry-run"], capsys)
+    assert code == 2 and err.startswith("error: config file") and "not found" in err
+
+
+def test_invalid_yaml(capsys, tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("parallelism:\n  dp: [1\n")
+    code, _, err = run_cli([path, "--dry-run"], capsys)
+    assert code == 2 and "invalid YAML at line" in err and len(err.strip().splitlines()) == 1
+
+
+def test_real_process_exit_code_and_no_traceback(tmp_path):
+    """The same through a real `python submit.py` process: exit status 2, no traceback, no sbatch."""
+    bad = write_config(tmp_path, lambda c: c["parallelism"].update(tp=3))
+    proc = subprocess.run([sys.executable, str(ROOT / "submit.py"), str(bad)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: model.num_attention_heads (4) must be divisible by parallelism.tp (3)")
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert not (tmp_path / "logs").exists()
