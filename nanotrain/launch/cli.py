@@ -112,13 +112,13 @@ def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
 
 
 def run_locally(config: Config, run_dir: Path) -> int:
-    from nanotrain.launch.local import run_local
+    from nanotrain.launch.local import run_local, task_command
 
     config_path = rundir.write_run_dir(config, run_dir)
     rundir.write_launch_record(run_dir, mode="local", argv=sys.argv[1:])
     world = config.parallelism.world_size
     print(f"local run: {describe_layout(config, None)}; run directory: {run_dir}", flush=True)
-    status = run_local(config_path, world, sbatch.job_folder(run_dir))
+    status = run_local(task_command(config_path), world, sbatch.job_folder(run_dir))
     print(f"tensorboard: tensorboard --logdir {config.logging.dir}", flush=True)
     return status
 

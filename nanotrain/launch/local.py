@@ -56,12 +56,15 @@ def _stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
             proc.wait()
 
 
-def run_local(config_path: Path, world_size: int, log_dir: Path, *, quiet: bool = False,
+def task_command(config_path: Path) -> list[str]:
+    return [sys.executable, "-u", "-m", "nanotrain.launch.task", str(config_path)]
+
+
+def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool = False,
               threads: int = 1) -> int:
-    """Start `world_size` ranks of `nanotrain.launch.task`; return the job's exit status."""
+    """Start `world_size` ranks of `command` (normally `task_command`); return the job's status."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    command = [sys.executable, "-u", "-m", "nanotrain.launch.task", str(config_path)]
     procs: list[subprocess.Popen] = []
     tee: threading.Thread | None = None
     for rank in range(world_size):

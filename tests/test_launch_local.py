@@ -1,0 +1,61 @@
+"""The local path: `submit.py CONFIG --local` runs every rank as a local gloo process, streams
+rank 0, and a failing rank ends the whole job quickly (a hang is a failure)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import os
+
+from nanotrain.launch.local import run_local
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def read_smoke_reports(run_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((run_dir / "smoke").glob("rank-*.json"))]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_local_run_8_processes(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "submit.py"), str(ROOT / "configs" / "tiny_cpu.yaml"), "--local",
+         "--set", f"logging.dir={tmp_path}", "--set", "logging.run_name=local8"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "smoke: ok: world=8 backend=gloo launcher=local" in proc.stdout  # rank 0 streamed
+    reports = read_smoke_reports(tmp_path / "local8")
+    assert [r["rank"] for r in reports] == sorted(range(8), key=str)
+    for report in reports:
+        assert report["ok"] and report["world_size"] == 8 and report["launcher"] == "local"
+        for axis, result in report["sums"].items():
+            assert result["got"] == result["expected"] == sum(result["ranks"]), (report["rank"], axis)
+    assert (tmp_path / "local8" / "job" / "rank-7.log").is_file()
+
+
+def test_failing_rank_ends_the_job(tmp_path):
+    """Rank 2 fails at once while the others would sleep for 10 minutes: the job must end
+    within seconds with rank 2's status, and no rank may survive."""
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '2':\n    sys.exit(3)\n"
+                      "print('pid', os.getpid(), flush=True)\ntime.sleep(600)\n")
+    start = time.monotonic()
+    status = run_local([sys.executable, str(script)], 4, tmp_path / "job", quiet=True)
+    assert status == 3
+    assert time.monotonic() - start < 30
+    for rank in (0, 1, 3):
+        text = (tmp_path / "job" / f"rank-{rank}.log").read_text()
+        pid = int(text.split()[1]) if text.startswith("pid") else None
+        if pid is not None:
+            assert not alive(pid), f"rank {rank} (pid {pid}) survived"
