@@ -1,0 +1,221 @@
+"""ParallelContext: owns the torch.distributed process groups of the (ep, pp, dp, cp, tp) grid.
+
+Same interface and rank layout as nanotron's ``ParallelContext`` (TP fastest), but it also runs
+on CPU with gloo, so every parallel feature can be tested without GPUs. The rank arithmetic lives
+in ``grid.py`` (pure Python); this file only turns it into process groups.
+
+The groups are the real ``torch.distributed.ProcessGroup`` objects returned by ``new_group``, so
+they work everywhere torch takes a group: collectives, ``DistributedDataParallel``, functional
+collectives and C++ bindings. A proxy object with a ``ranks()`` method does not: collectives
+accept it but C++-typed arguments (e.g. DDP's ``process_group``) reject it ("Unable to cast
+foreign type"), and torch >= 2.13 refuses a ``__class__`` swap to a subclass. So the nanotron-style
+``pc.tp_pg.ranks()`` comes from one guarded, additive method on ``ProcessGroup`` that returns
+``torch.distributed.get_process_group_ranks(pg)``: the global ranks of the group, ascending.
+It is never installed over an existing attribute.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from nanotrain.parallel.grid import AXES, Coords, RankGrid
+
+# Group attributes created on every ParallelContext, in creation order (which must be the same on
+# every rank, because torch matches new_group calls across ranks by their order).
+GROUP_NAMES = ("world", "tp", "cp", "dp", "pp", "ep", "dp_cp", "mp")
+
+
+def _process_group_ranks(self) -> list[int]:
+    """Global ranks of this process group, ascending (nanotron-style ``pg.ranks()``)."""
+    return list(dist.get_process_group_ranks(self))
+
+
+def _install_ranks_method() -> None:
+    if not hasattr(dist.ProcessGroup, "ranks"):
+        dist.ProcessGroup.ranks = _process_group_ranks
+
+
+_install_ranks_method()
+
+
+class ParallelContext:
+    """Process groups and coordinates of this rank in the 5D grid.
+
+    Initialises ``torch.distributed`` from the environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``) when it is not initialised yet, because that is the contract
+    of every launcher we support (SLURM via submitit, torchrun, local processes).
+    """
+
+    def __init__(
+        self,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+        backend: Optional[str] = None,
+    ):
+        self.grid = RankGrid(
+            tp=tensor_parallel_size, cp=context_parallel_size, dp=data_parallel_size,
+            pp=pipeline_parallel_size, ep=expert_parallel_size,
+        )
+        self.tensor_parallel_size = self.tp_size = self.grid.tp
+        self.context_parallel_size = self.cp_size = self.grid.cp
+        self.data_parallel_size = self.dp_size = self.grid.dp
+        self.pipeline_parallel_size = self.pp_size = self.grid.pp
+        self.expert_parallel_size = self.ep_size = self.grid.ep
+
+        # Check the world size *before* rendezvous: a wrong product would otherwise surface as a
+        # hang or a confusing reshape error on some ranks only.
+        initialised = dist.is_available() and dist.is_initialized()
+        if initialised:
+            world_size = dist.get_world_size()
+        elif "WORLD_SIZE" in os.environ:
+            world_size = int(os.environ["WORLD_SIZE"])
+        else:
+            raise RuntimeError(
+                "ParallelContext: torch.distributed is not initialised and WORLD_SIZE is not set; "
+                "launch with `submit.py --local`, torchrun or srun (which set RANK, WORLD_SIZE, "
+                "MASTER_ADDR, MASTER_PORT)"
+            )
+        self._check_world_size(world_size)
+        self.world_size = world_size
+
+        self.device = self._select_device()
+        self._owns_init = not initialised
+        if initialised:
+            active = dist.get_backend()
+            if backend is not None and backend not in str(active):
+                raise ValueError(
+                    f"ParallelContext(backend={backend!r}) but torch.distributed is already "
+                    f"initialised with backend {active!r}"
+                )
+            self.backend = str(active)
+        else:
+            self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            # The CUDA device is already set above, which is what NCCL binds its communicators to.
+            dist.init_process_group(backend=self.backend, init_method="env://")
+
+        self.world_rank = dist.get_rank()
+        coords = self.grid.coords(self.world_rank)
+        self.ep_rank, self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = coords
+        self.coords: Coords = coords
+        self._create_groups()
+
+    # ------------------------------------------------------------------ setup
+    def _check_world_size(self, world_size: int) -> None:
+        g = self.grid
+        if g.world_size == world_size:
+            return
+        msg = (
+            f"ParallelContext: tp*cp*dp*pp*ep = {g.tp}*{g.cp}*{g.dp}*{g.pp}*{g.ep} = "
+            f"{g.world_size}, but the world size is {world_size}. Launch {g.world_size} processes, "
+            f"or change the parallel sizes so that their product is {world_size}"
+        )
+        non_dp = g.world_size // g.dp
+        if world_size % non_dp == 0:
+            msg += f" (e.g. data_parallel_size={world_size // non_dp})"
+        raise ValueError(msg + ".")
+
+    @staticmethod
+    def _select_device() -> torch.device:
+        """One GPU per process, picked by LOCAL_RANK; modulo so that one visible GPU per task
+        (CUDA_VISIBLE_DEVICES set by SLURM/submitit) and all GPUs visible both work."""
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+
+    def _create_groups(self) -> None:
+        """Create every group of every axis on every rank, in one global order.
+
+        torch requires all ranks to call ``new_group`` for every group, members or not, in the same
+        order. Identical rank sets (e.g. ``dp_cp`` when cp == 1) share one group, as in nanotron,
+        so no communicator is created twice.
+        """
+        self._pg_by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._group_ranks: dict[str, tuple[int, ...]] = {}
+        for name in GROUP_NAMES:
+            mine = None
+            for ranks in self.grid.groups(name):
+                pg = self._pg_by_ranks.get(ranks)
+                if pg is None:
+                    pg = dist.new_group(ranks=list(ranks))
+                    self._pg_by_ranks[ranks] = pg
+                if self.world_rank in ranks:
+                    mine = (ranks, pg)
+            self._group_ranks[name] = mine[0]
+            setattr(self, f"{name}_pg", mine[1])
+
+    # ------------------------------------------------------------------ queries
+    def get_group(self, name: str) -> dist.ProcessGroup:
+        """This rank's group by name: one of ``GROUP_NAMES``."""
+        if name not in self._group_ranks:
+            raise ValueError(f"unknown group {name!r}; known: {list(GROUP_NAMES)}")
+        return getattr(self, f"{name}_pg")
+
+    def group_ranks(self, name: str) -> tuple[int, ...]:
+        """Global ranks of this rank's group ``name``, ascending (no communication)."""
+        self.get_group(name)
+        return self._group_ranks[name]
+
+    def get_global_rank(
+        self, ep_rank: int = 0, pp_rank: int = 0, dp_rank: int = 0, cp_rank: int = 0,
+        tp_rank: int = 0,
+    ) -> int:
+        return self.grid.rank(ep=ep_rank, pp=pp_rank, dp=dp_rank, cp=cp_rank, tp=tp_rank)
+
+    def get_local_ranks(self, world_rank: int) -> Coords:
+        """Coordinates (ep, pp, dp, cp, tp) of a global rank; ``._asdict()`` gives nanotron's dict."""
+        return self.grid.coords(world_rank)
+
+    def _pp_neighbour(self, step: int) -> Optional[int]:
+        pp = self.pp_rank + step
+        if not 0 <= pp < self.pp_size:
+            return None
+        c = self.coords._replace(pp=pp)._asdict()
+        return self.grid.rank(**c)
+
+    @property
+    def pp_prev_rank(self) -> Optional[int]:
+        """Global rank of the previous pipeline stage (same ep/dp/cp/tp), None on the first."""
+        return self._pp_neighbour(-1)
+
+    @property
+    def pp_next_rank(self) -> Optional[int]:
+        """Global rank of the next pipeline stage (same ep/dp/cp/tp), None on the last."""
+        return self._pp_neighbour(+1)
+
+    @property
+    def is_pipeline_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_pipeline_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    parallel_order = AXES
+
+    def __repr__(self) -> str:
+        g = self.grid
+        return (
+            f"ParallelContext(rank={self.world_rank}/{self.world_size}, tp={g.tp} cp={g.cp} "
+            f"dp={g.dp} pp={g.pp} ep={g.ep}, coords={tuple(self.coords)}, backend={self.backend})"
+        )
+
+    def destroy(self) -> None:
+        """Tear down: the whole default group if we initialised it, else only our subgroups."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if self._owns_init:
+            dist.destroy_process_group()
+        else:
+            for ranks, pg in self._pg_by_ranks.items():
+                if self.world_rank in ranks and pg is not dist.group.WORLD:
+                    dist.destroy_process_group(pg)
+        self._pg_by_ranks.clear()
