@@ -1,0 +1,49 @@
+"""Shared pytest fixtures for nanotrain."""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+
+def _unavailable(reason: str) -> None:
+    """Fail under CI, skip elsewhere.
+
+    CI runs `make test` as root, which starts the cluster first
+    (slurm/local-cluster.sh up), so a missing cluster there is a real breakage that
+    must not hide behind a skip. On a developer box SLURM is optional.
+    """
+    hint = " (start it with: sudo slurm/local-cluster.sh up)"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"SLURM cluster required under CI: {reason}{hint}", pytrace=False)
+    pytest.skip(f"no usable SLURM cluster: {reason}{hint}")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> list[str]:
+    """Names of the usable nodes of the default partition of a live SLURM cluster.
+
+    Checked once per session with `sinfo` (a fast, read-only query) rather than by
+    submitting a job, so tests that don't need SLURM pay nothing.
+    """
+    if shutil.which("sinfo") is None:
+        _unavailable("`sinfo` not found")
+    try:
+        res = subprocess.run(
+            ["sinfo", "-h", "-N", "-p", "debug", "-o", "%N %T"],
+            capture_output=True, text=True, timeout=15,
+        )
+    except subprocess.TimeoutExpired:
+        _unavailable("`sinfo` timed out (slurmctld not answering)")
+    if res.returncode != 0:
+        _unavailable(f"`sinfo` failed: {res.stderr.strip()}")
+    # A '*' suffix means "not responding"; drained/down nodes can't run jobs either.
+    usable = {"idle", "mixed", "allocated", "completing"}
+    nodes = sorted(
+        name for name, state in (line.split() for line in res.stdout.splitlines() if line.strip())
+        if state in usable
+    )
+    if not nodes:
+        _unavailable(f"no usable node in partition debug: {res.stdout.strip()!r}")
+    return nodes
