@@ -82,6 +82,8 @@ def emit(config: Config, layout: SlurmLayout, out_dir: Path) -> int:
     script.write_text(sbatch.render_sbatch(config, layout, rundir.run_dir_of(config),
                                            sbatch.task_command(config_path)))
     script.chmod(0o755)
+    # SLURM opens the job's --output file before the script runs: its folder must exist.
+    sbatch.job_folder(rundir.run_dir_of(config)).mkdir(parents=True, exist_ok=True)
     print(f"wrote {script} and {config_path}")
     print(f"submit with: sbatch {script}")
     return 0

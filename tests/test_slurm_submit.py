@@ -1,0 +1,65 @@
+"""The full path on the real local SLURM cluster (slurm/local-cluster.sh): `submit.py` sends a
+2-node x 4-task CPU job through submitit, and the `--emit` script goes through plain `sbatch`.
+Every task must build the ParallelContext and get the right all-reduce sums."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slurm_utils import submitted_job_id, wait_for_job
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_cpu.yaml"
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(400)]
+
+
+def check_smoke_reports(run_dir: Path, job_id: str) -> None:
+    reports = [json.loads(p.read_text()) for p in (run_dir / "smoke").glob("rank-*.json")]
+    assert sorted(r["rank"] for r in reports) == list(range(8))
+    assert {r["node_rank"] for r in reports} == {0, 1}  # two SLURM nodes, four tasks each
+    assert sorted(r["local_rank"] for r in reports) == [0, 0, 1, 1, 2, 2, 3, 3]
+    for report in reports:
+        assert report["launcher"] == "slurm" and report["job_id"] == job_id
+        assert report["ok"] and report["world_size"] == 8 and report["backend"] == "gloo"
+        for axis, result in report["sums"].items():
+            assert result["got"] == result["expected"] == sum(result["ranks"]), (report["rank"], axis)
+
+
+def test_submit_2_nodes_x_4_tasks(slurm_cluster, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "submit.py"), str(TINY), "--set", f"logging.dir={tmp_path}",
+         "--set", "logging.run_name=slurm-smoke"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = submitted_job_id(proc.stdout)
+    run_dir = tmp_path / "slurm-smoke"
+    assert f"run directory: {run_dir}" in proc.stdout and "tensorboard --logdir" in proc.stdout
+    state = wait_for_job(job_id, timeout=300)
+    log = run_dir / "job" / f"{job_id}_0_log.out"
+    assert state == "COMPLETED", log.read_text() if log.exists() else state
+    check_smoke_reports(run_dir, job_id)
+    assert "smoke: ok: world=8 backend=gloo launcher=slurm" in log.read_text()
+    assert json.loads((run_dir / "launch.json").read_text())["job_id"] == job_id
+
+
+def test_emitted_script_runs_with_plain_sbatch(slurm_cluster, tmp_path):
+    out_dir = tmp_path / "generated"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "submit.py"), str(TINY), "--emit", str(out_dir),
+         "--set", f"logging.dir={tmp_path}", "--set", "logging.run_name=emitted"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    submit = subprocess.run(["sbatch", str(out_dir / "emitted.sbatch")], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert submit.returncode == 0, submit.stderr
+    job_id = submitted_job_id(submit.stdout)
+    state = wait_for_job(job_id, timeout=300)
+    run_dir = tmp_path / "emitted"
+    log = run_dir / "job" / f"{job_id}_0_log.out"
+    assert state == "COMPLETED", log.read_text() if log.exists() else state
+    check_smoke_reports(run_dir, job_id)
+    assert (run_dir / "config.yaml").is_file()  # the task created its run directory itself
