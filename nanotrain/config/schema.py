@@ -42,82 +42,82 @@ class ParallelismArgs:
 
 @dataclass
 class ModelArgs:
-    vocab_size: int = bounded(256, 1)
-    hidden_size: int = bounded(128, 1)
-    intermediate_size: int = bounded(512, 1)
-    num_layers: int = bounded(4, 1)
-    num_attention_heads: int = bounded(4, 1)
+    vocab_size: int = bounded(256, 1, doc="tokens; padded to a multiple of tp inside the model")
+    hidden_size: int = bounded(128, 1, doc="model width")
+    intermediate_size: int = bounded(512, 1, doc="SwiGLU MLP width")
+    num_layers: int = bounded(4, 1, doc="decoder layers")
+    num_attention_heads: int = bounded(4, 1, doc="query heads")
     num_key_value_heads: Optional[int] = bounded(None, 1, doc="defaults to num_attention_heads")
-    max_position_embeddings: int = bounded(2048, 1)
-    rope_theta: float = bounded(10000.0, 1e-9)
-    rms_norm_eps: float = bounded(1e-5, 0.0, 1.0)
-    tie_word_embeddings: bool = False
+    max_position_embeddings: int = bounded(2048, 1, doc="longest sequence RoPE is built for")
+    rope_theta: float = bounded(10000.0, 1e-9, doc="RoPE base")
+    rms_norm_eps: float = bounded(1e-5, 0.0, 1.0, doc="RMSNorm epsilon")
+    tie_word_embeddings: bool = doc(False, "LM head shares the embedding matrix")
     dtype: Literal["float32", "bfloat16", "float16"] = doc(
         "bfloat16", "compute dtype on GPU; CPU runs always compute in float32")
-    init_std: float = bounded(0.02, 0.0)
+    init_std: float = bounded(0.02, 0.0, doc="std of the normal init of weights")
 
 
 @dataclass
 class TrainingArgs:
-    train_steps: int = bounded(100, 1)
-    sequence_length: int = bounded(256, 1)
-    micro_batch_size: int = bounded(1, 1)
+    train_steps: int = bounded(100, 1, doc="optimizer steps")
+    sequence_length: int = bounded(256, 1, doc="tokens per sample")
+    micro_batch_size: int = bounded(1, 1, doc="samples per micro-batch per dp rank")
     batch_accumulation_per_replica: int = bounded(1, 1, doc="micro-batches per step = pipeline m")
-    seed: int = bounded(42, 0, 2**63 - 1)
+    seed: int = bounded(42, 0, 2**63 - 1, doc="init, data order and dropout-free RNG")
 
 
 @dataclass
 class OptimizerArgs:
-    lr: float = bounded(3e-4, 0.0)
-    weight_decay: float = bounded(0.1, 0.0)
+    lr: float = bounded(3e-4, 0.0, doc="peak learning rate")
+    weight_decay: float = bounded(0.1, 0.0, doc="AdamW decay of matrices (not norms)")
     betas: tuple[float, float] = doc((0.9, 0.95), "AdamW (beta1, beta2), each in [0, 1)")
-    eps: float = bounded(1e-8, 0.0)
+    eps: float = bounded(1e-8, 0.0, doc="AdamW epsilon")
     clip_grad: Optional[float] = bounded(1.0, 0.0, doc="global grad-norm clip; null disables")
-    warmup_steps: int = bounded(0, 0)
-    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
-    min_lr: float = bounded(0.0, 0.0)
+    warmup_steps: int = bounded(0, 0, doc="linear warm-up steps")
+    lr_decay_style: Literal["cosine", "linear", "constant"] = doc("cosine", "decay to min_lr at train_steps")
+    min_lr: float = bounded(0.0, 0.0, doc="final learning rate")
     zero_stage: Literal[0, 1] = doc(0, "1 shards optimizer states across dp")
 
 
 @dataclass
 class DataArgs:
     source: str = doc("stdlib", "files/dir/glob, a hub dataset name, or 'stdlib' (Python's own sources)")
-    text_column: str = "text"
+    text_column: str = doc("text", "column holding the text")
     tokenizer: str = doc("byte", "'byte' or a path to a tokenizer.json")
-    num_workers: int = bounded(0, 0)
+    num_workers: int = bounded(0, 0, doc="tokenisation processes")
 
 
 @dataclass
 class CheckpointArgs:
     path: Optional[str] = doc(None, "default <run dir>/checkpoints")
     interval: int = bounded(0, 0, doc="save every N steps; 0 = only on demand / preemption")
-    keep_last: int = bounded(2, 1)
+    keep_last: int = bounded(2, 1, doc="complete checkpoints kept")
     resume: bool = doc(True, "continue from the latest complete checkpoint in the run dir")
-    save_on_preemption: bool = True
+    save_on_preemption: bool = doc(True, "save when SLURM signals a preemption or time limit")
 
 
 @dataclass
 class LoggingArgs:
     dir: str = doc("logs", "parent of run directories")
     run_name: Optional[str] = doc(None, "run directory name; default <config name>-<timestamp>")
-    log_interval: int = bounded(1, 1)
-    tensorboard: bool = True
+    log_interval: int = bounded(1, 1, doc="steps between metric lines")
+    tensorboard: bool = doc(True, "write <run dir>/tb/ event files")
 
 
 @dataclass
 class SlurmArgs:
     gpus_per_node: int = bounded(0, 0, doc="0 = CPU-only cluster (then tasks_per_node)")
     tasks_per_node: Optional[int] = bounded(None, 1, doc="CPU clusters; GPU: = gpus_per_node")
-    cpus_per_task: int = bounded(1, 1)
-    mem_gb: Optional[float] = bounded(None, 0.0)
+    cpus_per_task: int = bounded(1, 1, doc="also OMP_NUM_THREADS of each task")
+    mem_gb: Optional[float] = bounded(None, 0.0, doc="memory per node")
     gpu_memory_gb: Optional[float] = bounded(None, 0.0, doc="for the --dry-run memory estimate")
     time: int = bounded(60, 1, doc="time limit, minutes")
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    constraint: Optional[str] = None
-    exclusive: bool = False
-    max_requeues: int = bounded(3, 0)
+    partition: Optional[str] = doc(None, "SLURM partition")
+    account: Optional[str] = doc(None, "SLURM account")
+    qos: Optional[str] = doc(None, "SLURM quality of service")
+    constraint: Optional[str] = doc(None, "node features, e.g. h100")
+    exclusive: bool = doc(False, "whole nodes")
+    max_requeues: int = bounded(3, 0, doc="requeues after preemption / time limit")
     signal: Literal["USR1", "USR2", "TERM", "INT", "HUP"] = doc(
         "USR2", "sent by SLURM before the time limit / on preemption")
     signal_delay_s: int = bounded(120, 0, doc="seconds before the limit that the signal comes")
