@@ -1,0 +1,70 @@
+"""Global gradient-norm clipping across tensor, pipeline (and expert) parallel ranks.
+
+The norm must be the one of the whole, unsharded model, i.e. what ``torch.nn.utils.
+clip_grad_norm_`` would return on one device. Each rank sums the squares of the gradient elements
+it is responsible for, in float64, and ONE all-reduce over the model-parallel group ``pc.mp_pg``
+(ep x pp x tp: the ranks that together hold exactly one copy of the model, see ``grid.py``) adds
+them up:
+
+* a parameter sharded over tp (``ShardInfo.axis`` contains "tp") contributes its local elements on
+  every tp rank: the shards are disjoint pieces of the full tensor;
+* a parameter replicated over tp (``axis`` None) contributes only on tp rank 0. This is exact (no
+  division by tp and no rounding), and assumes its gradient is identical on every tp rank, which
+  holds once the tp layers have reduced it (sequence-parallel norms must be tp-reduced before
+  clipping, as they must before the optimizer step anyway). The same rule applies to ep: a
+  parameter not sharded over "ep" counts only on ep rank 0;
+* pipeline stages hold different parameters: each counts its own, the all-reduce adds them. A
+  parameter tied across stages (e.g. embeddings on the first and last stage) must be passed on one
+  stage only, or it is counted twice;
+* dp / cp replicas hold identical, already averaged gradients: they are not in ``mp_pg``, so each
+  replica computes the same norm and no dp reduction is needed.
+
+Then every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``, as torch does.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from nanotrain.parallel.sharding import get_shard_info
+
+_REPLICA_AXES = ("tp", "ep")  # mp axes whose ranks may hold copies of the same parameter
+
+
+def _counted_here(p: torch.Tensor, pc) -> bool:
+    info = get_shard_info(p)
+    sharded_over = set(info.axis.split("_")) if info.axis else set()
+    return all(ax in sharded_over or getattr(pc, f"{ax}_rank", 0) == 0 for ax in _REPLICA_AXES)
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], pc=None) -> torch.Tensor:
+    """L2 norm of the full model's gradient (fp32 0-d tensor; see module doc). ``pc`` None =
+    one process holding the whole model."""
+    params = list({id(p): p for p in params if p.grad is not None}.values())  # tied: once
+    device = params[0].grad.device if params else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        if pc is None or _counted_here(p, pc):
+            sq += p.grad.detach().double().pow(2).sum()
+    group = getattr(pc, "mp_pg", None)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+    return sq.sqrt().float()
+
+
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: Optional[float], pc=None) -> torch.Tensor:
+    """Clip gradients in place to the global norm ``max_norm``; return the norm before clipping.
+
+    ``params``: this rank's parameters (after the dp gradient sync). ``max_norm`` None or <= 0
+    only computes the norm (for logging). Must be called by every rank of ``pc.mp_pg``.
+    """
+    params = list({id(p): p for p in params if p.grad is not None}.values())
+    total_norm = global_grad_norm(params, pc)
+    if max_norm is None or max_norm <= 0:
+        return total_norm
+    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.detach().mul_(clip_coef.to(p.grad.device, p.grad.dtype))
+    return total_norm

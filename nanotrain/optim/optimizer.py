@@ -1,0 +1,97 @@
+"""Build the AdamW optimizer: plain (ZeRO-0) or with dp-sharded states (ZeRO-1).
+
+Weight decay goes to parameters with 2 or more dimensions (linear weights, embeddings) and not to
+1-D ones (RMSNorm weights, biases), the usual Llama / nanoGPT practice: decaying a norm's gain or a
+bias towards zero only fights the normalisation and has no regularising value.
+
+Both stages take the same param groups (the decay group first, then the no-decay group, each
+keeping the caller's parameter order, always both groups even when one is empty) and the same
+AdamW options, so ZeRO-1 reproduces ZeRO-0 exactly. ``foreach``/``fused`` are left to torch's
+defaults, which are the same for both paths (single-tensor on CPU); every AdamW implementation is
+elementwise, so slicing the parameters into shards does not change the arithmetic.
+
+Checkpoint writers can use ``optimizer_state_by_name`` / ``load_optimizer_state_by_name``, which
+give the same per-parameter layout for both stages (ZeRO-0 owns the whole range of each param).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanotrain.config.schema import OptimizerArgs
+from nanotrain.parallel.data_parallel.zero import ZeroOneOptimizer
+
+
+def weight_decay_groups(named_params: Iterable[tuple[str, nn.Parameter]],
+                        weight_decay: float) -> list[dict]:
+    """[decay group (ndim >= 2), no-decay group (ndim < 2)], with names; trainable params only."""
+    decay = {"params": [], "param_names": [], "weight_decay": weight_decay}
+    no_decay = {"params": [], "param_names": [], "weight_decay": 0.0}
+    seen: set[int] = set()
+    for name, p in named_params:
+        if not p.requires_grad or id(p) in seen:  # tied parameters are optimized once
+            continue
+        seen.add(id(p))
+        g = decay if p.ndim >= 2 else no_decay
+        g["params"].append(p)
+        g["param_names"].append(name)
+    return [decay, no_decay]
+
+
+def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], args: OptimizerArgs,
+                    dp_group: Optional[dist.ProcessGroup] = None,
+                    zero_stage: Optional[int] = None) -> torch.optim.AdamW:
+    """AdamW over ``named_params`` (``model.named_parameters()`` of this pp stage / tp shard).
+
+    ``zero_stage`` (default ``args.zero_stage``): 0 = ``torch.optim.AdamW``; 1 =
+    ``ZeroOneOptimizer`` (an AdamW subclass) sharding states over ``dp_group`` (pass
+    ``pc.dp_cp_pg``). Either way param_groups carry ``param_names`` and an LR scheduler drives
+    ``param_groups[i]["lr"]``. Gradients must be dp-averaged before ``step()``.
+    """
+    stage = args.zero_stage if zero_stage is None else zero_stage
+    groups = weight_decay_groups(named_params, args.weight_decay)
+    if not groups[0]["params"] and not groups[1]["params"]:
+        raise ValueError("build_optimizer: no trainable parameters")
+    kwargs = dict(lr=args.lr, betas=tuple(args.betas), eps=args.eps)
+    if stage == 0:
+        return torch.optim.AdamW(groups, **kwargs)
+    if stage == 1:
+        return ZeroOneOptimizer(groups, dp_group, **kwargs)
+    raise ValueError(f"zero_stage must be 0 or 1, got {stage!r}")
+
+
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+    """Per-parameter AdamW state in one layout for ZeRO-0 and ZeRO-1 (see
+    ``ZeroOneOptimizer.sharded_state``): ``{name: {start, stop, numel, shape, step, exp_avg,
+    exp_avg_sq}}`` where [start, stop) is the range of the flattened local parameter held here."""
+    if isinstance(optimizer, ZeroOneOptimizer):
+        return optimizer.sharded_state()
+    out = {}
+    for group in optimizer.param_groups:
+        for name, p in zip(group["param_names"], group["params"]):
+            st = optimizer.state.get(p, {})
+            out[name] = {
+                "start": 0, "stop": p.numel(), "numel": p.numel(), "shape": tuple(p.shape),
+                "step": st.get("step", torch.tensor(0.0)),
+                "exp_avg": st.get("exp_avg", torch.zeros_like(p)).reshape(-1),
+                "exp_avg_sq": st.get("exp_avg_sq", torch.zeros_like(p)).reshape(-1),
+            }
+    return out
+
+
+def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, states: dict[str, dict]) -> None:
+    """Inverse of ``optimizer_state_by_name`` (each entry holds this rank's range only)."""
+    if isinstance(optimizer, ZeroOneOptimizer):
+        optimizer.load_sharded_state(states)
+        return
+    for group in optimizer.param_groups:
+        for name, p in zip(group["param_names"], group["params"]):
+            src = states[name]
+            optimizer.state[p] = {
+                "step": torch.as_tensor(src["step"], dtype=torch.float32).clone().reshape(()),
+                "exp_avg": src["exp_avg"].to(p).reshape(p.shape).clone(),
+                "exp_avg_sq": src["exp_avg_sq"].to(p).reshape(p.shape).clone(),
+            }

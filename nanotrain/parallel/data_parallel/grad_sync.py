@@ -1,0 +1,261 @@
+"""Bucketed gradient all-reduce overlapped with backward (picotron's ``bucket.py`` design).
+
+Why buckets: one all-reduce per parameter pays the latency of hundreds of small messages; one
+all-reduce of everything after backward cannot overlap with compute. Grouping gradients into
+~25 MB flat buffers and launching each buffer's all-reduce as soon as its last gradient is
+accumulated gets both: few large messages, sent while backward keeps computing earlier layers.
+
+Layout. Parameters are assigned to buckets in REVERSE order (the output layers' gradients are
+produced first in backward, so the first bucket fills first). Each bucket is one flat buffer and
+every parameter's ``.grad`` is a view into it, so autograd accumulates straight into the buffer
+(``AccumulateGrad`` adds in place into an existing ``.grad``): no copies, and gradient
+accumulation across micro-batches is free.
+
+Launch order (why it cannot deadlock). Collectives on one process group must be issued in the same
+order on every rank. Hooks fire in autograd's execution order, which is the same on every rank
+for the same graph, but not guaranteed when graphs differ (a parameter unused on one rank only,
+data-dependent control flow). So a completed bucket is launched only once every bucket with a
+smaller index has been launched: the launch order is always 0, 1, 2, ... on every rank,
+whatever order the hooks fire in. Buckets that never complete during backward (a parameter got no
+gradient) are launched, still in index order, by ``finish_grad_sync()``; their missing gradients
+are zeros. With the reverse fill this costs nothing in the normal case: buckets complete in index
+order anyway.
+
+Averaging. Each bucket is divided by the group size BEFORE the SUM all-reduce (as DDP does; gloo
+has no AVG). Dividing by a power of two is exact in fp32/bf16 (an exponent shift, barring
+underflow), and pre-dividing keeps low-precision sums from overflowing; for other group sizes the
+result differs from sum-then-divide by at most about one ulp per element. Gradients are kept in
+the parameters' dtype (``.grad`` must match it); fp32 main-grad accumulation for bf16 models is
+the mixed-precision layer's job, not this one's.
+
+Use::
+
+    sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg)
+    for micro_batch in batches[:-1]:
+        with sync.no_sync():            # accumulate only
+            loss_fn(model(micro_batch)).backward()
+    loss_fn(model(batches[-1])).backward()   # all-reduces launched from hooks, overlapped
+    sync.finish_grad_sync()             # wait: grads are averaged now (before clip / step)
+    optimizer.step(); sync.zero_grad()  # zero the buffers, keep the views (NOT set_to_none)
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class Bucket:
+    """One flat gradient buffer and the parameters whose ``.grad`` are views into it."""
+
+    index: int
+    params: list[nn.Parameter]
+    offsets: list[int]  # start of each param's gradient in ``buffer``
+    buffer: torch.Tensor
+    ready: set[int] = field(default_factory=set)  # id() of params whose grad is final this step
+    launched: bool = False
+    handle: Optional[dist.Work] = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+
+def _same_storage(grad: Optional[torch.Tensor], view: torch.Tensor) -> bool:
+    return grad is view or (
+        grad is not None and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
+        and grad.stride() == view.stride()
+    )
+
+
+class BucketedGradSync:
+    """Average ``.grad`` of ``params`` over ``group`` with bucketed async all-reduces.
+
+    ``group``: the data-parallel group (``pc.dp_cp_pg`` in practice: cp ranks are replicas too);
+    ``None`` means the default group when torch.distributed is initialised, else no communication.
+    A group of size 1 does no communication and gives the same results.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup] = None,
+                 bucket_cap_mb: float = 25.0):
+        seen: set[int] = set()
+        self.params: list[nn.Parameter] = []
+        for p in params:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self.params.append(p)
+        self.group = group
+        initialised = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(group) if initialised else 1
+        self.bucket_cap_bytes = max(1, int(bucket_cap_mb * 1024 * 1024))
+        self.buckets: list[Bucket] = self._build_buckets()
+        self._bucket_of: dict[int, Bucket] = {}
+        self._view_of: dict[int, torch.Tensor] = {}
+        for b in self.buckets:
+            for p, off in zip(b.params, b.offsets):
+                self._bucket_of[id(p)] = b
+                self._view_of[id(p)] = b.buffer[off:off + p.numel()].view_as(p)
+        self._attach_views(copy_existing=True)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self._sync_enabled = True
+        self._next_launch = 0
+        self._hooks_fired = 0
+        self._new_round = True
+        self._new_round = True
+        # (bucket index, hooks fired so far this round, launched from a backward hook?) for each
+        # launch of the current (or last finished) sync round: evidence of overlap for tests
+        # and profiling. Cleared by the first gradient of the next round.
+        self.launch_log: list[tuple[int, int, bool]] = []
+
+    # ------------------------------------------------------------------ construction
+    def _build_buckets(self) -> list[Bucket]:
+        groups: list[list[nn.Parameter]] = []
+        size = 0
+        for p in reversed(self.params):  # ~ the order backward produces gradients
+            nbytes = p.numel() * p.element_size()
+            # A new bucket when this one would overflow (a param larger than the cap gets a
+            # bucket of its own) or when dtype/device change (a buffer has one of each).
+            if (not groups or size + nbytes > self.bucket_cap_bytes
+                    or groups[-1][0].dtype != p.dtype or groups[-1][0].device != p.device):
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
+            size += nbytes
+        buckets = []
+        for i, ps in enumerate(groups):
+            offsets, n = [], 0
+            for p in ps:
+                offsets.append(n)
+                n += p.numel()
+            buf = torch.zeros(n, dtype=ps[0].dtype, device=ps[0].device)
+            buckets.append(Bucket(i, ps, offsets, buf))
+        return buckets
+
+    def _attach_views(self, copy_existing: bool) -> None:
+        for p in self.params:
+            view = self._view_of[id(p)]
+            if not _same_storage(p.grad, view):
+                if copy_existing and p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+
+    # ------------------------------------------------------------------ backward hooks
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        view = self._view_of[id(p)]
+        if not _same_storage(p.grad, view):
+            # Someone replaced .grad (e.g. optimizer.zero_grad(set_to_none=True)); autograd then
+            # created a fresh tensor holding the whole gradient: move it back into the bucket.
+            view.copy_(p.grad)
+            p.grad = view
+        if self._new_round:  # first gradient since the last finish/zero_grad
+            self._new_round = False
+            self.launch_log = []
+        self._hooks_fired += 1
+        if not self._sync_enabled:
+            return
+        bucket = self._bucket_of[id(p)]
+        if bucket.launched:
+            raise RuntimeError(
+                "BucketedGradSync: a gradient was accumulated into a bucket that is already being "
+                "all-reduced. Run every micro-batch but the last inside `no_sync()`, and call "
+                "`finish_grad_sync()` before the next step's backward."
+            )
+        bucket.ready.add(id(p))
+        if bucket.complete:
+            self._launch_in_order(from_hook=True)
+
+    def _launch_in_order(self, from_hook: bool, force: bool = False) -> None:
+        """Launch completed buckets strictly in index order (same order on every rank)."""
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if not (b.complete or force):
+                break
+            self._launch(b, from_hook)
+            self._next_launch += 1
+
+    def _launch(self, b: Bucket, from_hook: bool) -> None:
+        if self.world_size > 1:
+            b.buffer.div_(self.world_size)
+            b.handle = dist.all_reduce(b.buffer, op=dist.ReduceOp.SUM, group=self.group,
+                                       async_op=True)
+        b.launched = True
+        self.launch_log.append((b.index, self._hooks_fired, from_hook))
+
+    # ------------------------------------------------------------------ public API
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate into the buckets (gradient accumulation)."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def finish_grad_sync(self) -> None:
+        """Launch whatever backward did not (in index order), wait for every bucket, reset.
+
+        After it returns every ``.grad`` is the group average and is a view into its bucket (a
+        parameter that got no gradient this step has zeros, identically on every rank, so dp
+        replicas stay in lockstep). Calling it when backward ran entirely inside ``no_sync``
+        also works: it then syncs everything here, without overlap.
+        """
+        if not self._sync_enabled:
+            raise RuntimeError("BucketedGradSync.finish_grad_sync() called inside no_sync()")
+        for b in self.buckets[self._next_launch:]:
+            for p in b.params:
+                view = self._view_of[id(p)]
+                if not _same_storage(p.grad, view):
+                    if p.grad is None:  # set to None and no gradient since: it is zero
+                        view.zero_()
+                    else:
+                        view.copy_(p.grad)
+                    p.grad = view
+        self._launch_in_order(from_hook=False, force=True)
+        self._wait_and_reset()
+
+    wait = finish_grad_sync
+
+    def _wait_and_reset(self) -> None:
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+            b.handle, b.launched = None, False
+            b.ready.clear()
+        self._next_launch = 0
+        self._hooks_fired = 0
+        self._new_round = True
+
+    def zero_grad(self) -> None:
+        """Zero the buckets in place and make sure every ``.grad`` is its bucket view again.
+
+        Waits for any in-flight all-reduce first (a skipped ``finish_grad_sync``), so the buffers
+        are never zeroed under a running collective.
+        """
+        self._wait_and_reset()
+        self.launch_log = []
+        for b in self.buckets:
+            b.buffer.zero_()
+        self._attach_views(copy_existing=False)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------------ introspection
+    def bucket_of(self, p: nn.Parameter) -> Bucket:
+        return self._bucket_of[id(p)]
+
+    def grad_view(self, p: nn.Parameter) -> torch.Tensor:
+        return self._view_of[id(p)]
+
+    def __repr__(self) -> str:
+        sizes = [b.buffer.numel() for b in self.buckets]
+        return (f"BucketedGradSync(params={len(self.params)}, buckets={len(self.buckets)}, "
+                f"elements per bucket={sizes}, group size={self.world_size})")
