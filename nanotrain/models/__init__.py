@@ -1,0 +1,1 @@
+"""Models built from nanotrain's tensor-parallel layers."""

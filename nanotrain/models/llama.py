@@ -1,0 +1,202 @@
+"""Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention) built from tensor-parallel layers.
+
+Read it like nanoGPT: embedding -> decoder layers -> final norm -> LM head -> loss. Activations are
+sequence-first `[S, B, H]` so that sequence-parallel shards (tp_mode REDUCE_SCATTER) are contiguous.
+Under REDUCE_SCATTER the norms and residual adds see `[S/tp, B, H]`; the column linears gather the
+sequence and the row linears scatter it again, so attention always sees the whole sequence.
+
+One class serves every pipeline stage: a stage holds a contiguous range of layers and, on the
+first/last stage, the embedding/head. Parameter names are global (`layers.7.attn.qkv.weight` is
+the same name on whichever stage holds layer 7), and every parameter is initialised from its full
+tensor drawn from a generator seeded by (seed, name), so any (tp, pp) starts from the exact
+weights of the single-process model.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanotrain.config import ModelArgs
+from nanotrain.parallel.tensor_parallel import (TensorParallelColumnLinear, TensorParallelEmbedding,
+                                                TensorParallelLinearMode, TensorParallelRowLinear,
+                                                column_linear, has_sequence_parallel_partial_grad,
+                                                init_from_full_, mark_sequence_parallel_partial_grad_,
+                                                sharded_cross_entropy)
+
+
+class RMSNorm(nn.Module):
+    """Replicated over tp. Under sequence parallelism each tp rank sees a different sequence shard,
+    so its weight gradient is partial: the model marks it, and the training step sums marked
+    gradients over tp (one coalesced all-reduce per step, not one per norm)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [S, 1, 1, head_dim] (HF Llama convention: halves rotated together)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().float()[:, None, None, :], emb.sin().float()[:, None, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, tp_pg, mode: TensorParallelLinearMode, async_comm: bool):
+        super().__init__()
+        tp = tp_pg.size()
+        self.head_dim = args.hidden_size // args.num_attention_heads
+        kv_heads = args.num_key_value_heads or args.num_attention_heads
+        self.local_heads = args.num_attention_heads // tp
+        self.local_kv_heads = kv_heads // tp
+        q_out, kv_out = args.num_attention_heads * self.head_dim, kv_heads * self.head_dim
+        self.qkv = TensorParallelColumnLinear(args.hidden_size, q_out + 2 * kv_out, tp_pg, mode,
+                                              async_communication=async_comm,
+                                              contiguous_chunks=(q_out, kv_out, kv_out))
+        self.o_proj = TensorParallelRowLinear(q_out, args.hidden_size, tp_pg, mode,
+                                              async_communication=async_comm)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # [S, B, (hq + 2 hkv) * d] local heads, full sequence
+        seq, batch = qkv.shape[0], qkv.shape[1]
+        d = self.head_dim
+        q, k, v = qkv.split([self.local_heads * d, self.local_kv_heads * d, self.local_kv_heads * d], dim=-1)
+        q = apply_rope(q.view(seq, batch, self.local_heads, d), cos, sin)
+        k = apply_rope(k.view(seq, batch, self.local_kv_heads, d), cos, sin)
+        v = v.view(seq, batch, self.local_kv_heads, d)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, heads, S, d]
+        if self.local_kv_heads != self.local_heads:
+            repeat = self.local_heads // self.local_kv_heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = out.permute(2, 0, 1, 3).reshape(seq, batch, self.local_heads * d)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU with gate and up fused into one column linear (one collective instead of two)."""
+
+    def __init__(self, args: ModelArgs, tp_pg, mode: TensorParallelLinearMode, async_comm: bool):
+        super().__init__()
+        ffn = args.intermediate_size
+        self.gate_up = TensorParallelColumnLinear(args.hidden_size, 2 * ffn, tp_pg, mode,
+                                                  async_communication=async_comm, contiguous_chunks=(ffn, ffn))
+        self.down = TensorParallelRowLinear(ffn, args.hidden_size, tp_pg, mode, async_communication=async_comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, tp_pg, mode: TensorParallelLinearMode, async_comm: bool):
+        super().__init__()
+        self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attn = Attention(args, tp_pg, mode, async_comm)
+        self.post_attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args, tp_pg, mode, async_comm)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class LlamaModel(nn.Module):
+    """The layers `layer_ids` of a Llama, plus the embedding and/or head when this stage has them.
+
+    forward(input_ids [B,S] or hidden [S(/tp),B,H], targets [B,S]) returns the hidden state for the
+    next stage, or — on the stage with the head, given targets — the mean token loss (fp32 scalar).
+    """
+
+    def __init__(self, args: ModelArgs, tp_pg, *, mode: str | TensorParallelLinearMode = "ALL_REDUCE",
+                 async_communication: bool = False, layer_ids: Iterable[int] | None = None,
+                 has_embedding: bool = True, has_head: bool = True, seed: int = 0, device=None):
+        super().__init__()
+        self.args, self.tp_pg = args, tp_pg
+        self.mode = TensorParallelLinearMode(mode)
+        self.head_dim = args.hidden_size // args.num_attention_heads
+        layer_ids = list(range(args.num_layers)) if layer_ids is None else list(layer_ids)
+        self.embed = (TensorParallelEmbedding(args.vocab_size, args.hidden_size, tp_pg, self.mode)
+                      if has_embedding else None)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, tp_pg, self.mode, async_communication)
+                                     for i in layer_ids})
+        self.final_norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if has_head else None
+        self.lm_head = None
+        if has_head and not (args.tie_word_embeddings and has_embedding):
+            self.lm_head = TensorParallelColumnLinear(args.hidden_size, args.vocab_size, tp_pg, self.mode,
+                                                      async_communication=async_communication, pad_to_tp=True)
+        self.has_head = has_head
+        self.async_communication = async_communication
+        if self.mode is TensorParallelLinearMode.REDUCE_SCATTER and tp_pg.size() > 1:
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    mark_sequence_parallel_partial_grad_(param)
+        if device is not None:
+            self.to(device)
+        self.init_weights(seed)
+
+    # ------------------------------------------------------------------ init
+    def init_weights(self, seed: int) -> None:
+        """Every parameter from its full tensor, seeded by (seed, name): identical for any tp/pp."""
+        scaled_std = self.args.init_std / math.sqrt(2 * self.args.num_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                init_from_full_(param, lambda full: full.fill_(1.0))
+                continue
+            std = scaled_std if name.endswith(("o_proj.weight", "down.weight")) else self.args.init_std
+            generator = torch.Generator().manual_seed(param_seed(seed, name))
+            init_from_full_(param, lambda full: full.normal_(0.0, std, generator=generator))
+
+    def sequence_parallel_params(self) -> list[nn.Parameter]:
+        """Params replicated over tp whose gradients are partial sums under REDUCE_SCATTER."""
+        return [p for p in self.parameters() if has_sequence_parallel_partial_grad(p)]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        if self.embed is not None:
+            hidden = self.embed(input_ids.transpose(0, 1).contiguous())
+        seq = self._full_seq_len(hidden)
+        cos, sin = rope_tables(seq, self.head_dim, self.args.rope_theta, hidden.device)
+        for layer in self.layers.values():
+            hidden = layer(hidden, cos, sin)
+        if not self.has_head:
+            return hidden
+        hidden = self.final_norm(hidden)
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        else:  # tied: the embedding matrix is the vocab-parallel head
+            logits = column_linear(hidden, self.embed.weight, None, self.tp_pg, self.mode,
+                                   self.async_communication)
+        if targets is None:
+            return logits
+        losses = sharded_cross_entropy(logits.float(), targets.transpose(0, 1).contiguous(), self.tp_pg,
+                                       self.args.vocab_size)
+        return losses.mean()
+
+    def _full_seq_len(self, hidden: torch.Tensor) -> int:
+        if self.mode is TensorParallelLinearMode.REDUCE_SCATTER:
+            return hidden.shape[0] * self.tp_pg.size()
+        return hidden.shape[0]
+
+
+def param_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
