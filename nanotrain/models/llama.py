@@ -29,6 +29,11 @@ from nanotrain.parallel.tensor_parallel import (TensorParallelColumnLinear, Tens
                                                 sharded_cross_entropy)
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 for reductions and rotations (bf16 in, fp32 math; fp64 stays fp64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     """Replicated over tp. Under sequence parallelism each tp rank sees a different sequence shard,
     so its weight gradient is partial: the model marks it, and the training step sums marked
@@ -40,8 +45,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
+        wide = upcast(x)
+        variance = wide.pow(2).mean(-1, keepdim=True)
+        return (wide * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,13 +55,14 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torc
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
     emb = torch.cat([angles, angles], dim=-1)
-    return emb.cos().float()[:, None, None, :], emb.sin().float()[:, None, None, :]
+    return emb.cos()[:, None, None, :], emb.sin()[:, None, None, :]  # float64; apply_rope casts
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    return (x.to(dtype) * cos.to(dtype) + rotated.to(dtype) * sin.to(dtype)).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -187,7 +194,7 @@ class LlamaModel(nn.Module):
                                    self.async_communication)
         if targets is None:
             return logits
-        losses = sharded_cross_entropy(logits.float(), targets.transpose(0, 1).contiguous(), self.tp_pg,
+        losses = sharded_cross_entropy(logits, targets.transpose(0, 1).contiguous(), self.tp_pg,
                                        self.args.vocab_size)
         return losses.mean()
 

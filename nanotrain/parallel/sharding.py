@@ -93,3 +93,18 @@ def row_shard_info(global_shape: tuple[int, ...], dim: int, chunks: tuple[int, .
 
 def _index(shape: tuple[int, ...], dim: int, along: slice) -> Index:
     return tuple(along if i == dim else slice(0, n) for i, n in enumerate(shape))
+
+
+def gather_full(tensor: torch.Tensor, info: ShardInfo, group=None) -> torch.Tensor:
+    """The unsharded tensor from every rank's pieces of `tensor` (a parameter or its gradient),
+    put together with one all-reduce over the shard group (pieces are disjoint, so a sum places
+    them). A replicated tensor is returned as a full copy with no communication."""
+    full = torch.zeros(info.global_shape, dtype=tensor.dtype, device=tensor.device)
+    with torch.no_grad():
+        for local, global_ in info.pairs:
+            full[global_] = tensor[local]
+        if info.is_sharded and group is not None and group.size() > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(full, group=group)
+    return full

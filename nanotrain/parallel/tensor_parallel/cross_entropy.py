@@ -26,7 +26,7 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         tp, rank = group_size(group), group_rank(group)
         v_local = logits.shape[-1]
         start = rank * v_local
-        x = logits.float()  # fp32 math whatever the logits' dtype; a copy we may overwrite
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # >= fp32 math; a copy we may overwrite
         if x.data_ptr() == logits.data_ptr():
             x = x.clone()
         real = max(0, min(v_local, vocab_size - start))  # this rank's real (unpadded) columns
@@ -65,7 +65,7 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         if grad is None:
             return None, None, None, None, None
         grad.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
-        scale = torch.where(ignored, torch.zeros_like(grad_loss), grad_loss).float()
+        scale = torch.where(ignored, torch.zeros_like(grad_loss), grad_loss).to(torch.promote_types(grad_loss.dtype, torch.float32))
         grad.mul_(scale.unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None, None, None
 

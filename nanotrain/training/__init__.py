@@ -1,0 +1,1 @@
+"""The training step: gradient accumulation, gradient synchronisation, clipping, optimizer."""

@@ -1,0 +1,71 @@
+"""One optimizer step, split in the two halves every engine shares.
+
+`forward_backward` runs the micro-batches of one step on a pp=1 model (the pipeline engines
+replace exactly this half); `optimizer_step` finishes the data-parallel gradient sync, sums the
+sequence-parallel gradients over tp, clips by the global norm and steps the optimizer and LR.
+The loss of each micro-batch is divided by the micro-batch count and the DP sync averages over
+replicas, so the gradient is that of the mean token loss over the whole global batch — the
+same number a single process gets from the same samples.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from nanotrain.optim import clip_grad_norm_
+from nanotrain.parallel.tensor_parallel import allreduce_sequence_parallel_grads_
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], targets [B, S])
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float  # mean token loss over the global batch (every dp replica)
+    grad_norm: float  # before clipping
+    lr: float  # the learning rate this step used
+
+
+def forward_backward(model: torch.nn.Module, microbatches: Sequence[MicroBatch], grad_sync) -> torch.Tensor:
+    """Gradient accumulation; the DP all-reduces start only in the last micro-batch's backward."""
+    total = None
+    count = len(microbatches)
+    for index, (ids, targets) in enumerate(microbatches):
+        last = index == count - 1
+        with nullcontext() if last else grad_sync.no_sync():
+            loss = model(ids, targets) / count
+            loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
+def optimizer_step(model: torch.nn.Module, grad_sync, optimizer, scheduler, pc,
+                   clip_grad: float | None) -> tuple[torch.Tensor, float]:
+    """Finish the gradient sync, clip, step; returns (grad norm before clipping, lr used)."""
+    grad_sync.finish_grad_sync()
+    allreduce_sequence_parallel_grads_(model.sequence_parallel_params(), pc.tp_pg)
+    grad_norm = clip_grad_norm_(model.parameters(), clip_grad, pc)
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    scheduler.step()
+    grad_sync.zero_grad()
+    return grad_norm, lr
+
+
+def mean_over_replicas(loss: torch.Tensor, pc) -> torch.Tensor:
+    """The per-replica loss averaged over dp (and cp) for logging: one tiny all-reduce."""
+    loss = loss.detach().clone()
+    if pc.dp_cp_pg.size() > 1:
+        dist.all_reduce(loss, group=pc.dp_cp_pg)
+        loss /= pc.dp_cp_pg.size()
+    return loss
+
+
+def train_step(model, microbatches: Sequence[MicroBatch], grad_sync, optimizer, scheduler, pc,
+               clip_grad: float | None) -> StepStats:
+    loss = forward_backward(model, microbatches, grad_sync)
+    grad_norm, lr = optimizer_step(model, grad_sync, optimizer, scheduler, pc, clip_grad)
+    return StepStats(mean_over_replicas(loss, pc).item(), float(grad_norm), lr)
