@@ -61,6 +61,10 @@ def dry_run(config: Config, layout: SlurmLayout | None, run_dir: Path, config_ar
     print(f"config: {config_arg} (valid)")
     print(f"run directory: {run_dir}")
     print(f"layout: {describe_layout(config, layout)}")
+    from nanotrain.launch.memory_estimate import describe as describe_memory
+
+    for line in describe_memory(config):
+        print(line)
     print(grid_summary(config))
     if layout is None:
         print(f"\nlocal: {config.parallelism.world_size} processes of "

@@ -24,7 +24,7 @@ from torch import nn
 from nanotrain.config import ModelArgs
 from nanotrain.parallel.tensor_parallel import (TensorParallelColumnLinear, TensorParallelEmbedding,
                                                 TensorParallelLinearMode, TensorParallelRowLinear,
-                                                column_linear, has_sequence_parallel_partial_grad,
+                                                column_linear, group_size, has_sequence_parallel_partial_grad,
                                                 init_from_full_, mark_sequence_parallel_partial_grad_,
                                                 sharded_cross_entropy)
 
@@ -68,7 +68,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, tp_pg, mode: TensorParallelLinearMode, async_comm: bool):
         super().__init__()
-        tp = tp_pg.size()
+        tp = group_size(tp_pg)
         self.head_dim = args.hidden_size // args.num_attention_heads
         kv_heads = args.num_key_value_heads or args.num_attention_heads
         self.local_heads = args.num_attention_heads // tp
@@ -151,7 +151,7 @@ class LlamaModel(nn.Module):
                                                       async_communication=async_communication, pad_to_tp=True)
         self.has_head = has_head
         self.async_communication = async_communication
-        if self.mode is TensorParallelLinearMode.REDUCE_SCATTER and tp_pg.size() > 1:
+        if self.mode is TensorParallelLinearMode.REDUCE_SCATTER and group_size(tp_pg) > 1:
             for name, param in self.named_parameters():
                 if name.endswith("norm.weight"):
                     mark_sequence_parallel_partial_grad_(param)
@@ -200,7 +200,7 @@ class LlamaModel(nn.Module):
 
     def _full_seq_len(self, hidden: torch.Tensor) -> int:
         if self.mode is TensorParallelLinearMode.REDUCE_SCATTER:
-            return hidden.shape[0] * self.tp_pg.size()
+            return hidden.shape[0] * group_size(self.tp_pg)
         return hidden.shape[0]
 
 

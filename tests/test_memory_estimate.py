@@ -1,0 +1,61 @@
+"""The --dry-run memory estimate: parameter count equals the real model's, the engine's
+in-flight micro-batches are counted, the GPU-memory warning fires, and a 512-node plan is fast."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nanotrain.config import load_config
+from nanotrain.launch.memory_estimate import GB, describe, estimate_memory, micro_batches_in_flight
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_cpu.yaml"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_count_matches_the_model(tied):
+    from nanotrain.models.llama import LlamaModel
+
+    config = load_config(TINY, ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1",
+                                f"model.tie_word_embeddings={str(tied).lower()}"])
+    model = LlamaModel(config.model, None)
+    numel = sum(p.numel() for p in model.parameters())
+    assert estimate_memory(config).weights * GB == pytest.approx(4 * numel)
+
+
+def test_in_flight_micro_batches_follow_the_engine():
+    base = ["parallelism.pp=2", "training.batch_accumulation_per_replica=8"]
+    assert micro_batches_in_flight(load_config(TINY, base + ["parallelism.pp_engine=afab"])) == 8
+    assert micro_batches_in_flight(load_config(TINY, base + ["parallelism.pp_engine=1f1b"])) == 2
+    inter = load_config(TINY, base + ["parallelism.pp_engine=interleaved_1f1b", "parallelism.pp_virtual_stages=2"])
+    assert micro_batches_in_flight(inter) == pytest.approx(2.5)
+
+
+def test_zero1_divides_optimizer_state():
+    zero0 = estimate_memory(load_config(TINY, ["optimizer.zero_stage=0"]))
+    zero1 = estimate_memory(load_config(TINY, ["optimizer.zero_stage=1"]))
+    assert zero1.optimizer == pytest.approx(zero0.optimizer / 2)
+
+
+def test_warning_when_over_gpu_memory():
+    config = load_config(ROOT / "configs" / "3d_16gpu.yaml", ["slurm.gpu_memory_gb=8"])
+    lines = describe(config)
+    assert lines[-1].startswith("warning: the estimate") and "slurm.gpu_memory_gb (8 GB)" in lines[-1]
+    assert len(describe(load_config(ROOT / "configs" / "3d_16gpu.yaml"))) == 1
+
+
+def test_512_node_plan_under_2_seconds(tmp_path):
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "submit.py"), str(ROOT / "configs" / "3d_16gpu.yaml"), "--dry-run",
+         "--set", "parallelism.dp=1024", "--set", "slurm.gpus_per_node=8", "--set", f"logging.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    assert "512 node(s) x 8 tasks" in proc.stdout and "memory per GPU" in proc.stdout
+    assert "#SBATCH --nodes=512" in proc.stdout
+    assert elapsed < 2.0, f"planning 4096 ranks took {elapsed:.2f} s"
