@@ -1,0 +1,193 @@
+"""Tokenise once, cache the token stream on disk, and serve fixed-length windows from it.
+
+The cache holds one flat token stream per (source, text column, tokenizer, document cap):
+every non-empty document's ids followed by the separator id, as uint16 (uint32 for vocabularies
+over 65536) in `tokens.bin`, read back as a memory map. It does not depend on `sequence_length`:
+windows are cut on the fly, so changing the sequence length reuses the cache.
+
+    <cache_dir>/
+      hf/                                 datasets' Arrow copy of local/hub sources
+      <source>-<tokenizer>-<key>/
+        tokens.bin                        the token stream
+        meta.json                         written last: its presence means the stream is complete
+
+Window i is `tokens[i*S : i*S + S + 1]` (S = sequence_length): inputs are its first S tokens,
+targets its last S, and consecutive windows overlap by one token, so every token after the first
+is a target exactly once per epoch and nothing is padded.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from nanotrain.data.errors import DataError
+from nanotrain.data.sources import Source, load_texts, resolve_source
+from nanotrain.data.tokenizer import Tokenizer, load_tokenizer, token_dtype
+
+FORMAT_VERSION = 1
+
+
+def _encode(batch: dict, *, tokenizer: Tokenizer, column: str, dtype: str) -> dict:
+    """`datasets.map` body: ids + separator per document; an empty document adds nothing."""
+    out = []
+    for ids in tokenizer.encode_batch([t or "" for t in batch[column]]):
+        if len(ids):
+            out.append(np.append(ids.astype(dtype), np.array([tokenizer.separator_id], dtype)))
+        else:
+            out.append(np.empty(0, dtype))
+    return {"input_ids": out}
+
+
+def _cache_name(source: Source, tokenizer: Tokenizer, key: str) -> str:
+    """A folder name a person can recognise: `stdlib-byte-<key>`, `train.jsonl-tokenizer-<key>`."""
+    src = "stdlib" if source.kind == "stdlib" else os.path.basename(source.spec.rstrip("/*")) or "data"
+    tok = os.path.splitext(os.path.basename(tokenizer.name))[0]
+    return re.sub(r"[^\w.-]+", "_", f"{src}-{tok}")[:60] + "-" + key
+
+
+def _write_atomic(path: str, write) -> None:
+    """Write through a unique temporary name and rename: readers never see half a file, and
+    two builders racing on a shared filesystem (one per node) both produce the same bytes."""
+    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+@dataclass
+class TokenDataset:
+    """A packed token stream cut into windows of `seq_len + 1` tokens.
+
+    Build it with `TokenDataset.build(...)`; `from_cache` says whether this process tokenised
+    (False) or found the stream already on disk (True).
+    """
+
+    tokens: np.ndarray          # 1-D memory map of the whole stream
+    seq_len: int
+    separator_id: int
+    tokenizer_vocab_size: int
+    num_documents: int
+    path: str                   # the cache folder
+    from_cache: bool
+    meta: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_windows(self) -> int:
+        """Windows of S+1 tokens at stride S; the last token of one is the first of the next."""
+        return max(0, (self.num_tokens - 1) // self.seq_len)
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def windows(self, indices) -> np.ndarray:
+        """The windows at `indices` as an int64 array [len(indices), S+1]."""
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.num_windows):
+            raise IndexError(f"window index out of range [0, {self.num_windows})")
+        offsets = idx[:, None] * self.seq_len + np.arange(self.seq_len + 1, dtype=np.int64)
+        return np.asarray(self.tokens[offsets], dtype=np.int64)
+
+    @classmethod
+    def build(cls, data_args, *, seq_len: int, cache_dir: str, vocab_size: Optional[int] = None,
+              max_documents: Optional[int] = None, allow_build: bool = True) -> "TokenDataset":
+        """Load the tokenised stream from `cache_dir`, tokenising it first if it isn't there.
+
+        `data_args` is the config's `DataArgs` (`source`, `text_column`, `tokenizer`,
+        `num_workers`); `vocab_size` is `model.vocab_size`, checked against the tokenizer.
+        `max_documents` keeps only the first N documents (tests, quick runs). With
+        `allow_build=False` a missing cache is an error instead of a tokenisation: ranks that
+        wait for another rank to build must never start a second tokenisation of their own.
+        """
+        if seq_len < 1:
+            raise DataError(f"training.sequence_length={seq_len} must be >= 1")
+        tokenizer = load_tokenizer(data_args.tokenizer, vocab_size)
+        source = resolve_source(data_args.source)
+        key_parts = [FORMAT_VERSION, source.fingerprint(), data_args.text_column,
+                     tokenizer.fingerprint, max_documents]
+        key = hashlib.sha256(json.dumps(key_parts, default=str).encode()).hexdigest()[:16]
+        path = os.path.join(os.path.abspath(cache_dir), _cache_name(source, tokenizer, key))
+
+        from_cache = os.path.exists(os.path.join(path, "meta.json"))
+        if not from_cache:
+            if not allow_build:
+                raise DataError(f"data: the tokenised cache {path} is missing: the rank that "
+                                f"builds it failed or used another cache dir (see its log)")
+            _tokenise(source, tokenizer, data_args, path, key, cache_dir, max_documents)
+        with open(os.path.join(path, "meta.json")) as fh:
+            meta = json.load(fh)
+        tokens = np.memmap(os.path.join(path, "tokens.bin"), dtype=meta["dtype"], mode="r",
+                           shape=(meta["num_tokens"],))
+        return cls(tokens=tokens, seq_len=seq_len, separator_id=meta["separator_id"],
+                   tokenizer_vocab_size=meta["vocab_size"], num_documents=meta["num_documents"],
+                   path=path, from_cache=from_cache, meta=meta)
+
+
+def _tokenise(source: Source, tokenizer: Tokenizer, data_args, path: str, key: str,
+              cache_dir: str, max_documents: Optional[int]) -> None:
+    """Tokenise with `datasets.map` (batched, `num_workers` processes), then stream the result
+    into `tokens.bin`. The map's own Arrow files are scratch: `tokens.bin` is the cache, at a
+    fraction of the size, and deleting the scratch keeps the cache folder to the two files."""
+    import datasets
+
+    texts = load_texts(source, data_args.text_column, os.path.join(cache_dir, "hf"), max_documents)
+    dtype = token_dtype(tokenizer.vocab_size)
+    os.makedirs(path, exist_ok=True)
+    scratch = os.path.join(path, f"map-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(scratch)
+    num_proc = data_args.num_workers if data_args.num_workers > 1 else None
+    if num_proc:
+        # Rust-side threads in the parent plus forked workers can deadlock; workers are the
+        # parallelism here.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    seq_type = getattr(datasets, "List", None) or datasets.Sequence  # List: datasets >= 4
+    try:
+        tokenised = texts.map(
+            _encode, batched=True, batch_size=256, num_proc=num_proc,
+            fn_kwargs={"tokenizer": tokenizer, "column": data_args.text_column, "dtype": dtype.name},
+            remove_columns=texts.column_names,
+            features=datasets.Features({"input_ids": seq_type(datasets.Value(dtype.name))}),
+            cache_file_name=os.path.join(scratch, "tokenised.arrow"), new_fingerprint=key,
+            desc=f"tokenising {source.spec}")
+        counts = {"tokens": 0, "docs": 0}
+
+        def write(fh):
+            for chunk in tokenised.data.column("input_ids").chunks:
+                lengths = np.diff(np.asarray(chunk.offsets))
+                counts["docs"] += int(np.count_nonzero(lengths))
+                ids = chunk.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+                counts["tokens"] += int(ids.size)
+                fh.write(ids.tobytes())
+
+        _write_atomic(os.path.join(path, "tokens.bin"), write)
+        del tokenised
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if counts["tokens"] == 0:
+        os.remove(os.path.join(path, "tokens.bin"))
+        raise DataError(f"data.source: {source.spec!r} has {len(texts)} documents but every "
+                        f"{data_args.text_column!r} is empty; point data.source at data with text")
+    meta = {"format_version": FORMAT_VERSION, "source": source.spec, "kind": source.kind,
+            "text_column": data_args.text_column, "tokenizer": tokenizer.name,
+            "tokenizer_fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
+            "separator_id": tokenizer.separator_id, "dtype": dtype.name,
+            "num_tokens": counts["tokens"], "num_documents": counts["docs"],
+            "max_documents": max_documents, "key": key}
+    _write_atomic(os.path.join(path, "meta.json"),
+                  lambda fh: fh.write(json.dumps(meta, indent=1).encode()))
