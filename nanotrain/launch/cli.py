@@ -1,4 +1,5 @@
-"""`submit.py CONFIG [--dry-run] [--emit DIR] [--local] [--set section.field=value ...]`.
+"""`submit.py CONFIG [--dry-run] [--emit DIR] [--local] [--set section.field=value ...]`,
+or `submit.py --status RUN_DIR`.
 
 Everything a user can get wrong is checked here, before anything is submitted or started, and
 reported as one `error:` line with exit status 2. With no flag the job goes to SLURM when
@@ -28,7 +29,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="submit.py", description=__doc__.split("\n\n")[0],
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
+    parser.add_argument("config", nargs="?", help="YAML config, e.g. configs/tiny_cpu.yaml")
+    parser.add_argument("--status", metavar="RUN_DIR",
+                        help="show a run's job state, requeues, last step, loss, tokens/s and ETA")
     parser.add_argument("--set", metavar="SECTION.FIELD=VALUE", action="append", default=[],
                         help="override a config field (value parsed as YAML); repeatable")
     mode = parser.add_mutually_exclusive_group()
@@ -132,6 +135,14 @@ def run_locally(config: Config, run_dir: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        if args.status is not None:
+            if args.config is not None:
+                raise ConfigError("--status takes a run directory, not a config (see --help)")
+            from nanotrain.launch.status import show_status
+
+            return show_status(args.status)
+        if args.config is None:
+            raise ConfigError("the following arguments are required: config (see --help)")
         if args.emit and args.local:
             raise ConfigError("--emit writes a SLURM script; it cannot be combined with --local")
         use_slurm = not args.local and (args.emit is not None or args.dry_run or shutil.which("sbatch") is not None)

@@ -1,0 +1,199 @@
+"""`submit.py --status logs/<run>`: where a run stands, from its run directory alone.
+
+The scheduler is asked in order of freshness: `squeue` knows pending and running jobs, `sacct`
+knows finished ones (when accounting is on), `scontrol` knows both for a few minutes after the end
+(MinJobAge) and is the only one that counts requeues directly (`Restarts=`); `sacct -D` counts
+them as one record per incarnation. Whichever answers first gives the state, so the command
+works on clusters without accounting and right after a job ends, before sacct has caught up.
+Training progress comes from `<run_dir>/progress.json`, written atomically by the logging rank.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, TextIO
+
+from nanotrain.config import ConfigError
+from nanotrain.launch import rundir
+from nanotrain.logging.metrics import PROGRESS_FILE, format_eta
+
+QUERY_TIMEOUT_S = 15
+RUN_DIR_MARKERS = (rundir.CONFIG_FILE, rundir.LAUNCH_FILE, PROGRESS_FILE)
+
+
+@dataclass
+class JobInfo:
+    """What the scheduler said about one job; `None` fields were not answered by anyone."""
+
+    job_id: str
+    state: Optional[str] = None
+    source: Optional[str] = None       # squeue | sacct | scontrol
+    restarts: Optional[int] = None
+    nodes: Optional[str] = None
+    reason: Optional[str] = None
+    asked: list[str] = field(default_factory=list)
+
+
+def _query(argv: list[str]) -> Optional[str]:
+    """stdout of a scheduler command, or None when it is missing, fails, or hangs."""
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=QUERY_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return res.stdout if res.returncode == 0 else None
+
+
+def _nodes(value: str) -> Optional[str]:
+    value = value.strip()
+    return None if value in ("", "(null)", "None assigned") else value
+
+
+def query_squeue(job_id: str) -> Optional[dict]:
+    out = _query(["squeue", "-h", "-j", job_id, "-o", "%T|%N|%r"])
+    if not out or not out.strip():
+        return None  # not queued any more (or unknown): ask the others
+    state, nodes, reason = (out.strip().splitlines()[0].split("|") + ["", ""])[:3]
+    return {"state": state, "nodes": _nodes(nodes), "reason": reason if reason not in ("", "None") else None}
+
+
+def query_sacct(job_id: str) -> Optional[dict]:
+    out = _query(["sacct", "-j", job_id, "-X", "-n", "-P", "-D", "-o", "JobID,State,NodeList"])
+    rows = [line.split("|") for line in (out or "").splitlines() if line.strip()]
+    rows = [r for r in rows if len(r) >= 3 and r[0].split("_")[0] == job_id]
+    if not rows:
+        return None
+    _, state, nodes = rows[-1][:3]  # one record per incarnation; the last is the current one
+    return {"state": state.split()[0], "nodes": _nodes(nodes), "restarts": len(rows) - 1}
+
+
+def query_scontrol(job_id: str) -> Optional[dict]:
+    out = _query(["scontrol", "show", "job", job_id])
+    fields = dict(re.findall(r"(?<![\w/])(\w+)=(\S*)", out or ""))
+    if "JobState" not in fields:
+        return None
+    restarts = fields.get("Restarts")
+    reason = fields.get("Reason")
+    return {"state": fields["JobState"], "nodes": _nodes(fields.get("NodeList", "")),
+            "restarts": int(restarts) if restarts and restarts.isdigit() else None,
+            "reason": reason if reason not in (None, "", "None") else None}
+
+
+def slurm_job_info(job_id: str) -> JobInfo:
+    info = JobInfo(job_id=str(job_id))
+    answers = {}
+    for name, query in (("squeue", query_squeue), ("sacct", query_sacct), ("scontrol", query_scontrol)):
+        info.asked.append(name)
+        answers[name] = query(info.job_id)
+    for name in ("squeue", "sacct", "scontrol"):
+        if answers[name]:
+            info.state, info.source = answers[name]["state"], name
+            break
+    if info.state is not None:
+        info.reason = answers[info.source].get("reason") or (answers["scontrol"] or {}).get("reason")
+        # A pending job has no nodes; scontrol still names those of a requeued job's last run.
+        if info.state != "PENDING":
+            info.nodes = next((answers[name]["nodes"] for name in (info.source, "squeue", "scontrol", "sacct")
+                               if answers[name] and answers[name].get("nodes")), None)
+    for name in ("scontrol", "sacct"):  # scontrol counts requeues itself; sacct by records
+        if answers[name] and answers[name].get("restarts") is not None:
+            info.restarts = answers[name]["restarts"]
+            break
+    return info
+
+
+def _job_id_from_logs(run_dir: Path) -> Optional[str]:
+    """A run started from an `--emit`ted script has no launch.json; its job logs (`%j_...`) in
+    `job/` still name the job. The highest id is the latest submission."""
+    ids = [int(m.group(1)) for p in (run_dir / "job").glob("*")
+           if (m := re.match(r"(\d+)[_.]", p.name))]
+    return str(max(ids)) if ids else None
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    if not run_dir.is_dir():
+        raise ConfigError(f"--status: {run_dir} is not a directory (expected a run directory such as logs/<run>)")
+    if not any((run_dir / name).is_file() for name in RUN_DIR_MARKERS):
+        raise ConfigError(f"--status: {run_dir} is not a run directory "
+                          f"(none of {', '.join(RUN_DIR_MARKERS)} in it)")
+
+
+def _read_progress(run_dir: Path) -> Optional[dict]:
+    try:
+        return json.loads((run_dir / PROGRESS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _total_steps_from_config(run_dir: Path) -> Optional[int]:
+    try:
+        return rundir.load_run_config(run_dir).training.train_steps
+    except Exception:  # a missing or unreadable config only costs the "of N" in the output
+        return None
+
+
+def progress_line(progress: Optional[dict], run_dir: Path, now: Optional[float] = None) -> str:
+    if not progress:
+        total = _total_steps_from_config(run_dir)
+        return "progress: no progress yet" + (f" (0/{total} steps)" if total else "")
+    now = time.time() if now is None else now
+    step, total = progress.get("step"), progress.get("total_steps")
+    parts = [f"step {step}/{total}" + (f" ({100 * step / total:.1f}%)" if step is not None and total else "")]
+    if progress.get("loss") is not None:
+        parts.append(f"loss {progress['loss']:.4f}")
+    if progress.get("tokens_per_sec") is not None:
+        parts.append(f"tokens/s {progress['tokens_per_sec']:,.0f}")
+    if progress.get("mfu") is not None:
+        parts.append(f"mfu {100 * progress['mfu']:.1f}%")
+    age = now - progress["time"] if progress.get("time") else None
+    if step is not None and total and step >= total:
+        parts.append("done")
+    elif progress.get("eta_s") is not None:
+        # The ETA was written at the last log step; count down the time since.
+        parts.append(f"ETA {format_eta(max(0.0, progress['eta_s'] - (age or 0.0)))}")
+    line = "progress: " + " | ".join(parts)
+    if age is not None:
+        line += f" (updated {format_eta(max(0.0, age))} ago)"
+    return line
+
+
+def show_status(run_dir: str | Path, out: TextIO | None = None) -> int:
+    """Print the run's state; ConfigError (-> one `error:` line, exit 2) if it is not a run dir."""
+    out = out or sys.stdout
+    run_dir = Path(run_dir).expanduser()
+    _check_run_dir(run_dir)
+    launch = rundir.read_launch_record(run_dir) if (run_dir / rundir.LAUNCH_FILE).is_file() else {}
+    mode = launch.get("mode")
+    job_id = launch.get("job_id")
+    if job_id is None and mode in (None, "slurm"):
+        job_id = _job_id_from_logs(run_dir)
+        if job_id is not None and mode is None:
+            mode = "slurm"
+    print(f"run: {run_dir.resolve()}", file=out)
+    launched = f", launched {launch['time']}" if launch.get("time") else ""
+    print(f"mode: {mode or 'unknown (no launch.json)'}{launched}", file=out)
+    if mode == "slurm" and job_id is not None:
+        info = slurm_job_info(str(job_id))
+        if info.state is None:
+            state = f"unknown ({'/'.join(info.asked)} did not answer)"
+        else:
+            state = f"{info.state} (from {info.source})"
+            if info.reason and info.state == "PENDING":
+                state += f", reason {info.reason}"
+        print(f"job: {job_id}", file=out)
+        print(f"state: {state}", file=out)
+        print(f"requeues: {info.restarts if info.restarts is not None else 'unknown'}", file=out)
+        print(f"nodes: {info.nodes or '-'}", file=out)
+    elif mode == "slurm":
+        print("state: unknown (no job id in launch.json or job/ logs)", file=out)
+    elif mode == "local":
+        print("state: local processes (no scheduler to ask)", file=out)
+    print(progress_line(_read_progress(run_dir), run_dir), file=out)
+    return 0

@@ -1,0 +1,278 @@
+"""Training metrics of one run: TensorBoard scalars, a console line or bar, and progress.json.
+
+Only one rank logs (the last pipeline stage holds the loss; tp 0, dp 0 of it), so every other rank
+builds the logger with `enabled=False` and pays nothing. The caller averages the loss over dp
+before handing it over; `should_log(step)` answers the same on every rank, so the dp all-reduce of
+the loss can be skipped on steps that are not logged.
+
+    logger = MetricsLogger(run_dir, dataclasses.asdict(config), enabled, total_steps=..., ...)
+    for step in range(start_step + 1, total_steps + 1):
+        ...                                   # one optimizer step, timed (after a device sync)
+        logger.log(step, loss, lr, grad_norm, step_time_s)   # every step, every rank
+    logger.close()
+
+Throughput is computed from the `step_time_s` of every step since the previous log line, which is
+why `log` is called on every step (it only accumulates on the steps in between).
+`<run_dir>/progress.json` is replaced atomically on every log step; `submit.py --status` reads it
+and never has to parse TensorBoard event files.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional, TextIO
+
+from nanotrain.logging.flops import peak_bf16_tflops
+
+PROGRESS_FILE = "progress.json"
+TB_DIR = "tb"
+CONFIG_TEXT_TAG = "config"
+SCALAR_TAGS = ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec",
+               "perf/tflops_per_gpu", "perf/mfu", "mem/peak_gb")
+GIB = 2 ** 30
+
+
+def peak_memory_gb(device=None) -> float:
+    """Peak memory of this process in GiB: CUDA allocator peak on a GPU, else peak RSS (which on a
+    CPU run is the whole process: weights, activations and optimizer states live in host memory)."""
+    import torch
+
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / GIB if sys.platform == "darwin" else rss * 1024 / GIB  # bytes on macOS, KiB on Linux
+
+
+def format_eta(seconds: Optional[float]) -> str:
+    return "-" if seconds is None else str(_dt.timedelta(seconds=int(round(seconds))))
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Temp file in the same directory + os.replace: a reader sees the old or the new file, never
+    a half-written one (`--status` may read while the job writes)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; others on the cluster may run --status
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _device_name(device) -> Optional[str]:
+    import torch
+
+    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return None
+
+
+class MetricsLogger:
+    """Scalars every `log_interval` steps from the logging rank; a no-op elsewhere.
+
+    run_dir          the run directory (`logs/<run>/`); events go to `<run_dir>/tb/`
+    config_dict      the resolved config (`dataclasses.asdict(config)`), stored once as text
+    enabled          True on exactly one rank: last pp stage, tp 0, dp 0 (cp 0, ep 0)
+    total_steps      training.train_steps (for the progress bar and the ETA)
+    tokens_per_step  global tokens per optimizer step: dp * micro_batch * accumulation * seq_len
+    flops_per_token  `flops.training_flops_per_token(model_args, seq_len)`
+    device           torch device of this rank: selects CUDA memory stats and the GPU's name
+    world_size       GPUs (processes) sharing the work: tflops_per_gpu divides by it
+    device_name      overrides the detected GPU name for the MFU peak (tests; unusual GPUs)
+    start_step       the step a resumed run starts after (progress bar, TensorBoard purge)
+    progress_bar     tqdm bar (True) or plain lines (False); default: bar iff `stream` is a TTY
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, config_dict: dict, enabled: bool, total_steps: int,
+                 tokens_per_step: int, flops_per_token: float, device=None, *, world_size: int = 1,
+                 log_interval: int = 1, tensorboard: bool = True, device_name: Optional[str] = None,
+                 start_step: int = 0, progress_bar: Optional[bool] = None,
+                 stream: Optional[TextIO] = None):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.device = device
+        self.world_size = world_size
+        self.log_interval = max(1, log_interval)
+        self.device_name = device_name if device_name is not None else _device_name(device)
+        self.peak_tflops = peak_bf16_tflops(self.device_name)
+        self._interval_steps = 0
+        self._interval_time = 0.0
+        self._started = time.time()
+        self._writer = None
+        self._bar = None
+        self._closed = False
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._stream = stream if stream is not None else sys.stdout
+        if progress_bar is None:
+            progress_bar = bool(getattr(self._stream, "isatty", lambda: False)())
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, file=self._stream, unit="step",
+                             dynamic_ncols=True, desc="train")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: after a resume, TensorBoard drops the events a previous incarnation
+            # wrote past the checkpoint it restarts from, so curves never double back.
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / TB_DIR),
+                                         purge_step=start_step + 1 if start_step else None)
+            self._writer.add_text(CONFIG_TEXT_TAG, config_markdown(config_dict), global_step=start_step)
+            self._writer.flush()
+
+    # ------------------------------------------------------------------ per step
+    def should_log(self, step: int) -> bool:
+        """Same answer on every rank: use it to skip the dp loss all-reduce on silent steps."""
+        return step % self.log_interval == 0 or step == self.total_steps
+
+    def log(self, step: int, loss, lr: float, grad_norm, step_time_s: float) -> Optional[dict]:
+        """Call after every optimizer step (1-based `step`), on every rank. On log steps of the
+        logging rank writes everything and returns the metrics; otherwise returns None. `loss`
+        and `grad_norm` may be 0-dim tensors; they are only read on log steps."""
+        if not self.enabled or self._closed:
+            return None
+        self._interval_steps += 1
+        self._interval_time += float(step_time_s)
+        if not self.should_log(step):
+            return None
+        metrics = self._compute(step, loss, lr, grad_norm)
+        self._interval_steps, self._interval_time = 0, 0.0
+        self._write_tensorboard(step, metrics)
+        self._write_console(step, metrics)
+        write_json_atomic(self.run_dir / PROGRESS_FILE, self._progress(step, metrics))
+        return metrics
+
+    def _compute(self, step: int, loss, lr, grad_norm) -> dict[str, Any]:
+        step_time = self._interval_time / max(self._interval_steps, 1)
+        tokens_per_sec = self.tokens_per_step / step_time if step_time > 0 else 0.0
+        tflops = self.flops_per_token * tokens_per_sec / self.world_size / 1e12
+        metrics: dict[str, Any] = {
+            "train/loss": float(loss),
+            "train/lr": float(lr),
+            "train/grad_norm": None if grad_norm is None else float(grad_norm),
+            "perf/tokens_per_sec": tokens_per_sec,
+            "perf/tflops_per_gpu": tflops,
+            "mem/peak_gb": peak_memory_gb(self.device),
+        }
+        if self.peak_tflops:
+            metrics["perf/mfu"] = tflops / self.peak_tflops
+        metrics["step_time_s"] = step_time
+        metrics["eta_s"] = (self.total_steps - step) * step_time
+        return metrics
+
+    def _write_tensorboard(self, step: int, metrics: dict) -> None:
+        if self._writer is None:
+            return
+        for tag in SCALAR_TAGS:
+            if metrics.get(tag) is not None:
+                self._writer.add_scalar(tag, metrics[tag], global_step=step)
+        self._writer.flush()  # a live `tensorboard --logdir` sees each point as it is logged
+
+    def _write_console(self, step: int, metrics: dict) -> None:
+        fields = [f"loss {metrics['train/loss']:.4f}", f"lr {metrics['train/lr']:.1e}"]
+        if metrics["train/grad_norm"] is not None:
+            fields.append(f"grad_norm {metrics['train/grad_norm']:.3f}")
+        fields.append(f"tokens/s {metrics['perf/tokens_per_sec']:,.0f}")
+        if "perf/mfu" in metrics:
+            fields.append(f"mfu {100 * metrics['perf/mfu']:.1f}%")
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+            self._bar.set_postfix_str(" | ".join(fields), refresh=True)
+            return
+        line = " | ".join([f"step {step}/{self.total_steps}", *fields, f"ETA {format_eta(metrics['eta_s'])}"])
+        print(line, file=self._stream, flush=True)
+
+    def _progress(self, step: int, metrics: dict) -> dict:
+        now = time.time()
+        return {
+            "step": step,
+            "total_steps": self.total_steps,
+            "loss": metrics["train/loss"],
+            "lr": metrics["train/lr"],
+            "grad_norm": metrics["train/grad_norm"],
+            "tokens_per_sec": metrics["perf/tokens_per_sec"],
+            "tflops_per_gpu": metrics["perf/tflops_per_gpu"],
+            "mfu": metrics.get("perf/mfu"),
+            "peak_mem_gb": metrics["mem/peak_gb"],
+            "step_time_s": metrics["step_time_s"],
+            "eta_s": metrics["eta_s"],
+            "time": now,
+            "time_iso": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)),
+            "elapsed_s": now - self._started,
+        }
+
+    # ------------------------------------------------------------------ end
+    def close(self) -> None:
+        """Flush and close the event file and the bar; safe to call twice (and on disabled ranks)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+        if self._bar is not None:
+            self._bar.close()
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def config_markdown(config_dict: dict) -> str:
+    """The config as a Markdown code block (TensorBoard's text tab renders Markdown; indenting
+    by four spaces keeps YAML's own indentation and `#`s from being read as Markdown)."""
+    import yaml
+
+    text = yaml.safe_dump(_plain(config_dict), sort_keys=False, default_flow_style=False)
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def _plain(value):
+    """Tuples (e.g. betas) as lists, so `safe_dump` accepts an `asdict` result."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def is_logging_rank(parallel_context) -> bool:
+    """The rank that holds the (dp-averaged) loss: last pp stage, first of tp, dp, cp and ep."""
+    pc = parallel_context
+    return (pc.is_pipeline_last_stage and pc.tp_rank == 0 and pc.dp_rank == 0
+            and pc.cp_rank == 0 and pc.ep_rank == 0)
+
+
+def metrics_logger_for(config, run_dir, parallel_context=None, *, device=None,
+                       start_step: int = 0) -> MetricsLogger:
+    """The logger a trainer wants, with every number derived from the resolved config.
+
+    `parallel_context=None` means a single process (always the logging rank)."""
+    import dataclasses
+
+    from nanotrain.logging.flops import training_flops_per_token
+
+    t, p = config.training, config.parallelism
+    enabled = True if parallel_context is None else is_logging_rank(parallel_context)
+    return MetricsLogger(
+        run_dir, dataclasses.asdict(config), enabled, total_steps=t.train_steps,
+        tokens_per_step=p.dp * t.micro_batch_size * t.batch_accumulation_per_replica * t.sequence_length,
+        flops_per_token=training_flops_per_token(config.model, t.sequence_length), device=device,
+        world_size=p.world_size, log_interval=config.logging.log_interval,
+        tensorboard=config.logging.tensorboard, start_step=start_step)
