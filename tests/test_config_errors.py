@@ -105,6 +105,10 @@ BAD_CONFIGS = [
     ("emit-and-local", None, ["--emit", "somewhere", "--local"], ["--emit", "--local"]),
     ("dry-run-and-emit", None, ["--dry-run", "--emit", "x"], ["not allowed with argument"]),
     ("unknown-flag", None, ["--frobnicate"], ["unrecognized arguments"]),
+    # data errors are found before any process starts or any job is submitted
+    ("data-missing-path", lambda c: c["data"].update(source="/nonexistent/corpus.jsonl"), [], ["data.source"]),
+    ("data-missing-tokenizer", lambda c: c["data"].update(tokenizer="/nonexistent/tokenizer.json"), [],
+     ["data.tokenizer"]),
 ]
 
 
@@ -144,3 +148,17 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
     assert proc.stderr.startswith("error: model.num_attention_heads (4) must be divisible by parallelism.tp (3)")
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert not (tmp_path / "logs").exists()
+
+
+def test_data_missing_text_column(tmp_path, capsys):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"content": "hello"}\n{"content": "world"}\n')
+    code, _, err = run_cli([TINY, "--dry-run", "--set", f"data.source={corpus}"], capsys)
+    assert code == 2 and err.startswith("error: ") and "text" in err and "content" in err, err
+
+
+def test_resume_errors(tmp_path, capsys):
+    code, _, err = run_cli(["--resume", tmp_path], capsys)
+    assert code == 2 and "not a run directory" in err
+    code, _, err = run_cli([TINY, "--resume", tmp_path], capsys)
+    assert code == 2 and "--resume takes a run directory" in err

@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("config", nargs="?", help="YAML config, e.g. configs/tiny_cpu.yaml")
     parser.add_argument("--status", metavar="RUN_DIR",
                         help="show a run's job state, requeues, last step, loss, tokens/s and ETA")
+    parser.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue a stopped, preempted or failed run from its latest complete checkpoint "
+                             "(as it ran: SLURM or local; --set may change the topology)")
     parser.add_argument("--set", metavar="SECTION.FIELD=VALUE", action="append", default=[],
                         help="override a config field (value parsed as YAML); repeatable")
     mode = parser.add_mutually_exclusive_group()
@@ -132,6 +135,26 @@ def run_locally(config: Config, run_dir: Path) -> int:
     return status
 
 
+def _config_of(args) -> tuple[Config, str, str | None]:
+    """The config to launch: a YAML file, or (--resume) the run's own resolved config; plus the
+    mode the resumed run was launched in."""
+    if args.resume is None:
+        if args.config is None:
+            raise ConfigError("the following arguments are required: config (see --help)")
+        return load_config(args.config, args.set), args.config, None
+    if args.config is not None:
+        raise ConfigError("--resume takes a run directory instead of a config (see --help)")
+    run_dir = Path(args.resume)
+    if not (run_dir / rundir.CONFIG_FILE).is_file():
+        raise ConfigError(f"--resume {args.resume}: not a run directory (no {rundir.CONFIG_FILE}); "
+                          "pass logs/<run> of an earlier submission")
+    config = load_config(run_dir / rundir.CONFIG_FILE, args.set)
+    config.logging.run_name = run_dir.resolve().name  # the same run directory, whatever it held
+    config.logging.dir = str(run_dir.resolve().parent)
+    config.checkpoints.resume = True
+    return config, str(run_dir / rundir.CONFIG_FILE), rundir.read_launch_record(run_dir).get("mode")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -141,19 +164,25 @@ def main(argv: list[str] | None = None) -> int:
             from nanotrain.launch.status import show_status
 
             return show_status(args.status)
-        if args.config is None:
-            raise ConfigError("the following arguments are required: config (see --help)")
+        config, config_arg, resumed_mode = _config_of(args)
         if args.emit and args.local:
             raise ConfigError("--emit writes a SLURM script; it cannot be combined with --local")
-        use_slurm = not args.local and (args.emit is not None or args.dry_run or shutil.which("sbatch") is not None)
-        config = load_config(args.config, args.set)
+        has_sbatch = shutil.which("sbatch") is not None
+        use_slurm = not args.local and (args.emit is not None or args.dry_run or
+                                        (resumed_mode or ("slurm" if has_sbatch else "local")) == "slurm")
+        if use_slurm and not has_sbatch and not (args.emit or args.dry_run):
+            raise ConfigError("this run was launched on SLURM but `sbatch` is not on PATH: "
+                              "resume it where SLURM runs, or add --local")
         layout = validate(config, slurm=use_slurm)
-        run_dir = rundir.resolve_run(config, args.config)
-    except ConfigError as exc:
+        from nanotrain.data import check_data_config
+
+        check_data_config(config.data, vocab_size=config.model.vocab_size)
+        run_dir = rundir.resolve_run(config, config_arg)
+    except ValueError as exc:  # ConfigError, DataError: user errors
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     if args.dry_run:
-        return dry_run(config, layout, run_dir, args.config)
+        return dry_run(config, layout, run_dir, config_arg)
     if args.emit:
         return emit(config, layout, Path(args.emit))
     if use_slurm:

@@ -60,7 +60,8 @@ def executor_parameters(config: Config, layout: SlurmLayout) -> dict:
             params[name] = getattr(s, name)
     if s.exclusive:
         params["exclusive"] = True
-    extra = dict(s.sbatch_extra)
+    extra: dict = dict(s.sbatch_extra)
+    extra["requeue"] = True  # preemption/time-limit saves requeue the job (off on some clusters)
     if s.signal != "USR2":  # submitit always renders USR2; the configured signal replaces it
         extra["signal"] = f"{s.signal}@{s.signal_delay_s}"
     if extra:
