@@ -5,23 +5,22 @@ sequence-first `[S, B, H]` so that sequence-parallel shards (tp_mode REDUCE_SCAT
 Under REDUCE_SCATTER the norms and residual adds see `[S/tp, B, H]`; the column linears gather the
 sequence and the row linears scatter it again, so attention always sees the whole sequence.
 
-One class serves every pipeline stage: a stage holds a contiguous range of layers and, on the
-first/last stage, the embedding/head. Parameter names are global (`layers.7.attn.qkv.weight` is
-the same name on whichever stage holds layer 7), and every parameter is initialised from its full
-tensor drawn from a generator seeded by (seed, name), so any (tp, pp) starts from the exact
-weights of the single-process model.
+One class serves every pipeline stage: the model is declared as PipelineBlocks on every rank and
+each rank builds only the blocks of its stage(s). Parameter names are global
+(`layers.7.attn.qkv.weight` is the same name on whichever stage holds layer 7), and every
+parameter is initialised from its full tensor drawn from a generator seeded by (seed, name), so
+any (tp, pp) starts from the exact weights of the single-process model.
 """
 from __future__ import annotations
 
 import hashlib
 import math
-from typing import Iterable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanotrain.config import ModelArgs
+from nanotrain.parallel.pipeline_parallel import PipelineBlock, mark_tied_, place_blocks
 from nanotrain.parallel.tensor_parallel import (TensorParallelColumnLinear, TensorParallelEmbedding,
                                                 TensorParallelLinearMode, TensorParallelRowLinear,
                                                 column_linear, group_size, has_sequence_parallel_partial_grad,
@@ -126,32 +125,46 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """The layers `layer_ids` of a Llama, plus the embedding and/or head when this stage has them.
+    """A Llama, or this pipeline rank's part of one (pp_size > 1).
 
-    forward(input_ids [B,S] or hidden [S(/tp),B,H], targets [B,S]) returns the hidden state for the
-    next stage, or — on the stage with the head, given targets — the mean token loss (fp32 scalar).
+    Every piece (`embed`, `layers.<i>`, `final_norm`, `lm_head` when untied) is a PipelineBlock
+    declared on every rank; `place_blocks` splits them into pp_size * virtual_stages stages of
+    balanced cost and builds only this rank's, whose chunks are `self.chunks` (one, or
+    `virtual_stages` for the interleaved schedule). With tied embeddings the last stage builds a
+    replica of `embed` for the LM head (see `pipeline_parallel/tied.py`).
+
+    forward(input_ids [B,S] or hidden [S(/tp),B,H], targets [B,S], chunk) runs one chunk and
+    returns the hidden state for the next stage, or — on the last stage — the mean token loss
+    (fp32 scalar), or the logits when no targets are given.
     """
 
     def __init__(self, args: ModelArgs, tp_pg, *, mode: str | TensorParallelLinearMode = "ALL_REDUCE",
-                 async_communication: bool = False, layer_ids: Iterable[int] | None = None,
-                 has_embedding: bool = True, has_head: bool = True, seed: int = 0, device=None):
+                 async_communication: bool = False, pp_rank: int = 0, pp_size: int = 1,
+                 virtual_stages: int = 1, seed: int = 0, device=None):
         super().__init__()
         self.args, self.tp_pg = args, tp_pg
         self.mode = TensorParallelLinearMode(mode)
-        self.head_dim = args.hidden_size // args.num_attention_heads
-        layer_ids = list(range(args.num_layers)) if layer_ids is None else list(layer_ids)
-        self.embed = (TensorParallelEmbedding(args.vocab_size, args.hidden_size, tp_pg, self.mode)
-                      if has_embedding else None)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, tp_pg, self.mode, async_communication)
-                                     for i in layer_ids})
-        self.final_norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if has_head else None
-        self.lm_head = None
-        if has_head and not (args.tie_word_embeddings and has_embedding):
-            self.lm_head = TensorParallelColumnLinear(args.hidden_size, args.vocab_size, tp_pg, self.mode,
-                                                      async_communication=async_communication, pad_to_tp=True)
-        self.has_head = has_head
         self.async_communication = async_communication
-        if self.mode is TensorParallelLinearMode.REDUCE_SCATTER and group_size(tp_pg) > 1:
+        self.head_dim = args.hidden_size // args.num_attention_heads
+        mode, cost = self.mode, block_costs(args)
+        self.embed = PipelineBlock(lambda: TensorParallelEmbedding(args.vocab_size, args.hidden_size, tp_pg, mode),
+                                   cost["embed"], attach="next")
+        self.layers = nn.ModuleDict({str(i): PipelineBlock(lambda: DecoderLayer(args, tp_pg, mode, async_communication),
+                                                           cost["layer"]) for i in range(args.num_layers)})
+        # The whole head (norm, vocab projection, loss) is charged to final_norm, tied or not.
+        self.final_norm = PipelineBlock(lambda: RMSNorm(args.hidden_size, args.rms_norm_eps), cost["head"],
+                                        attach="prev")
+        self.lm_head = None if args.tie_word_embeddings else PipelineBlock(
+            lambda: TensorParallelColumnLinear(args.hidden_size, args.vocab_size, tp_pg, mode,
+                                               async_communication=async_communication, pad_to_tp=True),
+            0, attach="prev")
+        blocks = [self.embed, *self.layers.values(), self.final_norm] + ([self.lm_head] if self.lm_head else [])
+        self.chunks = place_blocks(blocks, pp_rank, pp_size, virtual_stages if pp_size > 1 else 1)
+        if args.tie_word_embeddings and pp_size > 1 and (self.embed.is_built or self.final_norm.is_built):
+            replica = not self.embed.is_built
+            self.embed.build()
+            mark_tied_(self.embed.weight, "embed.weight", replica=replica)
+        if self.mode is TensorParallelLinearMode.REDUCE_SCATTER and tp_pg.size() > 1:
             for name, param in self.named_parameters():
                 if name.endswith("norm.weight"):
                     mark_sequence_parallel_partial_grad_(param)
@@ -177,19 +190,21 @@ class LlamaModel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
-        if self.embed is not None:
+                hidden: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+        part = self.chunks[chunk]
+        if self.embed in part:
             hidden = self.embed(input_ids.transpose(0, 1).contiguous())
         seq = self._full_seq_len(hidden)
         cos, sin = rope_tables(seq, self.head_dim, self.args.rope_theta, hidden.device)
         for layer in self.layers.values():
-            hidden = layer(hidden, cos, sin)
-        if not self.has_head:
+            if layer in part:
+                hidden = layer(hidden, cos, sin)
+        if not part.is_last:
             return hidden
         hidden = self.final_norm(hidden)
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
-        else:  # tied: the embedding matrix is the vocab-parallel head
+        else:  # tied: the embedding matrix (or its replica on the last stage) is the vocab-parallel head
             logits = column_linear(hidden, self.embed.weight, None, self.tp_pg, self.mode,
                                    self.async_communication)
         if targets is None:
@@ -202,6 +217,16 @@ class LlamaModel(nn.Module):
         if self.mode is TensorParallelLinearMode.REDUCE_SCATTER:
             return hidden.shape[0] * group_size(self.tp_pg)
         return hidden.shape[0]
+
+
+def block_costs(args: ModelArgs) -> dict[str, int]:
+    """Forward FLOPs per token of each pipeline block (backward scales them all alike), for the
+    stage split: a decoder layer's projections and attention (full-length sequences assumed),
+    the LM head's vocab projection, the embedding's lookup (a copy of H values)."""
+    h, kv_heads = args.hidden_size, args.num_key_value_heads or args.num_attention_heads
+    q, kv = h, kv_heads * (h // args.num_attention_heads)
+    layer = 2 * (h * (q + 2 * kv) + q * h + 3 * h * args.intermediate_size) + 4 * args.max_position_embeddings * q
+    return {"embed": h, "layer": layer, "head": 2 * h * args.vocab_size}
 
 
 def param_seed(seed: int, name: str) -> int:

@@ -14,8 +14,8 @@ them up:
   clipping, as they must before the optimizer step anyway). The same rule applies to ep: a
   parameter not sharded over "ep" counts only on ep rank 0;
 * pipeline stages hold different parameters: each counts its own, the all-reduce adds them. A
-  parameter tied across stages (e.g. embeddings on the first and last stage) must be passed on one
-  stage only, or it is counted twice;
+  parameter tied across stages (embeddings on the first and last stage) has a replica on the last
+  stage (``pipeline_parallel.tied``): the replica is skipped, so the tied matrix counts once;
 * dp / cp replicas hold identical, already averaged gradients: they are not in ``mp_pg``, so each
   replica computes the same norm and no dp reduction is needed.
 
@@ -28,12 +28,15 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from nanotrain.parallel.pipeline_parallel.tied import is_tied_replica
 from nanotrain.parallel.sharding import get_shard_info
 
 _REPLICA_AXES = ("tp", "ep")  # mp axes whose ranks may hold copies of the same parameter
 
 
 def _counted_here(p: torch.Tensor, pc) -> bool:
+    if is_tied_replica(p):
+        return False
     info = get_shard_info(p)
     sharded_over = set(info.axis.split("_")) if info.axis else set()
     return all(ax in sharded_over or getattr(pc, f"{ax}_rank", 0) == 0 for ax in _REPLICA_AXES)

@@ -151,6 +151,21 @@ class ParallelContext:
                     mine = (ranks, pg)
             self._group_ranks[name] = mine[0]
             setattr(self, f"{name}_pg", mine[1])
+        self._create_embedding_groups()
+
+    def _create_embedding_groups(self) -> None:
+        """``embedding_pg``: the first and the last pipeline stage of each pp group (Megatron's
+        embedding group), which sum the gradients of tied embeddings. None on middle stages;
+        the pp group itself when pp <= 2 (the two sets are equal)."""
+        self.embedding_pg = None
+        for pp_ranks in self.grid.groups("pp"):
+            ranks = tuple(sorted({pp_ranks[0], pp_ranks[-1]}))
+            pg = self._pg_by_ranks.get(ranks)
+            if pg is None:
+                pg = dist.new_group(ranks=list(ranks))
+                self._pg_by_ranks[ranks] = pg
+            if self.world_rank in ranks:
+                self.embedding_pg = pg
 
     # ------------------------------------------------------------------ queries
     def get_group(self, name: str) -> dist.ProcessGroup:

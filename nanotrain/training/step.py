@@ -1,8 +1,9 @@
-"""One optimizer step, split in the two halves every engine shares.
+"""One optimizer step for any (dp, tp, pp), split in the two halves every engine shares.
 
-`forward_backward` runs the micro-batches of one step on a pp=1 model (the pipeline engines
-replace exactly this half); `optimizer_step` finishes the data-parallel gradient sync, sums the
-sequence-parallel gradients over tp, clips by the global norm and steps the optimizer and LR.
+The first half runs the micro-batches of one step: `forward_backward` on a pp=1 model, or a
+`PipelineEngine` (afab / 1f1b / interleaved_1f1b) when pp > 1. `optimizer_step` then finishes the
+data-parallel gradient sync, sums the sequence-parallel gradients over tp and the tied-embedding
+gradients over the first and last stage, clips by the global norm and steps the optimizer and LR.
 The loss of each micro-batch is divided by the micro-batch count and the DP sync averages over
 replicas, so the gradient is that of the mean token loss over the whole global batch — the
 same number a single process gets from the same samples.
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.optim import clip_grad_norm_
+from nanotrain.parallel.pipeline_parallel import PipelineEngine, TensorPointer, allreduce_tied_grads_
 from nanotrain.parallel.tensor_parallel import allreduce_sequence_parallel_grads_
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], targets [B, S])
@@ -47,6 +49,8 @@ def optimizer_step(model: torch.nn.Module, grad_sync, optimizer, scheduler, pc,
     """Finish the gradient sync, clip, step; returns (grad norm before clipping, lr used)."""
     grad_sync.finish_grad_sync()
     allreduce_sequence_parallel_grads_(model.sequence_parallel_params(), pc.tp_pg)
+    if getattr(pc, "embedding_pg", None) is not None and pc.pp_size > 1:  # first and last stage
+        allreduce_tied_grads_(model.parameters(), pc.embedding_pg)
     grad_norm = clip_grad_norm_(model.parameters(), clip_grad, pc)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
@@ -64,8 +68,30 @@ def mean_over_replicas(loss: torch.Tensor, pc) -> torch.Tensor:
     return loss
 
 
+def reduce_loss(loss: torch.Tensor | TensorPointer, pc) -> torch.Tensor:
+    """The step's loss averaged over replicas, on every rank: the last pipeline stage holds it
+    (a TensorPointer elsewhere), averages it over dp, then broadcasts it along its pp group, so
+    whichever rank logs (global rank 0, on the first stage) has it."""
+    if pc.pp_size == 1:
+        return mean_over_replicas(loss, pc)
+    if isinstance(loss, TensorPointer):
+        value = torch.zeros((), dtype=torch.float64, device=pc.device)
+    else:
+        value = mean_over_replicas(loss, pc).to(torch.float64)
+    dist.broadcast(value, group_src=pc.pp_size - 1, group=pc.pp_pg)
+    return value
+
+
 def train_step(model, microbatches: Sequence[MicroBatch], grad_sync, optimizer, scheduler, pc,
-               clip_grad: float | None) -> StepStats:
-    loss = forward_backward(model, microbatches, grad_sync)
+               clip_grad: float | None, engine: PipelineEngine | None = None) -> StepStats:
+    """One optimizer step. pp > 1 needs ``engine`` (``PipelineEngine(parallelism.pp_engine,
+    pc.pp_pg)``); every pp rank passes the same micro-batches (the first stage reads the ids,
+    the last the targets)."""
+    if pc.pp_size > 1:
+        if engine is None:
+            raise ValueError("train_step: pp > 1 needs engine=PipelineEngine(pp_engine, pc.pp_pg)")
+        loss = engine.forward_backward(model, microbatches, grad_sync)
+    else:
+        loss = forward_backward(model, microbatches, grad_sync)
     grad_norm, lr = optimizer_step(model, grad_sync, optimizer, scheduler, pc, clip_grad)
-    return StepStats(mean_over_replicas(loss, pc).item(), float(grad_norm), lr)
+    return StepStats(reduce_loss(loss, pc).item(), float(grad_norm), lr)

@@ -1,0 +1,26 @@
+"""Pipeline parallelism: nanotron's explicit objects, Megatron's schedules.
+
+* ``TensorPointer`` — a tensor that lives on another pipeline rank;
+* ``P2P`` — batched, metadata-first send/recv between stages over ``pc.pp_pg``;
+* ``PipelineBlock`` / ``place_blocks`` — a model piece declared on every rank, built on its owner;
+  cost-balanced split into (virtual) stages;
+* ``PipelineEngine`` — runs a schedule (``afab``, ``1f1b``, ``interleaved_1f1b``) over a step's
+  micro-batches, with bubble and activation-memory instrumentation;
+* ``tied`` — parameters shared by the first and last stage (tied embeddings);
+* ``build_pipeline_model`` / ``build_engine`` / ``train_step`` — the config-driven entry points.
+"""
+from nanotrain.parallel.pipeline_parallel.block import ModelChunk, PipelineBlock, balanced_split, place_blocks
+from nanotrain.parallel.pipeline_parallel.engine import EngineStats, PipelineEngine, schedule_actions
+from nanotrain.parallel.pipeline_parallel.p2p import P2P
+from nanotrain.parallel.pipeline_parallel.schedules import SCHEDULES, Action, theoretical_bubble
+from nanotrain.parallel.pipeline_parallel.tensor_pointer import TensorPointer
+from nanotrain.parallel.pipeline_parallel.tied import (allreduce_tied_grads_, is_tied, is_tied_replica,
+                                                       mark_tied_)
+from nanotrain.parallel.pipeline_parallel.build import build_engine, build_pipeline_model, train_step
+
+__all__ = [
+    "TensorPointer", "P2P", "PipelineBlock", "ModelChunk", "place_blocks", "balanced_split",
+    "PipelineEngine", "EngineStats", "schedule_actions", "SCHEDULES", "Action", "theoretical_bubble",
+    "mark_tied_", "is_tied", "is_tied_replica", "allreduce_tied_grads_",
+    "build_pipeline_model", "build_engine", "train_step",
+]

@@ -1,0 +1,189 @@
+"""The pipeline engine: runs one step's micro-batches through this rank's model chunks.
+
+One executor serves every schedule (``schedules.py``): it walks the rank's action list and, for
+each action, receives what the action needs, computes, and queues what it produced for the next
+stage. The queued send goes out in the same batched communication as the next action's receive
+(Megatron's ``send_forward_recv_backward`` pairing), and sends are never waited for before
+receives, so a rank only blocks on data it needs.
+
+For the forward of micro-batch i through chunk c (virtual stage s):
+  input = token ids (s = 0) or a receive from stage s - 1 (a TensorPointer to its rank);
+  output = hidden state (sent to stage s + 1) or, on the last stage, loss_i / m.
+For its backward: the output gradient is a receive from stage s + 1 (or the loss itself on the
+last stage); after backward, the input gradient goes to stage s - 1.
+
+Data-parallel sync: every backward runs inside ``grad_sync.no_sync()`` except a chunk's last
+micro-batch (i = m - 1), whose backward launches the bucketed all-reduces (one chunk's parameters
+get their final gradients in exactly that backward).
+
+Instrumentation (``last_stats``, per step and rank): time computing (forward + backward) vs the
+wall time of the step, so the measured bubble is ``1 - compute / total``; the peak number of
+micro-batches whose activations are alive (forward done, backward not yet) and the peak bytes of
+activations saved for backward (tensors autograd saved, parameters excluded).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from nanotrain.parallel.pipeline_parallel.p2p import P2P
+from nanotrain.parallel.pipeline_parallel.schedules import Action, get_schedule
+from nanotrain.parallel.pipeline_parallel.tensor_pointer import TensorPointer
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], targets [B, S])
+# Middle stages read no data: they may pass None for each micro-batch (the count is m).
+_ACTIVATION, _GRADIENT = 0, 1
+
+
+@dataclass
+class EngineStats:
+    total_s: float = 0.0  # wall time of forward_backward
+    compute_s: float = 0.0  # inside forward and backward
+    wait_s: float = 0.0  # inside communication calls (waiting for a neighbour, mostly)
+    peak_live_microbatches: int = 0  # max over the step of (forwards done - backwards done)
+    peak_activation_bytes: int = 0  # max bytes saved for backward, parameters excluded
+
+    @property
+    def bubble(self) -> float:
+        return 1.0 - self.compute_s / self.total_s if self.total_s > 0 else 0.0
+
+
+class _ActivationMeter:
+    """Bytes autograd saves for backward during a forward, per micro-batch (parameters and
+    tensors already counted for this micro-batch are skipped: storages are counted once)."""
+
+    def __init__(self, params):
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+        self._bytes = 0
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.param_storages and ptr not in self._seen:
+            self._seen.add(ptr)
+            self._bytes += storage.nbytes()
+        return t
+
+    def record(self):
+        """Context manager around one forward; ``add()`` afterwards books its bytes."""
+        self._seen, self._bytes = set(), 0
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def add(self) -> int:
+        self.live += self._bytes
+        self.peak = max(self.peak, self.live)
+        return self._bytes
+
+    def release(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+class PipelineEngine:
+    """``PipelineEngine("1f1b", pc.pp_pg)``; ``forward_backward(model, microbatches, grad_sync)``.
+
+    The model is this rank's part of a pipeline-built model: ``model.chunks`` (``ModelChunk``s,
+    see ``block.py``) and ``model(input_ids=, targets=, hidden=, chunk=)`` running one chunk.
+    """
+
+    def __init__(self, schedule: str, pp_pg, device: Optional[torch.device] = None):
+        self.name = schedule
+        self.schedule = get_schedule(schedule)
+        self.pp_pg = pp_pg
+        self.pp_size, self.pp_rank = pp_pg.size(), pp_pg.rank()
+        self.p2p = P2P(pp_pg, device)
+        self.last_stats = EngineStats()
+
+    def forward_backward(self, model, microbatches: Sequence[Optional[MicroBatch]], grad_sync
+                         ) -> torch.Tensor | TensorPointer:
+        """Forward and backward of every micro-batch; gradients accumulate in ``.grad`` (loss of
+        each micro-batch divided by m). Returns the summed loss (= mean over micro-batches) on
+        the rank holding the last stage, a TensorPointer to that rank elsewhere."""
+        chunks = model.chunks
+        m, v, pp = len(microbatches), len(chunks), self.pp_size
+        num_stages = chunks[0].num_virtual_stages
+        if num_stages != pp * v:
+            raise ValueError(f"model has {num_stages} virtual stages, engine expects pp*chunks = {pp}*{v}")
+        stats = EngineStats()
+        meter = _ActivationMeter(model.parameters())
+        start = time.perf_counter()
+
+        def tag(kind: int, stage: int, mb: int) -> int:  # unique per message of the step
+            return (kind * num_stages + stage) * m + mb
+
+        stored: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor, int]] = {}
+        loss_total: Optional[torch.Tensor] = None
+        pending: list = []  # sends produced by the previous action
+        live = 0
+        for action in self.schedule(pp, self.pp_rank, m, v):
+            chunk = chunks[action.chunk]
+            stage, mb = chunk.virtual_stage, action.microbatch
+            recvs = []
+            if action.op == "F" and not chunk.is_first:
+                recvs = [(TensorPointer((stage - 1) % pp), tag(_ACTIVATION, stage - 1, mb))]
+            elif action.op == "B" and not chunk.is_last:
+                recvs = [(TensorPointer((stage + 1) % pp), tag(_GRADIENT, stage + 1, mb))]
+            received = self._communicate(pending, recvs, stats)
+            pending = []
+
+            t0 = time.perf_counter()
+            if action.op == "F":
+                data = microbatches[mb]
+                if data is None and (chunk.is_first or chunk.is_last):
+                    raise ValueError(f"micro-batch {mb} is None on the pp rank holding the first/last stage")
+                hidden = received[0] if received else None
+                with meter.record():
+                    out = model(input_ids=data[0] if chunk.is_first else None,
+                                targets=data[1] if chunk.is_last else None,
+                                hidden=hidden, chunk=action.chunk)
+                if chunk.is_last:
+                    out = out / m
+                    loss_total = out.detach() if loss_total is None else loss_total + out.detach()
+                else:
+                    pending.append((out, (stage + 1) % pp, tag(_ACTIVATION, stage, mb)))
+                stored[(action.chunk, mb)] = (hidden, out, meter.add())
+                live += 1
+                stats.peak_live_microbatches = max(stats.peak_live_microbatches, live)
+            else:
+                hidden, out, nbytes = stored.pop((action.chunk, mb))
+                with nullcontext() if mb == m - 1 else grad_sync.no_sync():
+                    if chunk.is_last:
+                        out.backward()
+                    else:
+                        torch.autograd.backward(out, received[0])
+                if not chunk.is_first:
+                    pending.append((hidden.grad, (stage - 1) % pp, tag(_GRADIENT, stage, mb)))
+                del hidden, out
+                meter.release(nbytes)
+                live -= 1
+            stats.compute_s += time.perf_counter() - t0
+
+        self._communicate(pending, [], stats)
+        t0 = time.perf_counter()
+        self.p2p.wait_sends()
+        stats.wait_s += time.perf_counter() - t0
+        if stored:
+            raise RuntimeError(f"pipeline schedule {self.name!r} left {len(stored)} backward(s) undone")
+        stats.total_s = time.perf_counter() - start
+        stats.peak_activation_bytes = meter.peak
+        self.last_stats = stats
+        return loss_total if loss_total is not None else TensorPointer(self.pp_size - 1)
+
+    def _communicate(self, sends: list, recvs: list, stats: EngineStats) -> list[torch.Tensor]:
+        if not sends and not recvs:
+            return []
+        t0 = time.perf_counter()
+        received = self.p2p.communicate(sends, recvs)
+        stats.wait_s += time.perf_counter() - t0
+        return received
+
+
+def schedule_actions(name: str, pp: int, rank: int, m: int, v: int = 1) -> list[Action]:
+    """The action list a rank runs (for printing and tests)."""
+    return get_schedule(name)(pp, rank, m, v)
