@@ -11,14 +11,21 @@ Modules, in pipeline order: `sources` (what to read), `tokenizer` (byte or token
 global sample stream and its dp split), `build` (one rank builds, the others wait), `check`
 (the no-tokenisation pre-submit check). Every user mistake raises `DataError`.
 """
-from nanotrain.data.build import build_sampler, default_cache_dir, prepare_dataset
-from nanotrain.data.check import check_data_config
-from nanotrain.data.dataset import TokenDataset
-from nanotrain.data.errors import DataError
-from nanotrain.data.sampler import GlobalSampler
-from nanotrain.data.sources import Source, resolve_source, stdlib_files
-from nanotrain.data.tokenizer import ByteTokenizer, JsonTokenizer, load_tokenizer
+import importlib
 
-__all__ = ["build_sampler", "default_cache_dir", "prepare_dataset", "check_data_config",
-           "TokenDataset", "DataError", "GlobalSampler", "Source", "resolve_source",
-           "stdlib_files", "ByteTokenizer", "JsonTokenizer", "load_tokenizer"]
+# Lazy attributes (PEP 562): `submit.py` calls `check_data_config` before every submission and must
+# not pay for importing torch and datasets (seconds) just to check that a path exists.
+_HOMES = {
+    "build_sampler": "build", "default_cache_dir": "build", "prepare_dataset": "build",
+    "check_data_config": "check", "TokenDataset": "dataset", "DataError": "errors",
+    "GlobalSampler": "sampler", "Source": "sources", "resolve_source": "sources",
+    "stdlib_files": "sources", "ByteTokenizer": "tokenizer", "JsonTokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+}
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'nanotrain.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"nanotrain.data.{_HOMES[name]}"), name)

@@ -140,9 +140,12 @@ class LlamaModel(nn.Module):
 
     def __init__(self, args: ModelArgs, tp_pg, *, mode: str | TensorParallelLinearMode = "ALL_REDUCE",
                  async_communication: bool = False, pp_rank: int = 0, pp_size: int = 1,
-                 virtual_stages: int = 1, seed: int = 0, device=None):
+                 virtual_stages: int = 1, seed: int = 0, device=None,
+                 compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.args, self.tp_pg = args, tp_pg
+        # bf16 on GPU: the forward runs under autocast; weights, grads and optimizer stay fp32.
+        self.compute_dtype = compute_dtype
         self.mode = TensorParallelLinearMode(mode)
         self.async_communication = async_communication
         self.head_dim = args.hidden_size // args.num_attention_heads
@@ -164,7 +167,7 @@ class LlamaModel(nn.Module):
             replica = not self.embed.is_built
             self.embed.build()
             mark_tied_(self.embed.weight, "embed.weight", replica=replica)
-        if self.mode is TensorParallelLinearMode.REDUCE_SCATTER and tp_pg.size() > 1:
+        if self.mode is TensorParallelLinearMode.REDUCE_SCATTER and group_size(tp_pg) > 1:
             for name, param in self.named_parameters():
                 if name.endswith("norm.weight"):
                     mark_sequence_parallel_partial_grad_(param)
@@ -191,6 +194,13 @@ class LlamaModel(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+        if self.compute_dtype in (None, torch.float32):
+            return self._forward(input_ids, targets, hidden, chunk)
+        device = (input_ids if hidden is None else hidden).device.type
+        with torch.autocast(device_type=device, dtype=self.compute_dtype):
+            return self._forward(input_ids, targets, hidden, chunk)
+
+    def _forward(self, input_ids, targets, hidden, chunk: int) -> torch.Tensor:
         part = self.chunks[chunk]
         if self.embed in part:
             hidden = self.embed(input_ids.transpose(0, 1).contiguous())

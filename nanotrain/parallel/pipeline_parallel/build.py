@@ -18,10 +18,14 @@ def build_pipeline_model(config, pc, device=None):
     """This rank's ``LlamaModel``: its pp stage(s) (``pp_virtual_stages`` chunks), its tp shards."""
     from nanotrain.models.llama import LlamaModel  # the model imports this package
 
+    import torch
+
     p = config.parallelism
+    on_gpu = device is not None and torch.device(device).type == "cuda"
+    compute_dtype = getattr(torch, config.model.dtype) if on_gpu else None  # CPU: fp32 always
     return LlamaModel(config.model, pc.tp_pg, mode=p.tp_mode, async_communication=p.tp_linear_async_communication,
                       pp_rank=pc.pp_rank, pp_size=pc.pp_size, virtual_stages=p.pp_virtual_stages,
-                      seed=config.training.seed, device=device)
+                      seed=config.training.seed, device=device, compute_dtype=compute_dtype)
 
 
 def build_engine(config, pc) -> Optional[PipelineEngine]:
