@@ -56,6 +56,14 @@ def describe_layout(config: Config, layout: SlurmLayout | None) -> str:
     return f"{grid}; {layout.nodes} node(s) x {layout.tasks_per_node} tasks{gpus}"
 
 
+def metrics_rank(config: Config) -> int:
+    """The rank that logs metrics: last pipeline stage, tp/dp/cp/ep 0 (the loss lives there)."""
+    from nanotrain.parallel.grid import RankGrid
+
+    p = config.parallelism
+    return RankGrid(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep).rank(pp=p.pp - 1)
+
+
 def grid_summary(config: Config) -> str:
     from nanotrain.parallel.grid import RankGrid
 
@@ -117,7 +125,8 @@ def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
     rundir.write_launch_record(run_dir, mode="slurm", job_id=job.job_id, argv=sys.argv[1:])
     print(f"submitted job {job.job_id}: {describe_layout(config, layout)}")
     print(f"run directory: {run_dir}")
-    print(f"stdout: {job.paths.stdout}  (task 0; task R writes {job.job_id}_R_log.out)")
+    print(f"stdout: {job.paths.stdout}  (task 0; task R writes {job.job_id}_R_log.out; "
+          f"metrics: task {metrics_rank(config)})")
     print(f"stderr: {job.paths.stderr}")
     print(f"tensorboard: tensorboard --logdir {config.logging.dir}")
     return 0
@@ -130,7 +139,8 @@ def run_locally(config: Config, run_dir: Path) -> int:
     rundir.write_launch_record(run_dir, mode="local", argv=sys.argv[1:])
     world = config.parallelism.world_size
     print(f"local run: {describe_layout(config, None)}; run directory: {run_dir}", flush=True)
-    status = run_local(task_command(config_path), world, sbatch.job_folder(run_dir))
+    status = run_local(task_command(config_path), world, sbatch.job_folder(run_dir),
+                       stream_ranks=(0, metrics_rank(config)))
     print(f"tensorboard: tensorboard --logdir {config.logging.dir}", flush=True)
     return status
 

@@ -1,7 +1,7 @@
 """Run a job as local processes (one per rank, gloo on CPU): `submit.py --local`.
 
 Why not submitit's local executor: it neither streams output nor ends the other ranks when one
-fails. Here rank 0's output streams to the terminal (and to `job/rank-0.log`), every other rank
+fails. Here rank 0's output (and the metrics rank's) streams to the terminal (and to `job/rank-R.log`), every other rank
 writes `job/rank-R.log`, the first rank that fails ends the rest within seconds (a hang is a
 failure), and SIGINT/SIGTERM/SIGUSR1/SIGUSR2 sent to the launcher are passed on to every rank —
 the same signals SLURM sends before a preemption or time limit.
@@ -61,20 +61,24 @@ def task_command(config_path: Path) -> list[str]:
 
 
 def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool = False,
-              threads: int = 1) -> int:
-    """Start `world_size` ranks of `command` (normally `task_command`); return the job's status."""
+              threads: int = 1, stream_ranks: tuple[int, ...] = (0,)) -> int:
+    """Start `world_size` ranks of `command` (normally `task_command`); return the job's status.
+
+    `stream_ranks` go to the terminal as well as to their log: rank 0, and the rank that logs
+    metrics (the last pipeline stage) when that is another one."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs: list[subprocess.Popen] = []
-    tee: threading.Thread | None = None
+    tees: list[threading.Thread] = []
     for rank in range(world_size):
         env = rank_env(rank, world_size, port, threads)
-        if rank == 0 and not quiet:
+        if rank in stream_ranks and not quiet:
             proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-            tee = threading.Thread(target=_tee, args=(proc.stdout, sys.stdout.buffer, log_dir / "rank-0.log"),
+            tee = threading.Thread(target=_tee, args=(proc.stdout, sys.stdout.buffer, log_dir / f"rank-{rank}.log"),
                                    daemon=True)
             tee.start()
+            tees.append(tee)
         else:
             with open(log_dir / f"rank-{rank}.log", "ab") as log:
                 proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -96,7 +100,7 @@ def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool
         _stop_all(procs)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if tee is not None:
+        for tee in tees:
             tee.join(timeout=5)
     return status
 

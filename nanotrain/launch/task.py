@@ -25,13 +25,20 @@ def run_task(config_path: str) -> dict:
 
     from nanotrain.launch.smoke import smoke_step
     from nanotrain.parallel.context import ParallelContext
+    from nanotrain.trainer import DistributedTrainer
 
     p = config.parallelism
     pc = ParallelContext(tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp,
                          data_parallel_size=p.dp, context_parallel_size=p.cp,
                          expert_parallel_size=p.ep)
     try:
-        return smoke_step(pc, env, Path(run_dir))
+        report = smoke_step(pc, env, Path(run_dir))  # a cheap preflight: every group answers
+        trainer = DistributedTrainer(config, Path(run_dir), env, pc)
+        try:
+            report["outcome"] = trainer.train()
+        finally:
+            trainer.close()
+        return report
     finally:
         pc.destroy()
 

@@ -80,8 +80,8 @@ class PipelineBlock(nn.Module):
         references to them in step (children are shared objects and need nothing)."""
         out = super()._apply(fn, recurse)
         if self._built is not None:
-            self._built._parameters.update({k: self._parameters[k] for k in self._built._parameters})
-            self._built._buffers.update({k: self._buffers[k] for k in self._built._buffers})
+            self._built._parameters.update({k: v for k, v in self._parameters.items() if k in self._built._parameters})
+            self._built._buffers.update({k: v for k, v in self._buffers.items() if k in self._built._buffers})
         return out
 
     def train(self, mode: bool = True):
