@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from nanotrain.config import ModelArgs
-from nanotrain.parallel.pipeline_parallel import balanced_split, schedule_actions, theoretical_bubble
+from nanotrain.parallel.pipeline_parallel import (TensorPointer, balanced_split, schedule_actions,
+                                                  theoretical_bubble)
 
 MODEL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=8, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=16, dtype="float32")
@@ -114,6 +115,21 @@ def test_llama_stage_split_balances_lm_head():
     assert per_stage in ([2, 2, 3, 1], [2, 3, 2, 1])  # head ~ 2 layers: max stage cost 3 layers, evenly
     assert blocks[0].virtual_stage == 0 and blocks[-1].virtual_stage == 3
     assert blocks[0].is_built and not blocks[-1].is_built  # rank 0 builds only its own blocks
+    assert blocks[-1](torch.zeros(2)) == TensorPointer(3)  # a block held elsewhere points to its owner
+
+
+def test_pipeline_block_adopts_names_and_follows_dtype_moves():
+    from nanotrain.parallel.pipeline_parallel import PipelineBlock
+
+    block = PipelineBlock(lambda: torch.nn.Sequential(torch.nn.Linear(3, 2, bias=False)), cost=1)
+    assert list(dict(block.named_parameters())) == []  # declared, not built: no parameters
+    block.set_rank(0, 0, my_rank=0)
+    assert list(dict(block.named_parameters())) == ["0.weight"]  # the module's own names, no prefix
+    lone = PipelineBlock(lambda: torch.nn.Linear(3, 2), cost=1)
+    lone.set_rank(0, 0, my_rank=0)
+    lone.double()
+    assert lone.module.weight is lone.weight and lone.weight.dtype == torch.float64
+    assert lone(torch.ones(1, 3, dtype=torch.float64)).shape == (1, 2)
 
 
 # ----------------------------------------------------------------------------- distributed
