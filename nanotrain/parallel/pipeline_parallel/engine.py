@@ -103,7 +103,8 @@ class PipelineEngine:
     def forward_backward(self, model, microbatches: Sequence[Optional[MicroBatch]], grad_sync
                          ) -> torch.Tensor | TensorPointer:
         """Forward and backward of every micro-batch; gradients accumulate in ``.grad`` (loss of
-        each micro-batch divided by m). Returns the summed loss (= mean over micro-batches) on
+        each micro-batch divided by m). ``grad_sync``: a ``BucketedGradSync`` (or None without
+        data parallelism). Returns the summed loss (= mean over micro-batches) on
         the rank holding the last stage, a TensorPointer to that rank elsewhere."""
         chunks = model.chunks
         m, v, pp = len(microbatches), len(chunks), self.pp_size
@@ -152,7 +153,7 @@ class PipelineEngine:
                 stats.peak_live_microbatches = max(stats.peak_live_microbatches, live)
             else:
                 hidden, out, nbytes = stored.pop((action.chunk, mb))
-                with nullcontext() if mb == m - 1 else grad_sync.no_sync():
+                with nullcontext() if mb == m - 1 or grad_sync is None else grad_sync.no_sync():
                     if chunk.is_last:
                         out.backward()
                     else:
