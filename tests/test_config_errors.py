@@ -73,8 +73,6 @@ BAD_CONFIGS = [
     ("seq-vs-positions", lambda c: c["training"].update(sequence_length=512), [],
      ["training.sequence_length", "max_position_embeddings"]),
     ("min-lr-above-lr", lambda c: c["optimizer"].update(min_lr=1.0), [], ["optimizer.min_lr", "optimizer.lr"]),
-    ("warmup-too-long", lambda c: c["optimizer"].update(warmup_steps=10_000), [],
-     ["optimizer.warmup_steps", "training.train_steps"]),
     ("world-not-multiple", lambda c: (c["parallelism"].update(dp=3), c["slurm"].update(tasks_per_node=8)), [],
      ["dp*tp*pp*cp*ep = 3*2*2*1*1 = 12", "not a multiple of slurm.tasks_per_node (8)"]),
     ("cpu-cluster-needs-tasks", lambda c: c["slurm"].update(tasks_per_node=None), [], ["slurm.tasks_per_node"]),

@@ -30,7 +30,8 @@ def alive(pid: int) -> bool:
 def test_local_run_8_processes(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "submit.py"), str(ROOT / "configs" / "tiny_cpu.yaml"), "--local",
-         "--set", f"logging.dir={tmp_path}", "--set", "logging.run_name=local8"],
+         "--set", f"logging.dir={tmp_path}", "--set", "logging.run_name=local8",
+         "--set", "training.train_steps=3", "--set", "checkpoints.interval=0"],
         cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "smoke: ok: world=8 backend=gloo launcher=local" in proc.stdout  # rank 0 streamed
@@ -41,6 +42,7 @@ def test_local_run_8_processes(tmp_path):
         for axis, result in report["sums"].items():
             assert result["got"] == result["expected"] == sum(result["ranks"]), (report["rank"], axis)
     assert (tmp_path / "local8" / "job" / "rank-7.log").is_file()
+    assert "step 3/3 | loss" in proc.stdout  # the metrics rank (last stage) streams too
 
 
 def test_failing_rank_ends_the_job(tmp_path):

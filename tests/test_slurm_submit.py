@@ -32,7 +32,7 @@ def check_smoke_reports(run_dir: Path, job_id: str) -> None:
 def test_submit_2_nodes_x_4_tasks(slurm_cluster, tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "submit.py"), str(TINY), "--set", f"logging.dir={tmp_path}",
-         "--set", "logging.run_name=slurm-smoke"],
+         "--set", "logging.run_name=slurm-smoke", "--set", "training.train_steps=3"],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id = submitted_job_id(proc.stdout)
@@ -50,7 +50,8 @@ def test_emitted_script_runs_with_plain_sbatch(slurm_cluster, tmp_path):
     out_dir = tmp_path / "generated"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "submit.py"), str(TINY), "--emit", str(out_dir),
-         "--set", f"logging.dir={tmp_path}", "--set", "logging.run_name=emitted"],
+         "--set", f"logging.dir={tmp_path}", "--set", "logging.run_name=emitted",
+         "--set", "training.train_steps=3"],
         cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     submit = subprocess.run(["sbatch", str(out_dir / "emitted.sbatch")], cwd=tmp_path,

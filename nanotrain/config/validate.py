@@ -78,14 +78,12 @@ def validate_model(config: Config) -> None:
 
 
 def validate_optimizer(config: Config) -> None:
-    o, t = config.optimizer, config.training
+    o = config.optimizer
     for i, beta in enumerate(o.betas):
         if not 0.0 <= beta < 1.0:
             _fail(f"optimizer.betas[{i}]: {beta} must be in [0, 1)")
     if o.min_lr > o.lr:
         _fail(f"optimizer.min_lr ({o.min_lr}) must not exceed optimizer.lr ({o.lr})")
-    if o.warmup_steps > t.train_steps:
-        _fail(f"optimizer.warmup_steps ({o.warmup_steps}) exceeds training.train_steps ({t.train_steps})")
 
 
 def validate_names(config: Config) -> None:
