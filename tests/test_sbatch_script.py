@@ -96,7 +96,8 @@ def test_env_values_are_quoted(tmp_path):
 
 def test_emit_writes_standalone_script_and_config(tmp_path, capsys):
     out_dir = tmp_path / "generated"
-    assert main([str(TINY), "--emit", str(out_dir), "--set", f"logging.dir={tmp_path / 'logs'}"]) == 0
+    assert main([str(TINY), "--emit", str(out_dir), "--set", f"logging.dir={tmp_path / 'logs'}",
+                 "--set", "logging.run_name=tiny_cpu"]) == 0
     script = (out_dir / "tiny_cpu.sbatch").read_text()
     config_path = out_dir / "tiny_cpu.yaml"
     assert config_path.is_file()
