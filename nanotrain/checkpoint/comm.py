@@ -1,0 +1,86 @@
+"""The few collectives the checkpoint code needs, carrying JSON (never pickle).
+
+``torch.distributed``'s ``*_object`` collectives unpickle what they receive; a checkpoint loader
+that promises "no pickle anywhere" cannot use them. These send UTF-8 JSON as uint8 tensors over
+the world group instead. ``pc=None`` (or a world of one) means a single process: no communication.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+
+
+class World:
+    """Rank, size and group of the processes taking part in a save/load."""
+
+    def __init__(self, pc=None):
+        self.active = pc is not None and dist.is_available() and dist.is_initialized() and pc.world_size > 1
+        self.group = pc.world_pg if self.active else None
+        self.rank = dist.get_rank() if self.active else 0
+        self.size = pc.world_size if self.active else 1
+        self.device = torch.device("cpu")
+        if self.active and "nccl" in str(dist.get_backend(self.group)):
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def _bytes_tensor(self, obj) -> torch.Tensor:
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if data else \
+            torch.zeros(0, dtype=torch.uint8, device=self.device)
+
+    @staticmethod
+    def _decode(t: torch.Tensor, n: int):
+        return json.loads(bytes(t[:n].cpu().numpy().tobytes()).decode())
+
+    def all_gather(self, obj) -> list:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if not self.active:
+            return [obj]
+        mine = self._bytes_tensor(obj)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
+        dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=self.device),
+                        group=self.group)
+        sizes = [int(s.item()) for s in sizes]
+        width = max(sizes)
+        padded = torch.zeros(width, dtype=torch.uint8, device=self.device)
+        padded[:mine.numel()] = mine
+        out = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+        dist.all_gather(out, padded, group=self.group)
+        return [self._decode(t, n) for t, n in zip(out, sizes)]
+
+    def gather(self, obj, dst: int = 0) -> list | None:
+        """Every rank's ``obj`` on rank ``dst`` (rank order); None elsewhere."""
+        if not self.active:
+            return [obj]
+        mine = self._bytes_tensor(obj)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
+        dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=self.device),
+                        group=self.group)
+        sizes = [int(s.item()) for s in sizes]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=self.device)
+        padded[:mine.numel()] = mine
+        out = ([torch.empty(max(sizes), dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+               if self.rank == dst else None)
+        dist.gather(padded, out, dst=dist.get_global_rank(self.group, dst) if self.group is not None else dst,
+                    group=self.group)
+        return [self._decode(t, n) for t, n in zip(out, sizes)] if self.rank == dst else None
+
+    def broadcast(self, obj, src: int = 0):
+        """``obj`` of rank ``src`` on every rank (others pass anything, e.g. None)."""
+        if not self.active:
+            return obj
+        mine = self._bytes_tensor(obj) if self.rank == src else None
+        size = torch.tensor([mine.numel() if mine is not None else 0], dtype=torch.int64, device=self.device)
+        dist.broadcast(size, src=src, group=self.group)
+        buf = mine if mine is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.broadcast(buf, src=src, group=self.group)
+        return self._decode(buf, int(size.item()))
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is True on any."""
+        if not self.active:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())

@@ -1,0 +1,414 @@
+"""On-disk format: names, shard metadata as JSON, checksummed file writes, the commit primitives.
+
+Everything here is plain file and JSON work with no torch.distributed, so the writer, the loader
+and the offline resharder share one definition of the format. The layout is documented in
+``nanotrain/checkpoint/__init__.py``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from nanotrain.parallel.sharding import ShardInfo
+
+FORMAT = "nanotrain-checkpoint"
+FORMAT_VERSION = 1
+META = "meta.json"
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+HEADER_KEY = "nanotrain"  # safetensors __metadata__ key holding the per-tensor shard records (JSON)
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_TMP_RE = re.compile(r"^step_\d+(\.[A-Za-z0-9_-]+)*\.tmp$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or loaded (the message says which file / parameter)."""
+
+
+# ----------------------------------------------------------------------------- names
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def parse_step(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_tmp_name(name: str) -> bool:
+    return bool(_TMP_RE.match(name))
+
+
+def coord_tag(**coords: int) -> str:
+    """``pp-00_tp-01`` style tag; axes whose value is None are left out."""
+    return "_".join(f"{axis}-{value:02d}" for axis, value in coords.items() if value is not None)
+
+
+# ----------------------------------------------------------------------------- shard metadata
+def _slices_to_json(index) -> list[list[int]]:
+    out = []
+    for s in index:
+        if s.step not in (None, 1):
+            raise CheckpointError(f"strided shard slices are not supported: {s}")
+        out.append([int(s.start), int(s.stop)])
+    return out
+
+
+def info_to_json(info: ShardInfo) -> dict:
+    return {"global_shape": list(info.global_shape), "axis": info.axis,
+            "pairs": [[_slices_to_json(local), _slices_to_json(glob)] for local, glob in info.pairs]}
+
+
+def info_from_json(data: dict) -> ShardInfo:
+    def idx(spans):
+        return tuple(slice(a, b) for a, b in spans)
+    return ShardInfo(tuple(data["global_shape"]), tuple((idx(l), idx(g)) for l, g in data["pairs"]),
+                     data.get("axis"))
+
+
+def canonical(obj) -> str:
+    """Stable JSON (sorted keys, no spaces): for hashing and for comparing records."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def key_hash(obj) -> str:
+    return hashlib.sha1(canonical(obj).encode()).hexdigest()[:16]
+
+
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32,
+    torch.uint8, torch.bool)}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ----------------------------------------------------------------------------- checksummed I/O
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+CHECKSUM = "sha256 of each tensor's bytes and of the header; file digest = sha256(header digest + tensor digests)"
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes: no copy for a contiguous CPU tensor (a view into ZeRO-1's flat buffer
+    included), one tensor-sized copy otherwise (GPU, strided)."""
+    t = t.detach().to("cpu").contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def file_digest(header_sha256: str, tensor_sha256: Iterable[str]) -> str:
+    return hashlib.sha256((header_sha256 + "".join(tensor_sha256)).encode()).hexdigest()
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], header: dict) -> dict:
+    """Stream a safetensors file to disk, hashing as it goes, and fsync it.
+
+    Written here rather than with ``safetensors.torch.save`` (which builds the whole file as one
+    bytes object first): no second copy of the rank's shard in memory. Each tensor and the header
+    get their own sha256, so a loader verifies exactly the bytes it reads (a rank taking one norm
+    from another rank's file does not hash that whole file). Returns the meta.json record:
+    ``{"bytes", "digest", "header_sha256", "tensors": {key: sha256}}``.
+    """
+    head, offset = {}, 0
+    for key, t in tensors.items():
+        size = t.numel() * t.element_size()
+        head[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head["__metadata__"] = {HEADER_KEY: canonical(header)}
+    head_bytes = json.dumps(head, separators=(",", ":")).encode()
+    head_bytes += b" " * (-len(head_bytes) % 8)  # the format pads the header to 8 bytes
+    prefix = struct.pack("<Q", len(head_bytes)) + head_bytes
+    digests = {}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(prefix)
+        for key, t in tensors.items():
+            raw = _raw(t)
+            digests[key] = hashlib.sha256(raw).hexdigest()
+            f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    header_sha = hashlib.sha256(prefix).hexdigest()
+    return {"bytes": len(prefix) + offset, "digest": file_digest(header_sha, digests.values()),
+            "header_sha256": header_sha, "tensors": digests}
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a sibling temp file, fsync, ``os.replace``: readers see the old or the new text."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    write_bytes(tmp, text.encode())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+# ----------------------------------------------------------------------------- commit primitives
+def write_meta_and_complete(ckpt_dir: Path, meta: dict) -> None:
+    """meta.json, then COMPLETE holding meta.json's sha256 (so meta.json is checked too)."""
+    for sub in ("model", "optimizer", "state"):
+        if (ckpt_dir / sub).is_dir():
+            fsync_dir(ckpt_dir / sub)
+    text = json.dumps(meta, indent=1, sort_keys=False) + "\n"
+    write_bytes(ckpt_dir / META, text.encode())
+    write_complete(ckpt_dir, hashlib.sha256(text.encode()).hexdigest())
+
+
+def write_complete(ckpt_dir: Path, meta_sha256: str) -> None:
+    write_bytes(ckpt_dir / COMPLETE, f"sha256 {meta_sha256}\n".encode())
+    fsync_dir(ckpt_dir)
+
+
+def commit_rename(tmp_dir: Path, final_dir: Path) -> None:
+    """step_N.tmp -> step_N. An existing step_N (a stale one from an abandoned future, or a
+    repeated step) is first renamed aside to a *.tmp name, which the loader ignores."""
+    if final_dir.exists():
+        aside = final_dir.with_name(final_dir.name + ".replaced.tmp")
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.rename(final_dir, aside)
+        os.rename(tmp_dir, final_dir)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)
+
+
+def update_latest(root: Path, name: str) -> None:
+    atomic_write_text(root / LATEST, name + "\n")
+
+
+def read_latest(root: Path) -> str | None:
+    try:
+        name = (root / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name if parse_step(name) is not None else None
+
+
+def remove_dir(path: Path) -> None:
+    """Delete a checkpoint directory without ever exposing a half-deleted COMPLETE one: rename it
+    to a *.tmp name first (atomic), then delete."""
+    aside = path.with_name(path.name + ".deleting.tmp")
+    try:
+        os.rename(path, aside)
+    except OSError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- discovery
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of every directory named step_N holding COMPLETE, newest first."""
+    out = []
+    try:
+        entries = list(Path(root).iterdir())
+    except OSError:
+        return []
+    for p in entries:
+        step = parse_step(p.name)
+        if step is not None and p.is_dir() and (p / COMPLETE).is_file():
+            out.append((step, p))
+    return sorted(out, reverse=True)
+
+
+def load_candidates(root: Path) -> list[Path]:
+    """Checkpoints to try, in order: the one ``latest`` names (if complete), then the complete
+    ones older than it, newest first. Without a valid ``latest``: every complete one, newest
+    first. Complete checkpoints newer than ``latest`` (a crash between the rename and the update
+    of ``latest``, or the abandoned future of a rolled-back run) are not used."""
+    found = complete_checkpoints(root)
+    latest = read_latest(root)
+    if latest is not None:
+        steps = {p.name: s for s, p in found}
+        if latest in steps:
+            return [p for s, p in found if s <= steps[latest]]
+    return [p for _, p in found]
+
+
+def stale_entries(root: Path) -> Iterable[Path]:
+    """Leftovers of interrupted saves: *.tmp directories and step_N without COMPLETE."""
+    try:
+        entries = list(Path(root).iterdir())
+    except OSError:
+        return []
+    out = []
+    for p in entries:
+        if not p.is_dir():
+            continue
+        if is_tmp_name(p.name) or (parse_step(p.name) is not None and not (p / COMPLETE).is_file()):
+            out.append(p)
+    return out
+
+
+def read_meta(ckpt_dir: Path) -> dict:
+    """meta.json, checked against the sha256 in COMPLETE. Raises CheckpointError naming the file."""
+    try:
+        complete = (ckpt_dir / COMPLETE).read_text().split()
+        data = (ckpt_dir / META).read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{ckpt_dir}: cannot read {META}/{COMPLETE}: {e}") from None
+    if len(complete) != 2 or complete[0] != "sha256":
+        raise CheckpointError(f"{ckpt_dir / COMPLETE}: unexpected content")
+    if hashlib.sha256(data).hexdigest() != complete[1]:
+        raise CheckpointError(f"{ckpt_dir / META}: checksum mismatch (file altered or truncated)")
+    meta = json.loads(data)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{ckpt_dir / META}: not a {FORMAT} checkpoint")
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{ckpt_dir / META}: format version {meta['format_version']} is newer "
+                              f"than this code understands ({FORMAT_VERSION})")
+    return meta
+
+
+def read_header(path: Path) -> tuple[bytes, dict]:
+    """(the raw 8-byte length + header, the parsed header) of a safetensors file."""
+    with open(path, "rb") as f:
+        size_bytes = f.read(8)
+        if len(size_bytes) != 8:
+            raise CheckpointError(f"{path}: shorter than a safetensors header")
+        (size,) = struct.unpack("<Q", size_bytes)
+        if size > 100 << 20:
+            raise CheckpointError(f"{path}: implausible header size {size}")
+        raw = f.read(size)
+    if len(raw) != size:
+        raise CheckpointError(f"{path}: header truncated")
+    return size_bytes + raw, json.loads(raw)
+
+
+def verify_file(ckpt_dir: Path, rel: str, record: dict | None, keys: Iterable[str] | None = None) -> str | None:
+    """None if ``rel`` has its recorded size and header, and the tensors ``keys`` (None = all)
+    their recorded sha256; else the reason, naming the file (and tensor)."""
+    path = ckpt_dir / rel
+    if record is None:
+        return f"{path}: not listed in {META}"
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return f"{path}: missing"
+    if size != record["bytes"]:
+        return f"{path}: size {size} bytes, expected {record['bytes']} (truncated or altered)"
+    try:
+        prefix, head = read_header(path)
+    except (CheckpointError, ValueError, OSError) as e:
+        return f"{path}: unreadable header ({e})"
+    if hashlib.sha256(prefix).hexdigest() != record["header_sha256"]:
+        return f"{path}: header sha256 mismatch (altered)"
+    wanted = list(record["tensors"]) if keys is None else list(keys)
+    with open(path, "rb") as f:
+        for key in wanted:
+            if key not in head or key not in record["tensors"]:
+                return f"{path}: tensor {key!r} missing"
+            start, stop = head[key]["data_offsets"]
+            f.seek(len(prefix) + start)
+            h, left = hashlib.sha256(), stop - start
+            while left > 0:
+                block = f.read(min(left, 16 << 20))
+                if not block:
+                    return f"{path}: truncated inside tensor {key!r}"
+                h.update(block)
+                left -= len(block)
+            if h.hexdigest() != record["tensors"][key]:
+                return f"{path}: tensor {key!r} sha256 mismatch (altered)"
+    if keys is None:
+        in_order = (record["tensors"][k] for k in head if k != "__metadata__")
+        if file_digest(record["header_sha256"], in_order) != record["digest"]:
+            return f"{path}: file digest mismatch"
+    return None
+
+
+def verify_checkpoint(ckpt_dir: Path) -> list[str]:
+    """Every file of a checkpoint, completely (offline tools; the loader checks what it reads)."""
+    ckpt_dir = Path(ckpt_dir)
+    meta = read_meta(ckpt_dir)
+    return [p for rel, rec in meta["files"].items() if (p := verify_file(ckpt_dir, rel, rec))]
+
+
+# ----------------------------------------------------------------------------- shard files
+def write_model_shards(ckpt_dir: Path, tag: str, items: list[tuple[str, torch.Tensor, ShardInfo]],
+                       granularity: str = "rank", stage: int = 0) -> tuple[dict, dict]:
+    """Write parameter shards; returns (files {rel: {sha256, bytes}}, index {name: [entry]}).
+
+    ``items``: (name, local tensor, ShardInfo). Each entry records the file, the unsharded shape,
+    the (local, global) slice pairs, the local shape and dtype: enough to rebuild the full tensor
+    from any set of shards and to recognise a shard that a new rank can take as it is."""
+    groups = _group(items, granularity, lambda name: f"model/{name}/{tag}.safetensors",
+                    f"model/{tag}.safetensors")
+    files, index = {}, {}
+    for rel, group in groups.items():
+        header, tensors = {}, {}
+        for name, tensor, info in group:
+            entry = {"shard": info_to_json(info), "local_shape": list(tensor.shape),
+                     "dtype": dtype_name(tensor.dtype)}
+            header[name] = entry
+            tensors[name] = tensor
+            index.setdefault(name, []).append({"file": rel, "key": name, "stage": stage, **entry})
+        files[rel] = write_safetensors(ckpt_dir / rel, tensors, {"kind": "model", "tensors": header})
+    return files, index
+
+
+def write_optimizer_shards(ckpt_dir: Path, tag: str, items: list[tuple], granularity: str = "rank",
+                           stage: int = 0) -> tuple[dict, dict]:
+    """Write AdamW states. ``items``: (name, ShardInfo, local_shape, start, stop, step, exp_avg,
+    exp_avg_sq): the states of elements [start, stop) of the flattened LOCAL parameter (ZeRO-1
+    ranges; [0, numel) for ZeRO-0), whose pieces map to the full tensor through the ShardInfo."""
+    groups = _group(items, granularity, lambda name: f"optimizer/{name}/{tag}.safetensors",
+                    f"optimizer/{tag}.safetensors")
+    files, index = {}, {}
+    for rel, group in groups.items():
+        header, tensors = {}, {}
+        for name, info, local_shape, start, stop, step, exp_avg, exp_avg_sq in group:
+            entry = {"shard": info_to_json(info), "local_shape": list(local_shape), "start": int(start),
+                     "stop": int(stop), "dtype": dtype_name(exp_avg.dtype)}
+            header[name] = entry
+            tensors[f"{name}/exp_avg"] = exp_avg.reshape(-1)
+            tensors[f"{name}/exp_avg_sq"] = exp_avg_sq.reshape(-1)
+            tensors[f"{name}/step"] = torch.as_tensor(step, dtype=torch.float32).reshape(1)
+            index.setdefault(name, []).append({"file": rel, "prefix": name, "stage": stage, **entry})
+        files[rel] = write_safetensors(ckpt_dir / rel, tensors, {"kind": "optimizer", "tensors": header})
+    return files, index
+
+
+def _group(items, granularity, per_param, per_rank) -> dict[str, list]:
+    if granularity not in ("rank", "param"):
+        raise ValueError(f"granularity must be 'rank' or 'param', got {granularity!r}")
+    groups: dict[str, list] = {}
+    for item in items:
+        rel = per_param(item[0]) if granularity == "param" else per_rank
+        groups.setdefault(rel, []).append(item)
+    return groups
+
+
+def merge_index(into: dict, part: dict) -> None:
+    for name, entries in part.items():
+        into.setdefault(name, []).extend(entries)

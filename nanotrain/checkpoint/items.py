@@ -1,0 +1,81 @@
+"""What a rank has to checkpoint, read from the live objects: parameters with their ShardInfo,
+and the optimizer state per parameter name in the one layout of ZeRO-0 and ZeRO-1."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import torch
+from torch import nn
+
+from nanotrain.optim.optimizer import optimizer_state_by_name
+from nanotrain.parallel.data_parallel.zero import ZeroOneOptimizer
+
+Models = Union[nn.Module, Sequence[nn.Module]]
+
+def named_params(model: Models) -> dict[str, list[nn.Parameter]]:
+    """Name -> the parameters of that name on this rank (several modules, e.g. virtual pipeline
+    chunks, may be passed; a name found twice with different tensors is filled in both)."""
+    modules = [model] if isinstance(model, nn.Module) else list(model)
+    out: dict[str, list[nn.Parameter]] = {}
+    for m in modules:
+        for name, p in m.named_parameters():
+            lst = out.setdefault(name, [])
+            if all(q is not p for q in lst):
+                lst.append(p)
+    return out
+
+
+@dataclass
+class OptEntry:
+    name: str
+    start: int
+    stop: int
+    local_shape: tuple[int, ...]
+    step: torch.Tensor
+    exp_avg: torch.Tensor  # 1-D, stop - start elements
+    exp_avg_sq: torch.Tensor
+
+
+def optimizer_entries(optimizer) -> dict[str, OptEntry]:
+    out = {}
+    for name, s in optimizer_state_by_name(optimizer).items():
+        out[name] = OptEntry(name, int(s["start"]), int(s["stop"]), tuple(s["shape"]),
+                             torch.as_tensor(s["step"], dtype=torch.float32).reshape(1),
+                             s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1))
+    return out
+
+
+def zero_stage_of(optimizer) -> int | None:
+    if optimizer is None:
+        return None
+    return 1 if isinstance(optimizer, ZeroOneOptimizer) else 0
+
+
+def config_as_dict(config) -> dict | None:
+    """A Config dataclass or an already plain dict -> plain JSON-able dict (None stays None)."""
+    if config is None or isinstance(config, dict):
+        return config
+    from nanotrain.config import config_to_dict
+    return config_to_dict(config)
+
+
+def topology_of(pc, optimizer=None, config: dict | None = None) -> dict:
+    par = (config or {}).get("parallelism") or {}
+    sizes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1} if pc is None else {
+        "dp": pc.dp_size, "tp": pc.tp_size, "pp": pc.pp_size, "cp": pc.cp_size, "ep": pc.ep_size}
+    return {**sizes, "zero_stage": zero_stage_of(optimizer), "pp_engine": par.get("pp_engine"),
+            "pp_virtual_stages": par.get("pp_virtual_stages"), "tp_mode": par.get("tp_mode")}
+
+
+GRID_AXES = ("dp", "tp", "pp", "cp", "ep")
+
+
+def same_grid(a: dict, b: dict) -> bool:
+    return all(a.get(k, 1) == b.get(k, 1) for k in GRID_AXES)
+
+
+def coords_of(pc) -> dict[str, int]:
+    if pc is None:
+        return {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "ep": 0}
+    return {"pp": pc.pp_rank, "dp": pc.dp_rank, "cp": pc.cp_rank, "tp": pc.tp_rank, "ep": pc.ep_rank}

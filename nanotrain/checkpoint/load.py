@@ -1,0 +1,361 @@
+"""Collective load: pick the newest intact checkpoint, verify, then restore or reshard.
+
+For every parameter (and its optimizer state) the loader looks in the index of meta.json for a
+saved shard with exactly this rank's ShardInfo, local shape (and ZeRO range): found, the tensor is
+copied as it is (the same-topology case, bit-exact). Otherwise the full tensor is assembled from
+all saved shards of that name by their (local, global) slice pairs and this rank's pieces are cut
+from it — which covers any change of tp, pp, dp, cp and ZeRO stage. Optimizer states are handled
+the same way through a map "flattened local element -> flat global element" built from the
+ShardInfo, so ZeRO-1 ranges cut through tp shards and padding in any combination. All of this is
+copying, never arithmetic, so resharded values are bit-identical to the saved ones.
+
+Integrity: every file a rank is about to read is checked against the size and sha256 recorded
+in meta.json (itself checked against COMPLETE) before anything is modified. Any damage found on
+any rank is shared (one all-gather), logged with the file names, and all ranks fall back together
+to the previous complete checkpoint. Errors that a fallback cannot fix (a parameter missing or of
+another shape) raise on every rank.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from nanotrain.checkpoint import format as fmt
+from nanotrain.checkpoint.comm import World
+from nanotrain.checkpoint.format import CheckpointError, info_from_json
+from nanotrain.checkpoint.items import (GRID_AXES, Models, config_as_dict, named_params, optimizer_entries,
+                                        same_grid, topology_of)
+from nanotrain.checkpoint.rng import restore_rng
+from nanotrain.optim.optimizer import load_optimizer_state_by_name
+from nanotrain.parallel.sharding import copy_from_full_, get_shard_info
+
+log = logging.getLogger("nanotrain.checkpoint")
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What a resumed run needs besides the restored objects."""
+
+    path: Path
+    step: int
+    extra: dict  # as given to save_checkpoint (consumed_samples, consumed_tokens, ...)
+    rank_state: dict | None  # this rank's rank_state; None when the topology changed
+    resharded: bool  # some tensor was rebuilt from other shards (topology change)
+    rng_restored: bool
+    skipped: list[str] = field(default_factory=list)  # damaged newer checkpoints, with the files
+    meta: dict = field(default_factory=dict, repr=False)
+
+
+def load_checkpoint(root: str | Path, model: Models, optimizer=None, scheduler=None, pc=None, *,
+                    config=None, path: str | Path | None = None, load_rng: bool = True,
+                    strict: bool = True) -> LoadedCheckpoint | None:
+    """Restore the newest intact complete checkpoint under ``root`` into the given objects.
+
+    Returns None when there is nothing to resume (no complete checkpoint). ``path``: load this
+    checkpoint directory instead (no fallback). ``config``: if given, its ``model`` section must
+    match the saved one (dtype aside). ``strict``: every saved parameter must be taken by some
+    rank (a checkpoint of a bigger model is an error, not a silent partial load). The caller
+    builds ``model``/``optimizer``/``scheduler`` for the current topology first, as for a fresh run.
+    """
+    world = World(pc)
+    if path is not None:
+        candidates = [str(path)]
+    else:
+        candidates = [str(p) for p in fmt.load_candidates(Path(root))] if world.rank == 0 else None
+        candidates = world.broadcast(candidates)
+    if not candidates:
+        return None
+    params = named_params(model)
+    cfg = config_as_dict(config)
+    topology = topology_of(pc, optimizer, cfg)
+    skipped: list[str] = []
+    for cand in map(Path, candidates):
+        problems, fatal, plan, meta = [], [], None, None
+        try:
+            meta = fmt.read_meta(cand)
+        except Exception as e:  # unreadable or altered meta.json: damaged, try the previous one
+            problems.append(str(e))
+        if meta is not None:
+            try:
+                plan = _plan(cand, meta, params, optimizer, topology, cfg, world.rank, load_rng)
+                problems = [p for rel, keys in sorted(plan.files.items())
+                            if (p := fmt.verify_file(cand, rel, meta["files"].get(rel), keys))]
+            except CheckpointError as e:  # does not fit this model: a fallback would not help
+                fatal.append(str(e))
+            except Exception:
+                fatal.append(traceback.format_exc())
+        replica_zero = pc is None or (pc.dp_rank == 0 and pc.cp_rank == 0)  # the others hold the same
+        used = sorted(plan.used_names) if plan is not None and replica_zero else []
+        reports = world.all_gather({"problems": problems, "fatal": fatal, "used": used})
+        fatal_all = [f for r in reports for f in r["fatal"]]
+        if fatal_all:
+            raise CheckpointError(f"cannot load {cand}:\n" + "\n".join(dict.fromkeys(fatal_all)))
+        problems_all = list(dict.fromkeys(p for r in reports for p in r["problems"]))
+        if problems_all:
+            msg = f"checkpoint {cand} is damaged, falling back to the previous complete one: " + "; ".join(problems_all)
+            if world.rank == 0:
+                log.warning(msg)
+            skipped.append(msg)
+            if path is not None:
+                raise CheckpointError(msg)
+            continue
+        if strict:
+            saved = set(meta["index"]["model"])
+            used_all = {n for r in reports for n in r["used"]}
+            unused = sorted(saved - used_all)
+            if unused:
+                raise CheckpointError(f"cannot load {cand}: it holds parameters no rank of this model has "
+                                      f"(pass strict=False to ignore): {unused[:8]}")
+        try:
+            result = _apply(cand, meta, plan, params, optimizer, scheduler, world, topology)
+            error = None
+        except Exception:
+            result, error = None, f"rank {world.rank}: {traceback.format_exc()}"
+        errors = [e for e in world.all_gather(error) if e]
+        if errors:
+            raise CheckpointError(f"loading {cand} failed (model/optimizer may be partly loaded):\n"
+                                  + "\n".join(errors))
+        result.skipped = skipped
+        resharded = world.any(result.resharded)
+        result.resharded = resharded
+        if world.rank == 0:
+            log.info("loaded %s (step %d%s)", cand, result.step, ", resharded" if resharded else "")
+        return result
+    raise CheckpointError(f"no intact complete checkpoint under {root}:\n" + "\n".join(skipped))
+
+
+# ----------------------------------------------------------------------------- planning
+@dataclass
+class _Plan:
+    model: dict = field(default_factory=dict)  # name -> (entries, fast)
+    optimizer: dict = field(default_factory=dict)  # name -> (entries, fast, template OptEntry)
+    files: dict = field(default_factory=dict)  # file -> the tensor keys read from it (None: all)
+    used_names: set = field(default_factory=set)
+    state_file: str | None = None
+    same_grid: bool = False
+    want_rng: bool = True
+
+
+def _plan(cand: Path, meta: dict, params, optimizer, topology, cfg, rank, load_rng) -> _Plan:
+    if cfg is not None and meta.get("config"):
+        mine = {k: v for k, v in (cfg.get("model") or {}).items() if k != "dtype"}
+        saved = {k: v for k, v in (meta["config"].get("model") or {}).items() if k != "dtype"}
+        diff = sorted(k for k in set(mine) | set(saved) if mine.get(k) != saved.get(k))
+        if diff:
+            raise CheckpointError(f"{cand}: model config differs from the saved one in "
+                                  + ", ".join(f"{k} ({saved.get(k)!r} saved, {mine.get(k)!r} now)" for k in diff))
+    plan = _Plan(same_grid=same_grid(meta["topology"], topology))
+    model_index, opt_index = meta["index"]["model"], meta["index"]["optimizer"]
+    missing, mismatched = [], []
+    for name, plist in params.items():
+        if name not in model_index:
+            missing.append(name)
+            continue
+        plan.used_names.add(name)
+        info, p = get_shard_info(plist[0]), plist[0]
+        entries = model_index[name]
+        if entries[0]["shard"]["global_shape"] != list(info.global_shape):
+            mismatched.append(f"{name}: saved {entries[0]['shard']['global_shape']}, model {list(info.global_shape)}")
+            continue
+        key = fmt.canonical(fmt.info_to_json(info))
+        fast = [e for e in entries if fmt.canonical(e["shard"]) == key and e["local_shape"] == list(p.shape)]
+        plan.model[name] = (fast[:1] or entries, bool(fast))
+    if optimizer is not None and opt_index:
+        for name, tmpl in optimizer_entries(optimizer).items():
+            if name not in opt_index or name not in params:
+                missing.append(f"{name} (optimizer state)")
+                continue
+            entries = opt_index[name]
+            key = fmt.canonical(fmt.info_to_json(get_shard_info(params[name][0])))
+            mine = (list(tmpl.local_shape), tmpl.start, tmpl.stop)
+            fast = [e for e in entries
+                    if fmt.canonical(e["shard"]) == key and (e["local_shape"], e["start"], e["stop"]) == mine]
+            plan.optimizer[name] = (fast[:1] or entries, bool(fast), tmpl)
+    elif optimizer is not None and rank == 0:
+        log.warning("%s holds no optimizer state; the optimizer starts fresh", cand)
+    if missing or mismatched:
+        raise CheckpointError(f"{cand} does not fit this model: "
+                              + (f"missing {missing[:8]}" if missing else "")
+                              + (f" shape mismatch {mismatched[:8]}" if mismatched else ""))
+    for entries, _ in plan.model.values():
+        for e in entries:
+            plan.files.setdefault(e["file"], set()).add(e["key"])
+    for entries, _, _ in plan.optimizer.values():
+        for e in entries:
+            keys = (f"{e['prefix']}/{k}" for k in ("exp_avg", "exp_avg_sq", "step"))
+            plan.files.setdefault(e["file"], set()).update(keys)
+    plan.want_rng = load_rng
+    if plan.same_grid:  # per-rank state (RNG, rank_state) only means something on the same grid
+        plan.state_file = meta["index"]["state"].get(str(rank))
+        if plan.state_file:
+            plan.files[plan.state_file] = None
+    return plan
+
+
+# ----------------------------------------------------------------------------- applying
+
+class _Reader:
+    """Lazily opened safetensors files of one checkpoint (memory-mapped, read per tensor)."""
+
+    def __init__(self, ckpt: Path):
+        self.ckpt, self.handles = ckpt, {}
+
+    def get(self, rel: str, key: str) -> torch.Tensor:
+        h = self.handles.get(rel)
+        if h is None:
+            h = self.handles[rel] = safe_open(str(self.ckpt / rel), framework="pt")
+        return h.get_tensor(key)
+
+    def get_handle(self, rel: str):
+        if rel not in self.handles:
+            self.handles[rel] = safe_open(str(self.ckpt / rel), framework="pt")
+        return self.handles[rel]
+
+    def close(self) -> None:
+        self.handles.clear()
+
+
+def _by_stage(entries: list[dict]) -> list[list[dict]]:
+    """Entries grouped by the pipeline stage that wrote them. A parameter lives on one stage,
+    except a tied embedding's replica on the last stage: its ZeRO-1 ranges differ from the
+    original's (other neighbours in the flat buffer), so both are saved; any one complete group
+    rebuilds the tensor, the first stage's is used."""
+    groups: dict[int, list[dict]] = {}
+    for e in entries:
+        groups.setdefault(e.get("stage", 0), []).append(e)
+    return [groups[k] for k in sorted(groups)]
+
+
+def _place(full: torch.Tensor, covered: torch.Tensor, local: torch.Tensor, shard_json: dict) -> None:
+    for loc, glob in info_from_json(shard_json).pairs:
+        full[glob] = local[loc]
+        covered[glob] = True
+
+
+def cut_local(full: torch.Tensor, shard_json: dict, local_shape) -> torch.Tensor:
+    """A rank's local tensor (padding zero) from the full one, by its slice pairs."""
+    local = torch.zeros(tuple(local_shape), dtype=full.dtype)
+    for loc, glob in info_from_json(shard_json).pairs:
+        local[loc] = full[glob]
+    return local
+
+
+def assemble_full(reader: _Reader, name: str, entries: list[dict]) -> torch.Tensor:
+    """The unsharded tensor from saved shards (every element covered, replicas agreeing)."""
+    shape = entries[0]["shard"]["global_shape"]
+    dtype = fmt.DTYPES[entries[0]["dtype"]]
+    for group in _by_stage(entries):
+        full, covered = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=torch.bool)
+        for e in group:
+            _place(full, covered, reader.get(e["file"], e["key"]), e["shard"])
+        if bool(covered.all()):
+            return full
+    raise CheckpointError(f"{name}: the saved shards do not cover the whole tensor {shape}")
+
+
+def assemble_optimizer_full(reader: _Reader, name: str, entries: list[dict]) -> dict[str, torch.Tensor]:
+    """Full exp_avg / exp_avg_sq (unsharded shape) and step from the saved ranges: for each saved
+    local shard, its dp ranges (ZeRO-1) are concatenated back into the flattened local tensor,
+    which is then placed like a parameter shard."""
+    shape = entries[0]["shard"]["global_shape"]
+    dtype = fmt.DTYPES[entries[0]["dtype"]]
+    for group in _by_stage(entries):
+        out = {k: torch.zeros(shape, dtype=dtype) for k in ("exp_avg", "exp_avg_sq")}
+        covered, steps = torch.zeros(shape, dtype=torch.bool), set()
+        shards: dict[str, list[dict]] = {}
+        for e in group:
+            shards.setdefault(fmt.canonical([e["shard"], e["local_shape"]]), []).append(e)
+        complete = True
+        for parts in shards.values():
+            local_shape, numel = parts[0]["local_shape"], math.prod(parts[0]["local_shape"])
+            spans = sorted({(e["start"], e["stop"]) for e in parts})
+            if spans[0][0] != 0 or spans[-1][1] != numel or any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+                complete = False  # some dp range of this shard is missing
+                break
+            for k in ("exp_avg", "exp_avg_sq"):
+                flat = torch.zeros(numel, dtype=dtype)
+                for e in parts:
+                    flat[e["start"]:e["stop"]] = reader.get(e["file"], f"{e['prefix']}/{k}")
+                _place(out[k], covered, flat.view(local_shape), parts[0]["shard"])
+            steps.update(float(reader.get(e["file"], f"{e['prefix']}/step").item()) for e in parts)
+        if not complete or not bool(covered.all()):
+            continue
+        if len(steps) != 1:
+            raise CheckpointError(f"{name}: saved optimizer shards disagree on the step count: {sorted(steps)}")
+        out["step"] = torch.tensor(steps.pop(), dtype=torch.float32)
+        return out
+    raise CheckpointError(f"{name}: the saved optimizer ranges do not cover the whole tensor {shape}")
+
+
+def _apply(cand: Path, meta: dict, plan: _Plan, params, optimizer, scheduler, world: World,
+           topology: dict) -> LoadedCheckpoint:
+    reader = _Reader(cand)
+    resharded = not plan.same_grid
+    with torch.no_grad():
+        for name, (entries, fast) in plan.model.items():
+            if fast:
+                src = reader.get(entries[0]["file"], entries[0]["key"])
+                for p in params[name]:
+                    p.copy_(src)
+            else:
+                resharded = True
+                full = assemble_full(reader, name, entries)
+                for p in params[name]:
+                    p.zero_()  # padding rows (not in the ShardInfo) stay zero
+                    copy_from_full_(p, full.to(p.dtype))
+        if plan.optimizer:
+            states = {}
+            for name, (entries, fast, tmpl) in plan.optimizer.items():
+                st = {"start": tmpl.start, "stop": tmpl.stop, "shape": tmpl.local_shape,
+                      "numel": math.prod(tmpl.local_shape)}
+                if fast:
+                    e = entries[0]
+                    for k in ("exp_avg", "exp_avg_sq", "step"):
+                        st[k] = reader.get(e["file"], f"{e['prefix']}/{k}")
+                    st["step"] = st["step"].reshape(())
+                else:
+                    resharded = True
+                    full = assemble_optimizer_full(reader, name, entries)
+                    mine = fmt.info_to_json(get_shard_info(params[name][0]))
+                    for k in ("exp_avg", "exp_avg_sq"):
+                        st[k] = cut_local(full[k], mine, tmpl.local_shape).reshape(-1)[tmpl.start:tmpl.stop].clone()
+                    st["step"] = full["step"]
+                states[name] = st
+            load_optimizer_state_by_name(optimizer, states)
+            groups = meta.get("param_groups") or []
+            if len(groups) == len(optimizer.param_groups):
+                for g, saved in zip(optimizer.param_groups, groups):
+                    g.update(saved)
+        if scheduler is not None and meta.get("scheduler") is not None:
+            scheduler.load_state_dict(meta["scheduler"])
+
+    rank_state, rng_restored = None, False
+    if plan.state_file:
+        handle = reader.get_handle(plan.state_file)
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+        header = json.loads((handle.metadata() or {}).get(fmt.HEADER_KEY, "{}"))
+        rank_state = header.get("rank_state")
+        if plan.want_rng:
+            missing = restore_rng(tensors)
+            rng_restored = not missing
+            if missing:
+                log.warning("rank %d: RNG states not restored for %s", world.rank, missing)
+    elif plan.same_grid:
+        if plan.want_rng and world.rank == 0:
+            log.warning("%s holds no per-rank state (written offline?): fresh RNG streams", cand)
+    elif world.rank == 0:
+        saved = {k: meta["topology"].get(k) for k in GRID_AXES}
+        now = {k: topology.get(k) for k in GRID_AXES}
+        log.warning("checkpoint %s was saved at %s, loading at %s: tensors resharded exactly; RNG states "
+                    "are not restored (fresh streams) and per-rank state is dropped; the data position "
+                    "carries over through the global sample count", cand, saved, now)
+    reader.close()
+    return LoadedCheckpoint(path=cand, step=int(meta["step"]), extra=meta.get("extra") or {},
+                            rank_state=rank_state, resharded=resharded, rng_restored=rng_restored, meta=meta)

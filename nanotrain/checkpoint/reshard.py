@@ -1,0 +1,206 @@
+"""Offline resharding: a checkpoint at one topology -> a complete checkpoint at another, in one
+process, with tensors only (no process group, no model weights computed).
+
+The target layout comes from the model code itself: for every (pp rank, tp rank) of the new
+topology a *skeleton* ``LlamaModel`` is built on the meta device with a stand-in tp group (size,
+rank) and no weight initialisation, which yields each parameter's name, local shape and ShardInfo
+exactly as the real run will have them (fused QKV / gate-up chunks, vocab padding, pipeline
+placement, tied replicas). ZeRO-1 ranges come from ``zero_partition`` over the parameters in
+``build_optimizer``'s order. Full tensors are assembled from the source shards with the loader's
+own functions, then cut into the new pieces: copies only, so values are bit-identical.
+
+The output has no RNG state files (the loader warns and starts fresh streams, as after any
+topology change); step, counters, scheduler and learning rates are carried over. The whole model
+and its optimizer states are held in memory once (3x the fp32 parameter bytes).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from nanotrain.checkpoint import format as fmt
+from nanotrain.checkpoint.format import CheckpointError
+from nanotrain.checkpoint.items import named_params
+from nanotrain.checkpoint.load import _Reader, assemble_full, assemble_optimizer_full, cut_local
+from nanotrain.parallel.sharding import ShardInfo, get_shard_info
+
+log = logging.getLogger("nanotrain.checkpoint")
+
+
+class _StandInGroup:
+    """What the model's constructors ask of a tp group: its size and this rank's place in it."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def skeleton_model(model_cfg: dict, parallel_cfg: dict, tp_rank: int, pp_rank: int):
+    """The model of one (tp, pp) rank with the right names, shapes and ShardInfo, no storage."""
+    from nanotrain.config import ModelArgs
+    from nanotrain.models.llama import LlamaModel
+
+    class Skeleton(LlamaModel):
+        def init_weights(self, seed: int) -> None:  # no values needed, and meta has none
+            pass
+
+    args = ModelArgs(**model_cfg)
+    tp, pp = parallel_cfg.get("tp", 1), parallel_cfg.get("pp", 1)
+    kwargs = {"mode": parallel_cfg.get("tp_mode") or "ALL_REDUCE"}
+    if pp > 1:
+        kwargs.update(pp_rank=pp_rank, pp_size=pp, virtual_stages=parallel_cfg.get("pp_virtual_stages") or 1)
+    with torch.device("meta"):
+        return Skeleton(args, _StandInGroup(tp, tp_rank), **kwargs)
+
+
+def _cut(full: torch.Tensor, info: ShardInfo, local_shape: tuple[int, ...]) -> torch.Tensor:
+    if tuple(full.shape) != tuple(info.global_shape):
+        raise CheckpointError(f"saved shape {tuple(full.shape)} != model shape {tuple(info.global_shape)}")
+    return cut_local(full, fmt.info_to_json(info), local_shape)
+
+
+def optimizer_order(model) -> list[str]:
+    """Parameter names in the flat order of ``build_optimizer`` (decay group, then no-decay)."""
+    from nanotrain.optim.optimizer import weight_decay_groups
+    groups = weight_decay_groups(model.named_parameters(), 0.0)
+    return [n for g in groups for n in g["param_names"]]
+
+
+def resolve_checkpoint(src: str | Path) -> Path:
+    """A checkpoint directory (holding COMPLETE), or a checkpoints root (its latest complete one)."""
+    src = Path(src)
+    if (src / fmt.COMPLETE).is_file():
+        return src
+    candidates = fmt.load_candidates(src)
+    if not candidates:
+        raise CheckpointError(f"{src}: neither a complete checkpoint nor a directory holding one")
+    return candidates[0]
+
+
+def read_full_state(ckpt: str | Path, verify: bool = True) -> tuple[dict, dict, dict]:
+    """(meta, {name: full parameter}, {name: {"exp_avg", "exp_avg_sq" (full shape), "step"}})."""
+    ckpt = resolve_checkpoint(ckpt)
+    meta = fmt.read_meta(ckpt)
+    if verify:
+        bad = fmt.verify_checkpoint(ckpt)
+        if bad:
+            raise CheckpointError(f"{ckpt} is damaged: " + "; ".join(bad))
+    reader = _Reader(ckpt)
+    params = {n: assemble_full(reader, n, e) for n, e in meta["index"]["model"].items()}
+    optim = {}
+    for n, e in meta["index"]["optimizer"].items():
+        optim[n] = assemble_optimizer_full(reader, n, e)
+    reader.close()
+    return meta, params, optim
+
+
+def reshard_offline(src: str | Path, dst_root: str | Path, overrides: list[str] = (),
+                    granularity: str = "rank") -> Path:
+    """Write ``dst_root/step_N`` (+ ``latest``) at the topology of the source config with
+    ``overrides`` (``parallelism.tp=4``, ``optimizer.zero_stage=0``...) applied."""
+    from nanotrain.config.loader import apply_override, config_from_dict, config_to_dict
+    from nanotrain.parallel.data_parallel.zero import zero_partition
+
+    t0 = time.perf_counter()
+    meta, full, full_opt = read_full_state(src)
+    if not meta.get("config"):
+        raise CheckpointError(f"{src}: meta.json holds no config (saved without `config=`), so the "
+                              f"model cannot be rebuilt at a new topology")
+    raw = {k: v for k, v in meta["config"].items()}
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    cfg = config_to_dict(config_from_dict(raw))
+    par, zero = cfg["parallelism"], cfg["optimizer"]["zero_stage"]
+    tp, pp, dp = par["tp"], par["pp"], par["dp"]
+    if par["cp"] != 1 or par["ep"] != 1:
+        raise CheckpointError("offline resharding supports cp = ep = 1 (use the online loader)")
+    if full_opt and zero not in (0, 1):
+        raise CheckpointError(f"zero_stage must be 0 or 1, got {zero}")
+
+    dst_root = Path(dst_root)
+    dst_root.mkdir(parents=True, exist_ok=True)
+    name = fmt.step_dir_name(int(meta["step"]))
+    tmp, final = dst_root / f"{name}.tmp", dst_root / name
+    for stale in fmt.stale_entries(dst_root):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir()
+
+    files, model_index, opt_index = {}, {}, {}
+    seen: set[str] = set()  # records already written by a lower rank (replicas)
+    for pp_rank in range(pp):  # global rank order: pp, then dp, then tp (tp fastest)
+        stages = [skeleton_model(cfg["model"], par, t, pp_rank) for t in range(tp)]
+        for tp_rank, skel in enumerate(stages):
+            items = []
+            for pname, (p, *_) in named_params(skel).items():
+                if pname not in full:
+                    raise CheckpointError(f"{src} has no parameter {pname!r} (source model differs)")
+                info = get_shard_info(p)
+                key = fmt.key_hash(["model", pname, fmt.info_to_json(info), list(p.shape)])
+                if key in seen:
+                    continue
+                seen.add(key)
+                local = _cut(full[pname], info, tuple(p.shape))
+                items.append((pname, local, info))
+            if items:
+                f, i = fmt.write_model_shards(tmp, fmt.coord_tag(pp=pp_rank, tp=tp_rank), items, granularity, pp_rank)
+                files.update(f)
+                fmt.merge_index(model_index, i)
+        if not full_opt:
+            continue
+        for dp_rank in range(dp if zero == 1 else 1):
+            for tp_rank, skel in enumerate(stages):
+                params = named_params(skel)
+                order = optimizer_order(skel)
+                numels = [params[n][0].numel() for n in order]
+                ranges = (zero_partition(numels, dp)[dp_rank] if zero == 1
+                          else [(i, 0, n) for i, n in enumerate(numels)])
+                items = []
+                for i, a, b in ranges:
+                    pname, p = order[i], params[order[i]][0]
+                    if pname not in full_opt:
+                        raise CheckpointError(f"{src} has no optimizer state for {pname!r}")
+                    info = get_shard_info(p)
+                    key = fmt.key_hash(["optimizer", pname, fmt.info_to_json(info), list(p.shape), a, b])
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    st = full_opt[pname]
+                    cut = {}
+                    for k in ("exp_avg", "exp_avg_sq"):
+                        cut[k] = _cut(st[k], info, tuple(p.shape)).reshape(-1)[a:b].clone()
+                    items.append((pname, info, tuple(p.shape), a, b, st["step"], cut["exp_avg"], cut["exp_avg_sq"]))
+                if items:
+                    tag = fmt.coord_tag(pp=pp_rank, tp=tp_rank, dp=dp_rank)
+                    f, i = fmt.write_optimizer_shards(tmp, tag, items, granularity, pp_rank)
+                    files.update(f)
+                    fmt.merge_index(opt_index, i)
+
+    new_meta = dict(meta)
+    new_meta.update({
+        "topology": {"dp": dp, "tp": tp, "pp": pp, "cp": 1, "ep": 1, "zero_stage": zero if full_opt else None,
+                     "pp_engine": par.get("pp_engine"), "pp_virtual_stages": par.get("pp_virtual_stages"),
+                     "tp_mode": par.get("tp_mode")},
+        "world_size": dp * tp * pp, "config": cfg,
+        "config_hash": hashlib.sha256(fmt.canonical(cfg).encode()).hexdigest(),
+        "granularity": granularity, "created_unix": time.time(), "torch_version": torch.__version__,
+        "files": dict(sorted(files.items())),
+        "index": {"model": model_index, "optimizer": opt_index, "state": {}},
+        "resharded_from": {"path": str(resolve_checkpoint(src)), "topology": meta["topology"]},
+    })
+    new_meta.pop("save_seconds_before_commit", None)
+    fmt.write_meta_and_complete(tmp, new_meta)
+    fmt.commit_rename(tmp, final)
+    fmt.update_latest(dst_root, name)
+    log.info("resharded %s -> %s (dp%d tp%d pp%d zero%s) in %.2f s", src, final, dp, tp, pp, zero,
+             time.perf_counter() - t0)
+    return final

@@ -1,0 +1,243 @@
+"""Collective save with an atomic commit.
+
+Protocol (every rank calls ``save_checkpoint`` at the same step):
+
+1. rank 0 removes leftovers of interrupted saves (``*.tmp``, ``step_N`` without COMPLETE) and
+   creates ``step_N.tmp/``; the decision is broadcast (nothing else starts before it);
+2. the ranks agree who writes what: every (name, ShardInfo, ...) record held by several ranks (dp
+   and cp replicas, tp-replicated norms, a tied copy on another pipeline stage, ZeRO-0 states) is
+   written once, by the lowest global rank holding it — dp rank 0 for parameters, every dp rank
+   for its ZeRO-1 ranges, each tp/pp rank for its own shards;
+3. every rank writes and fsyncs its files, hashing the bytes as they are written, and reports
+   sizes, checksums and its part of the tensor index to rank 0 (a gather: the barrier);
+4. rank 0 checks that every reported file exists with its size, writes meta.json and then
+   COMPLETE (holding meta.json's sha256), renames ``step_N.tmp`` -> ``step_N``, moves ``latest``
+   (temp file + ``os.replace``) and prunes to ``keep_last``; the outcome is broadcast.
+
+A process killed anywhere before the rename leaves a ``*.tmp`` directory that the loader ignores;
+killed between the rename and the update of ``latest``, it leaves ``latest`` on the previous one.
+Failures inside a rank are reported through the collectives, so every rank raises together
+instead of some of them waiting forever in a barrier.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from nanotrain.checkpoint import format as fmt
+from nanotrain.checkpoint.comm import World
+from nanotrain.checkpoint.format import CheckpointError
+from nanotrain.checkpoint.items import (Models, config_as_dict, coords_of, named_params, optimizer_entries,
+                                        topology_of)
+from nanotrain.checkpoint.rng import capture_rng
+from nanotrain.parallel.sharding import get_shard_info
+
+log = logging.getLogger("nanotrain.checkpoint")
+
+
+def save_checkpoint(root: str | Path, step: int, model: Models, optimizer=None, scheduler=None, pc=None,
+                    extra: dict | None = None, config=None, *, keep_last: int | None = None,
+                    rank_state: dict | None = None, granularity: str = "rank") -> Path:
+    """Write ``<root>/step_<step>/`` on all ranks together; returns its path once committed.
+
+    ``model``: this rank's module (or list of modules: virtual pipeline chunks). ``optimizer``:
+    AdamW or ZeroOneOptimizer from ``build_optimizer`` (None: weights only). ``scheduler``: any
+    scheduler whose ``state_dict`` is plain data (LambdaLR). ``pc``: ParallelContext (None = one
+    process). ``extra``: JSON-able run state from rank 0 (consumed_samples, consumed_tokens, ...),
+    returned by ``load_checkpoint``. ``config``: Config or dict, stored for resharding and
+    ``--resume``; its ``checkpoints.keep_last`` applies unless ``keep_last`` is given (None and
+    no config: keep all). ``rank_state``: JSON-able per-rank state (e.g. a data iterator's
+    position) stored next to the RNG states. Saving a step that ``latest`` already names is a
+    no-op (e.g. an interval save followed by a preemption save at the same step).
+    """
+    t0 = time.perf_counter()
+    world = World(pc)
+    root = Path(root)
+    name = fmt.step_dir_name(step)
+    final, tmp = root / name, root / f"{name}.tmp"
+    cfg = config_as_dict(config)
+    if keep_last is None and cfg is not None:
+        keep_last = (cfg.get("checkpoints") or {}).get("keep_last")
+
+    decision = _prepare(root, name, tmp) if world.rank == 0 else None
+    decision = world.broadcast(decision)
+    if "error" in decision:
+        raise CheckpointError(decision["error"])
+    if decision.get("skip"):
+        if world.rank == 0:
+            log.info("checkpoint %s already saved and latest; not written again", final)
+        return final
+
+    params = named_params(model)
+    # Two phases, each closed by a collective that carries errors, so a failing rank never leaves
+    # the others waiting: plan (what this rank holds), then write (what it was assigned).
+    try:
+        plan = _plan(params, optimizer, pc)
+        sent = {"keys": sorted(plan["keys"].values())}
+    except Exception:
+        plan, sent = None, {"error": f"rank {world.rank}: {traceback.format_exc()}"}
+    plans = world.all_gather(sent)
+    _raise_errors(plans, f"saving {final} failed")
+    writer: dict[str, int] = {}  # record -> the lowest global rank holding it
+    for r, p in enumerate(plans):
+        for k in p["keys"]:
+            writer.setdefault(k, r)
+    try:
+        report = _write_rank(tmp, world.rank, plan, writer, rank_state, granularity)
+    except Exception:
+        report = {"error": f"rank {world.rank}: {traceback.format_exc()}"}
+    reports = world.gather(report)  # to rank 0, which commits (or reports every rank's error)
+
+    result = None
+    if world.rank == 0:
+        errors = [r["error"] for r in reports if "error" in r]
+        if errors:
+            result = {"error": "\n".join(errors)}
+        else:
+            try:
+                meta = _meta(step, extra, cfg, pc, optimizer, scheduler, reports, granularity)
+                meta["save_seconds_before_commit"] = round(time.perf_counter() - t0, 4)
+                _commit(root, tmp, final, meta, step, keep_last)
+                result = {"ok": True, "bytes": sum(f["bytes"] for f in meta["files"].values())}
+            except Exception:
+                result = {"error": traceback.format_exc()}
+    result = world.broadcast(result)
+    if "error" in result:
+        raise CheckpointError(f"saving {final} failed:\n{result['error']}")
+    if world.rank == 0:
+        log.info("saved %s: %.1f MB in %.2f s", final, result["bytes"] / 1e6, time.perf_counter() - t0)
+    return final
+
+
+
+def _prepare(root: Path, name: str, tmp: Path) -> dict:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if fmt.read_latest(root) == name and (root / name / fmt.COMPLETE).is_file():
+            return {"skip": True}
+        for stale in fmt.stale_entries(root):
+            log.warning("removing leftover of an interrupted checkpoint save: %s", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+        for sub in ("model", "optimizer", "state"):
+            (tmp / sub).mkdir()
+        return {"skip": False}
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+def _raise_errors(reports: list, what: str) -> None:
+    errors = [r["error"] for r in reports if "error" in r]
+    if errors:
+        raise CheckpointError(f"{what}:\n" + "\n".join(errors))
+
+
+def _plan(params, optimizer, pc) -> dict:
+    """This rank's records, each with a key identifying identical replicas on other ranks."""
+    infos = {n: get_shard_info(ps[0]) for n, ps in params.items()}
+    opt = optimizer_entries(optimizer) if optimizer is not None else {}
+    missing = sorted(set(opt) - set(params))
+    if missing:
+        raise fmt.CheckpointError(f"optimizer parameters not found in the model: {missing[:5]}")
+    keys = {}
+    for n, ps in params.items():
+        keys[("model", n)] = fmt.key_hash(["model", n, fmt.info_to_json(infos[n]), list(ps[0].shape),
+                                          str(ps[0].dtype)])
+    for n, e in opt.items():
+        keys[("optimizer", n)] = fmt.key_hash(["optimizer", n, fmt.info_to_json(infos[n]), list(e.local_shape),
+                                              e.start, e.stop])
+    return {"params": params, "infos": infos, "opt": opt, "keys": keys, "pc": pc}
+
+
+def _write_rank(tmp: Path, rank: int, plan: dict, writer: dict, rank_state, granularity) -> dict:
+    params, infos, opt, keys, pc = plan["params"], plan["infos"], plan["opt"], plan["keys"], plan["pc"]
+    coords = coords_of(pc)
+    ep = coords["ep"] if pc is not None and pc.ep_size > 1 else None
+    # Parameters are written by dp/cp rank 0 (the lowest rank of a replica set): their file is
+    # named by (pp, tp); optimizer ranges differ per dp rank (ZeRO-1), so their files carry dp too.
+    model_tag = fmt.coord_tag(pp=coords["pp"], tp=coords["tp"], ep=ep, dp=coords["dp"] or None,
+                              cp=coords["cp"] or None)
+    opt_tag = fmt.coord_tag(pp=coords["pp"], tp=coords["tp"], ep=ep, dp=coords["dp"],
+                            cp=coords["cp"] if pc is not None and pc.cp_size > 1 else None)
+    model_items = [(n, ps[0].detach(), infos[n]) for n, ps in params.items()
+                   if writer[keys[("model", n)]] == rank]
+    opt_items = [(n, infos[n], e.local_shape, e.start, e.stop, e.step, e.exp_avg.detach(), e.exp_avg_sq.detach())
+                 for n, e in opt.items() if writer[keys[("optimizer", n)]] == rank]
+
+    files, index = {}, {"model": {}, "optimizer": {}}
+    if model_items:
+        f, index["model"] = fmt.write_model_shards(tmp, model_tag, model_items, granularity, coords["pp"])
+        files.update(f)
+    if opt_items:
+        f, index["optimizer"] = fmt.write_optimizer_shards(tmp, opt_tag, opt_items, granularity, coords["pp"])
+        files.update(f)
+    state_rel = f"state/rank-{rank:05d}.safetensors"
+    files[state_rel] = fmt.write_safetensors(
+        tmp / state_rel, capture_rng(),
+        {"kind": "state", "rank": rank, "coords": coords, "rank_state": rank_state})
+    return {"files": files, "index": index, "state": state_rel}
+
+
+def _meta(step, extra, cfg, pc, optimizer, scheduler, reports, granularity) -> dict:
+    files, model_index, opt_index, state_index = {}, {}, {}, {}
+    for rank, report in enumerate(reports):
+        files.update(report["files"])
+        fmt.merge_index(model_index, report["index"]["model"])
+        fmt.merge_index(opt_index, report["index"]["optimizer"])
+        state_index[str(rank)] = report["state"]
+    sched = None
+    if scheduler is not None:
+        sched = scheduler.state_dict()
+        try:
+            json.dumps(sched)
+        except TypeError as e:
+            raise fmt.CheckpointError(f"scheduler state is not plain data (JSON): {e}") from None
+    groups = None
+    if optimizer is not None:
+        groups = [{k: g[k] for k in ("lr", "initial_lr") if k in g} for g in optimizer.param_groups]
+    try:
+        extra_json = json.loads(json.dumps(extra or {}))
+    except TypeError as e:
+        raise fmt.CheckpointError(f"`extra` must be JSON-able: {e}") from None
+    return {
+        "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "step": int(step), "extra": extra_json,
+        "topology": topology_of(pc, optimizer, cfg), "world_size": len(reports),
+        "config_hash": hashlib.sha256(fmt.canonical(cfg).encode()).hexdigest() if cfg is not None else None,
+        "config": cfg, "scheduler": sched, "param_groups": groups,
+        "granularity": granularity, "checksum": fmt.CHECKSUM,
+        "created_unix": time.time(), "torch_version": torch.__version__,
+        "files": dict(sorted(files.items())),
+        "index": {"model": model_index, "optimizer": opt_index, "state": state_index},
+    }
+
+
+def _commit(root: Path, tmp: Path, final: Path, meta: dict, step: int, keep_last: int | None) -> None:
+    for rel, rec in meta["files"].items():
+        try:
+            size = (tmp / rel).stat().st_size
+        except OSError:
+            raise fmt.CheckpointError(f"{tmp / rel}: reported written but missing") from None
+        if size != rec["bytes"]:
+            raise fmt.CheckpointError(f"{tmp / rel}: {size} bytes on disk, {rec['bytes']} written")
+    fmt.write_meta_and_complete(tmp, meta)
+    fmt.commit_rename(tmp, final)
+    fmt.update_latest(root, final.name)
+    if keep_last:
+        prune(root, step, keep_last)
+
+
+def prune(root: Path, step: int, keep_last: int) -> list[Path]:
+    """Keep the checkpoint of ``step`` and the ``keep_last - 1`` newest complete ones before it.
+    Complete checkpoints after ``step`` (an abandoned future of a rolled-back run) are left alone."""
+    older = [(s, p) for s, p in fmt.complete_checkpoints(root) if s < step]
+    removed = [p for _, p in older[max(0, keep_last - 1):]]
+    for p in removed:
+        fmt.remove_dir(p)
+    return removed
