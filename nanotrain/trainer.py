@@ -49,7 +49,8 @@ def seed_everything(seed: int) -> None:
 
 
 class DistributedTrainer:
-    def __init__(self, config: Config, run_dir: Path, env: DistEnv, pc: ParallelContext):
+    def __init__(self, config: Config, run_dir: Path, env: DistEnv, pc: ParallelContext,
+                 preemption: PreemptionHandler):
         self.config, self.run_dir, self.env, self.pc = config, Path(run_dir), env, pc
         t = config.training
         self.device = pc.device
@@ -77,7 +78,7 @@ class DistributedTrainer:
 
         self.metrics = metrics_logger_for(config, self.run_dir, self.pc, device=self.device,
                                           start_step=self.step)
-        self.preemption = PreemptionHandler(config.slurm.signal)
+        self.preemption = preemption  # installed by the task before anything slow
 
     def train(self) -> str:
         """Run to `training.train_steps`; returns "completed" or "preempted"."""
@@ -122,4 +123,3 @@ class DistributedTrainer:
 
     def close(self) -> None:
         self.metrics.close()
-        self.preemption.restore()

@@ -16,6 +16,10 @@ from nanotrain.launch.rundir import run_dir_of, write_run_dir
 def run_task(config_path: str) -> dict:
     config = load_config(config_path)
     validate(config)
+    # First thing: a stop signal that arrives while torch imports must set the flag, not kill us.
+    from nanotrain.launch.preemption import PreemptionHandler
+
+    preemption = PreemptionHandler(config.slurm.signal)
     export_user_env(config.slurm.env)
     env = setup_distributed_env()
     check_world_size(config, env.world_size, f"this {env.launcher} job")
@@ -33,7 +37,7 @@ def run_task(config_path: str) -> dict:
                          expert_parallel_size=p.ep)
     try:
         report = smoke_step(pc, env, Path(run_dir))  # a cheap preflight: every group answers
-        trainer = DistributedTrainer(config, Path(run_dir), env, pc)
+        trainer = DistributedTrainer(config, Path(run_dir), env, pc, preemption)
         try:
             report["outcome"] = trainer.train()
         finally:
@@ -41,6 +45,7 @@ def run_task(config_path: str) -> dict:
         return report
     finally:
         pc.destroy()
+        preemption.restore()
 
 
 def main(argv: list[str] | None = None) -> int:
