@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nanotrain-installed
 
-.PHONY: run test venv cluster-up cluster-down clean
+.PHONY: run test venv cluster-up cluster-down clean bench
 
 venv: $(STAMP)
 
@@ -30,6 +30,11 @@ cluster-down:
 
 test: venv cluster-up
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+# nanotrain vs PyTorch-native parallelism, side by side (< 20 min on 2 cores; QUICK=1: < 4 min).
+# Writes benchmarks/results/latest.json and latest.md and prints the table.
+bench: venv
+	$(PY) benchmarks/vs_native.py $(if $(QUICK),--quick)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

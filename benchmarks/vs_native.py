@@ -74,29 +74,32 @@ class Bench:
         return self.batches[i % len(self.batches)]
 
     @staticmethod
-    def timed(fn, i: int) -> tuple[float, float]:
+    def timed(fn, i: int) -> tuple[float, float, float]:
         import torch
         import torch.distributed as dist
 
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = fn(i)
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return elapsed.item(), float(loss)
+        dist.all_reduce(cpu)  # CPU seconds of all ranks (gloo threads included)
+        return elapsed.item(), cpu.item(), float(loss)
 
     def alternate(self, sides: dict) -> dict:
         """Warm up each side, then A B A B ...; per side: per-repetition median step seconds and
         every step's loss (same batch sequence on both sides)."""
-        out = {k: {"rep_s": [], "losses": []} for k in sides}
+        out = {k: {"rep_s": [], "losses": [], "cpu_s": []} for k in sides}
         index = {k: 0 for k in sides}
 
         def run(k: int, n: int) -> list[float]:
             times = []
             for _ in range(n):
-                t, loss = self.timed(sides[k], index[k])
+                t, cpu, loss = self.timed(sides[k], index[k])
                 index[k] += 1
                 times.append(t)
+                out[k]["cpu_s"].append(cpu)
                 out[k]["losses"].append(loss)
             return times
 
@@ -105,7 +108,29 @@ class Bench:
         for _ in range(self.reps):
             for k in sides:
                 out[k]["rep_s"].append(statistics.median(run(k, self.steps)))
+        if os.environ.get("NANOTRAIN_BENCH_PROFILE"):
+            for k in sides:
+                self.profile(k, sides[k], index[k])
         return out
+
+    def profile(self, side: str, fn, start: int, steps: int = 3) -> None:
+        """torch.profiler over a few steps of one side; per-rank op tables in
+        $NANOTRAIN_BENCH_PROFILE/<job>-<side>-rank<r>.txt, plus CPU vs wall time per step."""
+        import torch.distributed as dist
+        from torch.profiler import ProfilerActivity, profile
+
+        directory = Path(os.environ["NANOTRAIN_BENCH_PROFILE"])
+        directory.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for i in range(steps):
+                fn(start + i)
+        wall, cpu = (time.perf_counter() - wall0) / steps, (time.process_time() - cpu0) / steps
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60)
+        path = directory / f"{os.environ.get('NANOTRAIN_BENCH_JOB', 'job')}-{side}-rank{dist.get_rank()}.txt"
+        path.write_text(f"{side}: {steps} steps under the profiler: {1e3 * wall:.1f} ms wall, "
+                        f"{1e3 * cpu:.1f} ms process CPU per step\n\n{table}\n")
 
     def throughput_row(self, name: str, result: dict, tokens: int, target: float, **extra) -> dict:
         ours, native = result["ours"], result["native"]
@@ -120,9 +145,12 @@ class Bench:
             "loss_ours": lo[0], "loss_native": ln[0], "loss_rel_first": rel[0],
             "loss_rel_max": max(rel[:n_warm]),
             "ms_ours": round(1e3 * s_ours, 2), "ms_native": round(1e3 * s_nat, 2),
+            "cpu_ms_ours": round(1e3 * statistics.median(ours["cpu_s"][n_warm:] or ours["cpu_s"]), 2),
+            "cpu_ms_native": round(1e3 * statistics.median(native["cpu_s"][n_warm:] or native["cpu_s"]), 2),
             "ms_ours_reps": [round(1e3 * s, 2) for s in ours["rep_s"]],
             "ms_native_reps": [round(1e3 * s, 2) for s in native["rep_s"]],
         }
+        row["loadavg_1min"] = round(os.getloadavg()[0], 2)  # other load on the machine skews both sides
         row.update(extra)
         return row
 
@@ -700,6 +728,7 @@ def worker(job: str, reps: int, steps: int, warmup: int, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    os.environ["NANOTRAIN_BENCH_JOB"] = job
     import warnings
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -769,7 +798,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"Model: Llama {MODEL['num_layers']} layers, hidden {MODEL['hidden_size']}, ffn {MODEL['intermediate_size']}, "
         f"{MODEL['num_attention_heads']} heads / {MODEL['num_key_value_heads']} kv, vocab {MODEL['vocab_size']}; "
         f"{GLOBAL_SEQS} x {SEQ} = {GLOBAL_SEQS * SEQ} tokens per step; AdamW + clip 1.0. "
-        f"Median of {meta['reps']} alternating repetitions of {meta['steps']} steps after {meta['warmup']} warm-up.",
+        f"Median of {meta['reps']} alternating repetitions of {meta['steps']} steps after {meta['warmup']} warm-up. "
+        f"Load average (1/5/15 min) at start {meta['loadavg_start']}, at end {meta['loadavg_end']}.",
         "",
         "| row | nanotrain | native | unit | ratio | target | met | same loss |",
         "|---|---|---|---|---|---|---|---|",
@@ -813,13 +843,18 @@ def main() -> int:
     parser.add_argument("--reps", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--warmup", type=int)
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="after timing, torch.profiler tables of 3 steps per side and rank into DIR")
     parser.add_argument("--out", type=Path, default=HERE / "results",
                         help="directory for latest.json / latest.md (default benchmarks/results)")
     opts = parser.parse_args()
     reps, steps, warmup = (2, 3, 2) if opts.quick else (5, 6, 3)
     reps, steps, warmup = opts.reps or reps, opts.steps or steps, opts.warmup or warmup
     jobs = opts.only or list(JOBS)
+    if opts.profile:
+        os.environ["NANOTRAIN_BENCH_PROFILE"] = str(opts.profile.resolve())
     t0 = time.perf_counter()
+    load_start = [round(x, 2) for x in os.getloadavg()]
     rows: list[dict] = []
     failures = []
     with tempfile.TemporaryDirectory(prefix="nanotrain-bench-") as tmp:
@@ -845,6 +880,7 @@ def main() -> int:
         "wall_s": time.perf_counter() - t0, "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores ({platform.processor() or cpu_model()})",
         "torch": torch.__version__, "reps": reps, "steps": steps, "warmup": warmup,
+        "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
     }
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "latest.json").write_text(json.dumps(rows, indent=1) + "\n")
