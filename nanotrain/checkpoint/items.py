@@ -46,6 +46,25 @@ def optimizer_entries(optimizer) -> dict[str, OptEntry]:
     return out
 
 
+@dataclass
+class OptSlot:
+    """Where this rank's optimizer state of one parameter goes: [start, stop) of the flattened
+    local parameter of shape ``local_shape``."""
+
+    start: int
+    stop: int
+    local_shape: tuple[int, ...]
+
+
+def optimizer_layout(optimizer) -> dict[str, OptSlot]:
+    """The layout ``load_optimizer_state_by_name`` expects, read without touching (or allocating)
+    any state: a fresh optimizer has none yet."""
+    if isinstance(optimizer, ZeroOneOptimizer):
+        return {pc.name: OptSlot(pc.start, pc.stop, tuple(pc.param.shape)) for pc in optimizer.pieces}
+    return {name: OptSlot(0, p.numel(), tuple(p.shape))
+            for group in optimizer.param_groups for name, p in zip(group["param_names"], group["params"])}
+
+
 def zero_stage_of(optimizer) -> int | None:
     if optimizer is None:
         return None

@@ -30,7 +30,7 @@ from safetensors import safe_open
 from nanotrain.checkpoint import format as fmt
 from nanotrain.checkpoint.comm import World
 from nanotrain.checkpoint.format import CheckpointError, info_from_json
-from nanotrain.checkpoint.items import (GRID_AXES, Models, config_as_dict, named_params, optimizer_entries,
+from nanotrain.checkpoint.items import (GRID_AXES, Models, config_as_dict, named_params, optimizer_layout,
                                         same_grid, topology_of)
 from nanotrain.checkpoint.rng import restore_rng
 from nanotrain.optim.optimizer import load_optimizer_state_by_name
@@ -135,7 +135,7 @@ def load_checkpoint(root: str | Path, model: Models, optimizer=None, scheduler=N
 @dataclass
 class _Plan:
     model: dict = field(default_factory=dict)  # name -> (entries, fast)
-    optimizer: dict = field(default_factory=dict)  # name -> (entries, fast, template OptEntry)
+    optimizer: dict = field(default_factory=dict)  # name -> (entries, fast, OptSlot)
     files: dict = field(default_factory=dict)  # file -> the tensor keys read from it (None: all)
     used_names: set = field(default_factory=set)
     state_file: str | None = None
@@ -168,7 +168,7 @@ def _plan(cand: Path, meta: dict, params, optimizer, topology, cfg, rank, load_r
         fast = [e for e in entries if fmt.canonical(e["shard"]) == key and e["local_shape"] == list(p.shape)]
         plan.model[name] = (fast[:1] or entries, bool(fast))
     if optimizer is not None and opt_index:
-        for name, tmpl in optimizer_entries(optimizer).items():
+        for name, tmpl in optimizer_layout(optimizer).items():
             if name not in opt_index or name not in params:
                 missing.append(f"{name} (optimizer state)")
                 continue
