@@ -81,7 +81,7 @@ class DistributedTrainer:
         self.preemption = preemption  # installed by the task before anything slow
 
     def train(self) -> str:
-        """Run to `training.train_steps`; returns "completed" or "preempted"."""
+        """Run to `training.train_steps`; returns "completed", "preempted" or "stopped"."""
         t = self.config.training
         global_batch = self.config.parallelism.dp * t.micro_batch_size * t.batch_accumulation_per_replica
         while self.step < t.train_steps:
@@ -112,14 +112,18 @@ class DistributedTrainer:
                         self.pc, extra=extra, config=self.config)
 
     def stop_for_preemption(self) -> str:
+        """Save (all ranks), then rank 0 requeues a SLURM job. Returns "preempted", or "stopped"
+        when SLURM will not run it again (requeue budget spent or refused): then the job must not
+        look COMPLETED, and the task exits non-zero."""
         if self.config.checkpoints.save_on_preemption:
             self.save()
+        outcome = "preempted"
         if self.pc.world_rank == 0:
             print(f"preempted at step {self.step} ({self.preemption.received or 'signal on another rank'}): "
                   f"checkpoint saved; resume with: python submit.py --resume {self.run_dir}", flush=True)
-            if self.env.launcher == "slurm":
-                request_requeue(self.config.slurm.max_requeues)
-        return "preempted"
+            if self.env.launcher == "slurm" and not request_requeue(self.config.slurm.max_requeues):
+                outcome = "stopped"
+        return outcome
 
     def close(self) -> None:
         self.metrics.close()

@@ -38,3 +38,28 @@ def submitted_job_id(output: str) -> str:
     match = re.search(r"(?:submitted job|Submitted batch job) (\d+)", output)
     assert match, f"no job id in output: {output!r}"
     return match.group(1)
+
+
+def restart_count(job_id: str) -> int:
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
+    match = re.search(r"Restarts=(\d+)", out)
+    return int(match.group(1)) if match else 0
+
+
+def wait_until(predicate, timeout: float, what: str, job_id: str | None = None, interval: float = 0.5):
+    """Poll `predicate()` until truthy; past `timeout` cancel the job (if any) and fail."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    if job_id is not None:
+        subprocess.run(["scancel", job_id], timeout=30)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def start_now_if_requeued(job_id: str) -> None:
+    """A requeued job waits `cred_expire` (30 s here) in PENDING/BeginTime; start it at once."""
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True,
+                   timeout=30)

@@ -110,14 +110,14 @@ def emit(config: Config, layout: SlurmLayout, out_dir: Path) -> int:
 def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
     import submitit
 
-    from nanotrain.launch.task import run_task
+    from nanotrain.launch.task import TrainingTask
 
     config_path = rundir.write_run_dir(config, run_dir)
     executor = submitit.SlurmExecutor(folder=sbatch.job_folder(run_dir),
                                       max_num_timeout=config.slurm.max_requeues)
     executor.update_parameters(**sbatch.executor_parameters(config, layout))
     try:
-        job = executor.submit(run_task, str(config_path))
+        job = executor.submit(TrainingTask(), str(config_path))
     except (subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as exc:
         detail = str(getattr(exc, "stderr", None) or exc).strip().splitlines()
         print(f"error: sbatch refused the job: {detail[-1] if detail else exc}", file=sys.stderr)

@@ -8,9 +8,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import submitit.helpers
+
 from nanotrain.config import ConfigError, check_world_size, load_config, validate
 from nanotrain.launch.env import export_user_env, setup_distributed_env
 from nanotrain.launch.rundir import run_dir_of, write_run_dir
+
+
+EXIT_STOPPED = 75  # EX_TEMPFAIL: preempted and saved, but not requeued; resume with --resume
 
 
 def run_task(config_path: str) -> dict:
@@ -42,10 +47,25 @@ def run_task(config_path: str) -> dict:
             report["outcome"] = trainer.train()
         finally:
             trainer.close()
+        if report["outcome"] == "stopped":  # saved, but SLURM will not requeue it: not COMPLETED
+            raise SystemExit(EXIT_STOPPED)
         return report
     finally:
         pc.destroy()
-        preemption.restore()
+        # The flag-only handler stays until the process exits: a time-limit signal that lands
+        # after the last step must not reach submitit's handler, which would fail a finished job.
+
+
+class TrainingTask(submitit.helpers.Checkpointable):
+    """What `submit.py` hands to submitit: `run_task`, made requeue-able by submitit itself.
+
+    Our own flag handler takes over the preemption signal as soon as `run_task` starts. A signal
+    that lands earlier (while submitit unpickles the job and imports) reaches submitit's handler,
+    which requeues a `Checkpointable`; nothing is lost since training has not begun.
+    """
+
+    def __call__(self, config_path: str) -> dict:
+        return run_task(config_path)
 
 
 def main(argv: list[str] | None = None) -> int:
