@@ -204,8 +204,7 @@ class LlamaModel(nn.Module):
         part = self.chunks[chunk]
         if self.embed in part:
             hidden = self.embed(input_ids.transpose(0, 1).contiguous())
-        seq = self._full_seq_len(hidden)
-        cos, sin = rope_tables(seq, self.head_dim, self.args.rope_theta, hidden.device)
+        cos, sin = self._rope(self._full_seq_len(hidden), hidden)
         for layer in self.layers.values():
             if layer in part:
                 hidden = layer(hidden, cos, sin)
@@ -222,6 +221,17 @@ class LlamaModel(nn.Module):
         losses = sharded_cross_entropy(logits, targets.transpose(0, 1).contiguous(), self.tp_pg,
                                        self.args.vocab_size)
         return losses.mean()
+
+    def _rope(self, seq: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rope_tables`` cast to the dtype ``apply_rope`` computes in (fp32, or fp64 for an fp64
+        model): built once per (length, device, dtype), not in every forward."""
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        key = (seq, hidden.device, dtype)
+        cache = self.__dict__.setdefault("_rope_cache", {})
+        if key not in cache:
+            cos, sin = rope_tables(seq, self.head_dim, self.args.rope_theta, hidden.device)
+            cache[key] = (cos.to(dtype), sin.to(dtype))
+        return cache[key]
 
     def _full_seq_len(self, hidden: torch.Tensor) -> int:
         if self.mode is TensorParallelLinearMode.REDUCE_SCATTER:

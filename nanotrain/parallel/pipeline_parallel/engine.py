@@ -118,19 +118,28 @@ class PipelineEngine:
         def tag(kind: int, stage: int, mb: int) -> int:  # unique per message of the step
             return (kind * num_stages + stage) * m + mb
 
+        def needs(action: Action) -> list:  # what the action receives before it runs
+            chunk = chunks[action.chunk]
+            stage, mb = chunk.virtual_stage, action.microbatch
+            if action.op == "F" and not chunk.is_first:
+                return [(TensorPointer((stage - 1) % pp), tag(_ACTIVATION, stage - 1, mb), (_ACTIVATION, stage - 1))]
+            if action.op == "B" and not chunk.is_last:
+                return [(TensorPointer((stage + 1) % pp), tag(_GRADIENT, stage + 1, mb), (_GRADIENT, stage + 1))]
+            return []
+
+        actions = self.schedule(pp, self.pp_rank, m, v)
+        # Messages travel on channels (kind, sending stage); every receive of the step is posted
+        # now (gloo; no-ops on NCCL): see P2P.new_step / P2P.expect.
+        self.p2p.new_step()
+        self.p2p.expect([r for action in actions for r in needs(action)])
         stored: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor, int]] = {}
         loss_total: Optional[torch.Tensor] = None
         pending: list = []  # sends produced by the previous action
         live = 0
-        for action in self.schedule(pp, self.pp_rank, m, v):
+        for action in actions:
             chunk = chunks[action.chunk]
             stage, mb = chunk.virtual_stage, action.microbatch
-            recvs = []
-            if action.op == "F" and not chunk.is_first:
-                recvs = [(TensorPointer((stage - 1) % pp), tag(_ACTIVATION, stage - 1, mb))]
-            elif action.op == "B" and not chunk.is_last:
-                recvs = [(TensorPointer((stage + 1) % pp), tag(_GRADIENT, stage + 1, mb))]
-            received = self._communicate(pending, recvs, stats)
+            received = self._communicate(pending, needs(action), stats)
             pending = []
 
             t0 = time.perf_counter()
@@ -147,7 +156,7 @@ class PipelineEngine:
                     out = out / m
                     loss_total = out.detach() if loss_total is None else loss_total + out.detach()
                 else:
-                    pending.append((out, (stage + 1) % pp, tag(_ACTIVATION, stage, mb)))
+                    pending.append((out, (stage + 1) % pp, tag(_ACTIVATION, stage, mb), (_ACTIVATION, stage)))
                 stored[(action.chunk, mb)] = (hidden, out, meter.add())
                 live += 1
                 stats.peak_live_microbatches = max(stats.peak_live_microbatches, live)
@@ -159,7 +168,7 @@ class PipelineEngine:
                     else:
                         torch.autograd.backward(out, received[0])
                 if not chunk.is_first:
-                    pending.append((hidden.grad, (stage - 1) % pp, tag(_GRADIENT, stage, mb)))
+                    pending.append((hidden.grad, (stage - 1) % pp, tag(_GRADIENT, stage, mb), (_GRADIENT, stage)))
                 del hidden, out
                 meter.release(nbytes)
                 live -= 1
@@ -171,6 +180,8 @@ class PipelineEngine:
         stats.wait_s += time.perf_counter() - t0
         if stored:
             raise RuntimeError(f"pipeline schedule {self.name!r} left {len(stored)} backward(s) undone")
+        if self.p2p.num_expected:
+            raise RuntimeError(f"pipeline schedule {self.name!r} left {self.p2p.num_expected} receive(s) unused")
         stats.total_s = time.perf_counter() - start
         stats.peak_activation_bytes = meter.peak
         self.last_stats = stats
