@@ -37,6 +37,13 @@ class PreemptionHandler:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return flag.item() > 0
 
+    def ignore_from_now_on(self) -> None:
+        """The work is saved or finished: a late stop signal must not kill the exiting process.
+        (CPython resets Python-level handlers to the default action while it shuts down, so a
+        time-limit signal landing then would end a finished task with "User defined signal 2".)"""
+        for sig in self._signals:
+            signal.signal(sig, signal.SIG_IGN)
+
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)

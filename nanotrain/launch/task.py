@@ -52,8 +52,9 @@ def run_task(config_path: str) -> dict:
         return report
     finally:
         pc.destroy()
-        # The flag-only handler stays until the process exits: a time-limit signal that lands
-        # after the last step must not reach submitit's handler, which would fail a finished job.
+        # Never restore submitit's handler (it would fail a finished job on a late time-limit
+        # signal) nor let Python's shutdown restore the default action (it would kill us).
+        preemption.ignore_from_now_on()
 
 
 class TrainingTask(submitit.helpers.Checkpointable):
