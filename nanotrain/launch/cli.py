@@ -159,6 +159,8 @@ def _config_of(args) -> tuple[Config, str, str | None]:
         raise ConfigError(f"--resume {args.resume}: not a run directory (no {rundir.CONFIG_FILE}); "
                           "pass logs/<run> of an earlier submission")
     config = load_config(run_dir / rundir.CONFIG_FILE, args.set)
+    if config.checkpoints.path == str(rundir.run_dir_of(config) / "checkpoints"):
+        config.checkpoints.path = None  # the default: follow the run directory if it was moved
     config.logging.run_name = run_dir.resolve().name  # the same run directory, whatever it held
     config.logging.dir = str(run_dir.resolve().parent)
     config.checkpoints.resume = True

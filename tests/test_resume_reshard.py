@@ -1,0 +1,57 @@
+"""Save at (dp2, tp2, pp2) through the CLI, resume at other topologies (pp4, ZeRO-1 over dp4, one
+process): the losses continue within rel. 1e-5 of the run that was never interrupted. The data
+position is global consumed samples, so every layout reads the same next samples."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from test_resume_local import STEPS, TINY, cli, overrides, preempt_when_past, tb_losses
+
+# Every layout keeps the global batch: dp * batch_accumulation_per_replica * micro_batch = 16.
+RESUME_AT = {
+    "dp1-tp2-pp4": ["parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=4",
+                    "training.batch_accumulation_per_replica=8"],
+    "dp4-tp2-pp1-zero1": ["parallelism.dp=4", "parallelism.tp=2", "parallelism.pp=1",
+                          "training.batch_accumulation_per_replica=2", "optimizer.zero_stage=1"],
+    "dp1-tp1-pp1": ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1",
+                    "training.batch_accumulation_per_replica=8"],
+}
+
+
+@pytest.mark.timeout(1200)
+def test_resume_at_other_topologies(tmp_path):
+    straight = subprocess.run(cli(str(TINY), "--local", *overrides(tmp_path, "straight", "2-2-2")),
+                              capture_output=True, text=True, timeout=400)
+    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-2000:]
+    expected = dict(tb_losses(tmp_path / "straight"))
+
+    saved = tmp_path / "saved"
+    proc = subprocess.Popen(cli(str(TINY), "--local", *overrides(tmp_path, "saved", "2-2-2")),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        preempt_when_past(proc, saved, 5, timeout=300)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "preempted at step" in out, out[-2000:]
+    stopped = json.loads((saved / "progress.json").read_text())["step"]
+
+    for name, layout in RESUME_AT.items():
+        run_dir = tmp_path / name
+        subprocess.run(["cp", "-r", str(saved), str(run_dir)], check=True)
+        args = [arg for item in layout for arg in ("--set", item)]
+        resumed = subprocess.run(cli("--resume", str(run_dir), "--local", *args), capture_output=True,
+                                 text=True, timeout=400)
+        assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+        assert f"at step {stopped} (resharded from another topology)" in resumed.stdout, resumed.stdout[-2000:]
+        got = dict(tb_losses(run_dir))
+        assert sorted(got) == list(range(1, STEPS + 1))
+        for step in range(stopped + 1, STEPS + 1):
+            assert abs(got[step] - expected[step]) <= 1e-5 * abs(expected[step]), (name, step, got[step],
+                                                                                   expected[step])
