@@ -1,8 +1,9 @@
 """Global gradient-norm clipping across tensor, pipeline (and expert) parallel ranks.
 
 The norm must be the one of the whole, unsharded model, i.e. what ``torch.nn.utils.
-clip_grad_norm_`` would return on one device. Each rank sums the squares of the gradient elements
-it is responsible for, in float64, and ONE all-reduce over the model-parallel group ``pc.mp_pg``
+clip_grad_norm_`` would return on one device. Each rank takes the norms of the gradients it is
+responsible for (torch's fused foreach kernel, in at least fp32), sums their squares in float64,
+and ONE all-reduce over the model-parallel group ``pc.mp_pg``
 (ep x pp x tp: the ranks that together hold exactly one copy of the model, see ``grid.py``) adds
 them up:
 
@@ -48,9 +49,12 @@ def global_grad_norm(params: Iterable[torch.Tensor], pc=None) -> torch.Tensor:
     params = list({id(p): p for p in params if p.grad is not None}.values())  # tied: once
     device = params[0].grad.device if params else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float64, device=device)
-    for p in params:
-        if pc is None or _counted_here(p, pc):
-            sq += p.grad.detach().double().pow(2).sum()
+    counted = [p.grad.detach() for p in params if pc is None or _counted_here(p, pc)]
+    for grads in _by_device_and_dtype(counted).values():
+        # One fused kernel per (device, dtype) for the per-tensor norms (accumulated in >= fp32,
+        # fp64 for fp64 grads); their squares are summed in fp64.
+        norms = torch._foreach_norm(grads, 2, dtype=torch.promote_types(grads[0].dtype, torch.float32))
+        sq += torch.stack(norms).double().pow(2).sum()
     group = getattr(pc, "mp_pg", None)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
@@ -68,6 +72,13 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: Optional[float], p
     if max_norm is None or max_norm <= 0:
         return total_norm
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for p in params:
-        p.grad.detach().mul_(clip_coef.to(p.grad.device, p.grad.dtype))
+    for (device, dtype), grads in _by_device_and_dtype([p.grad.detach() for p in params]).items():
+        torch._foreach_mul_(grads, clip_coef.to(device, dtype))
     return total_norm
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
