@@ -848,7 +848,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=HERE / "results",
                         help="directory for latest.json / latest.md (default benchmarks/results)")
     opts = parser.parse_args()
-    reps, steps, warmup = (2, 3, 2) if opts.quick else (5, 6, 3)
+    reps, steps, warmup = (2, 3, 2) if opts.quick else (9, 8, 3)
     reps, steps, warmup = opts.reps or reps, opts.steps or steps, opts.warmup or warmup
     jobs = opts.only or list(JOBS)
     if opts.profile:

@@ -1,0 +1,32 @@
+"""Smoke test of the side-by-side benchmark harness (benchmarks/vs_native.py): a few rows, one
+timed step each, on CPU/gloo. Checks the plumbing (launch, both sides train the same model from
+the same weights, results JSON + Markdown), not the speed."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = {"name", "ours", "native", "unit", "ratio", "target", "same_loss"}
+
+
+def test_vs_native_quick_rows(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vs_native.py"), "--only", "tp2_ar", "pp2_1f1b", "--reps", "1", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "latest.json").read_text())
+    names = [r["name"] for r in rows]
+    assert any(n.startswith("tp2 ALL_REDUCE") for n in names) and any(n.startswith("pp2 1f1b") for n in names)
+    assert any("1f1b vs afab" in n for n in names)
+    for row in rows:
+        assert FIELDS <= row.keys(), row
+        assert row["ours"] > 0 and row["native"] > 0 and row["ratio"] > 0
+        if row["unit"] == "tokens/s":
+            assert row["same_loss"] is True, row  # identical weights and data: the losses must agree
+            assert row["loss_rel_first"] <= 1e-4
+    memory = next(r for r in rows if "1f1b vs afab" in r["name"])
+    assert memory["ratio"] <= memory["target"], memory  # 1f1b holds pp, not m, micro-batches
+    table = (tmp_path / "latest.md").read_text()
+    assert "| row | nanotrain | native |" in table and all(r["name"] in table for r in rows)
