@@ -887,6 +887,13 @@ def main() -> int:
     (opts.out / "latest.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     md = markdown(rows, meta)
     (opts.out / "latest.md").write_text(md)
+    readme = HERE / "README.md"
+    if not opts.quick and not opts.only and opts.out.resolve() == (HERE / "results").resolve() and readme.exists():
+        text = readme.read_text()  # a full run also refreshes the table in benchmarks/README.md
+        begin, end = "<!-- bench:begin -->", "<!-- bench:end -->"
+        if begin in text and end in text:
+            head, rest = text.split(begin, 1)
+            readme.write_text(head + begin + "\n" + md + end + rest.split(end, 1)[1])
     print()
     print(md)
     if failures:
