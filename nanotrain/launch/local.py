@@ -112,9 +112,11 @@ def _wait(procs: list[subprocess.Popen], log_dir: Path) -> int:
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
         if failed:
             rank, code = failed[0]
-            print(f"error: rank {rank} exited with status {code}; its log: {log_dir / f'rank-{rank}.log'}",
+            status = code if code > 0 else 128 - code  # killed by signal N: 128 + N, as a shell says
+            how = f" (signal {-code})" if code < 0 else ""
+            print(f"error: rank {rank} exited with status {status}{how}; its log: {log_dir / f'rank-{rank}.log'}",
                   file=sys.stderr, flush=True)
-            return code if code > 0 else 128 - code
+            return status
         if all(code == 0 for code in codes):
             return 0
         time.sleep(0.2)
