@@ -8,9 +8,10 @@
 Every row trains the same Llama (``MODEL``) on the same batches with the same AdamW, LR schedule
 and global-norm clipping, from the same initial weights, once with nanotrain and once with the
 native stack (``benchmarks/native_llama.py``), in the SAME processes: after a warm-up of each, the
-two sides run alternately (A B A B ...) for ``--reps`` repetitions of ``--steps`` steps. A step
+two sides run alternately (A B A B ...) for ``--reps`` alternations of ``--steps`` steps. A step
 is timed from a barrier to the slowest rank's end (all-reduce MAX, outside the timed region);
-tokens/s = tokens per step / median over repetitions of each repetition's median step. Both
+tokens/s = tokens per step / median over alternations of each block's median step; the paired
+ratio is the median over alternations of native / nanotrain block time (load-robust). Both
 sides train on identical batch sequences, so their losses are comparable step by step:
 ``same_loss`` is |loss_ours - loss_native| / loss_native <= 1e-4 on the first step (identical
 weights and data; computed, not assumed), and ``loss_rel_max`` is the largest relative difference
