@@ -10,7 +10,6 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dist_utils import run_distributed
 from nanotrain.config import ModelArgs

@@ -62,15 +62,10 @@ def preempt_when_past(proc: subprocess.Popen, run_dir: Path, step: int, timeout:
     raise AssertionError(f"run never reached step {step} (exit {proc.poll()})")
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("topology", list(TOPOLOGIES))
-def test_preempt_and_resume_is_bit_exact(tmp_path, topology):
-    straight = subprocess.run(cli(str(TINY), "--local", *overrides(tmp_path, "straight", topology)),
-                              capture_output=True, text=True, timeout=400)
-    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-2000:]
-
-    run_dir = tmp_path / "interrupted"
-    proc = subprocess.Popen(cli(str(TINY), "--local", *overrides(tmp_path, "interrupted", topology)),
+def run_until_preempted(tmp_path: Path, name: str, topology: str) -> int:
+    """A local run that gets SIGUSR2 past step 5: it saves and exits 0; returns the saved step."""
+    run_dir = tmp_path / name
+    proc = subprocess.Popen(cli(str(TINY), "--local", *overrides(tmp_path, name, topology)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         preempt_when_past(proc, run_dir, 5, timeout=300)
@@ -82,6 +77,18 @@ def test_preempt_and_resume_is_bit_exact(tmp_path, topology):
     assert "preempted at step" in out and f"--resume {run_dir}" in out, out[-3000:]
     stopped = json.loads((run_dir / "progress.json").read_text())["step"]
     assert 5 <= stopped < STEPS
+    return stopped
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("topology", list(TOPOLOGIES))
+def test_preempt_and_resume_is_bit_exact(tmp_path, topology):
+    straight = subprocess.run(cli(str(TINY), "--local", *overrides(tmp_path, "straight", topology)),
+                              capture_output=True, text=True, timeout=400)
+    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-2000:]
+
+    run_dir = tmp_path / "interrupted"
+    stopped = run_until_preempted(tmp_path, "interrupted", topology)
 
     resumed = subprocess.run(cli("--resume", str(run_dir), "--local"), capture_output=True, text=True, timeout=400)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]

@@ -3,14 +3,11 @@ process): the losses continue within rel. 1e-5 of the run that was never interru
 position is global consumed samples, so every layout reads the same next samples."""
 from __future__ import annotations
 
-import json
-import signal
 import subprocess
-from pathlib import Path
 
 import pytest
 
-from test_resume_local import STEPS, TINY, cli, overrides, preempt_when_past, tb_losses
+from test_resume_local import STEPS, TINY, cli, overrides, run_until_preempted, tb_losses
 
 # Every layout keeps the global batch: dp * batch_accumulation_per_replica * micro_batch = 16.
 RESUME_AT = {
@@ -31,16 +28,7 @@ def test_resume_at_other_topologies(tmp_path):
     expected = dict(tb_losses(tmp_path / "straight"))
 
     saved = tmp_path / "saved"
-    proc = subprocess.Popen(cli(str(TINY), "--local", *overrides(tmp_path, "saved", "2-2-2")),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        preempt_when_past(proc, saved, 5, timeout=300)
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0 and "preempted at step" in out, out[-2000:]
-    stopped = json.loads((saved / "progress.json").read_text())["step"]
+    stopped = run_until_preempted(tmp_path, "saved", "2-2-2")
 
     for name, layout in RESUME_AT.items():
         run_dir = tmp_path / name

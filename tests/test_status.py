@@ -2,7 +2,6 @@
 followed through pending/running, a requeue, and completion on the local cluster."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time

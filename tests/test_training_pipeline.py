@@ -12,7 +12,6 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dist_utils import run_distributed
 from nanotrain.config import ModelArgs, OptimizerArgs

@@ -33,26 +33,8 @@ class World:
     def _decode(t: torch.Tensor, n: int):
         return json.loads(bytes(t[:n].cpu().numpy().tobytes()).decode())
 
-    def all_gather(self, obj) -> list:
-        """Every rank's ``obj``, in rank order, on every rank."""
-        if not self.active:
-            return [obj]
-        mine = self._bytes_tensor(obj)
-        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
-        dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=self.device),
-                        group=self.group)
-        sizes = [int(s.item()) for s in sizes]
-        width = max(sizes)
-        padded = torch.zeros(width, dtype=torch.uint8, device=self.device)
-        padded[:mine.numel()] = mine
-        out = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
-        dist.all_gather(out, padded, group=self.group)
-        return [self._decode(t, n) for t, n in zip(out, sizes)]
-
-    def gather(self, obj, dst: int = 0) -> list | None:
-        """Every rank's ``obj`` on rank ``dst`` (rank order); None elsewhere."""
-        if not self.active:
-            return [obj]
+    def _padded(self, obj) -> tuple[list[int], torch.Tensor]:
+        """Every rank's encoded size, and this rank's bytes padded to the largest (one all-gather)."""
         mine = self._bytes_tensor(obj)
         sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
         dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=self.device),
@@ -60,7 +42,23 @@ class World:
         sizes = [int(s.item()) for s in sizes]
         padded = torch.zeros(max(sizes), dtype=torch.uint8, device=self.device)
         padded[:mine.numel()] = mine
-        out = ([torch.empty(max(sizes), dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+        return sizes, padded
+
+    def all_gather(self, obj) -> list:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if not self.active:
+            return [obj]
+        sizes, padded = self._padded(obj)
+        out = [torch.empty(padded.numel(), dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+        dist.all_gather(out, padded, group=self.group)
+        return [self._decode(t, n) for t, n in zip(out, sizes)]
+
+    def gather(self, obj, dst: int = 0) -> list | None:
+        """Every rank's ``obj`` on rank ``dst`` (rank order); None elsewhere."""
+        if not self.active:
+            return [obj]
+        sizes, padded = self._padded(obj)
+        out = ([torch.empty(padded.numel(), dtype=torch.uint8, device=self.device) for _ in range(self.size)]
                if self.rank == dst else None)
         dist.gather(padded, out, dst=dist.get_global_rank(self.group, dst) if self.group is not None else dst,
                     group=self.group)

@@ -32,8 +32,9 @@ class DistEnv:
     restart_count: int = 0
 
 
-def detect_launcher(environ: Mapping[str, str] = os.environ) -> str:
+def detect_launcher(environ: Mapping[str, str] | None = None) -> str:
     """torchrun wins over SLURM (`srun torchrun` sets both); our local launcher marks itself."""
+    environ = os.environ if environ is None else environ  # read at call time, never bound early
     if "TORCHELASTIC_RUN_ID" in environ or "TORCHELASTIC_RESTART_COUNT" in environ:
         return "torchrun"
     if environ.get("NANOTRAIN_LAUNCHER") == "local":
