@@ -55,7 +55,7 @@ def running_past(job_id: str, run_dir: Path, step: int):
 
 @pytest.mark.timeout(900)
 def test_preempted_three_times_completes_with_identical_losses(slurm_cluster, tmp_path):
-    steps = 50
+    steps = 30
     proc = submit(tmp_path, "preempted", steps, "slurm.partition=low")
     assert proc.returncode == 0, proc.stderr
     job_id, run_dir = submitted_job_id(proc.stdout), tmp_path / "preempted"
@@ -91,7 +91,7 @@ def test_time_limit_saves_requeues_and_finishes(slurm_cluster, tmp_path):
     # slurmctld checks limits only every ~30 s: with --time=1 the warning signal came 18-29 s
     # after the start whatever the delay (10, 30, 50 s measured here), the kill at 60-90 s. After
     # ~15 s of start-up each incarnation trains a few steps, saves and requeues itself.
-    proc = submit(tmp_path, "timelimit", 25, "slurm.time=1", "slurm.signal_delay_s=30", "slurm.max_requeues=20")
+    proc = submit(tmp_path, "timelimit", 12, "slurm.time=1", "slurm.signal_delay_s=30", "slurm.max_requeues=20")
     assert proc.returncode == 0, proc.stderr
     job_id, run_dir = submitted_job_id(proc.stdout), tmp_path / "timelimit"
 
@@ -104,6 +104,6 @@ def test_time_limit_saves_requeues_and_finishes(slurm_cluster, tmp_path):
     assert wait_until(finished, 700, "the job to finish", job_id, interval=2.0) == "COMPLETED"
     assert restart_count(job_id) >= 1
     got = losses(run_dir)
-    assert [s for s, _ in got] == list(range(1, 26))
+    assert [s for s, _ in got] == list(range(1, 13))
     logs = "".join(p.read_text() for p in (run_dir / "job").glob(f"{job_id}_0_log.out"))
     assert "preempted at step" in logs and "requeued job" in logs
