@@ -54,7 +54,12 @@ class EngineStats:
 
 class _ActivationMeter:
     """Bytes autograd saves for backward during a forward, per micro-batch (parameters and
-    tensors already counted for this micro-batch are skipped: storages are counted once)."""
+    tensors already counted for this micro-batch are skipped: storages are counted once).
+
+    A Python hook on every saved tensor costs a few microseconds each (hundreds per forward), so
+    only the first forward of each kind is hooked: the same chunk on inputs of the same shapes
+    and dtypes saves the same tensors (``record(key)`` returns a no-op context for a known key and
+    ``add()`` books the bytes measured the first time)."""
 
     def __init__(self, params):
         self.param_storages = {p.untyped_storage().data_ptr() for p in params}
@@ -62,6 +67,8 @@ class _ActivationMeter:
         self.peak = 0
         self._seen: set[int] = set()
         self._bytes = 0
+        self._known: dict = {}  # key -> bytes of a forward already measured
+        self._key = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -71,12 +78,18 @@ class _ActivationMeter:
             self._bytes += storage.nbytes()
         return t
 
-    def record(self):
-        """Context manager around one forward; ``add()`` afterwards books its bytes."""
+    def record(self, key=None):
+        """Context manager around one forward; ``add()`` afterwards books its bytes. A forward
+        with the ``key`` of one measured before is not hooked again (None: always measure)."""
+        self._key = key
+        if key is not None and key in self._known:
+            return nullcontext()
         self._seen, self._bytes = set(), 0
         return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def add(self) -> int:
+        if self._key is not None:
+            self._bytes = self._known.setdefault(self._key, self._bytes)
         self.live += self._bytes
         self.peak = max(self.peak, self.live)
         return self._bytes
@@ -148,7 +161,8 @@ class PipelineEngine:
                 if data is None and (chunk.is_first or chunk.is_last):
                     raise ValueError(f"micro-batch {mb} is None on the pp rank holding the first/last stage")
                 hidden = received[0] if received else None
-                with meter.record():
+                inputs = (data[0] if chunk.is_first else hidden, data[1] if chunk.is_last else None)
+                with meter.record((action.chunk, *((t.shape, t.dtype) for t in inputs if t is not None))):
                     out = model(input_ids=data[0] if chunk.is_first else None,
                                 targets=data[1] if chunk.is_last else None,
                                 hidden=hidden, chunk=action.chunk)
