@@ -41,8 +41,7 @@ def _wait_for_job(job_id: str, limit_s: float = 60) -> str:
 
 def test_two_node_job_completes(slurm_cluster, tmp_path):
     """A -N2 --ntasks-per-node=2 job runs 4 tasks, two on each of n1 and n2."""
-    if len(slurm_cluster) < 2:
-        pytest.skip(f"needs 2 usable nodes, have {slurm_cluster}")
+    assert len(slurm_cluster) >= 2, f"slurm/local-cluster.sh brings up 2 nodes; usable: {slurm_cluster}"
     out_file = tmp_path / "job.out"
     # `hostname` prints the real host on every emulated node, so report SLURMD_NODENAME.
     job_id = _run(
