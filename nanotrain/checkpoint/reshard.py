@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from nanotrain.checkpoint import format as fmt
+from nanotrain.checkpoint import shard_files
 from nanotrain.checkpoint.format import CheckpointError
 from nanotrain.checkpoint.items import named_params
 from nanotrain.checkpoint.load import _Reader, assemble_full, assemble_optimizer_full, cut_local
@@ -152,9 +153,9 @@ def reshard_offline(src: str | Path, dst_root: str | Path, overrides: list[str] 
                 local = _cut(full[pname], info, tuple(p.shape))
                 items.append((pname, local, info))
             if items:
-                f, i = fmt.write_model_shards(tmp, fmt.coord_tag(pp=pp_rank, tp=tp_rank), items, granularity, pp_rank)
+                f, i = shard_files.write_model_shards(tmp, fmt.coord_tag(pp=pp_rank, tp=tp_rank), items, granularity, pp_rank)
                 files.update(f)
-                fmt.merge_index(model_index, i)
+                shard_files.merge_index(model_index, i)
         if not full_opt:
             continue
         for dp_rank in range(dp if zero == 1 else 1):
@@ -181,9 +182,9 @@ def reshard_offline(src: str | Path, dst_root: str | Path, overrides: list[str] 
                     items.append((pname, info, tuple(p.shape), a, b, st["step"], cut["exp_avg"], cut["exp_avg_sq"]))
                 if items:
                     tag = fmt.coord_tag(pp=pp_rank, tp=tp_rank, dp=dp_rank)
-                    f, i = fmt.write_optimizer_shards(tmp, tag, items, granularity, pp_rank)
+                    f, i = shard_files.write_optimizer_shards(tmp, tag, items, granularity, pp_rank)
                     files.update(f)
-                    fmt.merge_index(opt_index, i)
+                    shard_files.merge_index(opt_index, i)
 
     new_meta = dict(meta)
     new_meta.update({

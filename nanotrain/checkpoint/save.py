@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from nanotrain.checkpoint import format as fmt
+from nanotrain.checkpoint import shard_files
 from nanotrain.checkpoint.comm import World
 from nanotrain.checkpoint.format import CheckpointError
 from nanotrain.checkpoint.items import (Models, config_as_dict, coords_of, named_params, optimizer_entries,
@@ -173,10 +174,10 @@ def _write_rank(tmp: Path, rank: int, plan: dict, writer: dict, rank_state, gran
 
     files, index = {}, {"model": {}, "optimizer": {}}
     if model_items:
-        f, index["model"] = fmt.write_model_shards(tmp, model_tag, model_items, granularity, coords["pp"])
+        f, index["model"] = shard_files.write_model_shards(tmp, model_tag, model_items, granularity, coords["pp"])
         files.update(f)
     if opt_items:
-        f, index["optimizer"] = fmt.write_optimizer_shards(tmp, opt_tag, opt_items, granularity, coords["pp"])
+        f, index["optimizer"] = shard_files.write_optimizer_shards(tmp, opt_tag, opt_items, granularity, coords["pp"])
         files.update(f)
     state_rel = f"state/rank-{rank:05d}.safetensors"
     files[state_rel] = fmt.write_safetensors(
@@ -189,8 +190,8 @@ def _meta(step, extra, cfg, pc, optimizer, scheduler, reports, granularity) -> d
     files, model_index, opt_index, state_index = {}, {}, {}, {}
     for rank, report in enumerate(reports):
         files.update(report["files"])
-        fmt.merge_index(model_index, report["index"]["model"])
-        fmt.merge_index(opt_index, report["index"]["optimizer"])
+        shard_files.merge_index(model_index, report["index"]["model"])
+        shard_files.merge_index(opt_index, report["index"]["optimizer"])
         state_index[str(rank)] = report["state"]
     sched = None
     if scheduler is not None:
