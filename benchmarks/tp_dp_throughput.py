@@ -107,7 +107,7 @@ def main() -> int:
     tokens = GLOBAL_SEQS * SEQ
     base = statistics.median(medians[LAYOUTS[0][0]])
     print(f"{tokens} tokens/step, micro-batch {args.micro_batch} x {SEQ} tokens, median of {args.repeats}")
-    print(f"| layout | ranks | ms/step | tokens/s | vs 1 process | first loss |")
+    print("| layout | ranks | ms/step | tokens/s | vs 1 process | first loss |")
     print("|---|---|---|---|---|---|")
     for name, dp, tp, *_ in LAYOUTS:
         step = statistics.median(medians[name])

@@ -299,7 +299,7 @@ def test_group_of_one_needs_no_communication():
 
 def test_misuse_is_an_error():
     model = _model()
-    sync = BucketedGradSync(list(model.parameters()), None, BIG_CAP_MB)
+    _sync = BucketedGradSync(list(model.parameters()), None, BIG_CAP_MB)  # its hooks watch backward
     _loss(model, *_batch(0)).backward()
     with pytest.raises(RuntimeError, match="no_sync"):
         _loss(model, *_batch(1)).backward()  # second sync'ed backward before finish
