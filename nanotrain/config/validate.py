@@ -37,6 +37,14 @@ def validate_model(config: Config) -> None:
     """Rules that tie the model shape to the parallel layout and the batch."""
     m, p, t = config.model, config.parallelism, config.training
     kv = m.num_key_value_heads or m.num_attention_heads
+    # The grid and its groups support cp and ep (ParallelContext), but the model has neither
+    # context-parallel attention nor experts: such ranks would silently train as data replicas.
+    if p.cp > 1:
+        _fail(f"parallelism.cp ({p.cp}): the Llama model has no context-parallel attention yet; "
+              f"set parallelism.cp: 1 and give the ranks to dp (dp: {p.dp * p.cp})")
+    if p.ep > 1:
+        _fail(f"parallelism.ep ({p.ep}): the Llama model is dense (no experts to shard); "
+              f"set parallelism.ep: 1 and give the ranks to dp (dp: {p.dp * p.ep})")
     if m.hidden_size % m.num_attention_heads:
         _fail(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_attention_heads "
               f"({m.num_attention_heads}): choose heads that divide the hidden size")
