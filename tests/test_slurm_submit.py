@@ -40,7 +40,7 @@ def status(run_dir: Path) -> str:
 def test_submit_2_nodes_x_4_tasks_trains_and_reports_status(slurm_cluster, tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "submit.py"), str(TINY), "--set", f"logging.dir={tmp_path}",
-         "--set", "logging.run_name=slurm-smoke", "--set", "training.train_steps=20",
+         "--set", "logging.run_name=slurm-smoke", "--set", "training.train_steps=40",
          "--set", "logging.log_interval=1"],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -64,9 +64,9 @@ def test_submit_2_nodes_x_4_tasks_trains_and_reports_status(slurm_cluster, tmp_p
     assert "smoke: ok: world=8 backend=gloo launcher=slurm" in log.read_text()
     assert json.loads((run_dir / "launch.json").read_text())["job_id"] == job_id
     metrics_log = (run_dir / "job" / f"{job_id}_4_log.out").read_text()  # last stage, tp0, dp0
-    assert "step 20/20 | loss" in metrics_log
+    assert "step 40/40 | loss" in metrics_log
     after = status(run_dir)
-    assert "state: COMPLETED" in after and "step 20/20" in after, after
+    assert "state: COMPLETED" in after and "step 40/40" in after, after
 
 
 def test_emitted_script_runs_with_plain_sbatch(slurm_cluster, tmp_path):
