@@ -30,3 +30,18 @@ def test_vs_native_quick_rows(tmp_path):
     assert memory["ratio"] <= memory["target"], memory  # 1f1b holds pp, not m, micro-batches
     table = (tmp_path / "latest.md").read_text()
     assert "| row | nanotrain | native |" in table and all(r["name"] in table for r in rows)
+
+
+def test_gpu_scripts_run_on_cpu(tmp_path):
+    """benchmarks/gpu_check.sh and gpu_train_bench.py only run for real where a GPU is lent:
+    CI keeps them from rotting (shell syntax; the benchmark's whole path on a tiny CPU model)."""
+    syntax = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_train_bench.py"), "--cpu-smoke",
+                           "--seq", "128", "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["tokens_per_step"] == 2 * 128 and result["tokens_per_s"] > 0
+    assert len(result["step_ms"]) == 2 and all(x == x for x in result["loss_first_last"])  # not NaN
