@@ -71,3 +71,12 @@ def test_512_node_plan_under_2_seconds(tmp_path):
     assert "512 node(s) x 8 tasks" in proc.stdout and "memory per GPU" in proc.stdout
     assert "#SBATCH --nodes=512" in proc.stdout
     assert cpu < 2.0, f"planning 4096 ranks took {cpu:.2f} CPU s ({wall:.2f} s wall)"
+
+
+def test_context_parallel_divides_activations_and_zero_shards():
+    base = ["parallelism.dp=1", "training.sequence_length=4096", "model.max_position_embeddings=4096",
+            "optimizer.zero_stage=1"]
+    one = estimate_memory(load_config(TINY, base))
+    two = estimate_memory(load_config(TINY, base + ["parallelism.cp=2"]))
+    assert two.optimizer == pytest.approx(one.optimizer / 2)  # ZeRO-1 shards over dp x cp
+    assert one.activations / 2 < two.activations < one.activations * 0.6  # s/cp, plus gathered k/v

@@ -1,6 +1,6 @@
 """Preempt a local run with SIGUSR2 (what SLURM sends), resume it, and compare with a run that was
 never interrupted: the loss sequence and the final weights are bit-identical (`==`) on CPU,
-at (1,1,1) and at (dp2, tp2, pp2)."""
+at (1,1,1), at (dp2, tp2, pp2) and at (cp2, tp2, pp2) with ZeRO-1."""
 from __future__ import annotations
 
 import json
@@ -20,6 +20,9 @@ STEPS = 20
 TOPOLOGIES = {
     "1-1-1": ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "training.batch_accumulation_per_replica=8"],
     "2-2-2": [],
+    # context parallel, sequence-parallel tp, ZeRO-1 over dp x cp: the optimizer shards sit on cp ranks
+    "cp2-tp2-pp2-zero1": ["parallelism.dp=1", "parallelism.cp=2", "parallelism.tp_mode=REDUCE_SCATTER",
+                          "optimizer.zero_stage=1", "training.batch_accumulation_per_replica=8"],
 }
 
 

@@ -1,5 +1,5 @@
 """Save at (dp2, tp2, pp2) through the CLI, resume at other topologies (pp4, ZeRO-1 over dp4, one
-process): the losses continue within rel. 1e-5 of the run that was never interrupted. The data
+process, context parallel): the losses continue within rel. 1e-5 of the run that was never interrupted. The data
 position is global consumed samples, so every layout reads the same next samples."""
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ RESUME_AT = {
                           "training.batch_accumulation_per_replica=2", "optimizer.zero_stage=1"],
     "dp1-tp1-pp1": ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1",
                     "training.batch_accumulation_per_replica=8"],
+    "dp1-cp2-tp2-pp2": ["parallelism.dp=1", "parallelism.cp=2", "training.batch_accumulation_per_replica=8"],
 }
 
 

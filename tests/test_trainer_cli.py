@@ -1,5 +1,6 @@
 """`submit.py --local` trains on the real corpus (Python's standard library sources): the loss
-falls, and the same config at (1,1,1) and at (dp2, tp2, pp2) gives the same loss sequence,
+falls, and the same config at (1,1,1), at (dp2, tp2, pp2) and at (cp2, tp2, pp2) gives the same
+loss sequence,
 read back from the TensorBoard event files the runs wrote."""
 from __future__ import annotations
 
@@ -40,3 +41,15 @@ def test_same_loss_at_1_1_1_and_2_2_2_and_it_falls(tmp_path):
     assert single[-1] < single[0] - 1.0, f"the loss did not fall: {single}"
     for step, (a, b) in enumerate(zip(single, parallel), start=1):
         assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: 1 process {a} vs dp2 tp2 pp2 {b}"
+
+
+@pytest.mark.timeout(900)
+def test_context_parallel_run_has_the_same_losses(tmp_path):
+    """cp2 x tp2 (sequence parallel) x pp2 with ZeRO-1 sharded over dp x cp: every sequence is
+    split over two ranks, yet the run is the single process's, step for step."""
+    single = train(tmp_path, "single", "parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1",
+                   "training.batch_accumulation_per_replica=8")
+    cp = train(tmp_path, "cp", "parallelism.dp=1", "parallelism.cp=2", "parallelism.tp_mode=REDUCE_SCATTER",
+               "optimizer.zero_stage=1", "training.batch_accumulation_per_replica=8")
+    for step, (a, b) in enumerate(zip(single, cp), start=1):
+        assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: 1 process {a} vs cp2 tp2 pp2 {b}"

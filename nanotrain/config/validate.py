@@ -37,11 +37,8 @@ def validate_model(config: Config) -> None:
     """Rules that tie the model shape to the parallel layout and the batch."""
     m, p, t = config.model, config.parallelism, config.training
     kv = m.num_key_value_heads or m.num_attention_heads
-    # The grid and its groups support cp and ep (ParallelContext), but the model has neither
-    # context-parallel attention nor experts: such ranks would silently train as data replicas.
-    if p.cp > 1:
-        _fail(f"parallelism.cp ({p.cp}): the Llama model has no context-parallel attention yet; "
-              f"set parallelism.cp: 1 and give the ranks to dp (dp: {p.dp * p.cp})")
+    # The grid and its groups support ep (ParallelContext), but the model is dense: such ranks
+    # would silently train as data replicas.
     if p.ep > 1:
         _fail(f"parallelism.ep ({p.ep}): the Llama model is dense (no experts to shard); "
               f"set parallelism.ep: 1 and give the ranks to dp (dp: {p.dp * p.ep})")
@@ -66,9 +63,15 @@ def validate_model(config: Config) -> None:
     if t.sequence_length > m.max_position_embeddings:
         _fail(f"training.sequence_length ({t.sequence_length}) exceeds model.max_position_embeddings "
               f"({m.max_position_embeddings}): raise max_position_embeddings or shorten the sequence")
-    if p.tp_mode == "REDUCE_SCATTER" and t.sequence_length % p.tp:
-        _fail(f"training.sequence_length ({t.sequence_length}) must be divisible by parallelism.tp "
-              f"({p.tp}) under tp_mode REDUCE_SCATTER (sequence shards)")
+    if p.cp > 1 and t.sequence_length % (2 * p.cp):
+        _fail(f"training.sequence_length ({t.sequence_length}) must be divisible by 2*parallelism.cp "
+              f"= {2 * p.cp} (each cp rank holds two of 2*cp equal chunks): change the length or cp")
+    local_seq = t.sequence_length // p.cp
+    if p.tp_mode == "REDUCE_SCATTER" and local_seq % p.tp:
+        what = f"training.sequence_length/parallelism.cp = {t.sequence_length}/{p.cp}" if p.cp > 1 \
+            else f"training.sequence_length ({t.sequence_length})"
+        _fail(f"{what} must be divisible by parallelism.tp ({p.tp}) under tp_mode REDUCE_SCATTER "
+              "(sequence shards)")
     chunks = p.pp * p.pp_virtual_stages
     if m.num_layers < chunks:
         what = f"pp*pp_virtual_stages = {p.pp}*{p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else f"pp ({p.pp})"

@@ -5,11 +5,13 @@ busiest rank: the pipeline stage with the most layers plus the embedding (first 
 LM head and its logits (last stage).
 - weights: fp32 master copy (bf16 compute copies are transient under autocast);
 - gradients: fp32 (accumulated in fp32 across micro-batches);
-- optimizer: AdamW exp_avg + exp_avg_sq in fp32, divided by dp under ZeRO-1;
+- optimizer: AdamW exp_avg + exp_avg_sq in fp32, divided by dp*cp under ZeRO-1;
 - activations: Megatron's per-layer count (Korthikanti et al. 2022, "Reducing Activation
   Recomputation"), s*b*h*(10 + 24/t) bytes with TP, s*b*h*34/t with sequence parallelism,
   at 2 bytes per value, attention scores not stored (flash/SDPA), times the micro-batches a stage
   holds at once: all m for afab, pp for 1f1b (first stage), pp*(1 + (pp-1)/(pp*v)) interleaved.
+  Under context parallelism s is this rank's s/cp tokens, plus the whole sequence's keys and
+  values that attention gathers and saves (2*s*b*kv_dim/t values per layer).
 It ignores allocator fragmentation, communication buffers and the CUDA context (~1-3 GB).
 """
 from __future__ import annotations
@@ -68,9 +70,12 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     p, t, mdl = config.parallelism, config.training, config.model
     params, layers = stage_parameters(config)
     weights = grads = 4 * params
-    optimizer = 8 * params / (p.dp if config.optimizer.zero_stage == 1 else 1)
-    s, b, h, tp = t.sequence_length, t.micro_batch_size, mdl.hidden_size, p.tp
+    optimizer = 8 * params / (p.dp * p.cp if config.optimizer.zero_stage == 1 else 1)
+    s, b, h, tp = t.sequence_length // p.cp, t.micro_batch_size, mdl.hidden_size, p.tp
     per_layer_values = s * b * h * (34 / tp if p.tp_mode == "REDUCE_SCATTER" else 10 + 24 / tp)
+    if p.cp > 1:
+        kv_dim = (mdl.num_key_value_heads or mdl.num_attention_heads) * (h // mdl.num_attention_heads)
+        per_layer_values += 2 * t.sequence_length * b * kv_dim / tp
     in_flight = micro_batches_in_flight(config)
     activation_bytes = 2 * per_layer_values * layers * in_flight
     logits = s * b * (-(-mdl.vocab_size // tp)) * 4 * 2  # fp32 logits and their gradient

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanotrain.config import ModelArgs
+from nanotrain.parallel.context_parallel import ContextParallel
 from nanotrain.parallel.pipeline_parallel import PipelineBlock, mark_tied_, place_blocks
 from nanotrain.parallel.tensor_parallel import (TensorParallelColumnLinear, TensorParallelEmbedding,
                                                 TensorParallelLinearMode, TensorParallelRowLinear,
@@ -65,8 +66,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, tp_pg, mode: TensorParallelLinearMode, async_comm: bool):
+    """Grouped-query causal attention over local heads; under context parallelism the queries
+    of this rank's tokens attend to the keys and values of the whole sequence, gathered over cp
+    (see ``parallel/context_parallel.py``)."""
+
+    def __init__(self, args: ModelArgs, tp_pg, mode: TensorParallelLinearMode, async_comm: bool,
+                 cp: ContextParallel):
         super().__init__()
+        self.cp = cp
         tp = group_size(tp_pg)
         self.head_dim = args.hidden_size // args.num_attention_heads
         kv_heads = args.num_key_value_heads or args.num_attention_heads
@@ -87,11 +94,15 @@ class Attention(nn.Module):
         q = apply_rope(q.view(seq, batch, self.local_heads, d), cos, sin)
         k = apply_rope(k.view(seq, batch, self.local_kv_heads, d), cos, sin)
         v = v.view(seq, batch, self.local_kv_heads, d)
+        mask = None
+        if self.cp.enabled:  # keys/values of the whole sequence; causality by global position
+            k, v = self.cp.gather_kv(k, v)
+            mask = self.cp.attention_mask(k.shape[0], k.device)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, heads, S, d]
         if self.local_kv_heads != self.local_heads:
             repeat = self.local_heads // self.local_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         out = out.permute(2, 0, 1, 3).reshape(seq, batch, self.local_heads * d)
         return self.o_proj(out)
 
@@ -112,10 +123,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, tp_pg, mode: TensorParallelLinearMode, async_comm: bool):
+    def __init__(self, args: ModelArgs, tp_pg, mode: TensorParallelLinearMode, async_comm: bool,
+                 cp: ContextParallel):
         super().__init__()
         self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attn = Attention(args, tp_pg, mode, async_comm)
+        self.attn = Attention(args, tp_pg, mode, async_comm, cp)
         self.post_attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args, tp_pg, mode, async_comm)
 
@@ -135,15 +147,18 @@ class LlamaModel(nn.Module):
 
     forward(input_ids [B,S] or hidden [S(/tp),B,H], targets [B,S], chunk) runs one chunk and
     returns the hidden state for the next stage, or — on the last stage — the mean token loss
-    (fp32 scalar), or the logits when no targets are given.
+    (fp32 scalar), or the logits when no targets are given. With a ``cp_pg`` of size cp > 1 every
+    rank is given the full ``[B, S]`` ids and targets and keeps its S/cp tokens (zig-zag chunks);
+    hidden states, logits and the loss are those of its tokens.
     """
 
     def __init__(self, args: ModelArgs, tp_pg, *, mode: str | TensorParallelLinearMode = "ALL_REDUCE",
                  async_communication: bool = False, pp_rank: int = 0, pp_size: int = 1,
                  virtual_stages: int = 1, seed: int = 0, device=None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, cp_pg=None):
         super().__init__()
         self.args, self.tp_pg = args, tp_pg
+        self.cp = cp = ContextParallel(cp_pg)
         # bf16 on GPU: the forward runs under autocast; weights, grads and optimizer stay fp32.
         self.compute_dtype = compute_dtype
         self.mode = TensorParallelLinearMode(mode)
@@ -152,7 +167,7 @@ class LlamaModel(nn.Module):
         mode, cost = self.mode, block_costs(args)
         self.embed = PipelineBlock(lambda: TensorParallelEmbedding(args.vocab_size, args.hidden_size, tp_pg, mode),
                                    cost["embed"], attach="next")
-        self.layers = nn.ModuleDict({str(i): PipelineBlock(lambda: DecoderLayer(args, tp_pg, mode, async_communication),
+        self.layers = nn.ModuleDict({str(i): PipelineBlock(lambda: DecoderLayer(args, tp_pg, mode, async_communication, cp),
                                                            cost["layer"]) for i in range(args.num_layers)})
         # The whole head (norm, vocab projection, loss) is charged to final_norm, tied or not.
         self.final_norm = PipelineBlock(lambda: RMSNorm(args.hidden_size, args.rms_norm_eps), cost["head"],
@@ -203,7 +218,7 @@ class LlamaModel(nn.Module):
     def _forward(self, input_ids, targets, hidden, chunk: int) -> torch.Tensor:
         part = self.chunks[chunk]
         if self.embed in part:
-            hidden = self.embed(input_ids.transpose(0, 1).contiguous())
+            hidden = self.embed(self.cp.local(input_ids).transpose(0, 1).contiguous())
         cos, sin = self._rope(self._full_seq_len(hidden), hidden)
         for layer in self.layers.values():
             if layer in part:
@@ -218,25 +233,29 @@ class LlamaModel(nn.Module):
                                    self.async_communication)
         if targets is None:
             return logits
-        losses = sharded_cross_entropy(logits, targets.transpose(0, 1).contiguous(), self.tp_pg,
+        losses = sharded_cross_entropy(logits, self.cp.local(targets).transpose(0, 1).contiguous(), self.tp_pg,
                                        self.args.vocab_size)
         return losses.mean()
 
     def _rope(self, seq: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rope_tables`` cast to the dtype ``apply_rope`` computes in (fp32, or fp64 for an fp64
-        model): built once per (length, device, dtype), not in every forward."""
+        """``rope_tables`` at this rank's token positions (all of them, or its cp share), cast to
+        the dtype ``apply_rope`` computes in (fp32, or fp64 for an fp64 model): built once per
+        (length, device, dtype), not in every forward."""
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         key = (seq, hidden.device, dtype)
         cache = self.__dict__.setdefault("_rope_cache", {})
         if key not in cache:
             cos, sin = rope_tables(seq, self.head_dim, self.args.rope_theta, hidden.device)
+            if self.cp.enabled:
+                positions = self.cp.positions(seq, hidden.device)
+                cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
             cache[key] = (cos.to(dtype), sin.to(dtype))
         return cache[key]
 
     def _full_seq_len(self, hidden: torch.Tensor) -> int:
-        if self.mode is TensorParallelLinearMode.REDUCE_SCATTER:
-            return hidden.shape[0] * group_size(self.tp_pg)
-        return hidden.shape[0]
+        """The whole sequence's length from a hidden state holding this rank's tokens."""
+        local = hidden.shape[0] * (group_size(self.tp_pg) if self.mode is TensorParallelLinearMode.REDUCE_SCATTER else 1)
+        return local * self.cp.size
 
 
 def block_costs(args: ModelArgs) -> dict[str, int]:

@@ -25,7 +25,8 @@ def build_pipeline_model(config, pc, device=None):
     compute_dtype = getattr(torch, config.model.dtype) if on_gpu else None  # CPU: fp32 always
     return LlamaModel(config.model, pc.tp_pg, mode=p.tp_mode, async_communication=p.tp_linear_async_communication,
                       pp_rank=pc.pp_rank, pp_size=pc.pp_size, virtual_stages=p.pp_virtual_stages,
-                      seed=config.training.seed, device=device, compute_dtype=compute_dtype)
+                      seed=config.training.seed, device=device, compute_dtype=compute_dtype,
+                      cp_pg=pc.cp_pg)
 
 
 def build_engine(config, pc) -> Optional[PipelineEngine]:

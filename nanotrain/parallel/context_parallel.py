@@ -1,0 +1,85 @@
+"""Context parallelism: each of the cp ranks of a replica holds a part of every sequence.
+
+Long sequences cost activation memory linearly and attention compute quadratically; cp splits
+both. This is the all-gather variant (Llama 3's, torchtitan's ``allgather`` rotate method):
+
+* Sharding is load-balanced ("zig-zag"): the sequence is cut into 2*cp equal chunks and rank r
+  keeps chunks r and 2*cp-1-r. Under the causal mask a late chunk attends to far more keys than an
+  early one; pairing the i-th earliest with the i-th latest gives every rank the same work.
+* Every layer computes q, k, v for its own tokens only, rotates them with RoPE at their *global*
+  positions, then all-gathers k and v (one collective: they travel concatenated) over ``cp_pg``.
+  Queries attend to the gathered keys under a mask built from global positions, so the result is
+  exactly that of attention over the whole sequence. The all-gather's backward is a
+  reduce-scatter (sum): each rank's k/v gradient collects what every rank's queries sent it.
+* The loss is each rank's mean over its tokens (all ranks hold the same count); gradients are
+  averaged over dp x cp by the data-parallel sync (``pc.dp_cp_pg``), which gives the gradient of
+  the mean over the whole sequence. cp ranks are replicas of the parameters and optimizer state,
+  like dp ranks; they read the same samples (the data sampler is indexed by dp rank only).
+
+Everything outside attention (norms, MLP, LM head, loss, pipeline transfers) is per token and
+runs unchanged on the local tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+from nanotrain.parallel.tensor_parallel import gather_along_dim0, group_rank, group_size
+
+
+def cp_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Global positions (int64, ascending) of the tokens cp rank ``rank`` holds of a sequence of
+    ``seq_len`` tokens: chunks ``rank`` and ``2*cp-1-rank`` of 2*cp equal chunks."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} must be divisible by 2*cp = {2 * cp}")
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    if cp == 1:
+        return torch.arange(seq_len, device=device)
+    last = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([first, last])
+
+
+class ContextParallel:
+    """The cp group of a model and the per-length tables derived from it (cached).
+
+    ``cp_pg`` None or of size 1 means no context parallelism: ``local`` is the identity and
+    attention uses the plain causal mask."""
+
+    def __init__(self, cp_pg):
+        self.group = cp_pg
+        self.size, self.rank = group_size(cp_pg), group_rank(cp_pg)
+        self._cache: dict = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def positions(self, seq_len: int, device) -> torch.Tensor:
+        """Global positions of this rank's tokens."""
+        key = ("positions", seq_len, device)
+        if key not in self._cache:
+            self._cache[key] = cp_positions(seq_len, self.size, self.rank, device)
+        return self._cache[key]
+
+    def local(self, tokens: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of a full-length tensor (``[B, S]`` ids or targets: dim 1)."""
+        if not self.enabled:
+            return tokens
+        return tokens.index_select(dim, self.positions(tokens.shape[dim], tokens.device))
+
+    def attention_mask(self, seq_len: int, device) -> torch.Tensor:
+        """``[S/cp, S]`` bool, True where a local query may attend to a gathered key: the keys
+        arrive in cp-rank order (rank 0's tokens, then rank 1's, ...), so the mask compares
+        global positions rather than indices."""
+        key = ("mask", seq_len, device)
+        if key not in self._cache:
+            query = self.positions(seq_len, device)
+            keys = torch.cat([cp_positions(seq_len, self.size, r, device) for r in range(self.size)])
+            self._cache[key] = keys[None, :] <= query[:, None]
+        return self._cache[key]
+
+    def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-gather ``[S/cp, B, kv_heads, d]`` keys and values along the sequence (one
+        differentiable collective; backward reduce-scatters their gradients)."""
+        both = gather_along_dim0(torch.cat([k, v], dim=-1), self.group)
+        return both.split(k.shape[-1], dim=-1)
