@@ -32,11 +32,15 @@ def train(tmp_path: Path, name: str, *overrides: str) -> list[float]:
     return losses
 
 
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> list[float]:
+    """(1,1,1) runs the whole global batch of (2,2,2) (dp2 x 4 micro-batches of 2) in one process."""
+    return train(tmp_path_factory.mktemp("single"), "single", "parallelism.dp=1", "parallelism.tp=1",
+                 "parallelism.pp=1", "training.batch_accumulation_per_replica=8")
+
+
 @pytest.mark.timeout(900)
-def test_same_loss_at_1_1_1_and_2_2_2_and_it_falls(tmp_path):
-    # (1,1,1) runs the whole global batch of (2,2,2) (dp2 x 4 micro-batches of 2) in one process.
-    single = train(tmp_path, "single", "parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1",
-                   "training.batch_accumulation_per_replica=8")
+def test_same_loss_at_1_1_1_and_2_2_2_and_it_falls(tmp_path, single):
     parallel = train(tmp_path, "parallel")
     assert single[-1] < single[0] - 1.0, f"the loss did not fall: {single}"
     for step, (a, b) in enumerate(zip(single, parallel), start=1):
@@ -44,11 +48,9 @@ def test_same_loss_at_1_1_1_and_2_2_2_and_it_falls(tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_context_parallel_run_has_the_same_losses(tmp_path):
+def test_context_parallel_run_has_the_same_losses(tmp_path, single):
     """cp2 x tp2 (sequence parallel) x pp2 with ZeRO-1 sharded over dp x cp: every sequence is
     split over two ranks, yet the run is the single process's, step for step."""
-    single = train(tmp_path, "single", "parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1",
-                   "training.batch_accumulation_per_replica=8")
     cp = train(tmp_path, "cp", "parallelism.dp=1", "parallelism.cp=2", "parallelism.tp_mode=REDUCE_SCATTER",
                "optimizer.zero_stage=1", "training.batch_accumulation_per_replica=8")
     for step, (a, b) in enumerate(zip(single, cp), start=1):
