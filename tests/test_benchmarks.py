@@ -45,3 +45,11 @@ def test_gpu_scripts_run_on_cpu(tmp_path):
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["tokens_per_step"] == 2 * 128 and result["tokens_per_s"] > 0
     assert len(result["step_ms"]) == 2 and all(x == x for x in result["loss_first_last"])  # not NaN
+
+
+def test_context_parallel_benchmark_runs_and_agrees(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "context_parallel.py"), "--quick", "--seq", "128"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]  # exit 1 when a loss differs
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 128 |")]
+    assert len(rows) == 3 and all(row.rstrip().endswith("| yes |") for row in rows), proc.stdout
