@@ -86,7 +86,9 @@ def estimate_memory(config: Config) -> MemoryEstimate:
 def describe(config: Config) -> list[str]:
     """Lines for --dry-run; the last one warns when the estimate exceeds slurm.gpu_memory_gb."""
     est = estimate_memory(config)
-    zero = f", ZeRO-1 over dp{config.parallelism.dp}" if config.optimizer.zero_stage == 1 else ""
+    p = config.parallelism
+    over = f"dp{p.dp} x cp{p.cp}" if p.cp > 1 else f"dp{p.dp}"
+    zero = f", ZeRO-1 over {over}" if config.optimizer.zero_stage == 1 else ""
     lines = [f"memory per GPU (estimate, busiest rank): weights {est.weights:.2f} GB + grads {est.grads:.2f} GB"
              f" + optimizer {est.optimizer:.2f} GB{zero} + activations {est.activations:.2f} GB "
              f"({est.in_flight:g} micro-batch(es) in flight x {est.layers_per_stage} layers) = {est.total:.2f} GB"]
