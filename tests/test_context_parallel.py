@@ -100,3 +100,26 @@ def test_cp_model_equals_single_process(cp, tp):
         for name, grad in ref["grads"].items():
             torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, n=name: f"grad {n} {case}: {m}")
+
+
+def loss_without_cp_group() -> float:
+    from nanotrain.models.llama import LlamaModel
+    from nanotrain.parallel.context import ParallelContext
+
+    pc = ParallelContext(data_parallel_size=2)
+    ids = torch.randint(0, ARGS["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    model = LlamaModel(ModelArgs(**ARGS), pc.tp_pg, seed=7)  # no cp_pg: whole sequences, no collective
+    loss = model(ids, ids).item()
+    pc.destroy()
+    return loss
+
+
+@pytest.mark.timeout(120)
+def test_no_cp_group_means_no_context_parallelism():
+    """``cp_pg=None`` in a multi-rank world is one rank's whole sequence (it once meant the default
+    group: every rank then split the sequence and waited in an all-gather)."""
+    from nanotrain.models.llama import LlamaModel
+
+    ids = torch.randint(0, ARGS["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    reference = LlamaModel(ModelArgs(**ARGS), None, seed=7)(ids, ids).item()
+    assert run_distributed(loss_without_cp_group, 2, timeout=90) == [reference, reference]

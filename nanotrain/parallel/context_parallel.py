@@ -47,7 +47,9 @@ class ContextParallel:
 
     def __init__(self, cp_pg):
         self.group = cp_pg
-        self.size, self.rank = group_size(cp_pg), group_rank(cp_pg)
+        # None is "no cp group", not the default group (which group_size(None) would measure):
+        # a model built without a cp_pg in a multi-rank world must not split its sequences.
+        self.size, self.rank = (1, 0) if cp_pg is None else (group_size(cp_pg), group_rank(cp_pg))
         self._cache: dict = {}
 
     @property
