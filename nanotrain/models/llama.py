@@ -94,15 +94,16 @@ class Attention(nn.Module):
         q = apply_rope(q.view(seq, batch, self.local_heads, d), cos, sin)
         k = apply_rope(k.view(seq, batch, self.local_kv_heads, d), cos, sin)
         v = v.view(seq, batch, self.local_kv_heads, d)
-        mask = None
-        if self.cp.enabled:  # keys/values of the whole sequence; causality by global position
+        if self.cp.enabled:  # keys/values of the whole sequence (this rank's queries: S/cp)
             k, v = self.cp.gather_kv(k, v)
-            mask = self.cp.attention_mask(k.shape[0], k.device)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, heads, S, d]
         if self.local_kv_heads != self.local_heads:
             repeat = self.local_heads // self.local_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        if self.cp.enabled:
+            out = self.cp.attention(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out = out.permute(2, 0, 1, 3).reshape(seq, batch, self.local_heads * d)
         return self.o_proj(out)
 

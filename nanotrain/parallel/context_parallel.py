@@ -7,10 +7,13 @@ both. This is the all-gather variant (Llama 3's, torchtitan's ``allgather`` rota
   keeps chunks r and 2*cp-1-r. Under the causal mask a late chunk attends to far more keys than an
   early one; pairing the i-th earliest with the i-th latest gives every rank the same work.
 * Every layer computes q, k, v for its own tokens only, rotates them with RoPE at their *global*
-  positions, then all-gathers k and v (one collective: they travel concatenated) over ``cp_pg``.
-  Queries attend to the gathered keys under a mask built from global positions, so the result is
-  exactly that of attention over the whole sequence. The all-gather's backward is a
-  reduce-scatter (sum): each rank's k/v gradient collects what every rank's queries sent it.
+  positions, then all-gathers k and v (one collective: they travel concatenated) over ``cp_pg``
+  and puts them back in position order. Each of the rank's two query chunks then attends to the
+  keys up to its own end under a bottom-right-aligned causal mask
+  (``torch.nn.attention.bias.causal_lower_right``: never materialised by the CUDA flash /
+  memory-efficient kernels, so no S x S mask at long context), which is exactly attention over
+  the whole sequence. The all-gather's backward is a reduce-scatter (sum): each rank's k/v
+  gradient collects what every rank's queries sent it.
 * The loss is each rank's mean over its tokens (all ranks hold the same count); gradients are
   averaged over dp x cp by the data-parallel sync (``pc.dp_cp_pg``), which gives the gradient of
   the mean over the whole sequence. cp ranks are replicas of the parameters and optimizer state,
@@ -22,6 +25,8 @@ runs unchanged on the local tokens.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from nanotrain.parallel.tensor_parallel import gather_along_dim0, group_rank, group_size
 
@@ -40,10 +45,10 @@ def cp_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
 
 
 class ContextParallel:
-    """The cp group of a model and the per-length tables derived from it (cached).
+    """The cp group of a model and the per-length index tables derived from it (cached).
 
-    ``cp_pg`` None or of size 1 means no context parallelism: ``local`` is the identity and
-    attention uses the plain causal mask."""
+    ``cp_pg`` None or of size 1 means no context parallelism: ``local`` is the identity and the
+    model's attention uses the plain causal mask."""
 
     def __init__(self, cp_pg):
         self.group = cp_pg
@@ -69,19 +74,29 @@ class ContextParallel:
             return tokens
         return tokens.index_select(dim, self.positions(tokens.shape[dim], tokens.device))
 
-    def attention_mask(self, seq_len: int, device) -> torch.Tensor:
-        """``[S/cp, S]`` bool, True where a local query may attend to a gathered key: the keys
-        arrive in cp-rank order (rank 0's tokens, then rank 1's, ...), so the mask compares
-        global positions rather than indices."""
-        key = ("mask", seq_len, device)
+    def _position_order(self, seq_len: int, device) -> torch.Tensor:
+        """Index that sorts the gathered tokens (cp-rank order: rank 0's, rank 1's, ...) by position."""
+        key = ("order", seq_len, device)
         if key not in self._cache:
-            query = self.positions(seq_len, device)
-            keys = torch.cat([cp_positions(seq_len, self.size, r, device) for r in range(self.size)])
-            self._cache[key] = keys[None, :] <= query[:, None]
+            gathered = torch.cat([cp_positions(seq_len, self.size, r, device) for r in range(self.size)])
+            self._cache[key] = torch.argsort(gathered)
         return self._cache[key]
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """All-gather ``[S/cp, B, kv_heads, d]`` keys and values along the sequence (one
-        differentiable collective; backward reduce-scatters their gradients)."""
+        differentiable collective; backward reduce-scatters their gradients) and return them for
+        the whole sequence in position order, ``[S, B, kv_heads, d]``."""
         both = gather_along_dim0(torch.cat([k, v], dim=-1), self.group)
+        both = both.index_select(0, self._position_order(both.shape[0], both.device))
         return both.split(k.shape[-1], dim=-1)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's queries ``[B, heads, S/cp, d]`` (its two chunks) over
+        the whole sequence's keys and values ``[B, heads, S, d]`` (position order)."""
+        chunk = q.shape[2] // 2
+        outputs = []
+        for part, index in ((q[:, :, :chunk], self.rank), (q[:, :, chunk:], 2 * self.size - 1 - self.rank)):
+            visible = (index + 1) * chunk  # keys up to the end of this chunk
+            mask = causal_lower_right(chunk, visible)
+            outputs.append(F.scaled_dot_product_attention(part, k[:, :, :visible], v[:, :, :visible], attn_mask=mask))
+        return torch.cat(outputs, dim=2)
