@@ -4,6 +4,8 @@ Read it like nanoGPT: embedding -> decoder layers -> final norm -> LM head -> lo
 sequence-first `[S, B, H]` so that sequence-parallel shards (tp_mode REDUCE_SCATTER) are contiguous.
 Under REDUCE_SCATTER the norms and residual adds see `[S/tp, B, H]`; the column linears gather the
 sequence and the row linears scatter it again, so attention always sees the whole sequence.
+Under context parallelism (``cp_pg``) a rank holds S/cp tokens of every sequence and attention
+gathers the keys and values of the others (``parallel/context_parallel.py``).
 
 One class serves every pipeline stage: the model is declared as PipelineBlocks on every rank and
 each rank builds only the blocks of its stage(s). Parameter names are global
