@@ -156,6 +156,9 @@ JOBS = {
 
 
 def worker(job: str, reps: int, steps: int, warmup: int, out: str) -> None:
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a C++ abort (SIGABRT) leaves Python stacks in the rank log
     import torch
     import torch.distributed as dist
 
@@ -174,6 +177,11 @@ def worker(job: str, reps: int, steps: int, warmup: int, out: str) -> None:
 
 
 # ============================================================================ launcher side
+class RankKilled(RuntimeError):
+    """A rank died by a signal (e.g. SIGABRT from a C++ abort in a communication library's
+    teardown, seen once on gloo here) rather than by a Python error."""
+
+
 def launch(job: str, reps: int, steps: int, warmup: int, timeout_s: float, log_root: Path) -> list[dict]:
     from nanotrain.launch.env import free_port
     from nanotrain.launch.local import _stop_all, rank_env
@@ -195,8 +203,9 @@ def launch(job: str, reps: int, steps: int, warmup: int, timeout_s: float, log_r
             codes = [p.poll() for p in procs]
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
-                raise RuntimeError(f"job {job}: rank {bad[0][0]} exited with {bad[0][1]}; log:\n"
-                                   + (log_dir / f"rank-{bad[0][0]}.log").read_text()[-3000:])
+                error = RankKilled if bad[0][1] < 0 else RuntimeError
+                raise error(f"job {job}: rank {bad[0][0]} exited with {bad[0][1]}; log:\n"
+                            + (log_dir / f"rank-{bad[0][0]}.log").read_text()[-3000:])
             if all(c == 0 for c in codes):
                 break
             if time.monotonic() > deadline:
@@ -293,12 +302,18 @@ def main() -> int:
     t0 = time.perf_counter()
     load_start = [round(x, 2) for x in os.getloadavg()]
     rows: list[dict] = []
-    failures = []
+    failures, retried = [], []
     with tempfile.TemporaryDirectory(prefix="nanotrain-bench-") as tmp:
         for job in jobs:
             tj = time.perf_counter()
             try:
-                got = launch(job, reps, steps, warmup, timeout_s=600, log_root=Path(tmp))
+                try:
+                    got = launch(job, reps, steps, warmup, timeout_s=600, log_root=Path(tmp))
+                except RankKilled as err:  # once, loudly: the retry is recorded in the results' meta
+                    print(f"[bench] {err}\n[bench] job {job}: a rank was killed by a signal; retrying once",
+                          file=sys.stderr, flush=True)
+                    retried.append(job)
+                    got = launch(job, reps, steps, warmup, timeout_s=600, log_root=Path(tmp) / "retry")
             except RuntimeError as err:
                 print(f"[bench] {err}", file=sys.stderr, flush=True)
                 failures.append(job)
@@ -317,7 +332,7 @@ def main() -> int:
         "wall_s": time.perf_counter() - t0, "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores ({platform.processor() or cpu_model()})",
         "torch": torch.__version__, "reps": reps, "steps": steps, "warmup": warmup,
-        "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        "retried_after_a_signal": retried, "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
     }
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "latest.json").write_text(json.dumps(rows, indent=1) + "\n")
