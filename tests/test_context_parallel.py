@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
+from test_llama_tp import full_grad
 from nanotrain.config import ModelArgs
 from nanotrain.parallel.context_parallel import cp_positions
-from nanotrain.parallel.sharding import get_shard_info
 
 ARGS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=8,
             num_key_value_heads=4, max_position_embeddings=64, dtype="float32", init_std=0.02)
@@ -63,24 +63,13 @@ def model_outputs(cp: int, tp: int) -> dict:
         sequence_parallel = set(map(id, model.sequence_parallel_params()))
         grads = {}
         for name, p in model.named_parameters():
-            grad = p.grad.clone()
-            dist.all_reduce(grad, group=pc.cp_pg)  # what the dp x cp gradient sync does (mean)
-            grad /= cp
-            grads[name] = _full_grad(grad, p, pc.tp_pg, id(p) in sequence_parallel)
+            dist.all_reduce(p.grad, group=pc.cp_pg)  # what the dp x cp gradient sync does (mean)
+            p.grad /= cp
+            grads[name] = full_grad(p, pc.tp_pg, id(p) in sequence_parallel)
         results[(mode, tied)] = {"logits": full_logits, "loss": mean_loss, "grads": grads}
     rank = dist.get_rank()
     pc.destroy()
     return results if rank == 0 else {}
-
-
-def _full_grad(grad: torch.Tensor, param: torch.Tensor, group, partial: bool) -> torch.Tensor:
-    info = get_shard_info(param)
-    full = torch.zeros(info.global_shape)
-    for local, global_ in info.pairs:
-        full[global_] = grad[local]
-    if info.is_sharded or partial:
-        dist.all_reduce(full, group=group)
-    return full
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,10 +36,10 @@ def cp_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
     ``seq_len`` tokens: chunks ``rank`` and ``2*cp-1-rank`` of 2*cp equal chunks."""
     if seq_len % (2 * cp):
         raise ValueError(f"sequence length {seq_len} must be divisible by 2*cp = {2 * cp}")
-    chunk = seq_len // (2 * cp)
-    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
     if cp == 1:
         return torch.arange(seq_len, device=device)
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
     last = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
     return torch.cat([first, last])
 
