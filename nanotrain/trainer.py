@@ -6,8 +6,12 @@ gradients are clipped by the global norm, the optimizer and LR step. Metrics go 
 checkpoints are written every `checkpoints.interval` steps and when SLURM (or a local signal)
 asks the job to stop, after all ranks agreed on the step.
 
-Precision: CPU runs compute in fp32. On GPU, `model.dtype: bfloat16` computes the forward under
-autocast in bf16 while weights, gradients (and their accumulation) and optimizer states stay fp32.
+Precision: `model.dtype: bfloat16` computes forward and backward under autocast in bf16 (on GPU,
+and on CPU where tests prove the path) while weights, gradients (and their accumulation) and
+optimizer states stay fp32; `float32` computes in fp32.
+Host syncs: none on a silent step. Batches are copied to the device a step ahead, the loss and
+grad norm stay on the device until a logging step reads them, and the stop vote is read a step
+late (`training/stop_vote.py`), so on a GPU the host runs ahead of the kernels it launches.
 Reproducibility: every source of randomness derives from `training.seed` (weights from
 (seed, parameter name), data order from (seed, epoch)), so a run repeats bit for bit on CPU.
 """
@@ -24,7 +28,7 @@ import torch.distributed as dist
 
 from nanotrain.checkpoint import load_checkpoint, save_checkpoint
 from nanotrain.config import Config
-from nanotrain.data import build_sampler
+from nanotrain.data import BatchPrefetcher, build_sampler
 from nanotrain.launch.env import DistEnv
 from nanotrain.launch.preemption import PreemptionHandler, request_requeue
 from nanotrain.logging import metrics_logger_for
@@ -32,6 +36,7 @@ from nanotrain.optim import build_lr_scheduler, build_optimizer
 from nanotrain.parallel.context import ParallelContext
 from nanotrain.parallel.data_parallel import BucketedGradSync
 from nanotrain.parallel.pipeline_parallel import build_engine, build_pipeline_model, train_step
+from nanotrain.training.stop_vote import StopVote
 
 
 def quiet_libraries() -> None:
@@ -66,6 +71,7 @@ class DistributedTrainer:
         stage_needs_data = self.pc.is_pipeline_first_stage or self.pc.is_pipeline_last_stage
         self.sampler = build_sampler(config, builder=self.pc.world_rank == 0, needs_data=stage_needs_data,
                                      barrier=dist.barrier)
+        self.batches = BatchPrefetcher(self.sampler, self.pc.dp_rank, self.device) if self.sampler else None
         self.step, self.consumed_samples = 0, 0
         if config.checkpoints.resume:
             resumed = load_checkpoint(config.checkpoints.path, self.model, self.optimizer, self.scheduler,
@@ -79,27 +85,33 @@ class DistributedTrainer:
         self.metrics = metrics_logger_for(config, self.run_dir, self.pc, device=self.device,
                                           start_step=self.step)
         self.preemption = preemption  # installed by the task before anything slow
+        self.stop_vote = StopVote(lambda: self.preemption.received is not None, self.device)
 
     def train(self) -> str:
         """Run to `training.train_steps`; returns "completed", "preempted" or "stopped"."""
         t = self.config.training
         global_batch = self.config.parallelism.dp * t.micro_batch_size * t.batch_accumulation_per_replica
+        start = time.perf_counter()
         while self.step < t.train_steps:
-            microbatches = self.sampler.batch(self.consumed_samples, self.pc.dp_rank) if self.sampler else None
-            start = time.perf_counter()
+            microbatches = self.batches.get(self.consumed_samples) if self.batches else None
             stats = train_step(self.model, microbatches, self.grad_sync, self.optimizer, self.scheduler,
                                self.pc, self.config, engine=self.engine)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
             self.step += 1
             self.consumed_samples += global_batch
-            self.metrics.log(self.step, stats.loss, stats.lr, stats.grad_norm, time.perf_counter() - start)
+            if self.batches and self.step < t.train_steps:
+                self.batches.prefetch(self.consumed_samples)  # overlaps this step's GPU work
+            # Host time of the step (data included, saves not); the stop vote keeps the host
+            # within a step of the GPU, so over a logging interval it is the device's time.
+            self.metrics.log(self.step, stats.loss_tensor, stats.lr, stats.grad_norm_tensor,
+                             time.perf_counter() - start)
 
             interval = self.config.checkpoints.interval
             if interval and self.step % interval == 0:
                 self.save()
-            if self.preemption.agreed(device=self.device):
+            if self.stop_vote.poll():
                 return self.stop_for_preemption()
+            start = time.perf_counter()
+        self.stop_vote.close()
         if not (self.config.checkpoints.interval and self.step % self.config.checkpoints.interval == 0):
             self.save()  # the final state, unless the interval just wrote it
         return "completed"

@@ -53,7 +53,8 @@ class ModelArgs:
     rms_norm_eps: float = bounded(1e-5, 0.0, 1.0, doc="RMSNorm epsilon")
     tie_word_embeddings: bool = doc(False, "LM head shares the embedding matrix")
     dtype: Literal["float32", "bfloat16", "float16"] = doc(
-        "bfloat16", "compute dtype on GPU; CPU runs always compute in float32")
+        "bfloat16", "compute dtype (autocast, on GPU and CPU); weights, grads and optimizer stay "
+        "float32; float16 is refused (no loss scaler)")
     init_std: float = bounded(0.02, 0.0, doc="std of the normal init of weights")
 
 
@@ -64,6 +65,8 @@ class TrainingArgs:
     micro_batch_size: int = bounded(1, 1, doc="samples per micro-batch per dp rank")
     batch_accumulation_per_replica: int = bounded(1, 1, doc="micro-batches per step = pipeline m")
     seed: int = bounded(42, 0, 2**63 - 1, doc="init, data order and dropout-free RNG")
+    collective_timeout_s: float = bounded(
+        600.0, 1.0, doc="timeout of every process group: a collective waiting longer fails the job")
 
 
 @dataclass

@@ -42,6 +42,9 @@ def validate_model(config: Config) -> None:
     if p.ep > 1:
         _fail(f"parallelism.ep ({p.ep}): the Llama model is dense (no experts to shard); "
               f"set parallelism.ep: 1 and give the ranks to dp (dp: {p.dp * p.ep})")
+    if m.dtype == "float16":
+        _fail("model.dtype: float16 needs loss scaling, which nanotrain does not do (its 5-bit exponent "
+              "underflows small gradients); use bfloat16 (same memory and speed, fp32's range) or float32")
     if m.hidden_size % m.num_attention_heads:
         _fail(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_attention_heads "
               f"({m.num_attention_heads}): choose heads that divide the hidden size")

@@ -39,7 +39,7 @@ def run_task(config_path: str) -> dict:
     p = config.parallelism
     pc = ParallelContext(tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp,
                          data_parallel_size=p.dp, context_parallel_size=p.cp,
-                         expert_parallel_size=p.ep)
+                         expert_parallel_size=p.ep, timeout_s=config.training.collective_timeout_s)
     try:
         report = smoke_step(pc, env, Path(run_dir))  # a cheap preflight: every group answers
         trainer = DistributedTrainer(config, Path(run_dir), env, pc, preemption)

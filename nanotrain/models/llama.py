@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanotrain.config import ModelArgs
-from nanotrain.parallel.context_parallel import ContextParallel
-from nanotrain.parallel.pipeline_parallel import PipelineBlock, mark_tied_, place_blocks
+from nanotrain.parallel.context_parallel import SDPA_GQA, ContextParallel, sdpa
+from nanotrain.parallel.pipeline_parallel import MessageSpec, PipelineBlock, mark_tied_, place_blocks
 from nanotrain.parallel.tensor_parallel import (TensorParallelColumnLinear, TensorParallelEmbedding,
                                                 TensorParallelLinearMode, TensorParallelRowLinear,
                                                 column_linear, group_size, has_sequence_parallel_partial_grad,
@@ -47,9 +47,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 math, output in the input's dtype: a bf16 residual stream under autocast stays
+        bf16 into the next linear (and its tp all-gather), as with Megatron's bf16 weights."""
         wide = upcast(x)
         variance = wide.pow(2).mean(-1, keepdim=True)
-        return (wide * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
+        return (wide * torch.rsqrt(variance + self.eps) * self.weight.to(wide.dtype)).to(x.dtype)
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,13 +101,13 @@ class Attention(nn.Module):
         if self.cp.enabled:  # keys/values of the whole sequence (this rank's queries: S/cp)
             k, v = self.cp.gather_kv(k, v)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, heads, S, d]
-        if self.local_kv_heads != self.local_heads:
+        if self.local_kv_heads != self.local_heads and not SDPA_GQA:
             repeat = self.local_heads // self.local_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         if self.cp.enabled:
             out = self.cp.attention(q, k, v)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = sdpa(q, k, v, is_causal=True)
         out = out.permute(2, 0, 1, 3).reshape(seq, batch, self.local_heads * d)
         return self.o_proj(out)
 
@@ -210,18 +212,42 @@ class LlamaModel(nn.Module):
         return [p for p in self.parameters() if has_sequence_parallel_partial_grad(p)]
 
     # ------------------------------------------------------------------ forward
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def residual_dtype(self) -> torch.dtype:
+        """dtype of the hidden states between layers and stages: the compute dtype under
+        autocast (bf16: half the activation memory and pipeline bytes, as Megatron and nanotron),
+        else the parameters' dtype."""
+        if self.compute_dtype not in (None, torch.float32):
+            return self.compute_dtype
+        return next(self.parameters()).dtype
+
+    def pipeline_message(self, micro_batch_size: int, sequence_length: int) -> MessageSpec:
+        """What crosses every pipeline stage boundary for micro-batches of ``[B, S]`` tokens:
+        this rank's hidden state ``[S / cp (/ tp under REDUCE_SCATTER), B, H]``."""
+        seq = sequence_length // self.cp.size
+        if self.mode is TensorParallelLinearMode.REDUCE_SCATTER:
+            seq //= group_size(self.tp_pg)
+        return MessageSpec((seq, micro_batch_size, self.args.hidden_size), self.residual_dtype)
+
     def forward(self, input_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+        device = self.device
+        _check_input("input_ids", input_ids, device, integer=True)
+        _check_input("targets", targets, device, integer=True)
+        _check_input("hidden", hidden, device, integer=False)
         if self.compute_dtype in (None, torch.float32):
             return self._forward(input_ids, targets, hidden, chunk)
-        device = (input_ids if hidden is None else hidden).device.type
-        with torch.autocast(device_type=device, dtype=self.compute_dtype):
+        with torch.autocast(device_type=device.type, dtype=self.compute_dtype):
             return self._forward(input_ids, targets, hidden, chunk)
 
     def _forward(self, input_ids, targets, hidden, chunk: int) -> torch.Tensor:
         part = self.chunks[chunk]
         if self.embed in part:
-            hidden = self.embed(self.cp.local(input_ids).transpose(0, 1).contiguous())
+            hidden = self.embed(self.cp.local(input_ids).transpose(0, 1).contiguous()).to(self.residual_dtype)
         cos, sin = self._rope(self._full_seq_len(hidden), hidden)
         for layer in self.layers.values():
             if layer in part:
@@ -259,6 +285,18 @@ class LlamaModel(nn.Module):
         """The whole sequence's length from a hidden state holding this rank's tokens."""
         local = hidden.shape[0] * (group_size(self.tp_pg) if self.mode is TensorParallelLinearMode.REDUCE_SCATTER else 1)
         return local * self.cp.size
+
+
+def _check_input(name: str, tensor: torch.Tensor | None, device: torch.device, integer: bool) -> None:
+    """The model's entry contract (host metadata only, no sync): inputs already on the model's
+    device — on a GPU a CPU batch would otherwise fail deep inside an embedding or the loss."""
+    if tensor is None:
+        return
+    if tensor.device != device:
+        raise RuntimeError(f"LlamaModel: {name} is on {tensor.device}, the model on {device}; move "
+                           f"batches to the device first (the trainer's BatchPrefetcher does)")
+    if integer and tensor.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"LlamaModel: {name} must be int64/int32 token ids, got {tensor.dtype}")
 
 
 def block_costs(args: ModelArgs) -> dict[str, int]:

@@ -6,8 +6,8 @@ bias towards zero only fights the normalisation and has no regularising value.
 
 Both stages take the same param groups (the decay group first, then the no-decay group, each
 keeping the caller's parameter order, always both groups even when one is empty) and the same
-AdamW options, so ZeRO-1 reproduces ZeRO-0 exactly. ``foreach``/``fused`` are left to torch's
-defaults, which are the same for both paths (single-tensor on CPU); every AdamW implementation is
+AdamW options, so ZeRO-1 reproduces ZeRO-0 exactly. On CUDA both use the fused kernel (one launch
+for every tensor); on CPU torch's default (single-tensor). Every AdamW implementation is
 elementwise, so slicing the parameters into shards does not change the arithmetic.
 
 Checkpoint writers can use ``optimizer_state_by_name`` / ``load_optimizer_state_by_name``, which
@@ -56,6 +56,9 @@ def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], args: Opti
     if not groups[0]["params"] and not groups[1]["params"]:
         raise ValueError("build_optimizer: no trainable parameters")
     kwargs = dict(lr=args.lr, betas=tuple(args.betas), eps=args.eps)
+    params = groups[0]["params"] + groups[1]["params"]
+    if all(p.device.type == "cuda" for p in params):
+        kwargs["fused"] = True  # one kernel for all tensors (torch's default on CUDA is foreach)
     if stage == 0:
         return torch.optim.AdamW(groups, **kwargs)
     if stage == 1:

@@ -17,6 +17,7 @@ It is never installed over an existing attribute.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -58,7 +59,13 @@ class ParallelContext:
         context_parallel_size: int = 1,
         expert_parallel_size: int = 1,
         backend: Optional[str] = None,
+        timeout_s: Optional[float] = None,
+        pipeline_flow_groups: Optional[bool] = None,
     ):
+        # The timeout of every group (``training.collective_timeout_s``): a rank that never
+        # reaches a collective fails the others after this long instead of hanging the job.
+        # new_group does not inherit it from the world group, so each group gets it explicitly.
+        self.timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         self.grid = RankGrid(
             tp=tensor_parallel_size, cp=context_parallel_size, dp=data_parallel_size,
             pp=pipeline_parallel_size, ep=expert_parallel_size,
@@ -98,13 +105,18 @@ class ParallelContext:
         else:
             self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
             # The CUDA device is already set above, which is what NCCL binds its communicators to.
-            dist.init_process_group(backend=self.backend, init_method="env://")
+            dist.init_process_group(backend=self.backend, init_method="env://",
+                                    **({} if self.timeout is None else {"timeout": self.timeout}))
 
         self.world_rank = dist.get_rank()
         coords = self.grid.coords(self.world_rank)
         self.ep_rank, self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = coords
         self.coords: Coords = coords
         self._create_groups()
+        # One communicator per pipeline flow (see p2p.py): what keeps NCCL's in-order streams
+        # from deadlocking the schedules. gloo matches by tag and needs none (None = auto).
+        flows = self.backend == "nccl" if pipeline_flow_groups is None else pipeline_flow_groups
+        self.pipeline_flow_groups = self._create_pipeline_flow_groups() if flows and self.pp_size > 1 else None
 
     # ------------------------------------------------------------------ setup
     def _check_world_size(self, world_size: int) -> None:
@@ -145,7 +157,7 @@ class ParallelContext:
             for ranks in self.grid.groups(name):
                 pg = self._pg_by_ranks.get(ranks)
                 if pg is None:
-                    pg = dist.new_group(ranks=list(ranks))
+                    pg = dist.new_group(ranks=list(ranks), timeout=self.timeout)
                     self._pg_by_ranks[ranks] = pg
                 if self.world_rank in ranks:
                     mine = (ranks, pg)
@@ -162,10 +174,26 @@ class ParallelContext:
             ranks = tuple(sorted({pp_ranks[0], pp_ranks[-1]}))
             pg = self._pg_by_ranks.get(ranks)
             if pg is None:
-                pg = dist.new_group(ranks=list(ranks))
+                pg = dist.new_group(ranks=list(ranks), timeout=self.timeout)
                 self._pg_by_ranks[ranks] = pg
             if self.world_rank in ranks:
                 self.embedding_pg = pg
+
+    def _create_pipeline_flow_groups(self) -> dict[tuple[int, int], dist.ProcessGroup]:
+        """For every pp group, a two-rank group per flow (kind, sending pp rank r): activations
+        r -> r + 1 (kind 0) and gradients r -> r - 1 (kind 1), wrapping around for the
+        interleaved schedule. Returns this rank's flows, keyed as ``p2p.Op.flow``. Every rank
+        creates every group, in one order (torch's rule for new_group)."""
+        mine = {}
+        for pp_ranks in self.grid.groups("pp"):
+            pp = len(pp_ranks)
+            for kind, step in ((0, 1), (1, -1)):
+                for src in range(pp):
+                    pair = [pp_ranks[src], pp_ranks[(src + step) % pp]]
+                    pg = dist.new_group(ranks=sorted(pair), timeout=self.timeout)
+                    if self.world_rank in pair:
+                        mine[(kind, src)] = pg
+        return mine
 
     # ------------------------------------------------------------------ queries
     def get_group(self, name: str) -> dist.ProcessGroup:
@@ -233,4 +261,7 @@ class ParallelContext:
             for ranks, pg in self._pg_by_ranks.items():
                 if self.world_rank in ranks and pg is not dist.group.WORLD:
                     dist.destroy_process_group(pg)
+            for pg in {id(g): g for g in (self.pipeline_flow_groups or {}).values()}.values():
+                dist.destroy_process_group(pg)
         self._pg_by_ranks.clear()
+        self.pipeline_flow_groups = None

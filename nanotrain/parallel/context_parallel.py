@@ -30,6 +30,17 @@ from torch.nn.attention.bias import causal_lower_right
 
 from nanotrain.parallel.tensor_parallel import gather_along_dim0, group_rank, group_size
 
+# SDPA takes grouped-query k/v (fewer heads than q) as they are from torch 2.5 on (``enable_gqa``).
+SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Scaled dot-product attention over ``[B, heads, S, d]``; grouped-query k/v go in without
+    the per-head copy ``repeat_interleave`` makes (the caller repeats them on older torch)."""
+    if SDPA_GQA and k.shape[1] != q.shape[1]:
+        kwargs["enable_gqa"] = True
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
 
 def cp_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """Global positions (int64, ascending) of the tokens cp rank ``rank`` holds of a sequence of
@@ -98,5 +109,5 @@ class ContextParallel:
         for part, index in ((q[:, :, :chunk], self.rank), (q[:, :, chunk:], 2 * self.size - 1 - self.rank)):
             visible = (index + 1) * chunk  # keys up to the end of this chunk
             mask = causal_lower_right(chunk, visible)
-            outputs.append(F.scaled_dot_product_attention(part, k[:, :, :visible], v[:, :, :visible], attn_mask=mask))
+            outputs.append(sdpa(part, k[:, :, :visible], v[:, :, :visible], attn_mask=mask))
         return torch.cat(outputs, dim=2)

@@ -11,24 +11,42 @@ same number a single process gets from the same samples.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from nanotrain.optim import clip_grad_norm_
-from nanotrain.parallel.pipeline_parallel import PipelineEngine, TensorPointer, allreduce_tied_grads_
+from nanotrain.parallel.pipeline_parallel import MessageSpec, PipelineEngine, TensorPointer, allreduce_tied_grads_
 from nanotrain.parallel.tensor_parallel import allreduce_sequence_parallel_grads_
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], targets [B, S])
 
 
-@dataclass(frozen=True)
 class StepStats:
-    loss: float  # mean token loss over the global batch (every dp replica)
-    grad_norm: float  # before clipping
-    lr: float  # the learning rate this step used
+    """The numbers of one step. The loss and grad norm stay 0-d device tensors until read:
+    ``.loss`` / ``.grad_norm`` copy them to the host (a sync that waits for the whole step on a
+    GPU), so a loop reads them on logging steps only and lets the host run ahead otherwise."""
+
+    def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float):
+        self.loss_tensor, self.grad_norm_tensor, self.lr = loss, grad_norm, lr
+        self._host: Optional[tuple[float, float]] = None
+
+    def _read(self) -> tuple[float, float]:
+        if self._host is None:
+            both = torch.stack([self.loss_tensor.double(), self.grad_norm_tensor.double()]).cpu()
+            self._host = (float(both[0]), float(both[1]))
+        return self._host
+
+    @property
+    def loss(self) -> float:
+        """Mean token loss over the global batch (every dp replica)."""
+        return self._read()[0]
+
+    @property
+    def grad_norm(self) -> float:
+        """Global gradient norm before clipping."""
+        return self._read()[1]
 
 
 def forward_backward(model: torch.nn.Module, microbatches: Sequence[MicroBatch], grad_sync) -> torch.Tensor:
@@ -83,15 +101,17 @@ def reduce_loss(loss: torch.Tensor | TensorPointer, pc) -> torch.Tensor:
 
 
 def train_step(model, microbatches: Sequence[MicroBatch], grad_sync, optimizer, scheduler, pc,
-               clip_grad: float | None, engine: PipelineEngine | None = None) -> StepStats:
+               clip_grad: float | None, engine: PipelineEngine | None = None,
+               message: MessageSpec | None = None) -> StepStats:
     """One optimizer step. pp > 1 needs ``engine`` (``PipelineEngine(parallelism.pp_engine,
     pc.pp_pg)``); every pp rank passes the same micro-batches (the first stage reads the ids,
-    the last the targets)."""
+    the last the targets), or None on middle stages with ``message`` (see ``PipelineEngine``).
+    No host sync happens here: read the returned stats when they are needed."""
     if pc.pp_size > 1:
         if engine is None:
             raise ValueError("train_step: pp > 1 needs engine=PipelineEngine(pp_engine, pc.pp_pg)")
-        loss = engine.forward_backward(model, microbatches, grad_sync)
+        loss = engine.forward_backward(model, microbatches, grad_sync, message)
     else:
         loss = forward_backward(model, microbatches, grad_sync)
     grad_norm, lr = optimizer_step(model, grad_sync, optimizer, scheduler, pc, clip_grad)
-    return StepStats(reduce_loss(loss, pc).item(), float(grad_norm), lr)
+    return StepStats(reduce_loss(loss, pc), grad_norm, lr)

@@ -11,7 +11,7 @@
 """
 from nanotrain.parallel.pipeline_parallel.block import ModelChunk, PipelineBlock, balanced_split, place_blocks
 from nanotrain.parallel.pipeline_parallel.engine import EngineStats, PipelineEngine, schedule_actions
-from nanotrain.parallel.pipeline_parallel.p2p import P2P
+from nanotrain.parallel.pipeline_parallel.p2p import P2P, MessageSpec, TorchP2PTransport
 from nanotrain.parallel.pipeline_parallel.schedules import SCHEDULES, Action, theoretical_bubble
 from nanotrain.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 from nanotrain.parallel.pipeline_parallel.tied import (allreduce_tied_grads_, is_tied, is_tied_replica,
@@ -19,7 +19,7 @@ from nanotrain.parallel.pipeline_parallel.tied import (allreduce_tied_grads_, is
 from nanotrain.parallel.pipeline_parallel.build import build_engine, build_pipeline_model, train_step
 
 __all__ = [
-    "TensorPointer", "P2P", "PipelineBlock", "ModelChunk", "place_blocks", "balanced_split",
+    "TensorPointer", "P2P", "MessageSpec", "TorchP2PTransport", "PipelineBlock", "ModelChunk", "place_blocks", "balanced_split",
     "PipelineEngine", "EngineStats", "schedule_actions", "SCHEDULES", "Action", "theoretical_bubble",
     "mark_tied_", "is_tied", "is_tied_replica", "allreduce_tied_grads_",
     "build_pipeline_model", "build_engine", "train_step",

@@ -21,8 +21,10 @@ def build_pipeline_model(config, pc, device=None):
     import torch
 
     p = config.parallelism
-    on_gpu = device is not None and torch.device(device).type == "cuda"
-    compute_dtype = getattr(torch, config.model.dtype) if on_gpu else None  # CPU: fp32 always
+    # model.dtype is the compute dtype (autocast) on every device; weights, gradients and
+    # optimizer states stay fp32. CPU autocast runs bf16 too (slower on most CPUs than fp32,
+    # but it is how the GPU precision path is tested here).
+    compute_dtype = getattr(torch, config.model.dtype)
     return LlamaModel(config.model, pc.tp_pg, mode=p.tp_mode, async_communication=p.tp_linear_async_communication,
                       pp_rank=pc.pp_rank, pp_size=pc.pp_size, virtual_stages=p.pp_virtual_stages,
                       seed=config.training.seed, device=device, compute_dtype=compute_dtype,
@@ -33,7 +35,8 @@ def build_engine(config, pc) -> Optional[PipelineEngine]:
     """The engine for ``parallelism.pp_engine``, or None when pp = 1 (no pipeline)."""
     if pc.pp_size == 1:
         return None
-    return PipelineEngine(config.parallelism.pp_engine, pc.pp_pg, pc.device)
+    return PipelineEngine(config.parallelism.pp_engine, pc.pp_pg, pc.device,
+                          flow_groups=getattr(pc, "pipeline_flow_groups", None))
 
 
 def train_step(model, microbatches: Optional[Sequence[MicroBatch]], grad_sync, optimizer, scheduler, pc,
@@ -42,7 +45,10 @@ def train_step(model, microbatches: Optional[Sequence[MicroBatch]], grad_sync, o
     taken from ``config``. Returns ``StepStats`` (loss averaged over dp, on every rank)."""
     from nanotrain.training.step import train_step as step  # the step module imports this package
 
+    t = config.training
     if microbatches is None:
-        microbatches = [None] * config.training.batch_accumulation_per_replica
+        microbatches = [None] * t.batch_accumulation_per_replica
     engine = engine if engine is not None else build_engine(config, pc)
-    return step(model, microbatches, grad_sync, optimizer, scheduler, pc, config.optimizer.clip_grad, engine=engine)
+    message = model.pipeline_message(t.micro_batch_size, t.sequence_length) if engine is not None else None
+    return step(model, microbatches, grad_sync, optimizer, scheduler, pc, config.optimizer.clip_grad,
+                engine=engine, message=message)

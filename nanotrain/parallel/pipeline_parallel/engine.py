@@ -19,24 +19,25 @@ get their final gradients in exactly that backward).
 Instrumentation (``last_stats``, per step and rank): time computing (forward + backward) vs the
 wall time of the step, so the measured bubble is ``1 - compute / total``; the peak number of
 micro-batches whose activations are alive (forward done, backward not yet) and the peak bytes of
-activations saved for backward (tensors autograd saved, parameters excluded).
+activations saved for backward (tensors autograd saved, parameters excluded). Times are CUDA
+events on a GPU (host clocks around asynchronous kernels measure only their launch), read lazily.
 """
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from nanotrain.parallel.pipeline_parallel.p2p import P2P
+from nanotrain.parallel.pipeline_parallel.p2p import (ACTIVATION, GRADIENT, P2P, MessageSpec, Recv, Send,
+                                                     check_message)
 from nanotrain.parallel.pipeline_parallel.schedules import Action, get_schedule
 from nanotrain.parallel.pipeline_parallel.tensor_pointer import TensorPointer
+from nanotrain.parallel.timing import IntervalTimer
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], targets [B, S])
 # Middle stages read no data: they may pass None for each micro-batch (the count is m).
-_ACTIVATION, _GRADIENT = 0, 1
 
 
 @dataclass
@@ -99,63 +100,84 @@ class _ActivationMeter:
 
 
 class PipelineEngine:
-    """``PipelineEngine("1f1b", pc.pp_pg)``; ``forward_backward(model, microbatches, grad_sync)``.
+    """``PipelineEngine("1f1b", pc.pp_pg)``; ``forward_backward(model, microbatches, grad_sync, message)``.
 
     The model is this rank's part of a pipeline-built model: ``model.chunks`` (``ModelChunk``s,
     see ``block.py``) and ``model(input_ids=, targets=, hidden=, chunk=)`` running one chunk.
+    ``message`` is the ``MessageSpec`` of what crosses every stage boundary (the model's
+    ``pipeline_message(micro_batch_size, sequence_length)``): receivers allocate from it, so no
+    shape travels on the wire and no host sync happens per message (see ``p2p.py``).
+    ``p2p``: another transport (tests simulate NCCL's semantics on threads); default: ``pp_pg``.
     """
 
-    def __init__(self, schedule: str, pp_pg, device: Optional[torch.device] = None):
+    def __init__(self, schedule: str, pp_pg=None, device: Optional[torch.device] = None,
+                 p2p: Optional[P2P] = None, flow_groups: Optional[dict] = None):
         self.name = schedule
         self.schedule = get_schedule(schedule)
-        self.pp_pg = pp_pg
-        self.pp_size, self.pp_rank = pp_pg.size(), pp_pg.rank()
-        self.p2p = P2P(pp_pg, device)
-        self.last_stats = EngineStats()
+        self.p2p = p2p if p2p is not None else P2P.over(pp_pg, device, flow_groups)
+        self.pp_size, self.pp_rank = self.p2p.transport.size, self.p2p.transport.rank
+        self.device = self.p2p.device
+        self._timers: Optional[tuple[IntervalTimer, IntervalTimer, IntervalTimer]] = None
+        self._peaks = (0, 0)
 
-    def forward_backward(self, model, microbatches: Sequence[Optional[MicroBatch]], grad_sync
-                         ) -> torch.Tensor | TensorPointer:
+    @property
+    def last_stats(self) -> EngineStats:
+        """The last step's timings and memory peaks. Reading it on CUDA waits for that step's
+        kernels (the timers are CUDA events): read it on logging steps only."""
+        if self._timers is None:
+            return EngineStats()
+        total, compute, wait = (t.seconds() for t in self._timers)
+        return EngineStats(total, compute, wait, *self._peaks)
+
+    def forward_backward(self, model, microbatches: Sequence[Optional[MicroBatch]], grad_sync,
+                         message: Optional[MessageSpec] = None) -> torch.Tensor | TensorPointer:
         """Forward and backward of every micro-batch; gradients accumulate in ``.grad`` (loss of
         each micro-batch divided by m). ``grad_sync``: a ``BucketedGradSync`` (or None without
-        data parallelism). Returns the summed loss (= mean over micro-batches) on
-        the rank holding the last stage, a TensorPointer to that rank elsewhere."""
+        data parallelism). ``message``: see the class doc; when None it is asked of the model for
+        the shape of the micro-batches (which a middle stage, reading no data, does not have).
+        Returns the summed loss (= mean over micro-batches) on the rank holding the last stage,
+        a TensorPointer to that rank elsewhere."""
+        if message is None:
+            shapes = [mb[0].shape for mb in microbatches if mb is not None]
+            if not shapes:
+                raise ValueError("forward_backward: a rank without micro-batches needs "
+                                 "message=model.pipeline_message(micro_batch_size, sequence_length)")
+            message = model.pipeline_message(*shapes[0])
         chunks = model.chunks
         m, v, pp = len(microbatches), len(chunks), self.pp_size
         num_stages = chunks[0].num_virtual_stages
         if num_stages != pp * v:
             raise ValueError(f"model has {num_stages} virtual stages, engine expects pp*chunks = {pp}*{v}")
-        stats = EngineStats()
+        total, compute, waiting = (IntervalTimer(self.device) for _ in range(3))
+        self._timers = (total, compute, waiting)
         meter = _ActivationMeter(model.parameters())
-        start = time.perf_counter()
+        total.start()
 
         def tag(kind: int, stage: int, mb: int) -> int:  # unique per message of the step
             return (kind * num_stages + stage) * m + mb
 
-        def needs(action: Action) -> list:  # what the action receives before it runs
+        def needs(action: Action) -> list[Recv]:  # what the action receives before it runs
             chunk = chunks[action.chunk]
             stage, mb = chunk.virtual_stage, action.microbatch
             if action.op == "F" and not chunk.is_first:
-                return [(TensorPointer((stage - 1) % pp), tag(_ACTIVATION, stage - 1, mb), (_ACTIVATION, stage - 1))]
+                return [Recv((stage - 1) % pp, tag(ACTIVATION, stage - 1, mb), message, True, ACTIVATION)]
             if action.op == "B" and not chunk.is_last:
-                return [(TensorPointer((stage + 1) % pp), tag(_GRADIENT, stage + 1, mb), (_GRADIENT, stage + 1))]
+                return [Recv((stage + 1) % pp, tag(GRADIENT, stage + 1, mb), message, False, GRADIENT)]
             return []
 
         actions = self.schedule(pp, self.pp_rank, m, v)
-        # Messages travel on channels (kind, sending stage); every receive of the step is posted
-        # now (gloo; no-ops on NCCL): see P2P.new_step / P2P.expect.
-        self.p2p.new_step()
-        self.p2p.expect([r for action in actions for r in needs(action)])
+        self.p2p.expect([r for action in actions for r in needs(action)])  # gloo: every receive now
         stored: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor, int]] = {}
         loss_total: Optional[torch.Tensor] = None
-        pending: list = []  # sends produced by the previous action
-        live = 0
+        pending: list[Send] = []  # sends produced by the previous action
+        live = peak_live = 0
         for action in actions:
             chunk = chunks[action.chunk]
             stage, mb = chunk.virtual_stage, action.microbatch
-            received = self._communicate(pending, needs(action), stats)
+            received = self._communicate(pending, needs(action), waiting)
             pending = []
 
-            t0 = time.perf_counter()
+            compute.start()
             if action.op == "F":
                 data = microbatches[mb]
                 if data is None and (chunk.is_first or chunk.is_last):
@@ -170,10 +192,11 @@ class PipelineEngine:
                     out = out / m
                     loss_total = out.detach() if loss_total is None else loss_total + out.detach()
                 else:
-                    pending.append((out, (stage + 1) % pp, tag(_ACTIVATION, stage, mb), (_ACTIVATION, stage)))
+                    check_message(out, message, f"the output of virtual stage {stage}")
+                    pending.append(Send(out, (stage + 1) % pp, tag(ACTIVATION, stage, mb), ACTIVATION))
                 stored[(action.chunk, mb)] = (hidden, out, meter.add())
                 live += 1
-                stats.peak_live_microbatches = max(stats.peak_live_microbatches, live)
+                peak_live = max(peak_live, live)
             else:
                 hidden, out, nbytes = stored.pop((action.chunk, mb))
                 with nullcontext() if mb == m - 1 or grad_sync is None else grad_sync.no_sync():
@@ -182,31 +205,30 @@ class PipelineEngine:
                     else:
                         torch.autograd.backward(out, received[0])
                 if not chunk.is_first:
-                    pending.append((hidden.grad, (stage - 1) % pp, tag(_GRADIENT, stage, mb), (_GRADIENT, stage)))
+                    pending.append(Send(hidden.grad, (stage - 1) % pp, tag(GRADIENT, stage, mb), GRADIENT))
                 del hidden, out
                 meter.release(nbytes)
                 live -= 1
-            stats.compute_s += time.perf_counter() - t0
+            compute.stop()
 
-        self._communicate(pending, [], stats)
-        t0 = time.perf_counter()
+        self._communicate(pending, [], waiting)
+        waiting.start()
         self.p2p.wait_sends()
-        stats.wait_s += time.perf_counter() - t0
+        waiting.stop()
         if stored:
             raise RuntimeError(f"pipeline schedule {self.name!r} left {len(stored)} backward(s) undone")
         if self.p2p.num_expected:
             raise RuntimeError(f"pipeline schedule {self.name!r} left {self.p2p.num_expected} receive(s) unused")
-        stats.total_s = time.perf_counter() - start
-        stats.peak_activation_bytes = meter.peak
-        self.last_stats = stats
+        total.stop()
+        self._peaks = (peak_live, meter.peak)
         return loss_total if loss_total is not None else TensorPointer(self.pp_size - 1)
 
-    def _communicate(self, sends: list, recvs: list, stats: EngineStats) -> list[torch.Tensor]:
+    def _communicate(self, sends: list[Send], recvs: list[Recv], timer: "IntervalTimer") -> list[torch.Tensor]:
         if not sends and not recvs:
             return []
-        t0 = time.perf_counter()
+        timer.start()
         received = self.p2p.communicate(sends, recvs)
-        stats.wait_s += time.perf_counter() - t0
+        timer.stop()
         return received
 
 

@@ -37,10 +37,33 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor (FutureWarning on every
-# call) in favour of the *_single names, which older torch lacks: take whichever exists.
-_all_gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_fn(*args, **kwargs):
+    """torch 2.13 deprecates all_gather_into_tensor (a FutureWarning on every call) in favour of
+    all_gather_single, which older torch lacks: take whichever exists, looked up per call so that
+    a wrapper around torch.distributed (the tests' device contract) sees every collective."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_fn(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- autocast
+def autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """The lower-precision dtype autocast computes linears in here, or None outside autocast."""
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
+def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """Cast an activation to autocast's dtype before it is communicated: the linear it feeds
+    would cast it anyway, and this way the collective moves bf16 (half the bytes of fp32)."""
+    dtype = autocast_dtype(x)
+    return x if dtype is None or not x.is_floating_point() or x.dtype == dtype else x.to(dtype)
 
 
 class TensorParallelLinearMode(Enum):
@@ -191,6 +214,20 @@ class _ColumnLinearAsync(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, mode):
+        # Autocast does not reach inside a custom Function's backward, so the casts it would do
+        # are done here, once: x, weight and bias in the compute dtype, the same tensors saved
+        # for backward, and gradients handed back in each input's own dtype (fp32 weights keep
+        # fp32 gradients). As torch.amp.custom_fwd(cast_inputs=...) does, for any device.
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        dtype = autocast_dtype(x)
+        if dtype is not None:
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            return _ColumnLinearAsync._forward(ctx, x, weight, bias, group, mode)
+
+    @staticmethod
+    def _forward(ctx, x, weight, bias, group, mode):
         ctx.group, ctx.mode, ctx.has_bias = group, mode, bias is not None
         if mode is TensorParallelLinearMode.ALL_REDUCE:
             ctx.save_for_backward(x, weight)
@@ -212,7 +249,7 @@ class _ColumnLinearAsync(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x_full, weight = ctx.saved_tensors
-        grad = grad.contiguous()
+        grad = grad.to(weight.dtype).contiguous()  # the compute dtype of the forward
         grad_x = grad_w = grad_b = work = None
         if ctx.needs_input_grad[0]:
             partial = grad.matmul(weight)  # this rank's contribution to the full input grad
@@ -227,7 +264,7 @@ class _ColumnLinearAsync(torch.autograd.Function):
             grad_b = g2.sum(0)
         if work is not None:
             work.wait()
-        return grad_x, grad_w, grad_b, None, None
+        return (*_in_dtypes((grad_x, grad_w, grad_b), ctx.dtypes), None, None)
 
 
 class _RowLinearAsyncReduceScatter(torch.autograd.Function):
@@ -236,15 +273,19 @@ class _RowLinearAsyncReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, group):
-        ctx.group = group
+        ctx.group, ctx.dtypes = group, (x.dtype, weight.dtype)
+        dtype = autocast_dtype(x)  # autocast's casts, done by hand (see _ColumnLinearAsync)
+        if dtype is not None:
+            x, weight = x.to(dtype), weight.to(dtype)
         ctx.save_for_backward(x, weight)
-        return _reduce_scatter_dim0(F.linear(x, weight), group)[0]
+        with torch.autocast(x.device.type, enabled=False):
+            return _reduce_scatter_dim0(F.linear(x, weight), group)[0]
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         tp, rank = group_size(ctx.group), group_rank(ctx.group)
-        grad = grad.contiguous()
+        grad = grad.to(weight.dtype).contiguous()
         s = grad.shape[0]
         g_full, work = _all_gather_dim0(grad, ctx.group, async_op=True)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -261,7 +302,12 @@ class _RowLinearAsyncReduceScatter(torch.autograd.Function):
                 grad_x[part] = g_full[part].matmul(weight)
             if need_w:
                 grad_w.addmm_(_mm2d(g_full[part]).t(), _mm2d(x[part]))
-        return grad_x, grad_w, None
+        return (*_in_dtypes((grad_x, grad_w), ctx.dtypes), None)
+
+
+def _in_dtypes(grads, dtypes) -> tuple:
+    """Each gradient in the dtype of the input it belongs to (None stays None)."""
+    return tuple(None if g is None else g.to(d) for g, d in zip(grads, dtypes))
 
 
 # ----------------------------------------------------------------------------- fused linears
@@ -278,6 +324,7 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         return F.linear(x, weight, bias)
     if async_communication:
         return _ColumnLinearAsync.apply(x, weight, bias, group, mode)
+    x = to_compute_dtype(x)  # gathered (and its gradient reduced) in bf16 under autocast
     if mode is TensorParallelLinearMode.ALL_REDUCE:
         x = copy_to_tp(x, group)
     else:

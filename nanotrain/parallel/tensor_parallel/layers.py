@@ -23,7 +23,7 @@ from torch import nn
 from nanotrain.parallel.sharding import replicated_info, row_shard_info, set_shard_info
 from nanotrain.parallel.tensor_parallel.functional import (
     TensorParallelLinearMode, as_mode, column_linear, group_rank, group_size, reduce_from_tp,
-    reduce_scatter_along_dim0, row_linear,
+    reduce_scatter_along_dim0, row_linear, to_compute_dtype,
 )
 
 _SP_PARTIAL = "_nanotrain_sequence_parallel_partial_grad"
@@ -185,11 +185,13 @@ class TensorParallelEmbedding(nn.Module):
             real_sizes=(num_embeddings,)))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Under autocast the result is in the compute dtype (an fp32 table stays fp32): the
+        residual stream starts in bf16 and the partial lookups are reduced in bf16."""
         if self.tp == 1:
-            return F.embedding(ids, self.weight)
+            return to_compute_dtype(F.embedding(ids, self.weight))
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = torch.where(outside, torch.zeros_like(ids), ids - self.vocab_start)
-        out = F.embedding(local, self.weight)
+        out = to_compute_dtype(F.embedding(local, self.weight))
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.mode is TensorParallelLinearMode.ALL_REDUCE:
             return reduce_from_tp(out, self.pg)

@@ -1,0 +1,55 @@
+"""Each step's micro-batches on the training device, copied one step ahead.
+
+The sampler cuts windows out of a memory-mapped token file, so its batches are CPU tensors; a
+GPU model needs them on its device. On CUDA the next step's batch is read, pinned and copied with
+``non_blocking=True`` on a side stream right after the current step's work was launched, so the
+host reads data while the GPU computes and the copy overlaps the step (nanotron and torchtitan
+leave this to a DataLoader with ``pin_memory``; our sampler is a pure function of the position,
+so one step of look-ahead needs no worker processes). The compute stream waits for the copy
+before it uses the tensors. On CPU the batch is used where it is.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class BatchPrefetcher:
+    """``get(consumed)`` = ``sampler.batch(consumed, dp_rank)`` on ``device``;
+    ``prefetch(consumed)`` starts that copy early (CUDA; a no-op elsewhere)."""
+
+    def __init__(self, sampler, dp_rank: int, device: torch.device):
+        self.sampler, self.dp_rank, self.device = sampler, dp_rank, torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._ahead: Optional[tuple[int, MicroBatches]] = None  # (consumed samples, device batch)
+
+    def get(self, consumed: int) -> MicroBatches:
+        if self._ahead is not None and self._ahead[0] == consumed:
+            batch, self._ahead = self._ahead[1], None
+        else:
+            batch = self._copy(consumed)
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self._stream)
+            for ids, targets in batch:  # the caching allocator must not reuse them early
+                ids.record_stream(current)
+                targets.record_stream(current)
+        return batch
+
+    def prefetch(self, consumed: int) -> None:
+        if self.cuda:
+            self._ahead = (consumed, self._copy(consumed))
+
+    def _copy(self, consumed: int) -> MicroBatches:
+        host = self.sampler.batch(consumed, self.dp_rank)
+        if self.device.type == "cpu":
+            return host
+        if not self.cuda:  # another device type (tests use "meta"): a plain copy
+            return [(i.to(self.device), t.to(self.device)) for i, t in host]
+        with torch.cuda.stream(self._stream):
+            return [(i.pin_memory().to(self.device, non_blocking=True),
+                     t.pin_memory().to(self.device, non_blocking=True)) for i, t in host]

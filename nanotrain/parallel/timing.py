@@ -1,0 +1,53 @@
+"""Interval timers that do not synchronise the host with the GPU until they are read.
+
+On a GPU, ``time.perf_counter()`` around a forward measures how long the host took to *launch*
+its kernels, not how long they ran. CUDA events recorded on the current stream measure the
+device's time, and reading them (``elapsed_time``) waits only for the events themselves, so a
+training loop reads them on logging steps and pays no sync on the others. On CPU the host clock
+is exact and is used directly.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class IntervalTimer:
+    """Sums the intervals between ``start()`` and ``stop()``; ``seconds()`` reads the total."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.cuda = torch.device(device).type == "cuda" if device is not None else False
+        self._host = 0.0
+        self._t0: float | None = None
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._open: torch.cuda.Event | None = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._open = torch.cuda.Event(enable_timing=True)
+            self._open.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            if self._open is None:
+                raise RuntimeError("IntervalTimer.stop() without start()")
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._open, end))
+            self._open = None
+        else:
+            if self._t0 is None:
+                raise RuntimeError("IntervalTimer.stop() without start()")
+            self._host += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def seconds(self) -> float:
+        """The summed intervals; on CUDA this waits for the recorded events (a sync point)."""
+        if self.cuda and self._events:
+            self._events[-1][1].synchronize()
+            self._host += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+            self._events.clear()
+        return self._host
