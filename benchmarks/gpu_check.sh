@@ -3,7 +3,10 @@
 #   1. pick a Python whose torch sees CUDA (.venv, then python3/python, or $PYTHON), report versions;
 #   2. the GPU-marked tests (tests/test_gpu.py: NCCL at world size 1, CUDA placement, bf16 path,
 #      a train step on GPU vs CPU);
-#   3. a single-GPU training benchmark of a ~1B Llama (bf16, sequence 2048): tokens/s and MFU.
+#   3. a single-GPU training benchmark of a ~1B Llama (bf16, sequence 2048): tokens/s and MFU;
+#   4. the real trainer (benchmarks/gpu_trainer_check.py): the task entry point at world size 1,
+#      its own tokens/s, MFU and peak memory beside the --dry-run estimate; tp2 and pp2 through
+#      `submit.py --local` when 2+ GPUs are visible.
 #
 #   benchmarks/gpu_check.sh                 # results in benchmarks/results/gpu/ (or $OUT when set)
 #   GPU_CHECK_COMPILE=1 benchmarks/gpu_check.sh   # also the benchmark with torch.compile'd layers
@@ -59,12 +62,15 @@ EOF
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null || true
 
 echo "== GPU-marked tests (tests/test_gpu.py)"
-timeout 180 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --junitxml="$RESULTS/gpu_tests.xml" \
+timeout 120 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --junitxml="$RESULTS/gpu_tests.xml" \
     || { echo "gpu_check: GPU tests FAILED (rc $?)"; status=1; }
 
 echo "== single-GPU training benchmark: ~1B Llama, bf16, sequence 2048"
-timeout 240 "$PY" benchmarks/gpu_train_bench.py --steps 8 --warmup 2 --out "$RESULTS/gpu_bench.json" \
+timeout 150 "$PY" benchmarks/gpu_train_bench.py --steps 8 --warmup 2 --out "$RESULTS/gpu_bench.json" \
     || { echo "gpu_check: benchmark FAILED (rc $?)"; status=1; }
+echo "== the real trainer: python -m nanotrain.launch.task (bf16, async TP, 20 steps); tp2 and pp2 via the CLI with >= 2 GPUs"
+timeout 200 "$PY" benchmarks/gpu_trainer_check.py --steps 20 --timeout 90 --out "$RESULTS" \
+    || { echo "gpu_check: trainer check FAILED (rc $?)"; status=1; }
 if [ "${GPU_CHECK_COMPILE:-0}" = 1 ]; then
     left=$(( 460 - ($(date +%s) - START) ))
     if [ "$left" -gt 60 ]; then

@@ -33,8 +33,9 @@ def test_vs_native_quick_rows(tmp_path):
 
 
 def test_gpu_scripts_run_on_cpu(tmp_path):
-    """benchmarks/gpu_check.sh and gpu_train_bench.py only run for real where a GPU is lent:
-    CI keeps them from rotting (shell syntax; the benchmark's whole path on a tiny CPU model)."""
+    """benchmarks/gpu_check.sh, gpu_train_bench.py and gpu_trainer_check.py only run for real where
+    a GPU is lent: CI keeps them from rotting (shell syntax; each script's whole path on a tiny
+    CPU model — for the trainer check, the real task entry point in bf16)."""
     syntax = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
     out = tmp_path / "bench.json"
@@ -45,6 +46,13 @@ def test_gpu_scripts_run_on_cpu(tmp_path):
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["tokens_per_step"] == 2 * 128 and result["tokens_per_s"] > 0
     assert len(result["step_ms"]) == 2 and all(x == x for x in result["loss_first_last"])  # not NaN
+    trainer = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_trainer_check.py"), "--cpu-smoke",
+                              "--steps", "3", "--out", str(tmp_path / "trainer")],
+                             capture_output=True, text=True, timeout=180)
+    assert trainer.returncode == 0, trainer.stdout[-2000:] + trainer.stderr[-2000:]
+    runs = json.loads((tmp_path / "trainer" / "gpu_trainer.json").read_text())["runs"]
+    assert [r["name"] for r in runs] == ["task-world1"] and runs[0]["step"] == 3 and runs[0]["tokens_per_sec"] > 0
+    assert not (tmp_path / "trainer" / "task-world1").exists()  # run directories stay out of --out
 
 
 def test_context_parallel_benchmark_runs_and_agrees(tmp_path):

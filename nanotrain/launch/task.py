@@ -12,7 +12,7 @@ import submitit.helpers
 
 from nanotrain.config import ConfigError, check_world_size, load_config, validate
 from nanotrain.launch.env import export_user_env, setup_distributed_env
-from nanotrain.launch.rundir import run_dir_of, write_run_dir
+from nanotrain.launch.rundir import resolve_run, write_run_dir
 
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: preempted and saved, but not requeued; resume with --resume
@@ -28,7 +28,9 @@ def run_task(config_path: str) -> dict:
     export_user_env(config.slurm.env)
     env = setup_distributed_env()
     check_world_size(config, env.world_size, f"this {env.launcher} job")
-    run_dir = run_dir_of(config)
+    if config.logging.run_name is None:  # a config handed to the task directly (torchrun, a GPU
+        config.logging.run_name = Path(config_path).stem  # check): a name every rank derives alike
+    run_dir = resolve_run(config, config_path)  # absolute paths, checkpoints.path defaulted
     if env.rank == 0 and not (run_dir / "config.yaml").is_file():
         write_run_dir(config, run_dir)  # an emitted script's first run creates its run directory
 
