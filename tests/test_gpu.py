@@ -7,6 +7,7 @@
 * every parameter, buffer and gradient of the model on the CUDA device;
 * bf16 autocast forward/backward: bf16 matmuls, fp32 loss, fp32 weights and gradients;
 * a tiny (1,1,1) training step on the GPU gives the CPU's losses (fp32: tight; bf16: loose).
+* the trainer's batch prefetcher copies batches to the GPU unchanged.
 """
 from __future__ import annotations
 
@@ -125,3 +126,20 @@ def test_train_step_on_gpu_matches_cpu():
     assert all(abs(a - b) / a < 1e-4 for a, b in zip(cpu, gpu)), (cpu, gpu)
     assert all(abs(a - b) / a < 3e-2 for a, b in zip(cpu, bf16)), (cpu, bf16)
     assert gpu[-1] < gpu[0] and bf16[-1] < bf16[0]
+
+
+def test_batch_prefetcher_copies_to_cuda_ahead():
+    """The trainer's batches reach the GPU (pinned, non_blocking, on a side stream) unchanged."""
+    from nanotrain.data import BatchPrefetcher
+
+    class Sampler:
+        def batch(self, consumed, dp_rank):
+            ids = torch.arange(consumed, consumed + 64).view(2, 32)
+            return [(ids, ids + 1)]
+
+    prefetcher = BatchPrefetcher(Sampler(), 0, torch.device("cuda", torch.cuda.current_device()))
+    prefetcher.prefetch(64)
+    for consumed in (64, 128):  # prefetched, then fetched on demand
+        ids, targets = prefetcher.get(consumed)[0]
+        assert ids.is_cuda and targets.is_cuda
+        assert torch.equal(ids.cpu(), torch.arange(consumed, consumed + 64).view(2, 32))
