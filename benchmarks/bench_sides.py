@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 # ------------------------------------------------------------------------------ nanotrain side
 class Ours:
-    """nanotrain's public pieces, wired as nanotrain/trainer.py wires them."""
+    """nanotrain's public pieces, wired as nanotrain/training/trainer.py wires them."""
 
     def __init__(self, bench: Bench, dp=1, tp=1, pp=1, mode="ALL_REDUCE", engine="1f1b", v=1, micro=MICRO_SEQS,
                  spec: dict = MODEL, pc=None):

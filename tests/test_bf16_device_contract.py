@@ -47,17 +47,14 @@ VARIANTS = (("float32", True), ("bfloat16", True), ("bfloat16", False))  # (dtyp
 def _train(layout: str, tmp: str) -> dict:
     """One rank: the contract installed, then the real trainer for every variant of the layout."""
     from nanotrain.config import load_config
-    from nanotrain.launch.env import setup_distributed_env
-    from nanotrain.launch.preemption import PreemptionHandler
     from nanotrain.parallel.context import ParallelContext
-    from nanotrain.trainer import DistributedTrainer
+    from nanotrain.training.trainer import DistributedTrainer
 
     base = [f"logging.dir={tmp}", f"training.train_steps={STEPS}", "logging.log_interval=1",
             "checkpoints.interval=0", "checkpoints.resume=false", "logging.tensorboard=false",
             f"data.source={ROOT}/nanotrain/**/*.py", "training.sequence_length=32", *LAYOUTS[layout]]
     config = load_config(ROOT / "configs" / "tiny_cpu.yaml", base)
     p = config.parallelism
-    env = setup_distributed_env()
     pc = ParallelContext(tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp, data_parallel_size=p.dp,
                          context_parallel_size=p.cp, timeout_s=60)
     contract = install(pc.device)
@@ -68,7 +65,7 @@ def _train(layout: str, tmp: str) -> dict:
                                  base + [f"model.dtype={dtype}", f"parallelism.tp_linear_async_communication={async_tp}",
                                          f"logging.run_name={name}", f"checkpoints.path={tmp}/{name}/ckpt"])
         contract.calls.clear()
-        trainer = DistributedTrainer(run_config, Path(tmp) / name, env, pc, PreemptionHandler("USR2"))
+        trainer = DistributedTrainer(run_config, Path(tmp) / name, pc, lambda: False)
         logged = []
         log = trainer.metrics.log
         trainer.metrics.log = lambda *a, **k: logged.append(log(*a, **k))

@@ -247,13 +247,16 @@ def flow_group_steps(pp: int) -> dict:
 
 
 def config_driven_steps(pc) -> dict:
-    """The trainer's entry points (``build_pipeline_model``, ``train_step(..., config)``) with
-    ``microbatches=None`` on middle stages give the losses of the explicit API, bit for bit."""
+    """The trainer's entry points (``training.builder.build_model`` / ``build_engine``, and
+    ``train_step`` with no data on middle stages and the model's ``pipeline_message``) give the
+    losses of a hand-built model and engine, bit for bit."""
     from nanotrain.config.loader import config_from_dict
     from nanotrain.optim import build_lr_scheduler, build_optimizer
     from nanotrain.parallel.data_parallel import BucketedGradSync
-    from nanotrain.parallel.pipeline_parallel import PipelineEngine, build_pipeline_model, train_step
-    from nanotrain.training import step as explicit
+    from nanotrain.models.llama import LlamaModel
+    from nanotrain.parallel.pipeline_parallel import PipelineEngine
+    from nanotrain.training.builder import build_engine, build_model
+    from nanotrain.training.step import train_step
 
     m = 2 * pc.pp_size
     config = config_from_dict({
@@ -264,20 +267,24 @@ def config_driven_steps(pc) -> dict:
         "optimizer": {"warmup_steps": 1, "lr": 1e-2}})
     losses = {}
     for api in ("config", "explicit"):
-        model = build_pipeline_model(config, pc)
+        if api == "config":
+            model, engine = build_model(config, pc), build_engine(config, pc)
+        else:
+            model = LlamaModel(ModelArgs(**{**MODEL, "tie_word_embeddings": True}), pc.tp_pg, pp_rank=pc.pp_rank,
+                               pp_size=pc.pp_size, virtual_stages=2, seed=3)
+            engine = PipelineEngine("interleaved_1f1b", pc.pp_pg)
         sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg)
         optimizer = build_optimizer(model.named_parameters(), config.optimizer, pc.dp_cp_pg)
         scheduler = build_lr_scheduler(optimizer, config.optimizer, 3)
-        engine = PipelineEngine("interleaved_1f1b", pc.pp_pg)
         losses[api] = []
         for step in range(3):
             data = microbatches(m, MODEL["vocab_size"])  # the same batch: the loss must fall
-            if api == "config":
+            if api == "config":  # as the trainer does: no data on middle stages, the message from the model
                 middle = not (pc.is_pipeline_first_stage or pc.is_pipeline_last_stage)
-                stats = train_step(model, None if middle else data, sync, optimizer, scheduler, pc, config)
+                stats = train_step(model, [None] * m if middle else data, sync, optimizer, scheduler, pc,
+                                   config.optimizer.clip_grad, engine, model.pipeline_message(MICRO_BATCH, SEQ))
             else:
-                stats = explicit.train_step(model, data, sync, optimizer, scheduler, pc, config.optimizer.clip_grad,
-                                            engine)
+                stats = train_step(model, data, sync, optimizer, scheduler, pc, config.optimizer.clip_grad, engine)
             losses[api].append(stats.loss)
     return losses
 

@@ -1,9 +1,10 @@
 """Preemption and time limits: SLURM signals the job (`--signal=USR2@delay`) before killing it.
 
 The handler only sets a flag: nothing collective can run inside a signal handler, and only some
-ranks may receive the signal. At each step boundary every rank contributes its flag to one tiny
-all-reduce (MAX), so all ranks agree on the same step, save the same checkpoint together, and
-exit. On SLURM, rank 0 then asks for a requeue (`scontrol requeue`, bounded by
+ranks may receive the signal. The trainer polls the flag every step and the ranks vote on it with
+one tiny all-reduce (MAX, `training/stop_vote.py`), so all ranks agree on the same step, save the
+same checkpoint together, and exit. This module imports no torch, so the handler is in place
+before the seconds of importing it. On SLURM, rank 0 then asks for a requeue (`scontrol requeue`, bounded by
 `slurm.max_requeues`); the restarted job (`SLURM_RESTART_COUNT` > 0) resumes from the checkpoint.
 This replaces submitit's own USR2 handler inside the task: submitit calls `checkpoint()` on rank 0
 from the handler itself, where no collective sharded save is possible (anchors.md).
@@ -15,9 +16,6 @@ import signal
 import subprocess
 import sys
 
-import torch
-import torch.distributed as dist
-
 
 class PreemptionHandler:
     def __init__(self, signal_name: str = "USR2", also_sigterm: bool = True):
@@ -25,17 +23,11 @@ class PreemptionHandler:
         self._signals = [getattr(signal, f"SIG{signal_name}")]
         if also_sigterm and signal.SIGTERM not in self._signals:
             self._signals.append(signal.SIGTERM)  # SLURM's own TERM at the end; `kill` locally
-        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self._signals}
+        for sig in self._signals:
+            signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, _frame) -> None:
         self.received = signal.Signals(signum).name
-
-    def agreed(self, group=None, device: torch.device | None = None) -> bool:
-        """True on every rank as soon as any rank received a signal (one all-reduce of 1 value)."""
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return flag.item() > 0
 
     def ignore_from_now_on(self) -> None:
         """The work is saved or finished: a late stop signal must not kill the exiting process.
@@ -43,10 +35,6 @@ class PreemptionHandler:
         time-limit signal landing then would end a finished task with "User defined signal 2".)"""
         for sig in self._signals:
             signal.signal(sig, signal.SIG_IGN)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def request_requeue(max_requeues: int) -> bool:

@@ -12,6 +12,7 @@ import submitit.helpers
 
 from nanotrain.config import ConfigError, check_world_size, load_config, validate
 from nanotrain.launch.env import export_user_env, setup_distributed_env
+from nanotrain.launch.preemption import PreemptionHandler, request_requeue
 from nanotrain.launch.rundir import resolve_run, write_run_dir
 
 
@@ -22,8 +23,6 @@ def run_task(config_path: str) -> dict:
     config = load_config(config_path)
     validate(config)
     # First thing: a stop signal that arrives while torch imports must set the flag, not kill us.
-    from nanotrain.launch.preemption import PreemptionHandler
-
     preemption = PreemptionHandler(config.slurm.signal)
     export_user_env(config.slurm.env)
     env = setup_distributed_env()
@@ -34,9 +33,10 @@ def run_task(config_path: str) -> dict:
     if env.rank == 0 and not (run_dir / "config.yaml").is_file():
         write_run_dir(config, run_dir)  # an emitted script's first run creates its run directory
 
+    # Imported only now, with the stop handler installed: they import torch (seconds).
     from nanotrain.launch.smoke import smoke_step
     from nanotrain.parallel.context import ParallelContext
-    from nanotrain.trainer import DistributedTrainer
+    from nanotrain.training.trainer import DistributedTrainer
 
     p = config.parallelism
     pc = ParallelContext(tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp,
@@ -44,11 +44,13 @@ def run_task(config_path: str) -> dict:
                          expert_parallel_size=p.ep, timeout_s=config.training.collective_timeout_s)
     try:
         report = smoke_step(pc, env, Path(run_dir))  # a cheap preflight: every group answers
-        trainer = DistributedTrainer(config, Path(run_dir), env, pc, preemption)
+        trainer = DistributedTrainer(config, Path(run_dir), pc, lambda: preemption.received is not None)
         try:
             report["outcome"] = trainer.train()
         finally:
             trainer.close()
+        if report["outcome"] == "preempted" and env.rank == 0:
+            report["outcome"] = after_preemption(config, env, run_dir, trainer.step, preemption.received)
         if report["outcome"] == "stopped":  # saved, but SLURM will not requeue it: not COMPLETED
             raise SystemExit(EXIT_STOPPED)
         return report
@@ -57,6 +59,17 @@ def run_task(config_path: str) -> dict:
         # Never restore submitit's handler (it would fail a finished job on a late time-limit
         # signal) nor let Python's shutdown restore the default action (it would kill us).
         preemption.ignore_from_now_on()
+
+
+def after_preemption(config, env, run_dir, step: int, signal_name) -> str:
+    """Rank 0, once every rank saved: say how to resume and, on SLURM, requeue the job. Returns
+    "preempted", or "stopped" when SLURM will not run it again (requeue budget spent or refused):
+    then the job must not look COMPLETED, and the task exits non-zero."""
+    print(f"preempted at step {step} ({signal_name or 'signal on another rank'}): checkpoint saved; "
+          f"resume with: python submit.py --resume {run_dir}", flush=True)
+    if env.launcher == "slurm" and not request_requeue(config.slurm.max_requeues):
+        return "stopped"
+    return "preempted"
 
 
 class TrainingTask(submitit.helpers.Checkpointable):

@@ -1,1 +1,2 @@
-"""The training step: gradient accumulation, gradient synchronisation, clipping, optimizer."""
+"""Training: the builder (config -> this rank's model stage and engine), one optimizer step, the
+stop vote, and the trainer loop. Above every library layer, below the launcher."""

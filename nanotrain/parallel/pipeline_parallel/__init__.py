@@ -6,8 +6,8 @@
   cost-balanced split into (virtual) stages;
 * ``PipelineEngine`` — runs a schedule (``afab``, ``1f1b``, ``interleaved_1f1b``) over a step's
   micro-batches, with bubble and activation-memory instrumentation;
-* ``tied`` — parameters shared by the first and last stage (tied embeddings);
-* ``build_pipeline_model`` / ``build_engine`` / ``train_step`` — the config-driven entry points.
+* ``tied`` — parameters shared by the first and last stage (tied embeddings).
+The config-driven builders live above the model, in ``nanotrain.training.builder``.
 """
 from nanotrain.parallel.pipeline_parallel.block import ModelChunk, PipelineBlock, balanced_split, place_blocks
 from nanotrain.parallel.pipeline_parallel.engine import EngineStats, PipelineEngine, schedule_actions
@@ -16,11 +16,9 @@ from nanotrain.parallel.pipeline_parallel.schedules import SCHEDULES, Action, th
 from nanotrain.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 from nanotrain.parallel.pipeline_parallel.tied import (allreduce_tied_grads_, is_tied, is_tied_replica,
                                                        mark_tied_)
-from nanotrain.parallel.pipeline_parallel.build import build_engine, build_pipeline_model, train_step
 
 __all__ = [
     "TensorPointer", "P2P", "MessageSpec", "TorchP2PTransport", "PipelineBlock", "ModelChunk", "place_blocks", "balanced_split",
     "PipelineEngine", "EngineStats", "schedule_actions", "SCHEDULES", "Action", "theoretical_bubble",
     "mark_tied_", "is_tied", "is_tied_replica", "allreduce_tied_grads_",
-    "build_pipeline_model", "build_engine", "train_step",
 ]

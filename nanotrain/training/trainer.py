@@ -3,8 +3,10 @@
 Read top to bottom: `__init__` builds everything in the order a step needs it, `train` is the
 loop. One step = the engine runs this rank's micro-batches (DP sync on the last one), the
 gradients are clipped by the global norm, the optimizer and LR step. Metrics go out from one rank;
-checkpoints are written every `checkpoints.interval` steps and when SLURM (or a local signal)
-asks the job to stop, after all ranks agreed on the step.
+checkpoints are written every `checkpoints.interval` steps and when a stop is requested, after all
+ranks agreed on the step. The trainer knows no launcher: it is handed a `stop_requested()`
+callable (the task's signal flag) and returns an outcome, "completed" or "preempted"; the task
+(`launch/task.py`) decides what that means for the job — requeue, exit code.
 
 Precision: `model.dtype: bfloat16` computes forward and backward under autocast in bf16 (on GPU,
 and on CPU where tests prove the path) while weights, gradients (and their accumulation) and
@@ -21,6 +23,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -29,13 +32,12 @@ import torch.distributed as dist
 from nanotrain.checkpoint import load_checkpoint, save_checkpoint
 from nanotrain.config import Config
 from nanotrain.data import BatchPrefetcher, build_sampler
-from nanotrain.launch.env import DistEnv
-from nanotrain.launch.preemption import PreemptionHandler, request_requeue
 from nanotrain.logging import metrics_logger_for
 from nanotrain.optim import build_lr_scheduler, build_optimizer
 from nanotrain.parallel.context import ParallelContext
 from nanotrain.parallel.data_parallel import BucketedGradSync
-from nanotrain.parallel.pipeline_parallel import build_engine, build_pipeline_model, train_step
+from nanotrain.training.builder import build_engine, build_model
+from nanotrain.training.step import train_step
 from nanotrain.training.stop_vote import StopVote
 
 
@@ -54,16 +56,17 @@ def seed_everything(seed: int) -> None:
 
 
 class DistributedTrainer:
-    def __init__(self, config: Config, run_dir: Path, env: DistEnv, pc: ParallelContext,
-                 preemption: PreemptionHandler):
-        self.config, self.run_dir, self.env, self.pc = config, Path(run_dir), env, pc
+    def __init__(self, config: Config, run_dir: Path, pc: ParallelContext, stop_requested: Callable[[], bool]):
+        self.config, self.run_dir, self.pc = config, Path(run_dir), pc
         t = config.training
         self.device = pc.device
         seed_everything(t.seed)
         quiet_libraries()
 
-        self.model = build_pipeline_model(config, self.pc, device=self.device)
+        self.model = build_model(config, self.pc, device=self.device)
         self.engine = build_engine(config, self.pc)  # None when pp = 1
+        # What crosses a pipeline stage boundary (the middle stages read no data to derive it).
+        self.message = self.model.pipeline_message(t.micro_batch_size, t.sequence_length)
         self.grad_sync = BucketedGradSync(list(self.model.parameters()), self.pc.dp_cp_pg)
         self.optimizer = build_optimizer(self.model.named_parameters(), config.optimizer, self.pc.dp_cp_pg)
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, t.train_steps)
@@ -84,18 +87,20 @@ class DistributedTrainer:
 
         self.metrics = metrics_logger_for(config, self.run_dir, self.pc, device=self.device,
                                           start_step=self.step)
-        self.preemption = preemption  # installed by the task before anything slow
-        self.stop_vote = StopVote(lambda: self.preemption.received is not None, self.device)
+        self.stop_vote = StopVote(stop_requested, self.device)
 
     def train(self) -> str:
-        """Run to `training.train_steps`; returns "completed", "preempted" or "stopped"."""
+        """Run to `training.train_steps` ("completed"), or until the ranks agree to stop
+        ("preempted", after saving when `checkpoints.save_on_preemption`)."""
         t = self.config.training
-        global_batch = self.config.parallelism.dp * t.micro_batch_size * t.batch_accumulation_per_replica
+        m = t.batch_accumulation_per_replica
+        global_batch = self.config.parallelism.dp * t.micro_batch_size * m
         start = time.perf_counter()
         while self.step < t.train_steps:
-            microbatches = self.batches.get(self.consumed_samples) if self.batches else None
-            stats = train_step(self.model, microbatches, self.grad_sync, self.optimizer, self.scheduler,
-                               self.pc, self.config, engine=self.engine)
+            # Middle pipeline stages read no data: m placeholders.
+            microbatches = self.batches.get(self.consumed_samples) if self.batches else [None] * m
+            stats = train_step(self.model, microbatches, self.grad_sync, self.optimizer, self.scheduler, self.pc,
+                               self.config.optimizer.clip_grad, engine=self.engine, message=self.message)
             self.step += 1
             self.consumed_samples += global_batch
             if self.batches and self.step < t.train_steps:
@@ -108,8 +113,10 @@ class DistributedTrainer:
             interval = self.config.checkpoints.interval
             if interval and self.step % interval == 0:
                 self.save()
-            if self.stop_vote.poll():
-                return self.stop_for_preemption()
+            if self.stop_vote.poll():  # every rank agrees: save together, and let the task decide
+                if self.config.checkpoints.save_on_preemption:
+                    self.save()
+                return "preempted"
             start = time.perf_counter()
         self.stop_vote.close()
         if not (self.config.checkpoints.interval and self.step % self.config.checkpoints.interval == 0):
@@ -122,20 +129,6 @@ class DistributedTrainer:
                  "consumed_tokens": self.consumed_samples * t.sequence_length}
         save_checkpoint(self.config.checkpoints.path, self.step, self.model, self.optimizer, self.scheduler,
                         self.pc, extra=extra, config=self.config)
-
-    def stop_for_preemption(self) -> str:
-        """Save (all ranks), then rank 0 requeues a SLURM job. Returns "preempted", or "stopped"
-        when SLURM will not run it again (requeue budget spent or refused): then the job must not
-        look COMPLETED, and the task exits non-zero."""
-        if self.config.checkpoints.save_on_preemption:
-            self.save()
-        outcome = "preempted"
-        if self.pc.world_rank == 0:
-            print(f"preempted at step {self.step} ({self.preemption.received or 'signal on another rank'}): "
-                  f"checkpoint saved; resume with: python submit.py --resume {self.run_dir}", flush=True)
-            if self.env.launcher == "slurm" and not request_requeue(self.config.slurm.max_requeues):
-                outcome = "stopped"
-        return outcome
 
     def close(self) -> None:
         self.metrics.close()
