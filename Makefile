@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nanotrain-installed
 
-.PHONY: run test venv cluster-up cluster-down clean bench
+.PHONY: run test lint venv cluster-up cluster-down clean bench
 
 venv: $(STAMP)
 
@@ -28,7 +28,11 @@ cluster-up:
 cluster-down:
 	slurm/local-cluster.sh down
 
-test: venv cluster-up
+# ruff (pyproject.toml): lint and import order; `make test` runs it first and fails on an error.
+lint: venv
+	$(PY) -m ruff check .
+
+test: venv lint cluster-up
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 # nanotrain vs PyTorch-native parallelism, side by side (< 20 min on 2 cores; QUICK=1: < 4 min).

@@ -24,11 +24,11 @@ def job_checkpoint(b: Bench) -> list[dict]:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from native_llama import apply_tp, build_native, cross_entropy
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from native_llama import apply_tp, build_native, cross_entropy
     from nanotrain.checkpoint import load_checkpoint, save_checkpoint
 
     args = model_args(CKPT_MODEL)

@@ -54,8 +54,8 @@ class Ours:
 # ------------------------------------------------------------------------------- native side
 def native_optimizer(modules, bench: Bench):
     import torch
-
     from native_llama import decay_groups
+
     from nanotrain.optim import build_lr_scheduler
 
     groups = [{"params": [], "weight_decay": OPTIM["weight_decay"]}, {"params": [], "weight_decay": 0.0}]
@@ -107,9 +107,8 @@ class NativeFlat:
     def __init__(self, bench: Bench, dp=1, tp=1, sequence_parallel=False, micro=MICRO_SEQS):
         import torch
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
         from native_llama import apply_tp, build_native
+        from torch.distributed.device_mesh import init_device_mesh
 
         self.bench, self.micro, self.dp, self.tp = bench, micro, dp, tp
         self.model = build_native(model_args(), SEQ, SEED)
@@ -127,9 +126,8 @@ class NativeFlat:
 
     def step(self, i: int) -> float:
         import torch.distributed as dist
-        from torch.distributed.tensor.parallel import loss_parallel
-
         from native_llama import cross_entropy
+        from torch.distributed.tensor.parallel import loss_parallel
 
         micro = micro_batches(self.bench.batch(i), self.dp_rank, self.dp, self.micro)
         total = None
@@ -160,10 +158,9 @@ class NativePipeline:
                  dp_kind="replicate", schedule="1f1b"):
         import torch
         import torch.distributed as dist
+        from native_llama import apply_dp, apply_tp, build_native, cross_entropy, pipeline_stage_module
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
-
-        from native_llama import apply_dp, apply_tp, build_native, cross_entropy, pipeline_stage_module
 
         self.bench, self.dp, self.tp, self.pp, self.m = bench, dp, tp, pp, m
         mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))

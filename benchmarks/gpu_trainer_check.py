@@ -96,7 +96,8 @@ def main() -> int:
         raw = yaml.safe_load(config.read_text())
         raw["logging"]["run_name"] = name
         cfg.write_text(yaml.safe_dump(raw))
-        result = run(name, [sys.executable, "-m", "nanotrain.launch.task", str(cfg)], single, logs, opts.out, opts.timeout)
+        task = [sys.executable, "-m", "nanotrain.launch.task", str(cfg)]
+        result = run(name, task, single, logs, opts.out, opts.timeout)
         result["dry_run_estimate_gb"] = dry_run_memory_gb(cfg, [])
         results.append(result)
         layouts = {"cli-tp2": ["parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"],

@@ -166,8 +166,13 @@ def apply_tp(model: NativeLlama, tp_mesh, sequence_parallel: bool, loss_parallel
     embedding and head; with ``sequence_parallel`` the norms and residual stream are sequence
     shards (``Shard(1)``) and the attention / MLP inputs are gathered by ``PrepareModuleInput``."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     sp = sequence_parallel
     top = {}

@@ -44,8 +44,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_checkpoint import job_checkpoint  # noqa: E402
-from bench_common import (GLOBAL_SEQS, HERE, MICRO_SEQS, MODEL, PP_M, SEQ, Bench, SavedBytes,  # noqa: E402
-                          max_over_ranks, micro_batches)
+from bench_common import (  # noqa: E402
+    GLOBAL_SEQS,
+    HERE,
+    MICRO_SEQS,
+    MODEL,
+    PP_M,
+    SEQ,
+    Bench,
+    SavedBytes,
+    max_over_ranks,
+    micro_batches,
+)
 from bench_sides import NativeFlat, NativePipeline, Ours  # noqa: E402
 
 
@@ -64,9 +74,8 @@ def job_dp2(b: Bench) -> list[dict]:
 
 def _tp_memory(b: Bench, ours: Ours, native: NativeFlat) -> tuple[float, float]:
     """Saved-for-backward bytes of one micro-batch's forward, max over tp ranks, both sides."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
     from native_llama import cross_entropy
+    from torch.distributed.tensor.parallel import loss_parallel
 
     (x, y), = micro_batches(b.batch(0), 0, 1, GLOBAL_SEQS)[:1]
     x, y = x[:MICRO_SEQS], y[:MICRO_SEQS]

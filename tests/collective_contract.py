@@ -41,7 +41,8 @@ class Contract:
         caller = sys._getframe(2).f_globals.get("__name__", "?")
         for t in tensors:
             if t.device != self.device:
-                raise ContractViolation(f"{caller}: {name} got a tensor on {t.device}, the rank's device is {self.device}")
+                raise ContractViolation(f"{caller}: {name} got a tensor on {t.device}, "
+                                        f"the rank's device is {self.device}")
             if not t.is_contiguous():
                 raise ContractViolation(f"{caller}: {name} got a non-contiguous tensor {tuple(t.shape)}")
             if t.dtype not in NCCL_DTYPES:

@@ -5,7 +5,6 @@ every tensor arrives intact, and the steady state really sends one message per t
 from __future__ import annotations
 
 import torch
-
 from dist_utils import run_distributed
 
 

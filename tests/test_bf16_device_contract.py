@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from collective_contract import install
 from dist_utils import run_distributed
+
 from nanotrain.config import ModelArgs
 from nanotrain.models.llama import LlamaModel
 
@@ -61,9 +61,9 @@ def _train(layout: str, tmp: str) -> dict:
     out = {"losses": {}, "wire": {}}
     for dtype, async_tp in VARIANTS:
         name = f"{layout}-{dtype}-{'async' if async_tp else 'sync'}"
-        run_config = load_config(ROOT / "configs" / "tiny_cpu.yaml",
-                                 base + [f"model.dtype={dtype}", f"parallelism.tp_linear_async_communication={async_tp}",
-                                         f"logging.run_name={name}", f"checkpoints.path={tmp}/{name}/ckpt"])
+        variant = [f"model.dtype={dtype}", f"parallelism.tp_linear_async_communication={async_tp}",
+                   f"logging.run_name={name}", f"checkpoints.path={tmp}/{name}/ckpt"]
+        run_config = load_config(ROOT / "configs" / "tiny_cpu.yaml", base + variant)
         contract.calls.clear()
         trainer = DistributedTrainer(run_config, Path(tmp) / name, pc, lambda: False)
         logged = []

@@ -33,7 +33,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import run_distributed
 from test_training_dp_tp import GLOBAL_BATCH, MICRO_BATCH, MODEL, OPTIM, global_batch
 

@@ -8,9 +8,9 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import run_distributed
 from test_llama_tp import full_grad
+
 from nanotrain.config import ModelArgs
 from nanotrain.parallel.context_parallel import cp_positions
 

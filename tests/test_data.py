@@ -15,8 +15,17 @@ import pytest
 import torch
 
 from nanotrain.config.schema import Config, DataArgs
-from nanotrain.data import (ByteTokenizer, DataError, GlobalSampler, TokenDataset, build_sampler,
-                            check_data_config, prepare_dataset, resolve_source, stdlib_files)
+from nanotrain.data import (
+    ByteTokenizer,
+    DataError,
+    GlobalSampler,
+    TokenDataset,
+    build_sampler,
+    check_data_config,
+    prepare_dataset,
+    resolve_source,
+    stdlib_files,
+)
 from nanotrain.data import dataset as dataset_mod
 
 DOCS = ["hello world\nsecond line", "", "naïve café ☕ — ünïcödé", "def f(x):\n    return x + 1\n",

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_utils import submitted_job_id, wait_for_job, wait_until
+from test_resume_local import TINY, cli, tb_losses
 
 from nanotrain.checkpoint import read_latest
 from nanotrain.checkpoint.format import verify_checkpoint
-from slurm_utils import submitted_job_id, wait_for_job, wait_until
-from test_resume_local import TINY, cli, tb_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,12 +3,11 @@ rank 0, and a failing rank ends the whole job quickly (a hang is a failure)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-import os
 
 from nanotrain.launch.local import run_local
 

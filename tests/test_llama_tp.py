@@ -8,8 +8,8 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import run_distributed
+
 from nanotrain.config import ModelArgs
 from nanotrain.parallel.sharding import get_shard_info
 

@@ -12,8 +12,14 @@ except ImportError:  # tests/ itself on sys.path
     from dist_utils import run_distributed
 
 from nanotrain.config.schema import OptimizerArgs
-from nanotrain.optim import (build_lr_scheduler, build_optimizer, clip_grad_norm_,
-                             load_optimizer_state_by_name, lr_at, optimizer_state_by_name)
+from nanotrain.optim import (
+    build_lr_scheduler,
+    build_optimizer,
+    clip_grad_norm_,
+    load_optimizer_state_by_name,
+    lr_at,
+    optimizer_state_by_name,
+)
 from nanotrain.parallel.data_parallel import ZeroOneOptimizer
 
 

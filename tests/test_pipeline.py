@@ -10,11 +10,10 @@ import functools
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
+
 from nanotrain.config import ModelArgs
-from nanotrain.parallel.pipeline_parallel import (TensorPointer, balanced_split, schedule_actions,
-                                                  theoretical_bubble)
+from nanotrain.parallel.pipeline_parallel import TensorPointer, balanced_split, schedule_actions, theoretical_bubble
 
 MODEL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=8, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=16, dtype="float32")
@@ -251,9 +250,9 @@ def config_driven_steps(pc) -> dict:
     ``train_step`` with no data on middle stages and the model's ``pipeline_message``) give the
     losses of a hand-built model and engine, bit for bit."""
     from nanotrain.config.loader import config_from_dict
+    from nanotrain.models.llama import LlamaModel
     from nanotrain.optim import build_lr_scheduler, build_optimizer
     from nanotrain.parallel.data_parallel import BucketedGradSync
-    from nanotrain.models.llama import LlamaModel
     from nanotrain.parallel.pipeline_parallel import PipelineEngine
     from nanotrain.training.builder import build_engine, build_model
     from nanotrain.training.step import train_step

@@ -14,8 +14,8 @@ import functools
 
 import pytest
 import torch
-
 from nccl_sim import Deadlock, NcclSemanticsWorld, run_ranks
+
 from nanotrain.config import ModelArgs
 from nanotrain.models.llama import LlamaModel
 from nanotrain.parallel.pipeline_parallel import P2P, PipelineEngine

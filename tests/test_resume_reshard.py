@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-
 from test_resume_local import STEPS, TINY, cli, overrides, run_until_preempted, tb_losses
 
 # Every layout keeps the global batch: dp * batch_accumulation_per_replica * micro_batch = 16.

@@ -14,10 +14,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from slurm_utils import (
+    TERMINAL,
+    job_state,
+    restart_count,
+    start_now_if_requeued,
+    submitted_job_id,
+    wait_for_job,
+    wait_until,
+)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-from slurm_utils import (TERMINAL, job_state, restart_count, start_now_if_requeued, submitted_job_id,
-                         wait_for_job, wait_until)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"

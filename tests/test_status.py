@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_utils import wait_for_job
 
 from nanotrain.launch.cli import main
 from nanotrain.launch.rundir import write_launch_record
 from nanotrain.logging.metrics import write_json_atomic
-from slurm_utils import wait_for_job
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -29,9 +29,14 @@ except ImportError:  # tests/ itself on sys.path
 
 from nanotrain.parallel.sharding import copy_from_full_, get_shard_info, row_shard_info, scatter_to_full
 from nanotrain.parallel.tensor_parallel import (
-    TensorParallelColumnLinear, TensorParallelEmbedding, TensorParallelRowLinear,
-    allreduce_sequence_parallel_grads_, column_linear, has_sequence_parallel_partial_grad,
-    init_from_full_, sharded_cross_entropy,
+    TensorParallelColumnLinear,
+    TensorParallelEmbedding,
+    TensorParallelRowLinear,
+    allreduce_sequence_parallel_grads_,
+    column_linear,
+    has_sequence_parallel_partial_grad,
+    init_from_full_,
+    sharded_cross_entropy,
 )
 
 TOL = 1e-5

@@ -14,8 +14,8 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import run_distributed
+
 from nanotrain.config import ModelArgs, OptimizerArgs
 from nanotrain.parallel.sharding import gather_full, get_shard_info
 

@@ -12,8 +12,8 @@ import functools
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
+
 from nanotrain.config import ModelArgs, OptimizerArgs
 
 MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_attention_heads=8,

@@ -62,8 +62,13 @@ bytes it reads. Files are streamed to disk tensor by tensor (no second in-memory
 Checksum: sha256 (1.7 GB/s with SHA-NI here; crc32 3.9, blake2b 0.9): detects deliberate edits,
 not just bit rot; it costs ~0.6 s per GB a rank writes or reads.
 """
-from nanotrain.checkpoint.format import (CheckpointError, complete_checkpoints, load_candidates, read_latest,
-                                         verify_checkpoint)
+from nanotrain.checkpoint.format import (
+                                         CheckpointError,
+                                         complete_checkpoints,
+                                         load_candidates,
+                                         read_latest,
+                                         verify_checkpoint,
+)
 from nanotrain.checkpoint.load import LoadedCheckpoint, load_checkpoint
 from nanotrain.checkpoint.save import prune, save_checkpoint
 

@@ -30,8 +30,15 @@ from safetensors import safe_open
 from nanotrain.checkpoint import format as fmt
 from nanotrain.checkpoint.comm import World
 from nanotrain.checkpoint.format import CheckpointError, info_from_json
-from nanotrain.checkpoint.items import (GRID_AXES, Models, config_as_dict, named_params, optimizer_layout,
-                                        same_grid, topology_of)
+from nanotrain.checkpoint.items import (
+    GRID_AXES,
+    Models,
+    config_as_dict,
+    named_params,
+    optimizer_layout,
+    same_grid,
+    topology_of,
+)
 from nanotrain.checkpoint.rng import restore_rng
 from nanotrain.optim.optimizer import load_optimizer_state_by_name
 from nanotrain.parallel.sharding import copy_from_full_, get_shard_info

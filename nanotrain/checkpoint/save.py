@@ -35,8 +35,7 @@ from nanotrain.checkpoint import format as fmt
 from nanotrain.checkpoint import shard_files
 from nanotrain.checkpoint.comm import World
 from nanotrain.checkpoint.format import CheckpointError
-from nanotrain.checkpoint.items import (Models, config_as_dict, coords_of, named_params, optimizer_entries,
-                                        topology_of)
+from nanotrain.checkpoint.items import Models, config_as_dict, coords_of, named_params, optimizer_entries, topology_of
 from nanotrain.checkpoint.rng import capture_rng
 from nanotrain.parallel.sharding import get_shard_info
 

@@ -1,8 +1,16 @@
 """Typed configuration: schema (dataclasses), YAML loading with overrides, validation."""
-from nanotrain.config.loader import (ConfigError, config_from_dict, config_to_dict, dump_config,
-                                     load_config)
-from nanotrain.config.schema import (CheckpointArgs, Config, DataArgs, LoggingArgs, ModelArgs,
-                                     OptimizerArgs, ParallelismArgs, SlurmArgs, TrainingArgs)
+from nanotrain.config.loader import ConfigError, config_from_dict, config_to_dict, dump_config, load_config
+from nanotrain.config.schema import (
+                                     CheckpointArgs,
+                                     Config,
+                                     DataArgs,
+                                     LoggingArgs,
+                                     ModelArgs,
+                                     OptimizerArgs,
+                                     ParallelismArgs,
+                                     SlurmArgs,
+                                     TrainingArgs,
+)
 from nanotrain.config.validate import SlurmLayout, check_world_size, slurm_layout, validate
 
 __all__ = [

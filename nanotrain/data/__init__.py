@@ -9,7 +9,8 @@
 Modules, in pipeline order: `sources` (what to read), `tokenizer` (byte or tokenizer.json),
 `dataset` (tokenise with datasets.map, cache the stream, cut windows), `sampler` (the seeded
 global sample stream and its dp split), `build` (one rank builds, the others wait), `check`
-(the no-tokenisation pre-submit check), `device_batches` (batches copied to the GPU a step ahead). Every user mistake raises `DataError`.
+(the no-tokenisation pre-submit check), `device_batches` (batches copied to the GPU a step ahead).
+Every user mistake raises `DataError`.
 """
 import importlib
 

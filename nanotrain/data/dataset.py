@@ -139,6 +139,16 @@ class TokenDataset:
                    path=path, from_cache=from_cache, meta=meta)
 
 
+def _write_token_chunks(fh, chunks, dtype, counts: dict) -> None:
+    """Stream Arrow list chunks of token ids into ``fh`` as raw ``dtype``; count docs and tokens."""
+    for chunk in chunks:
+        lengths = np.diff(np.asarray(chunk.offsets))
+        counts["docs"] += int(np.count_nonzero(lengths))
+        ids = chunk.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+        counts["tokens"] += int(ids.size)
+        fh.write(ids.tobytes())
+
+
 def _tokenise(source: Source, tokenizer: Tokenizer, data_args, path: str, key: str,
               cache_dir: str, max_documents: Optional[int]) -> None:
     """Tokenise with `datasets.map` (batched, `num_workers` processes), then stream the result
@@ -166,17 +176,9 @@ def _tokenise(source: Source, tokenizer: Tokenizer, data_args, path: str, key: s
             cache_file_name=os.path.join(scratch, "tokenised.arrow"), new_fingerprint=key,
             desc=f"tokenising {source.spec}")
         counts = {"tokens": 0, "docs": 0}
-
-        def write(fh):
-            for chunk in tokenised.data.column("input_ids").chunks:
-                lengths = np.diff(np.asarray(chunk.offsets))
-                counts["docs"] += int(np.count_nonzero(lengths))
-                ids = chunk.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
-                counts["tokens"] += int(ids.size)
-                fh.write(ids.tobytes())
-
-        _write_atomic(os.path.join(path, "tokens.bin"), write)
-        del tokenised
+        _write_atomic(os.path.join(path, "tokens.bin"),
+                      lambda fh: _write_token_chunks(fh, tokenised.data.column("input_ids").chunks, dtype, counts))
+        tokenised = None  # close its memory map before the scratch folder goes
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if counts["tokens"] == 0:

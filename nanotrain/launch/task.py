@@ -15,7 +15,6 @@ from nanotrain.launch.env import export_user_env, setup_distributed_env
 from nanotrain.launch.preemption import PreemptionHandler, request_requeue
 from nanotrain.launch.rundir import resolve_run, write_run_dir
 
-
 EXIT_STOPPED = 75  # EX_TEMPFAIL: preempted and saved, but not requeued; resume with --resume
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,11 +25,18 @@ from torch import nn
 from nanotrain.config import ModelArgs
 from nanotrain.parallel.context_parallel import SDPA_GQA, ContextParallel, sdpa
 from nanotrain.parallel.pipeline_parallel import MessageSpec, PipelineBlock, mark_tied_, place_blocks
-from nanotrain.parallel.tensor_parallel import (TensorParallelColumnLinear, TensorParallelEmbedding,
-                                                TensorParallelLinearMode, TensorParallelRowLinear,
-                                                column_linear, group_size, has_sequence_parallel_partial_grad,
-                                                init_from_full_, mark_sequence_parallel_partial_grad_,
-                                                sharded_cross_entropy)
+from nanotrain.parallel.tensor_parallel import (
+    TensorParallelColumnLinear,
+    TensorParallelEmbedding,
+    TensorParallelLinearMode,
+    TensorParallelRowLinear,
+    column_linear,
+    group_size,
+    has_sequence_parallel_partial_grad,
+    init_from_full_,
+    mark_sequence_parallel_partial_grad_,
+    sharded_cross_entropy,
+)
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -172,8 +180,9 @@ class LlamaModel(nn.Module):
         mode, cost = self.mode, block_costs(args)
         self.embed = PipelineBlock(lambda: TensorParallelEmbedding(args.vocab_size, args.hidden_size, tp_pg, mode),
                                    cost["embed"], attach="next")
-        self.layers = nn.ModuleDict({str(i): PipelineBlock(lambda: DecoderLayer(args, tp_pg, mode, async_communication, cp),
-                                                           cost["layer"]) for i in range(args.num_layers)})
+        self.layers = nn.ModuleDict({
+            str(i): PipelineBlock(lambda: DecoderLayer(args, tp_pg, mode, async_communication, cp), cost["layer"])
+            for i in range(args.num_layers)})
         # The whole head (norm, vocab projection, loss) is charged to final_norm, tied or not.
         self.final_norm = PipelineBlock(lambda: RMSNorm(args.hidden_size, args.rms_norm_eps), cost["head"],
                                         attach="prev")
@@ -283,7 +292,8 @@ class LlamaModel(nn.Module):
 
     def _full_seq_len(self, hidden: torch.Tensor) -> int:
         """The whole sequence's length from a hidden state holding this rank's tokens."""
-        local = hidden.shape[0] * (group_size(self.tp_pg) if self.mode is TensorParallelLinearMode.REDUCE_SCATTER else 1)
+        sequence_parallel = self.mode is TensorParallelLinearMode.REDUCE_SCATTER
+        local = hidden.shape[0] * (group_size(self.tp_pg) if sequence_parallel else 1)
         return local * self.cp.size
 
 

@@ -1,7 +1,11 @@
 """Optimizer (AdamW, ZeRO-0/1), LR schedule, global gradient clipping."""
 from nanotrain.optim.clip import clip_grad_norm_, global_grad_norm
-from nanotrain.optim.optimizer import (build_optimizer, load_optimizer_state_by_name,
-                                       optimizer_state_by_name, weight_decay_groups)
+from nanotrain.optim.optimizer import (
+                                       build_optimizer,
+                                       load_optimizer_state_by_name,
+                                       optimizer_state_by_name,
+                                       weight_decay_groups,
+)
 from nanotrain.optim.schedule import build_lr_scheduler, lr_at
 
 __all__ = [

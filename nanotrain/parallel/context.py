@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from nanotrain.parallel.grid import AXES, Coords, RankGrid
+from nanotrain.parallel.grid import Coords, RankGrid
 
 # Group attributes created on every ParallelContext, in creation order (which must be the same on
 # every rank, because torch matches new_group calls across ranks by their order).
@@ -241,8 +241,6 @@ class ParallelContext:
     @property
     def is_pipeline_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
-
-    parallel_order = AXES
 
     def __repr__(self) -> str:
         g = self.grid

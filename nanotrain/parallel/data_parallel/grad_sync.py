@@ -243,15 +243,7 @@ class BucketedGradSync:
             b.buffer.zero_()
         self._attach_views(copy_existing=False)
 
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
     # ------------------------------------------------------------------ introspection
-    def bucket_of(self, p: nn.Parameter) -> Bucket:
-        return self._bucket_of[id(p)]
-
     def grad_view(self, p: nn.Parameter) -> torch.Tensor:
         return self._view_of[id(p)]
 

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanotrain.parallel.collectives import all_gather_into
+
 
 def zero_partition(numels: Sequence[int], dp: int) -> list[list[tuple[int, int, int]]]:
     """For each dp rank, the pieces it owns: (param index, start, stop) in the flattened param.
@@ -158,8 +160,7 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         if self.dp_size == 1:
             return
         mine = self.flat[self.dp_rank * self.chunk:(self.dp_rank + 1) * self.chunk].clone()
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(self.flat, mine, group=self.dp_group)
+        all_gather_into(self.flat, mine, group=self.dp_group)
 
     def _rebind_if_replaced(self) -> None:
         for p, view in zip(self.params, self._flat_views):

@@ -14,11 +14,11 @@ from nanotrain.parallel.pipeline_parallel.engine import EngineStats, PipelineEng
 from nanotrain.parallel.pipeline_parallel.p2p import P2P, MessageSpec, TorchP2PTransport
 from nanotrain.parallel.pipeline_parallel.schedules import SCHEDULES, Action, theoretical_bubble
 from nanotrain.parallel.pipeline_parallel.tensor_pointer import TensorPointer
-from nanotrain.parallel.pipeline_parallel.tied import (allreduce_tied_grads_, is_tied, is_tied_replica,
-                                                       mark_tied_)
+from nanotrain.parallel.pipeline_parallel.tied import allreduce_tied_grads_, is_tied, is_tied_replica, mark_tied_
 
 __all__ = [
-    "TensorPointer", "P2P", "MessageSpec", "TorchP2PTransport", "PipelineBlock", "ModelChunk", "place_blocks", "balanced_split",
+    "TensorPointer", "P2P", "MessageSpec", "TorchP2PTransport",
+    "PipelineBlock", "ModelChunk", "place_blocks", "balanced_split",
     "PipelineEngine", "EngineStats", "schedule_actions", "SCHEDULES", "Action", "theoretical_bubble",
     "mark_tied_", "is_tied", "is_tied_replica", "allreduce_tied_grads_",
 ]

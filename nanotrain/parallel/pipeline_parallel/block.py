@@ -12,9 +12,10 @@ With v = 1 this is the plain split: stage r on rank r.
 
 Cost. Every block carries a cost (forward FLOPs per token is what ``LlamaModel`` uses); the
 partition minimises the cost of the most expensive stage, exactly (dynamic programming over the
-contiguous splits), and among those takes the most even split. A block declared with ``attach="next"`` / ``"prev"`` (an embedding, a final norm,
-an LM head) is never alone in a stage: it is glued to its neighbour, and its cost is counted in
-that neighbour's stage, so e.g. a large LM head pushes layers off the last stage.
+contiguous splits), and among those takes the most even split. A block declared with
+``attach="next"`` / ``"prev"`` (an embedding, a final norm, an LM head) is never alone in a
+stage: it is glued to its neighbour, and its cost is counted in that neighbour's stage, so e.g.
+a large LM head pushes layers off the last stage.
 
 Names. A built block adopts the parameters and submodules of the module it stands for, so a
 parameter has the same name on any stage and at any pp as in the single-process model

@@ -30,8 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from nanotrain.parallel.pipeline_parallel.p2p import (ACTIVATION, GRADIENT, P2P, MessageSpec, Recv, Send,
-                                                     check_message)
+from nanotrain.parallel.pipeline_parallel.p2p import ACTIVATION, GRADIENT, P2P, MessageSpec, Recv, Send, check_message
 from nanotrain.parallel.pipeline_parallel.schedules import Action, get_schedule
 from nanotrain.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 from nanotrain.parallel.timing import IntervalTimer

@@ -16,6 +16,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from nanotrain.parallel.collectives import allreduce_flat_
+
 _TIED = "_nanotrain_tied"  # on both copies: the name of the tied parameter
 _REPLICA = "_nanotrain_tied_replica"  # on the copy that is not the original
 
@@ -44,9 +46,4 @@ def allreduce_tied_grads_(params: Iterable[torch.Tensor], group) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+    allreduce_flat_([p.grad for p in params], group)

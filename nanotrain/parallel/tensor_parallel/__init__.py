@@ -7,13 +7,24 @@ initialiser that makes every tp size start from the same weights.
 """
 from nanotrain.parallel.tensor_parallel.cross_entropy import sharded_cross_entropy
 from nanotrain.parallel.tensor_parallel.functional import (
-    TensorParallelLinearMode, as_mode, column_linear, copy_to_tp, gather_along_dim0, group_rank,
-    group_size, reduce_from_tp, reduce_scatter_along_dim0, row_linear,
+    TensorParallelLinearMode,
+    as_mode,
+    column_linear,
+    copy_to_tp,
+    gather_along_dim0,
+    group_rank,
+    group_size,
+    reduce_from_tp,
+    reduce_scatter_along_dim0,
+    row_linear,
 )
-from nanotrain.parallel.tensor_parallel.init import init_from_full_, normal_init_
+from nanotrain.parallel.tensor_parallel.init import init_from_full_
 from nanotrain.parallel.tensor_parallel.layers import (
-    TensorParallelColumnLinear, TensorParallelEmbedding, TensorParallelRowLinear,
-    allreduce_sequence_parallel_grads_, has_sequence_parallel_partial_grad,
+    TensorParallelColumnLinear,
+    TensorParallelEmbedding,
+    TensorParallelRowLinear,
+    allreduce_sequence_parallel_grads_,
+    has_sequence_parallel_partial_grad,
     mark_sequence_parallel_partial_grad_,
 )
 
@@ -23,5 +34,5 @@ __all__ = [
     "column_linear", "row_linear", "sharded_cross_entropy",
     "TensorParallelColumnLinear", "TensorParallelRowLinear", "TensorParallelEmbedding",
     "mark_sequence_parallel_partial_grad_", "has_sequence_parallel_partial_grad",
-    "allreduce_sequence_parallel_grads_", "init_from_full_", "normal_init_",
+    "allreduce_sequence_parallel_grads_", "init_from_full_",
 ]

@@ -66,7 +66,8 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         if grad is None:
             return None, None, None, None, None
         grad.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
-        scale = torch.where(ignored, torch.zeros_like(grad_loss), grad_loss).to(torch.promote_types(grad_loss.dtype, torch.float32))
+        scale = torch.where(ignored, torch.zeros_like(grad_loss), grad_loss)
+        scale = scale.to(torch.promote_types(grad_loss.dtype, torch.float32))
         grad.mul_(scale.unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None, None, None
 

@@ -37,17 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-
-
-def _all_gather_fn(*args, **kwargs):
-    """torch 2.13 deprecates all_gather_into_tensor (a FutureWarning on every call) in favour of
-    all_gather_single, which older torch lacks: take whichever exists, looked up per call so that
-    a wrapper around torch.distributed (the tests' device contract) sees every collective."""
-    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
-
-
-def _reduce_scatter_fn(*args, **kwargs):
-    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+from nanotrain.parallel.collectives import all_gather_into, reduce_scatter_into
 
 
 # ----------------------------------------------------------------------------- autocast
@@ -109,7 +99,7 @@ def _all_gather_dim0(x: torch.Tensor, group, async_op: bool = False):
     """[s, ...] on each rank -> [s * tp, ...] in rank order; returns (output, work or None)."""
     x = x.contiguous()
     out = torch.empty((x.shape[0] * group_size(group), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = _all_gather_fn(out, x, group=group, async_op=async_op)
+    work = all_gather_into(out, x, group=group, async_op=async_op)
     return out, work
 
 
@@ -119,7 +109,7 @@ def _reduce_scatter_dim0(x: torch.Tensor, group, async_op: bool = False):
     _check_seq(x, tp, "reduce-scatter")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // tp, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = _reduce_scatter_fn(out, x, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    work = reduce_scatter_into(out, x, group=group, async_op=async_op)
     return out, work
 
 

@@ -32,7 +32,3 @@ def init_from_full_(param: torch.Tensor, fill_fn: Callable[[torch.Tensor], objec
         param.zero_()
         copy_from_full_(param, full.to(device=param.device, dtype=param.dtype))
 
-
-def normal_init_(param: torch.Tensor, std: float, generator: torch.Generator) -> None:
-    """N(0, std^2) over the full tensor (the usual Llama init), sharded."""
-    init_from_full_(param, lambda t: t.normal_(0.0, std, generator=generator))

@@ -16,14 +16,21 @@ from __future__ import annotations
 from typing import Iterable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanotrain.parallel.collectives import allreduce_flat_
 from nanotrain.parallel.sharding import replicated_info, row_shard_info, set_shard_info
 from nanotrain.parallel.tensor_parallel.functional import (
-    TensorParallelLinearMode, as_mode, column_linear, group_rank, group_size, reduce_from_tp,
-    reduce_scatter_along_dim0, row_linear, to_compute_dtype,
+    TensorParallelLinearMode,
+    as_mode,
+    column_linear,
+    group_rank,
+    group_size,
+    reduce_from_tp,
+    reduce_scatter_along_dim0,
+    row_linear,
+    to_compute_dtype,
 )
 
 _SP_PARTIAL = "_nanotrain_sequence_parallel_partial_grad"
@@ -55,14 +62,8 @@ def allreduce_sequence_parallel_grads_(params: Iterable[torch.Tensor], group) ->
     Call after the backward of the last micro-batch, before clipping and the optimizer step.
     """
     grads = [p.grad for p in params if has_sequence_parallel_partial_grad(p) and p.grad is not None]
-    if not grads or group_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    if group_size(group) > 1:
+        allreduce_flat_(grads, group)
 
 
 # ----------------------------------------------------------------------------- linears
