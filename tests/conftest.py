@@ -6,6 +6,8 @@ import subprocess
 
 import pytest
 
+from helpers.runs import SharedRuns
+
 
 def _unavailable(reason: str) -> None:
     """Fail under CI, skip elsewhere.
@@ -47,3 +49,9 @@ def slurm_cluster() -> list[str]:
     if not nodes:
         _unavailable(f"no usable node in partition debug: {res.stdout.strip()!r}")
     return nodes
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory):
+    """Reference runs of the tiny config made once per session (``helpers.runs.SharedRuns``)."""
+    return SharedRuns(tmp_path_factory.mktemp("shared-runs"))

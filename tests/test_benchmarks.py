@@ -13,7 +13,8 @@ FIELDS = {"name", "ours", "native", "unit", "ratio", "target", "same_loss"}
 
 
 def test_vs_native_quick_rows(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vs_native.py"), "--only", "tp2_ar", "pp2_1f1b", "--reps", "1", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vs_native.py"), "--only", "tp2_ar", "pp2_1f1b",
+                           "--reps", "1", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "latest.json").read_text())

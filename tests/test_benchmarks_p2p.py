@@ -5,7 +5,8 @@ every tensor arrives intact, and the steady state really sends one message per t
 from __future__ import annotations
 
 import torch
-from dist_utils import run_distributed
+
+from helpers.dist import run_distributed
 
 
 def _stream(step: int, i: int, src: int) -> torch.Tensor:

@@ -6,7 +6,7 @@
   layout, and every activation that crosses the wire (tp linears and embedding, cp key/value
   gathers, pipeline messages) is bf16 — half the bytes of fp32.
 * Every tensor handed to torch.distributed in those runs is on the rank's device, contiguous and
-  of an NCCL dtype, and no object collective is used (``collective_contract.py``).
+  of an NCCL dtype, and no object collective is used (``helpers/contract.py``).
 * The model refuses inputs on another device with one clear error, and the trainer's
   ``BatchPrefetcher`` moves batches to a non-CPU device (``meta`` stands in for CUDA here).
 """
@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from collective_contract import install
-from dist_utils import run_distributed
 
 from nanotrain.config import ModelArgs
 from nanotrain.models.llama import LlamaModel
+
+from helpers.contract import install
+from helpers.dist import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4

@@ -33,13 +33,14 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_distributed
-from test_training_dp_tp import GLOBAL_BATCH, MICRO_BATCH, MODEL, OPTIM, global_batch
 
 from nanotrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from nanotrain.checkpoint.reshard import read_full_state
 from nanotrain.config import Config, ParallelismArgs
 from nanotrain.parallel.sharding import gather_full, get_shard_info
+
+from helpers.dist import run_distributed
+from helpers.models import GLOBAL_BATCH, MICRO_BATCH, MODEL, OPTIM, global_batch
 
 N, M = 3, 3  # steps before the checkpoint, steps after it
 TOTAL = N + M

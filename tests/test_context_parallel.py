@@ -8,11 +8,12 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_distributed
-from test_llama_tp import full_grad
 
 from nanotrain.config import ModelArgs
 from nanotrain.parallel.context_parallel import cp_positions
+
+from helpers.dist import run_distributed
+from helpers.models import full_grad
 
 ARGS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=8,
             num_key_value_heads=4, max_position_embeddings=64, dtype="float32", init_std=0.02)

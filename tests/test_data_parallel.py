@@ -8,13 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-try:
-    from tests.dist_utils import run_distributed
-except ImportError:  # tests/ itself on sys.path
-    from dist_utils import run_distributed
-
 from nanotrain.config.schema import OptimizerArgs
 from nanotrain.parallel.data_parallel import BucketedGradSync, zero_partition
+
+from helpers.dist import run_distributed
 
 TINY_CAP_MB = 0.002  # ~2 KB: one bucket per parameter or two; forces many buckets
 BIG_CAP_MB = 25.0    # the default: one bucket for the whole model

@@ -12,11 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_utils import submitted_job_id, wait_for_job, wait_until
-from test_resume_local import TINY, cli, tb_losses
 
 from nanotrain.checkpoint import read_latest
 from nanotrain.checkpoint.format import verify_checkpoint
+
+from helpers.runs import TINY, cli, tb_losses
+from helpers.slurm import submitted_job_id, wait_for_job, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,10 +8,12 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_distributed
 
 from nanotrain.config import ModelArgs
 from nanotrain.parallel.sharding import get_shard_info
+
+from helpers.dist import run_distributed
+from helpers.models import full_grad
 
 ARGS = dict(vocab_size=258, hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=8,
             num_key_value_heads=8, max_position_embeddings=64, dtype="float32", init_std=0.02)
@@ -19,16 +21,6 @@ SEQ, BATCH = 16, 2
 CASES = [(mode, async_comm, tied, kv)
          for mode in ("ALL_REDUCE", "REDUCE_SCATTER") for async_comm in (False, True)
          for tied in (False, True) for kv in (8, 4)]
-
-
-def full_grad(param: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:
-    info = get_shard_info(param)
-    full = torch.zeros(info.global_shape)
-    for local, global_ in info.pairs:
-        full[global_] = param.grad[local]
-    if info.is_sharded or sequence_parallel:  # disjoint pieces, or partial sums over sequence shards
-        dist.all_reduce(full, group=tp_group)
-    return full
 
 
 def full_logits(logits: torch.Tensor, tp_group, vocab: int) -> torch.Tensor:

@@ -6,11 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-try:
-    from tests.dist_utils import run_distributed
-except ImportError:  # tests/ itself on sys.path
-    from dist_utils import run_distributed
-
 from nanotrain.config.schema import OptimizerArgs
 from nanotrain.optim import (
     build_lr_scheduler,
@@ -21,6 +16,8 @@ from nanotrain.optim import (
     optimizer_state_by_name,
 )
 from nanotrain.parallel.data_parallel import ZeroOneOptimizer
+
+from helpers.dist import run_distributed
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -70,7 +67,8 @@ def test_scheduler_state_dict_is_plain_and_resumes():
     sched2 = build_lr_scheduler(opt2, args, 20)
     sched2.load_state_dict(sd)
     for _ in range(5):
-        opt.step(); sched.step(); opt2.step(); sched2.step()
+        for o in (opt, sched, opt2, sched2):
+            o.step()
         assert opt.param_groups[0]["lr"] == opt2.param_groups[0]["lr"]
 
 

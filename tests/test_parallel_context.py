@@ -11,12 +11,9 @@ import time
 import numpy as np
 import pytest
 
-try:
-    from tests.dist_utils import run_distributed
-except ImportError:  # tests/ itself on sys.path (pytest rootdir-relative import)
-    from dist_utils import run_distributed
-
 from nanotrain.parallel.grid import RankGrid
+
+from helpers.dist import run_distributed
 
 GROUPS = ("world", "tp", "cp", "dp", "pp", "ep", "dp_cp", "mp")
 

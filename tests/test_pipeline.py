@@ -10,10 +10,11 @@ import functools
 
 import pytest
 import torch
-from dist_utils import run_distributed
 
 from nanotrain.config import ModelArgs
 from nanotrain.parallel.pipeline_parallel import TensorPointer, balanced_split, schedule_actions, theoretical_bubble
+
+from helpers.dist import run_distributed
 
 MODEL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=8, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=16, dtype="float32")

@@ -1,4 +1,4 @@
-"""The real PipelineEngine and P2P over a transport with NCCL's semantics (``nccl_sim.py``).
+"""The real PipelineEngine and P2P over a transport with NCCL's semantics (``helpers/nccl_sim.py``).
 
 Every engine (afab, 1f1b, interleaved_1f1b) at pp 2 and 4 with every m up to 8 must finish
 (a deadlock fails within seconds) and give the single-process loss and gradients; every matched
@@ -14,11 +14,12 @@ import functools
 
 import pytest
 import torch
-from nccl_sim import Deadlock, NcclSemanticsWorld, run_ranks
 
 from nanotrain.config import ModelArgs
 from nanotrain.models.llama import LlamaModel
 from nanotrain.parallel.pipeline_parallel import P2P, PipelineEngine
+
+from helpers.nccl_sim import Deadlock, NcclSemanticsWorld, run_ranks
 
 MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=8, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=16, dtype="float32")

@@ -1,12 +1,14 @@
 """Save at (dp2, tp2, pp2) through the CLI, resume at other topologies (pp4, ZeRO-1 over dp4, one
-process, context parallel): the losses continue within rel. 1e-5 of the run that was never interrupted. The data
-position is global consumed samples, so every layout reads the same next samples."""
+process, context parallel): the losses continue within rel. 1e-5 of the run that was never
+interrupted (both are the session's shared runs, ``helpers.runs``). The data position is global
+consumed samples, so every layout reads the same next samples."""
 from __future__ import annotations
 
 import subprocess
 
 import pytest
-from test_resume_local import STEPS, TINY, cli, overrides, run_until_preempted, tb_losses
+
+from helpers.runs import STEPS, cli, tb_losses
 
 # Every layout keeps the global batch: dp * batch_accumulation_per_replica * micro_batch = 16.
 RESUME_AT = {
@@ -21,14 +23,9 @@ RESUME_AT = {
 
 
 @pytest.mark.timeout(1200)
-def test_resume_at_other_topologies(tmp_path):
-    straight = subprocess.run(cli(str(TINY), "--local", *overrides(tmp_path, "straight", "2-2-2")),
-                              capture_output=True, text=True, timeout=400)
-    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-2000:]
-    expected = dict(tb_losses(tmp_path / "straight"))
-
-    saved = tmp_path / "saved"
-    stopped = run_until_preempted(tmp_path, "saved", "2-2-2")
+def test_resume_at_other_topologies(tmp_path, shared_runs):
+    expected = dict(tb_losses(shared_runs.straight("2-2-2")))
+    saved, stopped = shared_runs.preempted_copy("2-2-2", tmp_path / "saved")
 
     for name, layout in RESUME_AT.items():
         run_dir = tmp_path / name

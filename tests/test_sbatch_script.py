@@ -90,7 +90,7 @@ def test_env_values_are_quoted(tmp_path):
     layout = validate(config, slurm=True)
     run_dir = resolve_run(config, str(TINY))
     script = sbatch.render_sbatch(config, layout, run_dir, sbatch.submitit_command(run_dir))
-    line = next(l for l in script.splitlines() if l.startswith("export EVIL="))
+    line = next(text for text in script.splitlines() if text.startswith("export EVIL="))
     assert shlex.split(line) == ["export", "EVIL=$(touch /tmp/pwned); `id`"]
 
 

@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from slurm_utils import (
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from helpers.slurm import (
     TERMINAL,
     job_state,
     restart_count,
@@ -23,7 +25,6 @@ from slurm_utils import (
     wait_for_job,
     wait_until,
 )
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"

@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_utils import TERMINAL, job_state, submitted_job_id, wait_for_job
+
+from helpers.slurm import TERMINAL, job_state, submitted_job_id, wait_for_job
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"

@@ -8,11 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_utils import wait_for_job
 
 from nanotrain.launch.cli import main
 from nanotrain.launch.rundir import write_launch_record
 from nanotrain.logging.metrics import write_json_atomic
+
+from helpers.slurm import wait_for_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +33,7 @@ def test_local_run_with_progress(tmp_path, capsys):
     assert code == 0 and err == ""
     assert f"run: {tmp_path.resolve()}" in out
     assert "mode: local" in out
-    line = next(l for l in out.splitlines() if l.startswith("progress:"))
+    line = next(text for text in out.splitlines() if text.startswith("progress:"))
     assert "step 120/2000 (6.0%)" in line and "loss 2.3457" in line and "tokens/s 12,346" in line
     assert "ETA 0:12:3" in line  # 754 s less the second or so since it was written
 
@@ -103,7 +104,7 @@ def sbatch(*args: str) -> str:
 
 
 def field(out: str, name: str) -> str:
-    return next(l.split(": ", 1)[1] for l in out.splitlines() if l.startswith(f"{name}: "))
+    return next(text.split(": ", 1)[1] for text in out.splitlines() if text.startswith(f"{name}: "))
 
 
 def poll_status(run_dir, capsys, accept, timeout: float) -> str:

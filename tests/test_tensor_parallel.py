@@ -22,11 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:
-    from tests.dist_utils import run_distributed
-except ImportError:  # tests/ itself on sys.path
-    from dist_utils import run_distributed
-
 from nanotrain.parallel.sharding import copy_from_full_, get_shard_info, row_shard_info, scatter_to_full
 from nanotrain.parallel.tensor_parallel import (
     TensorParallelColumnLinear,
@@ -38,6 +33,8 @@ from nanotrain.parallel.tensor_parallel import (
     init_from_full_,
     sharded_cross_entropy,
 )
+
+from helpers.dist import run_distributed
 
 TOL = 1e-5
 S, B = 8, 2  # sequence-first activations [S, B, H]; S divisible by every tp

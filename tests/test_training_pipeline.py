@@ -12,9 +12,10 @@ import functools
 
 import pytest
 import torch
-from dist_utils import run_distributed
 
 from nanotrain.config import ModelArgs, OptimizerArgs
+
+from helpers.dist import run_distributed
 
 MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=64)

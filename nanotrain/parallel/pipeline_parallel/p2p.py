@@ -21,7 +21,7 @@ for interleaved 1f1b). Sends are never waited for before receives; the engine wa
 the end of the step (``wait_sends``).
 
 Transports. ``P2P`` speaks to a transport: ``TorchP2PTransport`` (torch.distributed over the pp
-group) in production, a simulated one in tests (``tests/nccl_sim.py``: NCCL's semantics on
+group) in production, a simulated one in tests (``tests/helpers/nccl_sim.py``: NCCL's semantics on
 threads, to prove no schedule deadlocks). gloo matches a receive to a send by (peer, tag), in
 any posting order, so on gloo the engine posts every receive of a step ahead (``expect``) and
 data moves while ranks compute. NCCL ignores tags and matches in posting order per pair, and a

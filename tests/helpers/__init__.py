@@ -1,0 +1,9 @@
+"""Test helpers, in one package (test modules import from here, never from each other).
+
+* ``dist`` — ``run_distributed``: a function in N gloo processes, hard timeout, no orphans;
+* ``slurm`` — job ids, states and waits against the real local SLURM cluster;
+* ``nccl_sim`` — a P2P transport with NCCL's semantics on threads (pipeline deadlock proofs);
+* ``contract`` — the device contract of every tensor handed to torch.distributed;
+* ``models`` — the tiny models, batches and gradient gathering the parallel tests share;
+* ``runs`` — CLI runs of the tiny config, and the reference runs shared by several test files.
+"""
