@@ -9,7 +9,8 @@
 * ``tied`` — parameters shared by the first and last stage (tied embeddings);
 * ``build_pipeline_model`` / ``build_engine`` / ``train_step`` — the config-driven entry points.
 """
-from nanotrain.parallel.pipeline_parallel.block import ModelChunk, PipelineBlock, balanced_split, place_blocks
+from nanotrain.parallel.pipeline_parallel.block import ModelChunk, PipelineBlock, place_blocks
+from nanotrain.parallel.stage_split import balanced_split  # pure arithmetic, kept importable here
 from nanotrain.parallel.pipeline_parallel.engine import EngineStats, PipelineEngine, schedule_actions
 from nanotrain.parallel.pipeline_parallel.p2p import P2P, MessageSpec, TorchP2PTransport
 from nanotrain.parallel.pipeline_parallel.schedules import SCHEDULES, Action, theoretical_bubble

@@ -16,19 +16,10 @@ from nanotrain.parallel.pipeline_parallel.engine import MicroBatch, PipelineEngi
 
 def build_pipeline_model(config, pc, device=None):
     """This rank's ``LlamaModel``: its pp stage(s) (``pp_virtual_stages`` chunks), its tp shards."""
-    from nanotrain.models.llama import LlamaModel  # the model imports this package
+    from nanotrain.models import llama_arch  # the model imports this package
+    from nanotrain.models.llama import LlamaModel
 
-    import torch
-
-    p = config.parallelism
-    # model.dtype is the compute dtype (autocast) on every device; weights, gradients and
-    # optimizer states stay fp32. CPU autocast runs bf16 too (slower on most CPUs than fp32,
-    # but it is how the GPU precision path is tested here).
-    compute_dtype = getattr(torch, config.model.dtype)
-    return LlamaModel(config.model, pc.tp_pg, mode=p.tp_mode, async_communication=p.tp_linear_async_communication,
-                      pp_rank=pc.pp_rank, pp_size=pc.pp_size, virtual_stages=p.pp_virtual_stages,
-                      seed=config.training.seed, device=device, compute_dtype=compute_dtype,
-                      cp_pg=pc.cp_pg)
+    return LlamaModel(**llama_arch.model_kwargs(config, pc), device=device)
 
 
 def build_engine(config, pc) -> Optional[PipelineEngine]:
