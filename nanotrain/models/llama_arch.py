@@ -85,8 +85,7 @@ def block_costs(args: ModelArgs) -> dict[str, int]:
     stage split: a decoder layer's projections and attention (full-length sequences assumed),
     the LM head's vocab projection, the embedding's lookup (a copy of H values)."""
     h = args.hidden_size
-    q, kv = h, kv_heads(args) * head_dim(args)
-    layer = 2 * (h * (q + 2 * kv) + q * h + 3 * h * args.intermediate_size) + 4 * args.max_position_embeddings * q
+    layer = 2 * layer_matmul_parameters(args) + 4 * args.max_position_embeddings * h
     return {"embed": h, "layer": layer, "head": 2 * h * args.vocab_size}
 
 
@@ -122,6 +121,11 @@ def rank_blocks(args: ModelArgs, pp: int = 1, pp_rank: int = 0, virtual_stages: 
 
 
 # ----------------------------------------------------------------------------- parameters
+def layer_matmul_parameters(args: ModelArgs) -> int:
+    """Weights of one unsharded decoder layer that multiply every token: qkv, o_proj, gate/up/down."""
+    return layer_parameters(args) - 2 * args.hidden_size
+
+
 def layer_parameters(args: ModelArgs, tp: int = 1) -> int:
     """One decoder layer on one tp rank: fused qkv and gate/up (column), o_proj and down (row),
     each 1/tp; the two RMSNorm weights replicated."""
@@ -179,7 +183,7 @@ def parameter_count(args: ModelArgs) -> ParamCount:
     """The unsharded model (tp = pp = 1), from the same per-block counts as every stage."""
     norms = 2 * args.hidden_size
     embedding = block_parameters(args, "embed")
-    return ParamCount(embedding=embedding, per_layer_matmul=layer_parameters(args) - norms,
+    return ParamCount(embedding=embedding, per_layer_matmul=layer_matmul_parameters(args),
                       per_layer_norm=norms, num_layers=args.num_layers,
                       final_norm=block_parameters(args, "final_norm"),
                       lm_head=0 if args.tie_word_embeddings else block_parameters(args, "lm_head"))
