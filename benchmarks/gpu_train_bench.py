@@ -66,8 +66,9 @@ def main() -> int:
     import torch
 
     from nanotrain.config import OptimizerArgs
-    from nanotrain.logging.flops import parameter_count, peak_bf16_tflops, training_flops_per_token
+    from nanotrain.logging.flops import peak_bf16_tflops
     from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_arch import parameter_count, training_flops_per_token
     from nanotrain.optim import build_lr_scheduler, build_optimizer
     from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.data_parallel import BucketedGradSync

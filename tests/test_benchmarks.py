@@ -62,3 +62,14 @@ def test_context_parallel_benchmark_runs_and_agrees(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]  # exit 1 when a loss differs
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 128 |")]
     assert len(rows) == 3 and all(row.rstrip().endswith("| yes |") for row in rows), proc.stdout
+
+
+def test_checkpoint_granularity_benchmark_runs(tmp_path):
+    """benchmarks/checkpoint_granularity.py (the measurement behind one checkpoint file per rank):
+    its ranks start, save, load and report, and the one-process resharding load agrees on size."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "checkpoint_granularity.py"), "--model", "tiny",
+                           "--dp", "1", "--tp", "2", "--repeats", "1", "--dir", str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["params"] == 279_104 and result["tp"] == 2 and result["files"] > 0 and result["save_s"] > 0

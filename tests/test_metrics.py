@@ -18,15 +18,8 @@ import urllib.request
 import pytest
 
 from nanotrain.config import ModelArgs, load_config
-from nanotrain.logging import (
-    SCALAR_TAGS,
-    MetricsLogger,
-    attention_flops_per_token,
-    metrics_logger_for,
-    parameter_count,
-    peak_bf16_tflops,
-    training_flops_per_token,
-)
+from nanotrain.logging import SCALAR_TAGS, MetricsLogger, metrics_logger_for, peak_bf16_tflops
+from nanotrain.models.llama_arch import attention_flops_per_token, parameter_count, training_flops_per_token
 
 TOKENS_PER_STEP = 4 * 2 * 3 * 64      # dp 4 x micro-batch 2 x accumulation 3 x seq 64
 FLOPS_PER_TOKEN = 3.0e9

@@ -99,7 +99,7 @@ def test_balanced_split_counts_head_and_embedding():
 
 
 def test_llama_stage_split_balances_lm_head():
-    from nanotrain.models.llama import block_costs
+    from nanotrain.models.llama_arch import block_costs
     from nanotrain.parallel.pipeline_parallel import PipelineBlock, place_blocks
 
     # A vocabulary large enough that the head costs about two layers: the last stage gets fewer layers.

@@ -44,7 +44,7 @@ lowest global rank holding them. Nothing is unpickled anywhere: safetensors and 
 collectives carry JSON (``comm.py``).
 
 File granularity: one file per rank and kind, not one per parameter. Measured on this 2-core CPU
-machine (``python -m nanotrain.checkpoint.bench --model {tiny,100m} --granularity {rank,param}``,
+machine (``benchmarks/checkpoint_granularity.py --model {tiny,100m} --granularity {rank,param}``,
 dp2 x tp2 ZeRO-1, medians of 5, a machine shared with other jobs so +-50 %):
 
     model                  files   MB      save s   load s   1-process resharding load s

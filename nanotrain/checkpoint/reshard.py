@@ -19,6 +19,7 @@ import hashlib
 import logging
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +29,9 @@ from nanotrain.checkpoint import shard_files
 from nanotrain.checkpoint.format import CheckpointError
 from nanotrain.checkpoint.items import named_params
 from nanotrain.checkpoint.load import _Reader, assemble_full, assemble_optimizer_full, cut_local
+from nanotrain.config import Config
+from nanotrain.models import llama_arch
+from nanotrain.models.llama import LlamaModel
 from nanotrain.parallel.sharding import ShardInfo, get_shard_info
 
 log = logging.getLogger("nanotrain.checkpoint")
@@ -46,22 +50,28 @@ class _StandInGroup:
         return self._rank
 
 
-def skeleton_model(model_cfg: dict, parallel_cfg: dict, tp_rank: int, pp_rank: int):
+@dataclass(frozen=True)
+class _StandInContext:
+    """What ``llama_arch.model_kwargs`` reads of a ParallelContext, for one (tp, pp) rank of a
+    topology that has no processes (offline resharding supports cp = 1 only)."""
+
+    tp_pg: _StandInGroup
+    pp_rank: int
+    pp_size: int
+    cp_pg: None = None
+
+
+class _Skeleton(LlamaModel):
+    def init_weights(self, seed: int) -> None:  # no values needed, and meta has none
+        pass
+
+
+def skeleton_model(config: Config, tp_rank: int, pp_rank: int) -> LlamaModel:
     """The model of one (tp, pp) rank with the right names, shapes and ShardInfo, no storage."""
-    from nanotrain.config import ModelArgs
-    from nanotrain.models.llama import LlamaModel
-
-    class Skeleton(LlamaModel):
-        def init_weights(self, seed: int) -> None:  # no values needed, and meta has none
-            pass
-
-    args = ModelArgs(**model_cfg)
-    tp, pp = parallel_cfg.get("tp", 1), parallel_cfg.get("pp", 1)
-    kwargs = {"mode": parallel_cfg.get("tp_mode") or "ALL_REDUCE"}
-    if pp > 1:
-        kwargs.update(pp_rank=pp_rank, pp_size=pp, virtual_stages=parallel_cfg.get("pp_virtual_stages") or 1)
+    p = config.parallelism
+    pc = _StandInContext(_StandInGroup(p.tp, tp_rank), pp_rank, p.pp)
     with torch.device("meta"):
-        return Skeleton(args, _StandInGroup(tp, tp_rank), **kwargs)
+        return _Skeleton(**llama_arch.model_kwargs(config, pc))
 
 
 def _cut(full: torch.Tensor, info: ShardInfo, local_shape: tuple[int, ...]) -> torch.Tensor:
@@ -120,7 +130,8 @@ def reshard_offline(src: str | Path, dst_root: str | Path, overrides: list[str] 
     raw = {k: v for k, v in meta["config"].items()}
     for assignment in overrides:
         apply_override(raw, assignment)
-    cfg = config_to_dict(config_from_dict(raw))
+    config = config_from_dict(raw)
+    cfg = config_to_dict(config)
     par, zero = cfg["parallelism"], cfg["optimizer"]["zero_stage"]
     tp, pp, dp = par["tp"], par["pp"], par["dp"]
     if par["cp"] != 1 or par["ep"] != 1:
@@ -139,7 +150,7 @@ def reshard_offline(src: str | Path, dst_root: str | Path, overrides: list[str] 
     files, model_index, opt_index = {}, {}, {}
     seen: set[str] = set()  # records already written by a lower rank (replicas)
     for pp_rank in range(pp):  # global rank order: pp, then dp, then tp (tp fastest)
-        stages = [skeleton_model(cfg["model"], par, t, pp_rank) for t in range(tp)]
+        stages = [skeleton_model(config, t, pp_rank) for t in range(tp)]
         for tp_rank, skel in enumerate(stages):
             items = []
             for pname, (p, *_) in named_params(skel).items():

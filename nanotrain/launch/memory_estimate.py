@@ -6,12 +6,10 @@ LM head and its logits (last stage).
 - weights: fp32 master copy (bf16 compute copies are transient under autocast);
 - gradients: fp32 (accumulated in fp32 across micro-batches);
 - optimizer: AdamW exp_avg + exp_avg_sq in fp32, divided by dp*cp under ZeRO-1;
-- activations: Megatron's per-layer count (Korthikanti et al. 2022, "Reducing Activation
-  Recomputation"), s*b*h*(10 + 24/t) bytes with TP, s*b*h*34/t with sequence parallelism,
-  at 2 bytes per value, attention scores not stored (flash/SDPA), times the micro-batches a stage
-  holds at once: all m for afab, pp for 1f1b (first stage), pp*(1 + (pp-1)/(pp*v)) interleaved.
-  Under context parallelism s is this rank's s/cp tokens, plus the whole sequence's keys and
-  values that attention gathers and saves (2*s*b*kv_dim/t values per layer).
+- activations: Megatron's per-layer count (``llama_arch.activation_bytes_per_layer``: s*b*h*(10 + 24/t)
+  values with TP, s*b*h*34/t with sequence parallelism, 2 bytes each; context parallelism adds the
+  gathered keys and values), times the micro-batches a stage holds at once: all m for afab, pp for
+  1f1b (first stage), pp*(1 + (pp-1)/(pp*v)) interleaved; plus the fp32 logits and their gradient.
 It ignores allocator fragmentation, communication buffers and the CUDA context (~1-3 GB).
 """
 from __future__ import annotations
@@ -19,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanotrain.config import Config
+from nanotrain.models import llama_arch
 
 GB = 1024**3
 
@@ -37,22 +36,18 @@ class MemoryEstimate:
         return self.weights + self.grads + self.optimizer + self.activations
 
 
-def stage_parameters(config: Config) -> tuple[float, int]:
-    """Parameters held by the busiest tp rank of the busiest stage, and that stage's layer count."""
+def stage_parameters(config: Config) -> tuple[int, int]:
+    """Parameters held by one tp rank of the busiest stage, and that stage's layer count.
+
+    The stage assumed busiest is the last one given the most layers any stage could hold
+    (ceil(L/pp)), plus its final norm and LM head — its own matrix, or (pp > 1, tied) the
+    embedding's replica — and the embedding itself when pp = 1. Counts per block: llama_arch."""
     m, p = config.model, config.parallelism
-    tp, h = p.tp, m.hidden_size
-    kv = m.num_key_value_heads or m.num_attention_heads
-    head_dim = h // m.num_attention_heads
-    per_layer = (h * (m.num_attention_heads + 2 * kv) * head_dim / tp  # fused qkv
-                 + m.num_attention_heads * head_dim * h / tp  # o_proj
-                 + 3 * h * m.intermediate_size / tp  # gate, up, down
-                 + 2 * h)  # norms (replicated)
-    embedding = -(-m.vocab_size // tp) * h  # vocab-parallel rows (padded) of one tp rank
     layers = -(-m.num_layers // p.pp)
-    # The last stage holds the head: its own matrix, or (pp > 1, tied) a copy of the embedding.
-    head = 0 if (m.tie_word_embeddings and p.pp == 1) else embedding
-    last_stage = layers * per_layer + h + head + (embedding if p.pp == 1 else 0)
-    return last_stage, layers
+    names = [f"layers.{i}" for i in range(m.num_layers - layers, m.num_layers)] + ["final_norm"]
+    names += ["embed"] if (m.tie_word_embeddings or p.pp == 1) else []
+    names += [] if m.tie_word_embeddings else ["lm_head"]
+    return sum(llama_arch.block_parameters(m, name, p.tp) for name in names), layers
 
 
 def micro_batches_in_flight(config: Config) -> float:
@@ -71,14 +66,11 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     params, layers = stage_parameters(config)
     weights = grads = 4 * params
     optimizer = 8 * params / (p.dp * p.cp if config.optimizer.zero_stage == 1 else 1)
-    s, b, h, tp = t.sequence_length // p.cp, t.micro_batch_size, mdl.hidden_size, p.tp
-    per_layer_values = s * b * h * (34 / tp if p.tp_mode == "REDUCE_SCATTER" else 10 + 24 / tp)
-    if p.cp > 1:
-        kv_dim = (mdl.num_key_value_heads or mdl.num_attention_heads) * (h // mdl.num_attention_heads)
-        per_layer_values += 2 * t.sequence_length * b * kv_dim / tp
+    per_layer = llama_arch.activation_bytes_per_layer(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
+                                                      tp_mode=p.tp_mode, cp=p.cp)
     in_flight = micro_batches_in_flight(config)
-    activation_bytes = 2 * per_layer_values * layers * in_flight
-    logits = s * b * (-(-mdl.vocab_size // tp)) * 4 * 2  # fp32 logits and their gradient
+    activation_bytes = per_layer * layers * in_flight
+    logits = llama_arch.logits_bytes(mdl, t.sequence_length // p.cp, t.micro_batch_size, p.tp)
     return MemoryEstimate(weights / GB, grads / GB, optimizer / GB, (activation_bytes + logits) / GB,
                           in_flight, layers)
 

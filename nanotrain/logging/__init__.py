@@ -1,24 +1,18 @@
-"""Run metrics: model FLOPs and GPU peaks (`flops`), TensorBoard/console/progress.json (`metrics`).
+"""Run metrics: GPU peaks (`flops`), TensorBoard/console/progress.json (`metrics`); the model
+FLOPs behind MFU are `nanotrain.models.llama_arch`'s.
 
 Named `nanotrain.logging`, it shadows nothing: absolute imports (`import logging`) still get the
 standard library inside this package.
 """
-from nanotrain.logging.flops import (
-                                     ParamCount,
-                                     attention_flops_per_token,
-                                     parameter_count,
-                                     peak_bf16_tflops,
-                                     training_flops_per_token,
-)
+from nanotrain.logging.flops import peak_bf16_tflops
 from nanotrain.logging.metrics import (
-                                     PROGRESS_FILE,
-                                     SCALAR_TAGS,
-                                     TB_DIR,
-                                     MetricsLogger,
-                                     is_logging_rank,
-                                     metrics_logger_for,
+                                       PROGRESS_FILE,
+                                       SCALAR_TAGS,
+                                       TB_DIR,
+                                       MetricsLogger,
+                                       is_logging_rank,
+                                       metrics_logger_for,
 )
 
-__all__ = ["MetricsLogger", "ParamCount", "PROGRESS_FILE", "SCALAR_TAGS", "TB_DIR",
-           "attention_flops_per_token", "is_logging_rank", "metrics_logger_for", "parameter_count",
-           "peak_bf16_tflops", "training_flops_per_token"]
+__all__ = ["MetricsLogger", "PROGRESS_FILE", "SCALAR_TAGS", "TB_DIR", "is_logging_rank", "metrics_logger_for",
+           "peak_bf16_tflops"]

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from nanotrain.logging.flops import peak_bf16_tflops
+from nanotrain.models.llama_arch import training_flops_per_token
 
 PROGRESS_FILE = "progress.json"
 TB_DIR = "tb"
@@ -84,7 +85,7 @@ class MetricsLogger:
     enabled          True on exactly one rank: last pp stage, tp 0, dp 0 (cp 0, ep 0)
     total_steps      training.train_steps (for the progress bar and the ETA)
     tokens_per_step  global tokens per optimizer step: dp * micro_batch * accumulation * seq_len
-    flops_per_token  `flops.training_flops_per_token(model_args, seq_len)`
+    flops_per_token  `llama_arch.training_flops_per_token(model_args, seq_len)`
     device           torch device of this rank: selects CUDA memory stats and the GPU's name
     world_size       GPUs (processes) sharing the work: tflops_per_gpu divides by it
     device_name      overrides the detected GPU name for the MFU peak (tests; unusual GPUs)
@@ -265,8 +266,6 @@ def metrics_logger_for(config, run_dir, parallel_context=None, *, device=None,
 
     `parallel_context=None` means a single process (always the logging rank)."""
     import dataclasses
-
-    from nanotrain.logging.flops import training_flops_per_token
 
     t, p = config.training, config.parallelism
     enabled = True if parallel_context is None else is_logging_rank(parallel_context)

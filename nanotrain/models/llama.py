@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanotrain.config import ModelArgs
+from nanotrain.models import llama_arch
 from nanotrain.parallel.context_parallel import SDPA_GQA, ContextParallel, sdpa
 from nanotrain.parallel.pipeline_parallel import MessageSpec, PipelineBlock, mark_tied_, place_blocks
 from nanotrain.parallel.tensor_parallel import (
@@ -168,28 +169,30 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, tp_pg, *, mode: str | TensorParallelLinearMode = "ALL_REDUCE",
                  async_communication: bool = False, pp_rank: int = 0, pp_size: int = 1,
                  virtual_stages: int = 1, seed: int = 0, device=None,
-                 compute_dtype: torch.dtype | None = None, cp_pg=None):
+                 compute_dtype: torch.dtype | str | None = None, cp_pg=None):
         super().__init__()
         self.args, self.tp_pg = args, tp_pg
         self.cp = cp = ContextParallel(cp_pg)
         # bf16 on GPU: the forward runs under autocast; weights, grads and optimizer stay fp32.
-        self.compute_dtype = compute_dtype
+        # A name ("bfloat16", config.model.dtype) is accepted so that llama_arch.model_kwargs,
+        # which the torch-free planner imports, can pass the config's value as it is.
+        self.compute_dtype = getattr(torch, compute_dtype) if isinstance(compute_dtype, str) else compute_dtype
         self.mode = TensorParallelLinearMode(mode)
         self.async_communication = async_communication
         self.head_dim = args.hidden_size // args.num_attention_heads
-        mode, cost = self.mode, block_costs(args)
-        self.embed = PipelineBlock(lambda: TensorParallelEmbedding(args.vocab_size, args.hidden_size, tp_pg, mode),
-                                   cost["embed"], attach="next")
-        self.layers = nn.ModuleDict({
-            str(i): PipelineBlock(lambda: DecoderLayer(args, tp_pg, mode, async_communication, cp), cost["layer"])
-            for i in range(args.num_layers)})
-        # The whole head (norm, vocab projection, loss) is charged to final_norm, tied or not.
-        self.final_norm = PipelineBlock(lambda: RMSNorm(args.hidden_size, args.rms_norm_eps), cost["head"],
-                                        attach="prev")
-        self.lm_head = None if args.tie_word_embeddings else PipelineBlock(
-            lambda: TensorParallelColumnLinear(args.hidden_size, args.vocab_size, tp_pg, mode,
-                                               async_communication=async_communication, pad_to_tp=True),
-            0, attach="prev")
+        mode = self.mode
+        # Costs and attachments come from llama_arch, whose parameter counts follow the same split.
+        spec = {b.name: b for b in llama_arch.pipeline_blocks(args)}
+        self.embed = _declare(spec["embed"], lambda: TensorParallelEmbedding(args.vocab_size, args.hidden_size,
+                                                                             tp_pg, mode))
+        self.layers = nn.ModuleDict({str(i): _declare(spec[f"layers.{i}"],
+                                                      lambda: DecoderLayer(args, tp_pg, mode, async_communication, cp))
+                                     for i in range(args.num_layers)})
+        self.final_norm = _declare(spec["final_norm"], lambda: RMSNorm(args.hidden_size, args.rms_norm_eps))
+        self.lm_head = None if "lm_head" not in spec else _declare(
+            spec["lm_head"], lambda: TensorParallelColumnLinear(args.hidden_size, args.vocab_size, tp_pg, mode,
+                                                                async_communication=async_communication,
+                                                                pad_to_tp=True))
         blocks = [self.embed, *self.layers.values(), self.final_norm] + ([self.lm_head] if self.lm_head else [])
         self.chunks = place_blocks(blocks, pp_rank, pp_size, virtual_stages if pp_size > 1 else 1)
         if args.tie_word_embeddings and pp_size > 1 and (self.embed.is_built or self.final_norm.is_built):
@@ -309,14 +312,9 @@ def _check_input(name: str, tensor: torch.Tensor | None, device: torch.device, i
         raise TypeError(f"LlamaModel: {name} must be int64/int32 token ids, got {tensor.dtype}")
 
 
-def block_costs(args: ModelArgs) -> dict[str, int]:
-    """Forward FLOPs per token of each pipeline block (backward scales them all alike), for the
-    stage split: a decoder layer's projections and attention (full-length sequences assumed),
-    the LM head's vocab projection, the embedding's lookup (a copy of H values)."""
-    h, kv_heads = args.hidden_size, args.num_key_value_heads or args.num_attention_heads
-    q, kv = h, kv_heads * (h // args.num_attention_heads)
-    layer = 2 * (h * (q + 2 * kv) + q * h + 3 * h * args.intermediate_size) + 4 * args.max_position_embeddings * q
-    return {"embed": h, "layer": layer, "head": 2 * h * args.vocab_size}
+def _declare(spec: llama_arch.Block, builder) -> PipelineBlock:
+    """A block with the cost and attachment that llama_arch counts parameters and stages with."""
+    return PipelineBlock(builder, spec.cost, attach=spec.attach)
 
 
 def param_seed(seed: int, name: str) -> int:

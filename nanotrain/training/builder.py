@@ -10,23 +10,15 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
+from nanotrain.models import llama_arch
 from nanotrain.models.llama import LlamaModel
 from nanotrain.parallel.pipeline_parallel import PipelineEngine
 
 
 def build_model(config, pc, device=None) -> LlamaModel:
-    """This rank's ``LlamaModel``: its pp stage(s) (``pp_virtual_stages`` chunks), its tp shards.
-
-    ``model.dtype`` is the compute dtype (autocast) on every device; weights, gradients and
-    optimizer states stay fp32. CPU autocast runs bf16 too (slower than fp32 on most CPUs, but it
-    is how the GPU precision path is tested here)."""
-    p = config.parallelism
-    return LlamaModel(config.model, pc.tp_pg, mode=p.tp_mode, async_communication=p.tp_linear_async_communication,
-                      pp_rank=pc.pp_rank, pp_size=pc.pp_size, virtual_stages=p.pp_virtual_stages,
-                      seed=config.training.seed, device=device, compute_dtype=getattr(torch, config.model.dtype),
-                      cp_pg=pc.cp_pg)
+    """This rank's ``LlamaModel``: its pp stage(s) (``pp_virtual_stages`` chunks), its tp shards;
+    the mapping from the config is ``llama_arch.model_kwargs`` (one place for it)."""
+    return LlamaModel(**llama_arch.model_kwargs(config, pc), device=device)
 
 
 def build_engine(config, pc) -> Optional[PipelineEngine]:

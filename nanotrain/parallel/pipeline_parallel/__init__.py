@@ -9,12 +9,13 @@
 * ``tied`` — parameters shared by the first and last stage (tied embeddings).
 The config-driven builders live above the model, in ``nanotrain.training.builder``.
 """
-from nanotrain.parallel.pipeline_parallel.block import ModelChunk, PipelineBlock, balanced_split, place_blocks
+from nanotrain.parallel.pipeline_parallel.block import ModelChunk, PipelineBlock, place_blocks
 from nanotrain.parallel.pipeline_parallel.engine import EngineStats, PipelineEngine, schedule_actions
 from nanotrain.parallel.pipeline_parallel.p2p import P2P, MessageSpec, TorchP2PTransport
 from nanotrain.parallel.pipeline_parallel.schedules import SCHEDULES, Action, theoretical_bubble
 from nanotrain.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 from nanotrain.parallel.pipeline_parallel.tied import allreduce_tied_grads_, is_tied, is_tied_replica, mark_tied_
+from nanotrain.parallel.stage_split import balanced_split  # pure arithmetic, kept importable here
 
 __all__ = [
     "TensorPointer", "P2P", "MessageSpec", "TorchP2PTransport",

@@ -12,10 +12,10 @@ With v = 1 this is the plain split: stage r on rank r.
 
 Cost. Every block carries a cost (forward FLOPs per token is what ``LlamaModel`` uses); the
 partition minimises the cost of the most expensive stage, exactly (dynamic programming over the
-contiguous splits), and among those takes the most even split. A block declared with
-``attach="next"`` / ``"prev"`` (an embedding, a final norm, an LM head) is never alone in a
-stage: it is glued to its neighbour, and its cost is counted in that neighbour's stage, so e.g.
-a large LM head pushes layers off the last stage.
+contiguous splits, ``parallel/stage_split.py``), and among those takes the most even split. A
+block declared with ``attach="next"`` / ``"prev"`` (an embedding, a final norm, an LM head) is
+never alone in a stage: it is glued to its neighbour, and its cost is counted in that neighbour's
+stage, so e.g. a large LM head pushes layers off the last stage.
 
 Names. A built block adopts the parameters and submodules of the module it stands for, so a
 parameter has the same name on any stage and at any pp as in the single-process model
@@ -25,13 +25,12 @@ initialisation and tests compare by these names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from torch import nn
 
 from nanotrain.parallel.pipeline_parallel.tensor_pointer import TensorPointer
-
-Attach = Optional[Literal["next", "prev"]]
+from nanotrain.parallel.stage_split import Attach, split_stages
 
 
 class PipelineBlock(nn.Module):
@@ -115,76 +114,15 @@ class ModelChunk:
         return any(block is b for b in self.blocks)
 
 
-def balanced_split(costs: Sequence[int], parts: int) -> list[int]:
-    """Sizes of the contiguous, non-empty groups of ``costs`` that minimise the largest group sum.
-
-    Exact dynamic programming on integers (identical on every rank). Among the splits with that
-    optimum it takes the most even one (least sum of squared group costs), so spare capacity is
-    spread out rather than dumped on one stage; remaining ties go to the earliest cut.
-    """
-    n = len(costs)
-    if not 1 <= parts <= n:
-        raise ValueError(f"cannot split {n} pipeline units into {parts} non-empty stages")
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + int(c))
-
-    def solve(score, combine, cap=None):
-        # best[k][i]: best score splitting the first i units into k groups; cut[k][i]: last cut.
-        inf = float("inf")
-        best = [[inf] * (n + 1) for _ in range(parts + 1)]
-        cut = [[0] * (n + 1) for _ in range(parts + 1)]
-        best[0][0] = 0
-        for k in range(1, parts + 1):
-            for i in range(k, n - (parts - k) + 1):
-                for j in range(k - 1, i):
-                    group = prefix[i] - prefix[j]
-                    if cap is not None and group > cap:
-                        continue
-                    value = combine(best[k - 1][j], score(group))
-                    if value < best[k][i]:
-                        best[k][i], cut[k][i] = value, j
-        return best[parts][n], cut
-
-    largest, _ = solve(lambda g: g, max)
-    _, cut = solve(lambda g: g * g, lambda a, b: a + b, cap=largest)
-    sizes, i = [], n
-    for k in range(parts, 0, -1):
-        sizes.append(i - cut[k][i])
-        i = cut[k][i]
-    return sizes[::-1]
-
-
-def _units(blocks: Sequence[PipelineBlock]) -> list[list[int]]:
-    """Group block indices so that attached blocks share a unit with their neighbour."""
-    units: list[list[int]] = []
-    glue_next = False
-    for i, block in enumerate(blocks):
-        if units and (glue_next or block.attach == "prev"):
-            units[-1].append(i)
-        else:
-            units.append([i])
-        glue_next = block.attach == "next"
-    return units
-
-
 def place_blocks(blocks: Sequence[PipelineBlock], pp_rank: int, pp_size: int,
                  virtual_stages: int = 1) -> tuple[ModelChunk, ...]:
     """Assign every block a virtual stage and an owner rank, build this rank's blocks, and return
     this rank's model chunks (chunk c = virtual stage c * pp + pp_rank)."""
     num_stages = pp_size * virtual_stages
-    units = _units(blocks)
-    if len(units) < num_stages:
-        raise ValueError(f"{len(units)} pipeline units (layers) cannot fill pp*virtual_stages = "
-                         f"{pp_size}*{virtual_stages} stages: every stage needs at least one")
-    sizes = balanced_split([sum(blocks[i].cost for i in unit) for unit in units], num_stages)
-    stage_blocks: list[list[PipelineBlock]] = []
-    start = 0
-    for stage, size in enumerate(sizes):
-        members = [blocks[i] for unit in units[start:start + size] for i in unit]
+    stage_blocks = [[blocks[i] for i in stage] for stage in
+                    split_stages([b.cost for b in blocks], [b.attach for b in blocks], pp_size, virtual_stages)]
+    for stage, members in enumerate(stage_blocks):
         for block in members:
             block.set_rank(stage % pp_size, stage, pp_rank)
-        stage_blocks.append(members)
-        start += size
     return tuple(ModelChunk(s, num_stages, tuple(stage_blocks[s]))
                  for s in range(pp_rank, num_stages, pp_size))

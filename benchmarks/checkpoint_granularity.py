@@ -1,13 +1,16 @@
-"""Measure checkpoint save / load time and size (CPU, gloo, local processes).
+"""Checkpoint save / load time and size, one file per rank vs one per parameter (CPU, gloo).
 
-    python -m nanotrain.checkpoint.bench --model tiny --dp 2 --tp 2 [--granularity rank|param] [--dir /tmp/x]
-    python -m nanotrain.checkpoint.bench --model 100m --dp 2 --tp 2
+    .venv/bin/python benchmarks/checkpoint_granularity.py --model tiny --dp 2 --tp 2 [--granularity rank|param] [--dir /tmp/x]
+    .venv/bin/python benchmarks/checkpoint_granularity.py --model 100m --dp 2 --tp 2
 
+The measurement behind the choice of one file per rank (``nanotrain/checkpoint/__init__.py``).
 Per setting: the median over ``--repeats`` of the save (all ranks, commit included, measured on
 rank 0 from a barrier to the return) and of a same-topology load into fresh objects, the bytes
 and files on disk; then a one-process load of that checkpoint (resharding to dp1 tp1) and a
 sha256 pass over every file. Optimizer states are made real by one AdamW step on constant
-gradients. Results are printed as one JSON line.
+gradients. Results are printed as one JSON line. The ranks are local processes started by the
+launcher of ``submit.py --local`` (``nanotrain.launch.local.run_local``); their logs go to
+``<dir>/ranks/``.
 """
 from __future__ import annotations
 
@@ -15,11 +18,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nanotrain.config import Config, ModelArgs, OptimizerArgs, ParallelismArgs, TrainingArgs  # noqa: E402
 
 MODELS = {
     # configs/tiny_cpu.yaml's model
@@ -31,19 +37,25 @@ MODELS = {
 }
 
 
-def _build(model_name: str, pc, zero: int, seed: int = 0):
+def bench_config(model_name: str, dp: int, tp: int, zero: int, seed: int = 0) -> Config:
+    """The run being checkpointed, as a config: the model is built from it by ``llama_arch``."""
+    return Config(parallelism=ParallelismArgs(dp=dp, tp=tp), model=ModelArgs(**MODELS[model_name]),
+                  training=TrainingArgs(seed=seed), optimizer=OptimizerArgs(lr=1e-3, warmup_steps=1, zero_stage=zero))
+
+
+def _build(config: Config, pc):
+    """Model, optimizer and scheduler of this rank (``pc=None``: one process) after one step."""
     import torch
 
-    from nanotrain.config import ModelArgs, OptimizerArgs
+    from nanotrain.models import llama_arch
     from nanotrain.models.llama import LlamaModel
     from nanotrain.optim import build_lr_scheduler, build_optimizer
 
-    args = ModelArgs(**MODELS[model_name])
-    opt_args = OptimizerArgs(lr=1e-3, warmup_steps=1, zero_stage=zero)
-    model = LlamaModel(args, pc.tp_pg if pc is not None else None, seed=seed)
+    zero = config.optimizer.zero_stage
+    model = LlamaModel(**llama_arch.model_kwargs(config, pc))
     dp_pg = pc.dp_cp_pg if pc is not None else None
-    optimizer = build_optimizer(model.named_parameters(), opt_args, dp_pg, zero_stage=zero)
-    scheduler = build_lr_scheduler(optimizer, opt_args, 100)
+    optimizer = build_optimizer(model.named_parameters(), config.optimizer, dp_pg, zero_stage=zero)
+    scheduler = build_lr_scheduler(optimizer, config.optimizer, 100)
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-3)
     optimizer.step()
@@ -59,8 +71,8 @@ def _worker(opts) -> None:
     from nanotrain.parallel.context import ParallelContext
 
     pc = ParallelContext(tensor_parallel_size=opts.tp, data_parallel_size=opts.dp)
-    model, optimizer, scheduler = _build(opts.model, pc, opts.zero)
-    fresh = _build(opts.model, pc, opts.zero, seed=1)
+    model, optimizer, scheduler = _build(bench_config(opts.model, opts.dp, opts.tp, opts.zero), pc)
+    fresh = _build(bench_config(opts.model, opts.dp, opts.tp, opts.zero, seed=1), pc)
     saves, loads = [], []
     for i in range(opts.repeats):
         dist.barrier()
@@ -80,22 +92,17 @@ def _worker(opts) -> None:
 def run(model: str, dp: int, tp: int, zero: int, granularity: str, directory: str, repeats: int) -> dict:
     from nanotrain.checkpoint import load_checkpoint
     from nanotrain.checkpoint.format import verify_checkpoint
-    from nanotrain.launch.env import free_port
+    from nanotrain.launch.local import run_local
 
     world = dp * tp
     result = Path(tempfile.mkstemp(suffix=".json")[1])
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "nanotrain.checkpoint.bench", "--worker", "--model", model, "--dp", str(dp),
-             "--tp", str(tp), "--zero", str(zero), "--granularity", granularity, "--dir", directory,
-             "--repeats", str(repeats), "--result", str(result)], env=env))
-    codes = [p.wait() for p in procs]
-    if any(codes):
-        raise SystemExit(f"bench ranks failed: {codes}")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU for every rank, GPUs or not
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", model, "--dp", str(dp),
+               "--tp", str(tp), "--zero", str(zero), "--granularity", granularity, "--dir", directory,
+               "--repeats", str(repeats), "--result", str(result)]
+    status = run_local(command, world, Path(directory) / "ranks", quiet=True)
+    if status:
+        raise SystemExit(f"bench ranks failed (status {status}); logs in {Path(directory) / 'ranks'}")
     times = json.loads(result.read_text())
     result.unlink()
     ckpt = sorted(Path(directory).glob("step_*"))[-1]
@@ -103,7 +110,7 @@ def run(model: str, dp: int, tp: int, zero: int, granularity: str, directory: st
     t0 = time.perf_counter()
     assert not verify_checkpoint(ckpt)
     hash_s = time.perf_counter() - t0
-    single = _build(model, None, 0, seed=2)
+    single = _build(bench_config(model, 1, 1, 0, seed=2), None)
     t0 = time.perf_counter()
     load_checkpoint(directory, *single)
     reshard_s = time.perf_counter() - t0

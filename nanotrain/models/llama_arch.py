@@ -1,0 +1,241 @@
+"""The Llama's arithmetic in one place: its pipeline blocks and what each costs and holds.
+
+Everything that reasons about the model without running it reads this module: the stage split
+(``LlamaModel`` declares its PipelineBlocks from ``pipeline_blocks``), the parameter count of
+every (tp, pp) rank, the FLOPs behind MFU (``logging``), the ``--dry-run`` memory estimate
+(``launch/memory_estimate.py``), checkpoint skeletons (``checkpoint/reshard.py``) and the config
+-> constructor mapping (``model_kwargs``). A new block type (MoE layers) is described here once:
+its cost, its parameters per tp rank, its FLOPs and its activation bytes.
+
+Pure Python on the config (no torch): the memory estimate of a 4096-rank plan runs in
+microseconds, before torch is imported. ``tests/test_llama_arch.py`` holds these numbers against
+the real ``LlamaModel`` on every stage for several (tp, pp, tied, padded vocabulary) layouts.
+
+FLOPs (``training_flops_per_token``). MFU is only comparable across codebases when the FLOP count
+is a property of the *model* (not of what this implementation happens to execute), so activation
+recomputation, padding of the vocabulary to a multiple of tp and the causal mask are deliberately
+not counted. We use the PaLM convention (Chowdhery et al. 2022, appendix B), which is also
+torchtitan's ``get_num_flop_per_token``:
+
+    training FLOPs / token = 6 * N_matmul + 12 * L * H * S
+
+* ``N_matmul``: weights that multiply every token — per layer the fused q/k/v projection (GQA:
+  H * (H + 2 * kv_heads * head_dim)), o_proj (H * H), SwiGLU gate + up + down (3 * H * F) — plus
+  the LM head (V * H), counted even when it is tied to the embedding because the head matmul is
+  computed either way. The embedding lookup and the RMSNorm weights do no matmul and are left out.
+  ``6 = 2 (multiply-add) * 3 (forward + backward for activations and for weights)``.
+* ``12 * L * H * S``: attention scores QK^T and the weighted sum AV, 2 * 2 * S * H forward per
+  layer per token, times 3 for forward + backward, over the full S x S matrix (no halving for the
+  causal mask, as in PaLM/torchtitan; this is "model FLOPs", not "hardware FLOPs"). GQA does not
+  change it: scores are computed for every query head, H = heads * head_dim.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from nanotrain.config import Config, ModelArgs
+from nanotrain.parallel.stage_split import Attach, split_stages
+
+
+# ----------------------------------------------------------------------------- shapes
+def head_dim(args: ModelArgs) -> int:
+    return args.hidden_size // args.num_attention_heads
+
+
+def kv_heads(args: ModelArgs) -> int:
+    """``num_key_value_heads``, which defaults to one per query head (plain multi-head attention)."""
+    return args.num_key_value_heads or args.num_attention_heads
+
+
+def vocab_rows_per_rank(args: ModelArgs, tp: int) -> int:
+    """Rows of the embedding / LM head on one tp rank: the vocabulary padded up to a multiple of
+    tp (the padding rows are never saved and never predicted, but they are parameters)."""
+    return -(-args.vocab_size // tp)
+
+
+def _per_rank(features: int, tp: int, what: str) -> int:
+    """``features / tp``, refused when the tensor-parallel layers could not shard them evenly."""
+    if features % tp:
+        raise ValueError(f"{what} ({features}) is not divisible by tp ({tp})")
+    return features // tp
+
+
+# ----------------------------------------------------------------------------- blocks
+@dataclass(frozen=True)
+class Block:
+    """One PipelineBlock of ``LlamaModel``, in model order.
+
+    ``name`` is the prefix of its parameters' names (``layers.7``); ``cost`` is its forward FLOPs
+    per token, what the stage split balances (backward scales every block alike); ``attach``
+    glues it to a neighbour's stage (the embedding to the first layer, the head to the last)."""
+
+    name: str
+    cost: int
+    attach: Attach = None
+
+    @property
+    def kind(self) -> str:
+        """``embed``, ``layers``, ``final_norm`` or ``lm_head``: what decides its parameters."""
+        return self.name.split(".", 1)[0]
+
+
+def block_costs(args: ModelArgs) -> dict[str, int]:
+    """Forward FLOPs per token of each pipeline block (backward scales them all alike), for the
+    stage split: a decoder layer's projections and attention (full-length sequences assumed),
+    the LM head's vocab projection, the embedding's lookup (a copy of H values)."""
+    h = args.hidden_size
+    layer = 2 * layer_matmul_parameters(args) + 4 * args.max_position_embeddings * h
+    return {"embed": h, "layer": layer, "head": 2 * h * args.vocab_size}
+
+
+def pipeline_blocks(args: ModelArgs) -> list[Block]:
+    """The blocks ``LlamaModel`` declares, in order: embed, layers.0..L-1, final_norm, lm_head
+    (untied only). The whole head (norm, vocab projection, loss) is charged to final_norm, tied or
+    not, so a tied and an untied model split alike."""
+    cost = block_costs(args)
+    blocks = [Block("embed", cost["embed"], attach="next")]
+    blocks += [Block(f"layers.{i}", cost["layer"]) for i in range(args.num_layers)]
+    blocks.append(Block("final_norm", cost["head"], attach="prev"))
+    if not args.tie_word_embeddings:
+        blocks.append(Block("lm_head", 0, attach="prev"))
+    return blocks
+
+
+def stage_blocks(args: ModelArgs, pp: int = 1, virtual_stages: int = 1) -> list[list[str]]:
+    """Block names of each virtual stage, exactly as ``place_blocks`` places them (stage ``s`` on
+    pp rank ``s % pp``)."""
+    blocks = pipeline_blocks(args)
+    stages = split_stages([b.cost for b in blocks], [b.attach for b in blocks], pp, virtual_stages if pp > 1 else 1)
+    return [[blocks[i].name for i in stage] for stage in stages]
+
+
+def rank_blocks(args: ModelArgs, pp: int = 1, pp_rank: int = 0, virtual_stages: int = 1) -> list[str]:
+    """Blocks built on one pp rank: those of its chunks, plus — tied and pp > 1 — the embedding's
+    replica that the last stage builds to serve as its LM head (``pipeline_parallel/tied.py``)."""
+    stages = stage_blocks(args, pp, virtual_stages)
+    names = [name for s in range(pp_rank, len(stages), pp) for name in stages[s]]
+    if args.tie_word_embeddings and pp > 1 and "final_norm" in names and "embed" not in names:
+        names.append("embed")
+    return names
+
+
+# ----------------------------------------------------------------------------- parameters
+def layer_matmul_parameters(args: ModelArgs) -> int:
+    """Weights of one unsharded decoder layer that multiply every token: qkv, o_proj, gate/up/down."""
+    return layer_parameters(args) - 2 * args.hidden_size
+
+
+def layer_parameters(args: ModelArgs, tp: int = 1) -> int:
+    """One decoder layer on one tp rank: fused qkv and gate/up (column), o_proj and down (row),
+    each 1/tp; the two RMSNorm weights replicated."""
+    h, ffn = args.hidden_size, args.intermediate_size
+    q_out, kv_out = args.num_attention_heads * head_dim(args), kv_heads(args) * head_dim(args)
+    qkv = h * (_per_rank(q_out, tp, "query features") + 2 * _per_rank(kv_out, tp, "key/value features"))
+    o_proj = _per_rank(q_out, tp, "query features") * h
+    mlp = 3 * h * _per_rank(ffn, tp, "model.intermediate_size")  # gate and up (fused), down
+    return qkv + o_proj + mlp + 2 * h
+
+
+def block_parameters(args: ModelArgs, name: str, tp: int = 1) -> int:
+    """Parameters of the block ``name`` (a ``Block.name``) on one tp rank (no bias anywhere)."""
+    kind = name.split(".", 1)[0]
+    if kind in ("embed", "lm_head"):  # vocab-parallel rows, padded
+        return vocab_rows_per_rank(args, tp) * args.hidden_size
+    if kind == "layers":
+        return layer_parameters(args, tp)
+    if kind == "final_norm":
+        return args.hidden_size
+    raise ValueError(f"unknown block {name!r}")
+
+
+def stage_parameters(args: ModelArgs, tp: int = 1, pp: int = 1, pp_rank: int = 0, virtual_stages: int = 1) -> int:
+    """``sum(p.numel() for p in model.parameters())`` of the model on one (tp rank, pp rank),
+    tied replica included; every tp rank of a stage holds the same count (padding is even)."""
+    return sum(block_parameters(args, name, tp) for name in rank_blocks(args, pp, pp_rank, virtual_stages))
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters of the unsharded model, split the way the FLOP count needs them."""
+
+    embedding: int
+    per_layer_matmul: int   # qkv + o_proj + gate/up/down of one decoder layer
+    per_layer_norm: int     # the two RMSNorm weights of one decoder layer
+    num_layers: int
+    final_norm: int
+    lm_head: int            # 0 when tied to the embedding
+
+    @property
+    def total(self) -> int:
+        """What `sum(p.numel() for p in model.parameters())` gives at tp=1 (tied weights once)."""
+        return (self.embedding + self.num_layers * (self.per_layer_matmul + self.per_layer_norm)
+                + self.final_norm + self.lm_head)
+
+    @property
+    def matmul(self) -> int:
+        """N_matmul of the module docstring: layer matmuls plus the (possibly tied) head."""
+        head = self.lm_head or self.embedding
+        return self.num_layers * self.per_layer_matmul + head
+
+
+def parameter_count(args: ModelArgs) -> ParamCount:
+    """The unsharded model (tp = pp = 1), from the same per-block counts as every stage."""
+    norms = 2 * args.hidden_size
+    embedding = block_parameters(args, "embed")
+    return ParamCount(embedding=embedding, per_layer_matmul=layer_matmul_parameters(args),
+                      per_layer_norm=norms, num_layers=args.num_layers,
+                      final_norm=block_parameters(args, "final_norm"),
+                      lm_head=0 if args.tie_word_embeddings else block_parameters(args, "lm_head"))
+
+
+# ----------------------------------------------------------------------------- FLOPs
+def attention_flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """12 * L * H * S: QK^T and AV, forward + backward, full (non-causal) S x S."""
+    return 12 * args.num_layers * args.num_attention_heads * head_dim(args) * seq_len
+
+
+def training_flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """Model FLOPs of one training token (forward + backward), PaLM convention; see module doc."""
+    return 6 * parameter_count(args).matmul + attention_flops_per_token(args, seq_len)
+
+
+# ----------------------------------------------------------------------------- activations
+def activation_bytes_per_layer(args: ModelArgs, sequence_length: int, micro_batch_size: int, *, tp: int = 1,
+                               tp_mode: str = "ALL_REDUCE", cp: int = 1) -> float:
+    """Bytes one decoder layer keeps for backward, per micro-batch in flight, on one rank.
+
+    Megatron's count (Korthikanti et al. 2022, "Reducing Activation Recomputation"):
+    s*b*h*(10 + 24/t) values with TP, s*b*h*34/t with sequence parallelism (REDUCE_SCATTER), at
+    2 bytes per value, attention scores not stored (flash/SDPA). Under context parallelism s is
+    this rank's s/cp tokens, plus the whole sequence's keys and values that attention gathers and
+    saves (2*s*b*kv_dim/t values)."""
+    s, b, h = sequence_length // cp, micro_batch_size, args.hidden_size
+    values = s * b * h * (34 / tp if tp_mode == "REDUCE_SCATTER" else 10 + 24 / tp)
+    if cp > 1:
+        values += 2 * sequence_length * b * (kv_heads(args) * head_dim(args)) / tp
+    return 2 * values
+
+
+def logits_bytes(args: ModelArgs, local_tokens: int, micro_batch_size: int, tp: int = 1) -> int:
+    """The last stage's fp32 logits and their gradient for ``local_tokens`` per sequence, over
+    this tp rank's (padded) vocabulary rows."""
+    return local_tokens * micro_batch_size * vocab_rows_per_rank(args, tp) * 4 * 2
+
+
+# ----------------------------------------------------------------------------- config -> model
+def model_kwargs(config: Config, pc: Optional[Any] = None) -> dict[str, Any]:
+    """``LlamaModel(**model_kwargs(config, pc), device=...)`` is this rank's model: its pp
+    stage(s) (``pp_virtual_stages`` chunks), its tp shards, its cp group.
+
+    ``pc`` is a ParallelContext or anything with its ``tp_pg``, ``pp_rank``, ``pp_size`` and
+    ``cp_pg`` (checkpoint skeletons pass stand-ins); None is one process. ``model.dtype`` is the
+    compute dtype (autocast) on every device, passed by name; weights, gradients and optimizer
+    states stay fp32. CPU autocast runs bf16 too (slower on most CPUs than fp32, but it is how
+    the GPU precision path is tested here)."""
+    p = config.parallelism
+    return dict(args=config.model, tp_pg=pc.tp_pg if pc is not None else None, mode=p.tp_mode,
+                async_communication=p.tp_linear_async_communication,
+                pp_rank=pc.pp_rank if pc is not None else 0, pp_size=pc.pp_size if pc is not None else 1,
+                virtual_stages=p.pp_virtual_stages, seed=config.training.seed,
+                compute_dtype=config.model.dtype, cp_pg=pc.cp_pg if pc is not None else None)

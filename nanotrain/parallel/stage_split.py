@@ -1,0 +1,83 @@
+"""The pipeline stage split as pure arithmetic (no torch), so that code which only plans — the
+model's parameter count per stage (``models/llama_arch.py``), the ``--dry-run`` memory estimate —
+computes exactly the split ``place_blocks`` builds, without importing torch or building a model.
+
+It lives beside ``grid.py`` rather than in ``pipeline_parallel/`` because importing anything from
+that package imports torch (its ``__init__`` exports the engine and P2P).
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Sequence
+
+Attach = Optional[Literal["next", "prev"]]
+
+
+def balanced_split(costs: Sequence[int], parts: int) -> list[int]:
+    """Sizes of the contiguous, non-empty groups of ``costs`` that minimise the largest group sum.
+
+    Exact dynamic programming on integers (identical on every rank). Among the splits with that
+    optimum it takes the most even one (least sum of squared group costs), so spare capacity is
+    spread out rather than dumped on one stage; remaining ties go to the earliest cut.
+    """
+    n = len(costs)
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot split {n} pipeline units into {parts} non-empty stages")
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + int(c))
+
+    def solve(score, combine, cap=None):
+        # best[k][i]: best score splitting the first i units into k groups; cut[k][i]: last cut.
+        inf = float("inf")
+        best = [[inf] * (n + 1) for _ in range(parts + 1)]
+        cut = [[0] * (n + 1) for _ in range(parts + 1)]
+        best[0][0] = 0
+        for k in range(1, parts + 1):
+            for i in range(k, n - (parts - k) + 1):
+                for j in range(k - 1, i):
+                    group = prefix[i] - prefix[j]
+                    if cap is not None and group > cap:
+                        continue
+                    value = combine(best[k - 1][j], score(group))
+                    if value < best[k][i]:
+                        best[k][i], cut[k][i] = value, j
+        return best[parts][n], cut
+
+    largest, _ = solve(lambda g: g, max)
+    _, cut = solve(lambda g: g * g, lambda a, b: a + b, cap=largest)
+    sizes, i = [], n
+    for k in range(parts, 0, -1):
+        sizes.append(i - cut[k][i])
+        i = cut[k][i]
+    return sizes[::-1]
+
+
+def _units(attach: Sequence[Attach]) -> list[list[int]]:
+    """Group block indices so that attached blocks share a unit with their neighbour."""
+    units: list[list[int]] = []
+    glue_next = False
+    for i, how in enumerate(attach):
+        if units and (glue_next or how == "prev"):
+            units[-1].append(i)
+        else:
+            units.append([i])
+        glue_next = how == "next"
+    return units
+
+
+def split_stages(costs: Sequence[int], attach: Sequence[Attach], pp_size: int,
+                 virtual_stages: int = 1) -> list[list[int]]:
+    """The block indices of each of the ``pp_size * virtual_stages`` contiguous virtual stages of
+    balanced cost; a block with ``attach`` ``"next"`` / ``"prev"`` always shares its neighbour's
+    stage. Virtual stage ``s`` is pp rank ``s % pp_size``'s chunk ``s // pp_size``."""
+    num_stages = pp_size * virtual_stages
+    units = _units(attach)
+    if len(units) < num_stages:
+        raise ValueError(f"{len(units)} pipeline units (layers) cannot fill pp*virtual_stages = "
+                         f"{pp_size}*{virtual_stages} stages: every stage needs at least one")
+    sizes = balanced_split([sum(costs[i] for i in unit) for unit in units], num_stages)
+    stages, start = [], 0
+    for size in sizes:
+        stages.append([i for unit in units[start:start + size] for i in unit])
+        start += size
+    return stages
