@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))  # nanotrain
 sys.path.insert(0, str(HERE))  # native_llama, the other bench_* modules
 
-# The research setting (../shared/research/torch-native-cpu.md): ~1 M parameters, 16 sequences of
+# The research setting (benchmarks/README.md): ~1 M parameters, 16 sequences of
 # 64 tokens = 1,024 tokens per optimizer step (strong scaling: dp splits the batch).
 MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=512, num_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, dtype="float32")

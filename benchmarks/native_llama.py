@@ -15,7 +15,7 @@ the way the native parallel APIs expect it:
   ``torch.distributed.pipelining.PipelineStage`` (torchtitan's manual split);
 * ``apply_dp``: FSDP2-based ``replicate`` (``replicate_with_fsdp``) or ``fully_shard`` on the dp mesh:
   DDP cannot wrap DTensor modules and the legacy ``_composable.replicate`` is wrong with TP/PP
-  (see ../shared/research/torch-native-cpu.md).
+  (see benchmarks/README.md).
 
 ``init_like_nanotrain`` draws every weight exactly as ``LlamaModel.init_weights`` does (the same
 full tensors from the same (seed, name) generators, fused ones split into their parts), so both

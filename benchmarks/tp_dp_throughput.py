@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/tp_dp_throughput.py [--repeats 3] [--steps 10]
 
 Strong scaling: the global batch is fixed (16 sequences of 64 tokens = 1,024 tokens per step, as
-in ../shared/research/torch-native-cpu.md), so dp=2 runs half the micro-batches per replica.
+in benchmarks/README.md), so dp=2 runs half the micro-batches per replica.
 Each layout is a fresh set of local processes (1 thread per rank); layouts run alternately
 (A B C A B C ...) and the median over repeats is reported. A step is timed from a barrier to the
 slowest rank's end (all-reduce MAX), after warm-up steps.

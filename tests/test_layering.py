@@ -1,6 +1,6 @@
 """The package's layers only point down, and no import closes a circle.
 
-Order (DESIGN.md; each package imports only those before it): config, parallel, models, data,
+Order (README, Layout; each package imports only those before it): config, parallel, models, data,
 optim, checkpoint, logging, training, launch. Read from the source with ``ast`` — every import
 statement, at module level or inside a function, since a function-local import is still a
 dependency (and one placed to dodge a cycle is exactly what this test is for). Within a package

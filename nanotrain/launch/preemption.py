@@ -7,7 +7,7 @@ same checkpoint together, and exit. This module imports no torch, so the handler
 before the seconds of importing it. On SLURM, rank 0 then asks for a requeue (`scontrol requeue`, bounded by
 `slurm.max_requeues`); the restarted job (`SLURM_RESTART_COUNT` > 0) resumes from the checkpoint.
 This replaces submitit's own USR2 handler inside the task: submitit calls `checkpoint()` on rank 0
-from the handler itself, where no collective sharded save is possible (anchors.md).
+from the handler itself, where no collective sharded save is possible.
 """
 from __future__ import annotations
 
