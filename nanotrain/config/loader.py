@@ -148,7 +148,7 @@ def _check_range(where: str, meta: typing.Mapping, value: Any) -> None:
     if lo is not None and not value >= lo:
         raise ConfigError(f"{where}: {value} is below the minimum {lo}")
     if hi is not None and not value <= hi:
-        raise ConfigError(f"{where}: {value} is above the maximum {hi:,}")
+        raise ConfigError(f"{where}: {value} is above the maximum {hi}")
 
 
 def _build_section(section: str, cls: type, raw: Any):

@@ -87,10 +87,11 @@ class StrictLoader(yaml.SafeLoader):
                     continue
                 key = self.construct_object(key_node, deep=False)
                 try:
-                    first = seen.setdefault(key, key_node.start_mark.line)
+                    first = seen.get(key)
                 except TypeError:  # unhashable: PyYAML reports it below
                     continue
-                if first != key_node.start_mark.line:
+                seen.setdefault(key, key_node.start_mark.line)
+                if first is not None:
                     shown = str(key) if len(str(key)) <= 40 else str(key)[:37] + "..."
                     raise ConstructorError(None, None, f"duplicate key '{shown}' (first given at line "
                                            f"{first + 1}): keep only one", key_node.start_mark)
