@@ -119,11 +119,21 @@ def emit(config: Config, layout: SlurmLayout, out_dir: Path) -> int:
     return 0
 
 
-def _undo_run_dir(run_dir: Path, existed: set[Path] | None, old_config: bytes | None) -> None:
-    """After a refused submission leave the run directory as it was: gone if we made it, else
-    without the pickled job and submission script we added, and with its previous config."""
+def _first_missing(path: Path) -> Path | None:
+    """The outermost directory of `path` that does not exist yet (what a mkdir -p would make)."""
+    missing = None
+    while not path.exists() and path != path.parent:
+        missing, path = path, path.parent
+    return missing
+
+
+def _undo_run_dir(run_dir: Path, existed: set[Path] | None, old_config: bytes | None,
+                  made: Path | None) -> None:
+    """After a refused submission leave the run directory as it was: gone (with the parents we
+    made) if we made it, else without the pickled job and submission script we added, and with
+    its previous config."""
     if existed is None:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(made or run_dir, ignore_errors=True)
         return
     for path in set(run_dir.rglob("*")) - existed:
         if path.is_file() or path.is_symlink():
@@ -138,6 +148,7 @@ def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
     from nanotrain.launch.task import TrainingTask
 
     existed = set(run_dir.rglob("*")) if run_dir.is_dir() else None
+    made = _first_missing(run_dir)
     old_config = (run_dir / rundir.CONFIG_FILE).read_bytes() if (run_dir / rundir.CONFIG_FILE).is_file() else None
     config_path = rundir.write_run_dir(config, run_dir)
     executor = submitit.SlurmExecutor(folder=sbatch.job_folder(run_dir),
@@ -148,7 +159,7 @@ def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
         with contextlib.redirect_stderr(captured):
             job = executor.submit(TrainingTask(), str(config_path))
     except (OSError, subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as exc:
-        _undo_run_dir(run_dir, existed, old_config)
+        _undo_run_dir(run_dir, existed, old_config, made)
         detail = str(getattr(exc, "stderr", None) or exc) + "\n" + captured.getvalue()
         print(f"error: sbatch refused the job: {sbatch.sbatch_error(detail)}", file=sys.stderr)
         return EXIT_USER_ERROR
