@@ -77,7 +77,7 @@ class TrainingArgs:
 
 @dataclass
 class OptimizerArgs:
-    lr: float = bounded(3e-4, 0.0, doc="peak learning rate")
+    lr: float = bounded(3e-4, 0.0, 10.0, doc="peak learning rate (a larger one is a typo: 3e4 for 3e-4)")
     weight_decay: float = bounded(0.1, 0.0, doc="AdamW decay of matrices (not norms)")
     betas: tuple[float, float] = doc((0.9, 0.95), "AdamW (beta1, beta2), each in [0, 1)")
     eps: float = bounded(1e-8, 0.0, 1.0, doc="AdamW epsilon")
