@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import shutil
 import subprocess
 import sys
@@ -231,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: no run was started", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        sys.stdout = None  # the reader went away: nothing left to say, and no flush at exit
+    except BrokenPipeError:  # the reader went away: nothing left to say; the flush at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # must not fail either
         return 0
 
 
@@ -281,6 +282,9 @@ def _main(argv: list[str] | None) -> int:
     except ConfigError as exc:  # a write that failed although the checks passed (a race, a quota)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:  # while writing or submitting (a local run handles its own Ctrl-C)
+        print(f"\ninterrupted: see what was started with: python submit.py --status {run_dir}", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
