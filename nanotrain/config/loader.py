@@ -170,6 +170,20 @@ def _build_section(section: str, cls: type, raw: Any):
     return cls(**kwargs)
 
 
+def check_fields(config: Config) -> None:
+    """The per-field checks again, on a `Config` that may not come from YAML (built in code, or
+    changed after loading): every float finite, every number in its range."""
+    for name in sections():
+        section = getattr(config, name)
+        for f in dataclasses.fields(section):
+            where, value = f"{name}.{f.name}", getattr(section, f.name)
+            for i, item in enumerate(value if isinstance(value, tuple) else (value,)):
+                if isinstance(item, float) and not math.isfinite(item):
+                    at = f"{where}[{i}]" if isinstance(value, tuple) else where
+                    raise ConfigError(f"{at}: {item} is not a finite number: give a real value such as the default")
+            _check_range(where, f.metadata, value)
+
+
 def sections() -> dict[str, type]:
     """Section name -> dataclass, in the order of `Config`."""
     hints = typing.get_type_hints(Config)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from nanotrain.config.loader import ConfigError
+from nanotrain.config.loader import ConfigError, check_fields
 from nanotrain.config.schema import MAX_WORLD, Config
 
 # SLURM names (partition, account, qos, constraint expressions) never need shell metacharacters.
@@ -209,6 +209,7 @@ def check_world_size(config: Config, world_size: int, where: str) -> None:
 
 def validate(config: Config, *, slurm: bool = False) -> SlurmLayout | None:
     """All pre-submission checks; returns the SLURM layout when `slurm` is true."""
+    check_fields(config)
     validate_model(config)
     validate_optimizer(config)
     validate_names(config)
