@@ -240,7 +240,7 @@ def verdict(o: Outcome) -> str:
 
 
 def fuzz(limit: int = 0, subprocess_sample: int = 20, seed: int = 0, verbose: bool = False,
-         stream=sys.stdout) -> dict:
+         stream=sys.stdout, progress: int = 0) -> dict:
     """Run the mutations (all, or a seeded sample of `limit`); returns the counts."""
     configs = sorted((ROOT / "configs").glob("*.yaml"))
     raws = {p.stem: yaml.safe_load(p.read_text()) for p in configs}
@@ -279,6 +279,9 @@ def fuzz(limit: int = 0, subprocess_sample: int = 20, seed: int = 0, verbose: bo
                                     + (o.crash or o.stderr or str(o.wrote)).strip().replace("\n", "\n    ")[:800])
                 elif verbose:
                     print(f"{v}: {m.label()}: {o.stderr.strip()[:160]}", file=stream)
+            if progress and (i + 1) % progress == 0:
+                print(f"... {i + 1}/{len(todo)} mutations, {len(failures)} broke the contract",
+                      file=sys.stderr, flush=True)
             for leftover in work.iterdir():  # never expected; counted above, removed for the next
                 subprocess.run(["rm", "-rf", str(leftover)], check=False)
     report = {"mutations": len(todo), "subprocess_runs": len(sampled), "counts": dict(counts),
@@ -313,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="print every answer")
     args = parser.parse_args(argv)
-    report = fuzz(args.limit, args.subprocess, args.seed, args.verbose)
+    report = fuzz(args.limit, args.subprocess, args.seed, args.verbose, progress=1000)
     print_report(report)
     return 0 if not report["failures"] else 1
 
