@@ -35,9 +35,6 @@ _BREAKING_SBATCH = {
     "no-requeue": "preemption and time-limit saves requeue the job",
     "export": "the job needs the submitting environment; set variables with slurm.env",
     "export-file": "the job needs the submitting environment; set variables with slurm.env",
-    "chdir": "the job runs from the directory it was submitted from",
-    "hold": "the job would never start on its own",
-    "uid": "the job runs as the submitting user", "gid": "the job runs as the submitting user",
     "help": "it is not a job option", "usage": "it is not a job option", "version": "it is not a job option",
 }
 _MEM_OPTIONS = ("mem-per-cpu", "mem-per-gpu")

@@ -122,4 +122,6 @@ def sbatch_error(detail: str) -> str:
     """The one informative line of sbatch's (possibly multi-line) refusal."""
     lines = [line.strip() for line in detail.splitlines() if line.strip()]
     errors = [line for line in lines if "error:" in line]
-    return (errors or lines or ["(no message)"])[-1]
+    if errors:
+        return errors[-1]  # "Batch job submission failed: ..." comes last
+    return lines[0] if lines else "(no message)"  # getopt's complaint, before "Try sbatch --help"
