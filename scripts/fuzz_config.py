@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fuzz `submit.py --dry-run` with hostile configs: every field of the shipped configs mutated.
 
-    python scripts/fuzz_config.py                    # every mutation (~10,000), in-process, + a subprocess sample
+    python scripts/fuzz_config.py                    # every mutation (~16,700), in-process, + a subprocess sample
     python scripts/fuzz_config.py --limit 60 --subprocess 3 --seed 1
 
 Each mutation replaces one field of `configs/*.yaml` (every field of the schema, present in the
