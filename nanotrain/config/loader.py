@@ -127,6 +127,11 @@ def _check_string(where: str, text: str) -> str:
     """Strings end up in paths, sbatch lines and shell: one printable line of sane length."""
     if len(text) > MAX_STRING:
         return _fail(f"{where}: a string of {len(text):,} characters; at most {MAX_STRING} are accepted")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate ("\udc80"): no file system or log takes it
+        return _fail(f"{where}: contains {text[exc.start]!r} at position {exc.start}, which is not a Unicode "
+                     "character (a lone surrogate): remove it")
     bad = _CONTROL.search(text)
     if bad:
         return _fail(f"{where}: contains the control character {bad.group()!r} at position {bad.start()}: "
