@@ -228,3 +228,16 @@ def test_ctrl_c_of_a_local_run_saves_and_says_how_to_resume(tmp_path):
                            f"{run_dir / 'checkpoints' / 'step_'}"), last
     assert last.endswith(f"resume with: python submit.py --resume {run_dir}"), last
     assert (run_dir / "checkpoints" / "latest").is_file()
+
+
+@pytest.mark.parametrize("forced,failed,fragment", [
+    (False, None, "the ranks saved at a step boundary and stopped"),
+    (True, None, "the ranks were killed (second Ctrl-C)"),
+    (False, "rank 3 exited with status 1 (log: x)", "rank 3 exited with status 1 (log: x) while stopping"),
+])
+def test_interrupt_report_without_a_checkpoint(forced, failed, fragment, tmp_path):
+    from nanotrain.launch.local import Interrupted, report_interrupt
+
+    line = report_interrupt(tmp_path / "run", tmp_path / "run" / "checkpoints", Interrupted(forced, failed))
+    assert line == (f"interrupted: {fragment}; no checkpoint was saved yet, so "
+                    f"python submit.py --resume {tmp_path / 'run'} starts from step 0")

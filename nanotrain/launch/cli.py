@@ -186,7 +186,7 @@ def run_locally(config: Config, run_dir: Path) -> int:
         status = run_local(task_command(config_path), world, sbatch.job_folder(run_dir),
                            stream_ranks=(0, metrics_rank(config)))
     except Interrupted as stop:
-        print(report_interrupt(run_dir, Path(config.checkpoints.path), forced=stop.forced), file=sys.stderr,
+        print(report_interrupt(run_dir, Path(config.checkpoints.path), stop), file=sys.stderr,
               flush=True)
         return EXIT_INTERRUPTED
     print(f"tensorboard: tensorboard --logdir {config.logging.dir}", flush=True)

@@ -41,18 +41,24 @@ def check_process_count(world_size: int) -> None:
 
 
 class Interrupted(Exception):
-    """Ctrl-C ended a local run; `forced`: a second Ctrl-C killed the ranks without a save."""
+    """Ctrl-C ended a local run; `forced`: a second Ctrl-C killed the ranks without a save;
+    `failed`: a rank that did not stop cleanly (its status and log), or None."""
 
-    def __init__(self, forced: bool):
+    def __init__(self, forced: bool, failed: str | None = None):
         super().__init__("interrupted")
-        self.forced = forced
+        self.forced, self.failed = forced, failed
 
 
-def report_interrupt(run_dir: Path, checkpoints: Path, forced: bool) -> str:
+def report_interrupt(run_dir: Path, checkpoints: Path, stop: Interrupted) -> str:
     """What a user needs after Ctrl-C: the checkpoint a resume starts from, and the command."""
     from nanotrain.checkpoint.format import load_candidates  # torch: only now, not at every launch
 
-    how = "killed the ranks (second Ctrl-C)" if forced else "the ranks saved at a step boundary and stopped"
+    if stop.forced:
+        how = "the ranks were killed (second Ctrl-C)"
+    elif stop.failed:
+        how = f"{stop.failed} while stopping"
+    else:
+        how = "the ranks saved at a step boundary and stopped"
     found = load_candidates(checkpoints)
     resume = f"python submit.py --resume {run_dir}"
     if not found:
@@ -139,6 +145,8 @@ def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool
                                             start_new_session=True)
             procs.append(proc)
         status = _wait(procs, log_dir, interrupts)
+        failed = next((f"rank {r} exited with status {p.returncode} (log: {log_dir / f'rank-{r}.log'})"
+                       for r, p in enumerate(procs) if p.returncode not in (0, None)), None)
     finally:
         _stop_all(procs)
         for sig, handler in previous.items():
@@ -146,7 +154,7 @@ def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool
         for tee in tees:
             tee.join(timeout=5)
     if interrupts:
-        raise Interrupted(forced=len(interrupts) > 1)
+        raise Interrupted(forced=len(interrupts) > 1, failed=failed)
     return status
 
 
