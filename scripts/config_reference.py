@@ -48,7 +48,7 @@ def reference() -> str:
             meta = f.metadata
             bounds = []
             if meta.get("min") is not None:
-                bounds.append(f">= {meta['min']}")
+                bounds.append(f"{'>' if meta.get('min_exclusive') else '>='} {meta['min']}")
             if meta.get("max") is not None:
                 bounds.append(f"<= {meta['max']}")
             meaning = "; ".join(filter(None, [meta.get("doc", ""), ", ".join(bounds)]))

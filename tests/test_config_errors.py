@@ -3,8 +3,10 @@ no traceback, and nothing submitted or started (these run with no SLURM needed: 
 validation happen before any submission)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -104,6 +106,53 @@ BAD_CONFIGS = [
      ["slurm.sbatch_extra.Mail Type"]),
     ("bad-signal", lambda c: c["slurm"].update(signal="KILL"), [], ["slurm.signal", "'USR2'"]),
     ("null-required", lambda c: c["training"].update(seed=None), [], ["training.seed", "null"]),
+    # non-finite and out-of-range numbers (issue 17, item 4): NaN fails every comparison, so each
+    # float field is checked for finiteness before its range
+    *[(f"nonfinite-{section}.{name}-{text}", (lambda s, n, t: lambda c: c.setdefault(s, {}).update({n: t}))(
+        section, name, value), [], [f"{section}.{name}", "not a finite number"])
+      for section, name in [("model", "init_std"), ("model", "rms_norm_eps"), ("model", "rope_theta"),
+                            ("optimizer", "lr"), ("optimizer", "clip_grad"), ("optimizer", "weight_decay"),
+                            ("optimizer", "eps"), ("optimizer", "min_lr"), ("slurm", "mem_gb"),
+                            ("slurm", "gpu_memory_gb")]
+      for text, value in [("nan", float("nan")), ("inf", float("inf")), ("-inf", float("-inf"))]],
+    ("nonfinite-betas", lambda c: c["optimizer"].update(betas=[float("nan"), 0.95]), [],
+     ["optimizer.betas[0]", "not a finite number"]),
+    ("nonfinite-string-form", lambda c: c["optimizer"].update(lr="1e999"), [], ["optimizer.lr", "not a finite number"]),
+    ("int-digits", lambda c: c["optimizer"].update(lr=10**400), [], ["invalid YAML at line", "401 digits"]),
+    ("init-std-huge", lambda c: c["model"].update(init_std=1e30), [], ["model.init_std", "maximum 1.0"]),
+    ("rope-theta-zero", lambda c: c["model"].update(rope_theta=0.0), [], ["model.rope_theta", "above 0.0"]),
+    ("mem-gb-zero", lambda c: c["slurm"].update(mem_gb=0), [], ["slurm.mem_gb", "above 0.0"]),
+    ("mem-gb-huge", lambda c: c["slurm"].update(mem_gb=1e300), [], ["slurm.mem_gb", "maximum"]),
+    ("eps-negative", lambda c: c["optimizer"].update(eps=-1e-8), [], ["optimizer.eps", "minimum"]),
+    ("int-huge", lambda c: c["training"].update(train_steps=10**20), [], ["training.train_steps", "maximum"]),
+    ("dp-huge", lambda c: c["parallelism"].update(dp=10**9), [], ["parallelism.dp", "maximum"]),
+    ("world-huge", lambda c: c["parallelism"].update(dp=2**19, tp=4), [], ["parallelism:", "at most 1,048,576"]),
+    ("signal-delay-huge", lambda c: c["slurm"].update(signal_delay_s=70000), [], ["slurm.signal_delay_s", "65535"]),
+    ("time-huge", lambda c: c["slurm"].update(time=10**7), [], ["slurm.time", "maximum"]),
+    # strings: control characters anywhere, absurd lengths, over-long names (item 7)
+    ("string-nul", lambda c: c["data"].update(source="corpus\x00.jsonl"), [], ["data.source", "control character"]),
+    ("string-surrogate", lambda c: c["logging"].update(dir="logs\udc80"), [], ["logging.dir", "lone surrogate"]),
+    ("string-huge", lambda c: c["data"].update(text_column="x" * 100_000), [], ["data.text_column", "100,000 characters"]),
+    ("run-name-300", lambda c: c["logging"].update(run_name="r" * 300), [], ["logging.run_name", "300 characters"]),
+    ("huge-unknown-key", lambda c: c["model"].update({"k" * 100_000: 1}), [], ["model.kkkk", "unknown key"]),
+    # sbatch_extra that would break the job (item 10), including getopt abbreviations
+    ("sbatch-extra-wrap", lambda c: c["slurm"].update(sbatch_extra={"wrap": "hostname"}), [],
+     ["slurm.sbatch_extra.wrap", "--wrap", "replaces the batch script"]),
+    ("sbatch-extra-wrap-abbrev", lambda c: c["slurm"].update(sbatch_extra={"wra": "hostname"}), [],
+     ["slurm.sbatch_extra.wra", "--wrap", "abbreviation"]),
+    ("sbatch-extra-array", lambda c: c["slurm"].update(sbatch_extra={"array": "0-3"}), [],
+     ["slurm.sbatch_extra.array", "same run"]),
+    ("sbatch-extra-wait", lambda c: c["slurm"].update(sbatch_extra={"wait": "true"}), [],
+     ["slurm.sbatch_extra.wait", "block"]),
+    ("sbatch-extra-export", lambda c: c["slurm"].update(sbatch_extra={"export": "NONE"}), [],
+     ["slurm.sbatch_extra.export", "slurm.env"]),
+    ("sbatch-extra-mem-per-cpu", lambda c: c["slurm"].update(sbatch_extra={"mem_per_cpu": "2G"}), [],
+     ["slurm.sbatch_extra.mem_per_cpu", "slurm.mem_gb"]),
+    ("sbatch-extra-gpus-per-task", lambda c: c["slurm"].update(sbatch_extra={"gpus-per-task": "1"}), [],
+     ["slurm.sbatch_extra.gpus-per-task", "sets this option itself"]),
+    # --local: a process cap (item 10)
+    ("local-process-cap", lambda c: c["parallelism"].update(dp=100_000), ["--local"],
+     ["400,000 local processes", "at most"]),
     # command-line inputs
     ("set-no-equals", None, ["--set", "parallelism.tp"], ["--set", "section.field=value"]),
     ("set-unknown-key", None, ["--set", "training.steps=10"], ["training.steps", "did you mean 'train_steps'"]),
@@ -172,3 +221,93 @@ def test_resume_errors(tmp_path, capsys):
     assert code == 2 and "not a run directory" in err
     code, _, err = run_cli([TINY, "--resume", tmp_path], capsys)
     assert code == 2 and "--resume takes a run directory" in err
+
+
+# Whole files that are not a plain YAML document (issue 17, items 5 and 8): each is one `error:`
+# line naming the file and, for YAML problems, the line; the bomb answers in well under a second.
+BOMB = "".join(f"{a}: &{a} [{', '.join([f'*{p}'] * 9) if p else ', '.join(['lol'] * 9)}]\n"
+               for p, a in zip([None, *"abcdefgh"], "abcdefghi"))
+TINY_TEXT = TINY.read_text()
+RAW_FILES = [
+    ("alias-bomb", BOMB.encode(), ["invalid YAML at line 5", "alias *d", "10,000 values"]),
+    ("alias-bomb-in-field", (TINY_TEXT + "x: &x [a, a, a, a, a, a, a, a, a, a]\n" + "".join(
+        f"x{i}: &x{i} [{', '.join([f'*x{i - 1}' if i else '*x'] * 10)}]\n" for i in range(6))).encode(),
+     ["invalid YAML at line", "makes the document larger"]),
+    ("recursive-alias", b"slurm:\n  setup: &s [a, *s]\n", ["invalid YAML at line 2", "recursive"]),
+    ("duplicate-key", TINY_TEXT.replace("  dp: 2\n", "  dp: 2\n  dp: 4\n").encode(),
+     ["invalid YAML at line 6", "duplicate key 'dp' (first given at line 5)"]),
+    ("duplicate-section", (TINY_TEXT + "parallelism:\n  dp: 8\n").encode(),
+     ["duplicate key 'parallelism' (first given at line 4)"]),
+    ("deep-nesting", ("model: " + "[" * 5000 + "]" * 5000 + "\n").encode(), ["invalid YAML at line 1", "nested"]),
+    ("binary", bytes(range(256)) * 4, ["bad.yaml: not a UTF-8 text file", "offset 128"]),
+    ("nul-character", b"parallelism:\n  dp: 1\x00\n", ["bad.yaml: invalid YAML at line 2", "#x0000"]),
+    ("huge-file", b"# padding\n" * 200_000, ["bad.yaml: larger than 1024 KB"]),
+]
+
+
+@pytest.mark.parametrize("case", RAW_FILES, ids=[c[0] for c in RAW_FILES])
+def test_bad_file_exits_2_with_one_line(case, tmp_path, capsys, monkeypatch):
+    _, data, fragments = case
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(data)
+    start = time.process_time()  # CPU seconds: on a loaded machine wall time measures the machine
+    code, out, err = run_cli([path, "--dry-run"], capsys)
+    assert time.process_time() - start < 1.0
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("value,fragment", [
+    ("{A: '1', A: '2'}", "duplicate key 'A'"),
+    ("&a [x, *a]", "recursive"),
+    ("[" * 200 + "]" * 200, "nested"),
+])
+def test_set_value_is_strict_yaml_too(value, fragment, capsys):
+    code, _, err = run_cli([TINY, "--dry-run", "--set", f"slurm.env={value}"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and fragment in err, err
+
+
+def test_aliases_within_budget_and_merges_still_work(tmp_path, capsys):
+    """A config-sized alias (and a `<<:` merge that overrides a key) is fair use."""
+    path = tmp_path / "ok.yaml"
+    path.write_text(TINY_TEXT.replace("model:\n", "model:\n  num_layers: &four 4\n  num_attention_heads: *four\n")
+                    .replace("  num_layers: 4\n", "").replace("  num_attention_heads: 4\n", ""))
+    code, out, err = run_cli([path, "--dry-run", "--set", "slurm.sbatch_extra={<<: {mail-type: END}, "
+                              "mail-type: FAIL}"], capsys)
+    assert code == 0, err
+    assert "--mail-type=FAIL" in out
+
+
+def test_unreadable_config_names_the_file(tmp_path, capsys):
+    if Path("/proc/self/mem").is_file():  # a regular file whose read fails, even for root
+        path = Path("/proc/self/mem")
+    elif os.geteuid() != 0:
+        path = tmp_path / "secret.yaml"
+        path.write_text("parallelism: {dp: 1}\n")
+        path.chmod(0)
+    else:
+        pytest.skip("no way to make an unreadable file here")
+    code, _, err = run_cli([path, "--dry-run"], capsys)
+    assert code == 2 and err.startswith(f"error: {path}: cannot read the config file") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("section,name,value,fragment", [
+    ("optimizer", "lr", float("nan"), "optimizer.lr: nan is not a finite number"),
+    ("model", "init_std", float("inf"), "model.init_std: inf is not a finite number"),
+    ("optimizer", "betas", (0.9, float("nan")), "optimizer.betas[1]: nan is not a finite number"),
+    ("slurm", "mem_gb", float("-inf"), "slurm.mem_gb: -inf is not a finite number"),
+    ("parallelism", "dp", 0, "parallelism.dp: 0 is below the minimum 1"),
+])
+def test_validate_rechecks_fields_of_a_config_built_in_code(section, name, value, fragment):
+    """A Config made in code (or changed after loading) meets the same per-field checks."""
+    from nanotrain.config import Config, ConfigError, validate
+
+    config = Config()
+    setattr(getattr(config, section), name, value)
+    with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        validate(config)

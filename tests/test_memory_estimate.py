@@ -49,6 +49,18 @@ def test_warning_when_over_gpu_memory():
     assert len(describe(load_config(ROOT / "configs" / "3d_16gpu.yaml"))) == 1
 
 
+@pytest.mark.parametrize("gpu_memory", [None, 80])
+def test_absurd_estimate_warns_even_without_gpu_memory(gpu_memory):
+    """hidden_size 10**12 (a typo) used to pass --dry-run silently when gpu_memory_gb was unset."""
+    sets = ["model.hidden_size=1000000000000", "model.intermediate_size=4000000000000"]
+    if gpu_memory is not None:
+        sets.append(f"slurm.gpu_memory_gb={gpu_memory}")
+    lines = describe(load_config(TINY, sets))
+    assert len(lines) == 2 and "e+" in lines[0]  # huge numbers in short form, not 30 digits
+    assert lines[1].startswith("warning: the estimate") and "more than any accelerator holds" in lines[1]
+    assert "model.hidden_size" in lines[1]
+
+
 def _children_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime

@@ -8,25 +8,45 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
 
-from nanotrain.config.schema import Config
+from nanotrain.config import strict_yaml
+from nanotrain.config.schema import MAX_INT, Config
+
+MAX_STRING = 4096  # the longest path Linux takes; no config string needs more
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class ConfigError(ValueError):
     """A user error in a config file or override: the message is one line, ready to print."""
 
 
+def _shown(key: Any) -> str:
+    text = str(key)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _closest(name: str, valid) -> str:
+    if len(name) > 60:  # difflib is quadratic; nothing that long is a typo of a field name
+        return f"; valid keys: {', '.join(valid)}"
     match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
     return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(valid)}"
 
 
 def _describe(value: Any) -> str:
+    """A short, bounded description: an error path must never build the repr of a huge value."""
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} item(s)"
+    if isinstance(value, dict):
+        return f"a mapping of {len(value)} key(s)"
+    if isinstance(value, str) and len(value) > 60:
+        return f"{value[:57] + '...'!r} (str of {len(value)} characters)"
     return f"{value!r} ({type(value).__name__})"
 
 
@@ -57,17 +77,10 @@ def _parse_value(where: str, hint: Any, value: Any) -> Any:
             return value
         return _fail(f"{where}: expected an integer, got {_describe(value)}")
     if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        return _fail(f"{where}: expected a number, got {_describe(value)}")
+        return _parse_float(where, value)
     if hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
+            return _check_string(where, str(value))
         return _fail(f"{where}: expected a string, got {_describe(value)}")
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
@@ -80,7 +93,8 @@ def _parse_value(where: str, hint: Any, value: Any) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             return _fail(f"{where}: expected a mapping of key: value, got {_describe(value)}")
-        return {str(k): _parse_value(f"{where}.{k}", args[1], v) for k, v in value.items()}
+        return {_check_string(f"{where} key", str(k)): _parse_value(f"{where}.{k}", args[1], v)
+                for k, v in value.items()}
     raise TypeError(f"unsupported config type {hint!r} for {where}")  # a bug in schema.py
 
 
@@ -88,13 +102,57 @@ def _fail(message: str):
     raise ConfigError(message)
 
 
+def _parse_float(where: str, value: Any) -> float:
+    """A finite float. NaN and infinity are refused here, for every float field at once: a range
+    check cannot catch NaN (every comparison with it is false), and either trains to `loss nan`."""
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond 1.8e308
+            return _fail(f"{where}: {_describe(value)} is too large for a number")
+    elif isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    if number is None:
+        return _fail(f"{where}: expected a number, got {_describe(value)}")
+    if not math.isfinite(number):
+        return _fail(f"{where}: {number} is not a finite number: give a real value such as the default")
+    return number
+
+
+def _check_string(where: str, text: str) -> str:
+    """Strings end up in paths, sbatch lines and shell: one printable line of sane length."""
+    if len(text) > MAX_STRING:
+        return _fail(f"{where}: a string of {len(text):,} characters; at most {MAX_STRING} are accepted")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate ("\udc80"): no file system or log takes it
+        return _fail(f"{where}: contains {text[exc.start]!r} at position {exc.start}, which is not a Unicode "
+                     "character (a lone surrogate): remove it")
+    bad = _CONTROL.search(text)
+    if bad:
+        return _fail(f"{where}: contains the control character {bad.group()!r} at position {bad.start()}: "
+                     "one line of printable text, please")
+    return text
+
+
 def _check_range(where: str, meta: typing.Mapping, value: Any) -> None:
+    """Inclusive `min`/`max` (`min_exclusive` makes the minimum strict); integers without a
+    `max` are bounded by `MAX_INT`, beyond which the arithmetic of a plan stops being exact.
+    Written as `not (value >= lo)` so that a NaN could never pass (it is refused earlier too)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return
     lo, hi = meta.get("min"), meta.get("max")
-    if lo is not None and value < lo:
+    if hi is None and isinstance(value, int):
+        hi = MAX_INT
+    if lo is not None and meta.get("min_exclusive") and not value > lo:
+        raise ConfigError(f"{where}: {value} must be above {lo}")
+    if lo is not None and not value >= lo:
         raise ConfigError(f"{where}: {value} is below the minimum {lo}")
-    if hi is not None and value > hi:
+    if hi is not None and not value <= hi:
         raise ConfigError(f"{where}: {value} is above the maximum {hi}")
 
 
@@ -108,12 +166,27 @@ def _build_section(section: str, cls: type, raw: Any):
     kwargs = {}
     for key, value in raw.items():
         if key not in fields:
-            raise ConfigError(f"{section}.{key}: unknown key in section '{section}'{_closest(str(key), fields)}")
+            raise ConfigError(f"{section}.{_shown(key)}: unknown key in section '{section}'"
+                              f"{_closest(str(key), fields)}")
         where = f"{section}.{key}"
         parsed = _parse_value(where, hints[key], value)
         _check_range(where, fields[key].metadata, parsed)
         kwargs[key] = parsed
     return cls(**kwargs)
+
+
+def check_fields(config: Config) -> None:
+    """The per-field checks again, on a `Config` that may not come from YAML (built in code, or
+    changed after loading): every float finite, every number in its range."""
+    for name in sections():
+        section = getattr(config, name)
+        for f in dataclasses.fields(section):
+            where, value = f"{name}.{f.name}", getattr(section, f.name)
+            for i, item in enumerate(value if isinstance(value, tuple) else (value,)):
+                if isinstance(item, float) and not math.isfinite(item):
+                    at = f"{where}[{i}]" if isinstance(value, tuple) else where
+                    raise ConfigError(f"{at}: {item} is not a finite number: give a real value such as the default")
+            _check_range(where, f.metadata, value)
 
 
 def sections() -> dict[str, type]:
@@ -130,7 +203,7 @@ def config_from_dict(raw: Any) -> Config:
     known = sections()
     for key in raw:
         if key not in known:
-            raise ConfigError(f"{key}: unknown section{_closest(str(key), known)}")
+            raise ConfigError(f"{_shown(key)}: unknown section{_closest(str(key), known)}")
     return Config(**{name: _build_section(name, cls, raw.get(name)) for name, cls in known.items()})
 
 
@@ -165,9 +238,10 @@ def apply_override(raw: dict, assignment: str) -> None:
             typing.get_type_hints(known[keys[0]])[keys[1]]) is not dict):
         raise ConfigError(f"--set {path}: '{keys[0]}.{keys[1]}' has no sub-keys")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = strict_yaml.load(text) if text.strip() else None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {path}: the value is not valid YAML ({exc.problem})") from None
+        raise ConfigError(f"--set {path}: the value is not valid YAML "
+                          f"({strict_yaml.error_line(exc, text)[1]})") from None
     node = raw.setdefault(keys[0], {})
     if node is None:
         node = raw[keys[0]] = {}
@@ -182,15 +256,31 @@ def apply_override(raw: dict, assignment: str) -> None:
 
 
 def read_yaml(path: str | Path) -> dict:
+    """The YAML document of a config file; every way a file can be wrong is one ConfigError
+    that names the file (and the line, for YAML problems)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found: pass the path of a YAML file, e.g. configs/tiny_cpu.yaml")
     try:
-        raw = yaml.safe_load(path.read_text())
+        with open(path, "rb") as f:
+            data = f.read(strict_yaml.MAX_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror or exc}): "
+                          "check its permissions") from None
+    if len(data) > strict_yaml.MAX_BYTES:
+        raise ConfigError(f"{path}: larger than {strict_yaml.MAX_BYTES // 1024} KB; a config is a few KB "
+                          "of YAML (is this the right file?)")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a UTF-8 text file (byte 0x{data[exc.start]:02x} at offset "
+                          f"{exc.start}): a config is a YAML text file (is this the right file?)") from None
+    try:
+        raw = strict_yaml.load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}: invalid YAML{at}: {getattr(exc, 'problem', exc)}") from None
+        line, problem = strict_yaml.error_line(exc, text)
+        at = f" at line {line}" if line is not None else ""
+        raise ConfigError(f"{path}: invalid YAML{at}: {problem}") from None
     return {} if raw is None else raw
 
 

@@ -9,10 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+# Integers without their own maximum stop here: beyond 2**53 floats (the memory estimate, the
+# plan) are no longer exact, and a YAML integer of any size would otherwise be taken.
+MAX_INT = 2**53
+# The most ranks one job may have (the largest clusters have ~10^5 accelerators); keeps every
+# plan and rank-grid listing of --dry-run within a fraction of a second.
+MAX_WORLD = 2**20
 
-def bounded(default, lo=None, hi=None, doc: str = ""):
-    """A field with an inclusive numeric range, checked by the loader with the field's name."""
-    return field(default=default, metadata={"min": lo, "max": hi, "doc": doc})
+
+def bounded(default, lo=None, hi=None, doc: str = "", above: bool = False):
+    """A field with an inclusive numeric range (`above`: the minimum itself is excluded), checked
+    by the loader with the field's name. Floats must also be finite (the loader refuses NaN/inf)."""
+    return field(default=default, metadata={"min": lo, "max": hi, "min_exclusive": above, "doc": doc})
 
 
 def doc(default, text: str):
@@ -24,13 +32,13 @@ def doc(default, text: str):
 
 @dataclass
 class ParallelismArgs:
-    dp: int = bounded(1, 1, doc="data-parallel replicas")
-    tp: int = bounded(1, 1, doc="tensor-parallel shards of each layer")
-    pp: int = bounded(1, 1, doc="pipeline stages")
-    cp: int = bounded(1, 1, doc="context-parallel ranks: each holds 2 of 2*cp zig-zag chunks of every sequence")
-    ep: int = bounded(1, 1, doc="expert-parallel groups (reserved: only 1 until the model has experts)")
+    dp: int = bounded(1, 1, MAX_WORLD, doc="data-parallel replicas")
+    tp: int = bounded(1, 1, MAX_WORLD, doc="tensor-parallel shards of each layer")
+    pp: int = bounded(1, 1, MAX_WORLD, doc="pipeline stages")
+    cp: int = bounded(1, 1, MAX_WORLD, doc="context-parallel ranks: each holds 2 of 2*cp zig-zag chunks of every sequence")
+    ep: int = bounded(1, 1, MAX_WORLD, doc="expert-parallel groups (reserved: only 1 until the model has experts)")
     pp_engine: Literal["afab", "1f1b", "interleaved_1f1b"] = doc("1f1b", "pipeline schedule")
-    pp_virtual_stages: int = bounded(1, 1, doc="model chunks per pp rank (interleaved_1f1b)")
+    pp_virtual_stages: int = bounded(1, 1, 1024, doc="model chunks per pp rank (interleaved_1f1b)")
     tp_mode: Literal["ALL_REDUCE", "REDUCE_SCATTER"] = doc(
         "ALL_REDUCE", "REDUCE_SCATTER = sequence parallelism")
     tp_linear_async_communication: bool = doc(False, "overlap TP collectives with matmuls")
@@ -49,13 +57,13 @@ class ModelArgs:
     num_attention_heads: int = bounded(4, 1, doc="query heads")
     num_key_value_heads: Optional[int] = bounded(None, 1, doc="defaults to num_attention_heads")
     max_position_embeddings: int = bounded(2048, 1, doc="longest sequence RoPE is built for")
-    rope_theta: float = bounded(10000.0, 1e-9, doc="RoPE base")
+    rope_theta: float = bounded(10000.0, 0.0, 1e12, doc="RoPE base", above=True)
     rms_norm_eps: float = bounded(1e-5, 0.0, 1.0, doc="RMSNorm epsilon")
     tie_word_embeddings: bool = doc(False, "LM head shares the embedding matrix")
     dtype: Literal["float32", "bfloat16", "float16"] = doc(
         "bfloat16", "compute dtype (autocast, on GPU and CPU); weights, grads and optimizer stay "
         "float32; float16 is refused (no loss scaler)")
-    init_std: float = bounded(0.02, 0.0, doc="std of the normal init of weights")
+    init_std: float = bounded(0.02, 0.0, 1.0, doc="std of the normal init of weights")
 
 
 @dataclass
@@ -71,10 +79,10 @@ class TrainingArgs:
 
 @dataclass
 class OptimizerArgs:
-    lr: float = bounded(3e-4, 0.0, doc="peak learning rate")
+    lr: float = bounded(3e-4, 0.0, 10.0, doc="peak learning rate (a larger one is a typo: 3e4 for 3e-4)")
     weight_decay: float = bounded(0.1, 0.0, doc="AdamW decay of matrices (not norms)")
     betas: tuple[float, float] = doc((0.9, 0.95), "AdamW (beta1, beta2), each in [0, 1)")
-    eps: float = bounded(1e-8, 0.0, doc="AdamW epsilon")
+    eps: float = bounded(1e-8, 0.0, 1.0, doc="AdamW epsilon")
     clip_grad: Optional[float] = bounded(1.0, 0.0, doc="global grad-norm clip; null disables")
     warmup_steps: int = bounded(0, 0, doc="linear warm-up steps")
     lr_decay_style: Literal["cosine", "linear", "constant"] = doc("cosine", "decay to min_lr at train_steps")
@@ -87,7 +95,7 @@ class DataArgs:
     source: str = doc("stdlib", "files/dir/glob, a hub dataset name, or 'stdlib' (Python's own sources)")
     text_column: str = doc("text", "column holding the text")
     tokenizer: str = doc("byte", "'byte' or a path to a tokenizer.json")
-    num_workers: int = bounded(0, 0, doc="tokenisation processes")
+    num_workers: int = bounded(0, 0, 1024, doc="tokenisation processes")
 
 
 @dataclass
@@ -109,12 +117,12 @@ class LoggingArgs:
 
 @dataclass
 class SlurmArgs:
-    gpus_per_node: int = bounded(0, 0, doc="0 = CPU-only cluster (then tasks_per_node)")
-    tasks_per_node: Optional[int] = bounded(None, 1, doc="CPU clusters; GPU: = gpus_per_node")
-    cpus_per_task: int = bounded(1, 1, doc="also OMP_NUM_THREADS of each task")
-    mem_gb: Optional[float] = bounded(None, 0.0, doc="memory per node")
-    gpu_memory_gb: Optional[float] = bounded(None, 0.0, doc="for the --dry-run memory estimate")
-    time: int = bounded(60, 1, doc="time limit, minutes")
+    gpus_per_node: int = bounded(0, 0, 1024, doc="0 = CPU-only cluster (then tasks_per_node)")
+    tasks_per_node: Optional[int] = bounded(None, 1, 65536, doc="CPU clusters; GPU: = gpus_per_node")
+    cpus_per_task: int = bounded(1, 1, 65536, doc="also OMP_NUM_THREADS of each task")
+    mem_gb: Optional[float] = bounded(None, 0.0, 1e6, doc="memory per node", above=True)
+    gpu_memory_gb: Optional[float] = bounded(None, 0.0, 1e6, doc="for the --dry-run memory estimate", above=True)
+    time: int = bounded(60, 1, 525600, doc="time limit, minutes (at most a year)")
     partition: Optional[str] = doc(None, "SLURM partition")
     account: Optional[str] = doc(None, "SLURM account")
     qos: Optional[str] = doc(None, "SLURM quality of service")
@@ -123,8 +131,8 @@ class SlurmArgs:
     max_requeues: int = bounded(3, 0, doc="requeues after preemption / time limit")
     signal: Literal["USR1", "USR2", "TERM", "INT", "HUP"] = doc(
         "USR2", "sent by SLURM before the time limit / on preemption")
-    signal_delay_s: int = bounded(120, 0, doc="seconds before the limit that the signal comes")
-    setup: list[str] = doc(list, "shell lines run before srun (module load, source venv)")
+    signal_delay_s: int = bounded(120, 0, 65535, doc="seconds before the limit that the signal comes")
+    setup: list[str] = doc(list, "trusted shell lines run before srun (module load, source venv)")
     sbatch_extra: dict[str, str] = doc(dict, "extra #SBATCH options, e.g. {mail-type: END}")
     env: dict[str, str] = doc(dict, "exported before init (NCCL_*, InfiniBand settings)")
 

@@ -2,15 +2,17 @@
 
 Each check raises `ConfigError` with one line naming the field(s) and the fix. Per-field types and
 ranges are checked by the loader; here live the rules that relate fields to each other, to the
-world size, and to the shell script the job becomes (no value may inject shell into sbatch).
+world size, and to the sbatch script the job becomes: no *value* (names, #SBATCH options,
+environment) may inject shell. `slurm.setup` is the exception by design: its lines are shell that
+the user writes and trusts (module load, source venv), checked only to be one line each.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-from nanotrain.config.loader import ConfigError
-from nanotrain.config.schema import Config
+from nanotrain.config.loader import ConfigError, check_fields
+from nanotrain.config.schema import MAX_WORLD, Config
 
 # SLURM names (partition, account, qos, constraint expressions) never need shell metacharacters.
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9_.,:|&*\[\]@+-]+$")
@@ -21,7 +23,22 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # Options that nanotrain derives itself; setting them in sbatch_extra would contradict the grid.
 _DERIVED_SBATCH = {"nodes", "ntasks", "ntasks-per-node", "gpus-per-node", "gpus", "gres", "time",
                    "partition", "account", "qos", "constraint", "cpus-per-task", "mem", "signal",
-                   "output", "error", "job-name", "exclusive", "open-mode", "requeue"}
+                   "output", "error", "job-name", "exclusive", "open-mode", "requeue",
+                   "gpus-per-task", "ntasks-per-gpu", "gpus-per-socket", "cpus-per-gpu", "tres-per-task"}
+# Options that would break the job rather than contradict a field, and why.
+_BREAKING_SBATCH = {
+    "wrap": "it replaces the batch script, so the training command would never run",
+    "array": "every array task would train the same run in the same directory",
+    "wait": "sbatch would block until the job ends",
+    "test-only": "sbatch would submit nothing",
+    "parsable": "it changes the output that the job id is read from",
+    "no-requeue": "preemption and time-limit saves requeue the job",
+    "export": "the job needs the submitting environment; set variables with slurm.env",
+    "export-file": "the job needs the submitting environment; set variables with slurm.env",
+    "help": "it is not a job option", "usage": "it is not a job option", "version": "it is not a job option",
+}
+_MEM_OPTIONS = ("mem-per-cpu", "mem-per-gpu")
+MAX_RUN_NAME = 200  # a file name is at most 255 bytes, and --emit adds ".sbatch"
 
 
 def _fail(message: str):
@@ -37,6 +54,9 @@ def validate_model(config: Config) -> None:
     """Rules that tie the model shape to the parallel layout and the batch."""
     m, p, t = config.model, config.parallelism, config.training
     kv = m.num_key_value_heads or m.num_attention_heads
+    if p.world_size > MAX_WORLD:
+        _fail(f"parallelism: {parallel_product(config)} ranks; at most {MAX_WORLD:,} are supported: "
+              "lower dp, tp, pp or cp")
     # The grid and its groups support ep (ParallelContext), but the model is dense: such ranks
     # would silently train as data replicas.
     if p.ep > 1:
@@ -112,6 +132,9 @@ def validate_names(config: Config) -> None:
         if path is not None and _CONTROL.search(path):
             _fail(f"{where}: a path without newlines or control characters, please")
     run = config.logging.run_name
+    if run is not None and len(run) > MAX_RUN_NAME:
+        _fail(f"logging.run_name: {len(run)} characters; at most {MAX_RUN_NAME} (it names a directory "
+              "and files): choose a shorter name")
     if run is not None and not _RUN_NAME.match(run):
         _fail(f"logging.run_name: {run!r} must be letters, digits, '.', '_' or '-' (it is a directory name)")
     for i, line in enumerate(s.setup):
@@ -120,9 +143,7 @@ def validate_names(config: Config) -> None:
     for key, value in s.sbatch_extra.items():
         if not _SBATCH_KEY.match(key):
             _fail(f"slurm.sbatch_extra.{key}: not an sbatch option name (lowercase, e.g. mail-type)")
-        if key.replace("_", "-") in _DERIVED_SBATCH:
-            _fail(f"slurm.sbatch_extra.{key}: nanotrain sets this option itself; use the slurm.* field "
-                  "or the parallelism sizes instead")
+        check_sbatch_option(key, mem_set=s.mem_gb is not None)
         if _CONTROL.search(value):
             _fail(f"slurm.sbatch_extra.{key}: the value must be one line without control characters")
     for key, value in s.env.items():
@@ -130,6 +151,25 @@ def validate_names(config: Config) -> None:
             _fail(f"slurm.env.{key}: not a valid environment variable name")
         if _CONTROL.search(value):
             _fail(f"slurm.env.{key}: the value must be one line without control characters")
+
+
+def check_sbatch_option(key: str, mem_set: bool) -> None:
+    """One `slurm.sbatch_extra` key. sbatch (getopt) accepts any unambiguous prefix of an option,
+    so `wra` is `--wrap`: a key that abbreviates a refused option is refused too."""
+    option = key.replace("_", "-")
+    where = f"slurm.sbatch_extra.{key}"
+    refused = sorted(_DERIVED_SBATCH | set(_BREAKING_SBATCH) | (set(_MEM_OPTIONS) if mem_set else set()))
+    full = option if option in refused else next((o for o in refused if o.startswith(option)), None)
+    if full is None:
+        return
+    named = f"--{full}" + (f" (as the abbreviation --{option})" if full != option else "")
+    if full in _DERIVED_SBATCH:
+        _fail(f"{where}: nanotrain sets this option itself ({named}); use the slurm.* field or the "
+              "parallelism sizes instead")
+    if full in _MEM_OPTIONS:
+        _fail(f"{where}: {named} conflicts with slurm.mem_gb (sbatch takes one of --mem, --mem-per-cpu, "
+              "--mem-per-gpu): drop one of them")
+    _fail(f"{where}: {named} would break the job ({_BREAKING_SBATCH[full]}): remove it")
 
 
 @dataclass(frozen=True)
@@ -169,6 +209,7 @@ def check_world_size(config: Config, world_size: int, where: str) -> None:
 
 def validate(config: Config, *, slurm: bool = False) -> SlurmLayout | None:
     """All pre-submission checks; returns the SLURM layout when `slurm` is true."""
+    check_fields(config)
     validate_model(config)
     validate_optimizer(config)
     validate_names(config)

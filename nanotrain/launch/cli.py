@@ -8,15 +8,20 @@ reported as one `error:` line with exit status 2. With no flag the job goes to S
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from nanotrain.config import Config, ConfigError, SlurmLayout, load_config, validate
+from nanotrain.config.validate import validate_names
 from nanotrain.launch import rundir, sbatch
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 class _Parser(argparse.ArgumentParser):
@@ -79,6 +84,8 @@ def dry_run(config: Config, layout: SlurmLayout | None, run_dir: Path, config_ar
 
     for line in describe_memory(config):
         print(line)
+    if layout is not None and sbatch.partition_problem(config):
+        print(f"warning: {sbatch.partition_problem(config)} (sbatch here would refuse the job)")
     print(grid_summary(config))
     if layout is None:
         print(f"\nlocal: {config.parallelism.world_size} processes of "
@@ -90,21 +97,50 @@ def dry_run(config: Config, layout: SlurmLayout | None, run_dir: Path, config_ar
 
 
 def emit(config: Config, layout: SlurmLayout, out_dir: Path) -> int:
-    out_dir.mkdir(parents=True, exist_ok=True)
     name = config.logging.run_name
     config_path = (out_dir / f"{name}.yaml").resolve()
     from nanotrain.config import dump_config
 
-    dump_config(config, config_path)
     script = out_dir / f"{name}.sbatch"
-    script.write_text(sbatch.render_sbatch(config, layout, rundir.run_dir_of(config),
-                                           sbatch.task_command(config_path)))
-    script.chmod(0o755)
-    # SLURM opens the job's --output file before the script runs: its folder must exist.
-    sbatch.job_folder(rundir.run_dir_of(config)).mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(config, config_path)
+        script.write_text(sbatch.render_sbatch(config, layout, rundir.run_dir_of(config),
+                                               sbatch.task_command(config_path)))
+        script.chmod(0o755)
+    except OSError as exc:
+        raise rundir.os_error("--emit", exc) from None
+    try:
+        # SLURM opens the job's --output file before the script runs: its folder must exist.
+        sbatch.job_folder(rundir.run_dir_of(config)).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise rundir.os_error("logging.dir", exc) from None
     print(f"wrote {script} and {config_path}")
     print(f"submit with: sbatch {script}")
     return 0
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost directory of `path` that does not exist yet (what a mkdir -p would make)."""
+    missing = None
+    while not path.exists() and path != path.parent:
+        missing, path = path, path.parent
+    return missing
+
+
+def _undo_run_dir(run_dir: Path, existed: set[Path] | None, old_config: bytes | None,
+                  made: Path | None) -> None:
+    """After a refused submission leave the run directory as it was: gone (with the parents we
+    made) if we made it, else without the pickled job and submission script we added, and with
+    its previous config."""
+    if existed is None:
+        shutil.rmtree(made or run_dir, ignore_errors=True)
+        return
+    for path in set(run_dir.rglob("*")) - existed:
+        if path.is_file() or path.is_symlink():
+            path.unlink(missing_ok=True)
+    if old_config is not None:
+        (run_dir / rundir.CONFIG_FILE).write_bytes(old_config)
 
 
 def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
@@ -112,16 +148,23 @@ def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
 
     from nanotrain.launch.task import TrainingTask
 
+    existed = set(run_dir.rglob("*")) if run_dir.is_dir() else None
+    made = _first_missing(run_dir)
+    old_config = (run_dir / rundir.CONFIG_FILE).read_bytes() if (run_dir / rundir.CONFIG_FILE).is_file() else None
     config_path = rundir.write_run_dir(config, run_dir)
     executor = submitit.SlurmExecutor(folder=sbatch.job_folder(run_dir),
                                       max_num_timeout=config.slurm.max_requeues)
     executor.update_parameters(**sbatch.executor_parameters(config, layout))
+    captured = io.StringIO()  # submitit prints sbatch's stderr itself; we say it in one line
     try:
-        job = executor.submit(TrainingTask(), str(config_path))
-    except (subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as exc:
-        detail = str(getattr(exc, "stderr", None) or exc).strip().splitlines()
-        print(f"error: sbatch refused the job: {detail[-1] if detail else exc}", file=sys.stderr)
+        with contextlib.redirect_stderr(captured):
+            job = executor.submit(TrainingTask(), str(config_path))
+    except (OSError, subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as exc:
+        _undo_run_dir(run_dir, existed, old_config, made)
+        detail = str(getattr(exc, "stderr", None) or exc) + "\n" + captured.getvalue()
+        print(f"error: sbatch refused the job: {sbatch.sbatch_error(detail)}", file=sys.stderr)
         return EXIT_USER_ERROR
+    sys.stderr.write(captured.getvalue())  # sbatch's warnings of an accepted job
     rundir.write_launch_record(run_dir, mode="slurm", job_id=job.job_id, argv=sys.argv[1:])
     print(f"submitted job {job.job_id}: {describe_layout(config, layout)}")
     print(f"run directory: {run_dir}")
@@ -133,14 +176,19 @@ def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
 
 
 def run_locally(config: Config, run_dir: Path) -> int:
-    from nanotrain.launch.local import run_local, task_command
+    from nanotrain.launch.local import Interrupted, report_interrupt, run_local, task_command
 
     config_path = rundir.write_run_dir(config, run_dir)
     rundir.write_launch_record(run_dir, mode="local", argv=sys.argv[1:])
     world = config.parallelism.world_size
     print(f"local run: {describe_layout(config, None)}; run directory: {run_dir}", flush=True)
-    status = run_local(task_command(config_path), world, sbatch.job_folder(run_dir),
-                       stream_ranks=(0, metrics_rank(config)))
+    try:
+        status = run_local(task_command(config_path), world, sbatch.job_folder(run_dir),
+                           stream_ranks=(0, metrics_rank(config)))
+    except Interrupted as stop:
+        print(report_interrupt(run_dir, Path(config.checkpoints.path), stop), file=sys.stderr,
+              flush=True)
+        return EXIT_INTERRUPTED
     print(f"tensorboard: tensorboard --logdir {config.logging.dir}", flush=True)
     return status
 
@@ -167,7 +215,29 @@ def _config_of(args) -> tuple[Config, str, str | None]:
     return config, str(run_dir / rundir.CONFIG_FILE), rundir.read_launch_record(run_dir).get("mode")
 
 
+def check_paths(config: Config, run_dir: Path, emit_dir: str | None) -> None:
+    """Every directory the launch will write: creatable and writable, checked before any of it
+    is made (and by --dry-run, which promises that the launch would work)."""
+    rundir.check_can_create(run_dir, "logging.dir")
+    rundir.check_can_create(Path(config.checkpoints.path), "checkpoints.path")
+    if emit_dir is not None:
+        rundir.check_can_create(Path(emit_dir), "--emit")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Ctrl-C before the ranks start (while validating, writing, submitting) is exit 130 with a
+    line saying nothing was started, not a traceback; a broken stdout pipe (`| head`) is quiet."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("\ninterrupted: no run was started", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader went away: nothing left to say; the flush at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # must not fail either
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.status is not None:
@@ -186,20 +256,35 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("this run was launched on SLURM but `sbatch` is not on PATH: "
                               "resume it where SLURM runs, or add --local")
         layout = validate(config, slurm=use_slurm)
+        if not use_slurm:
+            from nanotrain.launch.local import check_process_count
+
+            check_process_count(config.parallelism.world_size)
+        elif not (args.emit or args.dry_run) and sbatch.partition_problem(config):
+            raise ConfigError(sbatch.partition_problem(config))  # plans may target another cluster
         from nanotrain.data import check_data_config
 
         check_data_config(config.data, vocab_size=config.model.vocab_size)
         run_dir = rundir.resolve_run(config, config_arg)
+        validate_names(config)  # again: the default run name is only known now
+        check_paths(config, run_dir, args.emit)
     except ValueError as exc:  # ConfigError, DataError: user errors
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    if args.dry_run:
-        return dry_run(config, layout, run_dir, config_arg)
-    if args.emit:
-        return emit(config, layout, Path(args.emit))
-    if use_slurm:
-        return submit_slurm(config, layout, run_dir)
-    return run_locally(config, run_dir)
+    try:
+        if args.dry_run:
+            return dry_run(config, layout, run_dir, config_arg)
+        if args.emit:
+            return emit(config, layout, Path(args.emit))
+        if use_slurm:
+            return submit_slurm(config, layout, run_dir)
+        return run_locally(config, run_dir)
+    except ConfigError as exc:  # a write that failed although the checks passed (a race, a quota)
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:  # while writing or submitting (a local run handles its own Ctrl-C)
+        print(f"\ninterrupted: see what was started with: python submit.py --status {run_dir}", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 Why not submitit's local executor: it neither streams output nor ends the other ranks when one
 fails. Here rank 0's output (and the metrics rank's) streams to the terminal (and to `job/rank-R.log`), every other rank
 writes `job/rank-R.log`, the first rank that fails ends the rest within seconds (a hang is a
-failure), and SIGINT/SIGTERM/SIGUSR1/SIGUSR2 sent to the launcher are passed on to every rank —
-the same signals SLURM sends before a preemption or time limit.
+failure), and SIGTERM/SIGUSR1/SIGUSR2 sent to the launcher are passed on to every rank — the
+same signals SLURM sends before a preemption or time limit. Ctrl-C (SIGINT) becomes SIGTERM for
+the ranks: they save at the next step boundary and stop, as on a preemption, and the launcher
+then says what was saved and how to resume (exit 130); a second Ctrl-C kills them at once.
 """
 from __future__ import annotations
 
@@ -16,11 +18,52 @@ import threading
 import time
 from pathlib import Path
 
+from nanotrain.config import ConfigError
 from nanotrain.launch.env import free_port
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 _CLEARED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
             "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID", "SLURM_JOB_ID")
+
+
+def max_local_processes() -> int:
+    """More local ranks than this is a typo (dp: 100000), not a test: each rank is a Python
+    process with torch loaded (~0.3 GB), all on this one machine."""
+    return max(64, 2 * (os.cpu_count() or 1))
+
+
+def check_process_count(world_size: int) -> None:
+    cap = max_local_processes()
+    if world_size > cap:
+        raise ConfigError(f"parallelism: dp*tp*pp*cp*ep = {world_size:,} local processes; a local run starts "
+                          f"at most {cap} (this machine has {os.cpu_count()} CPUs): lower dp/tp/pp/cp, "
+                          "or submit to SLURM")
+
+
+class Interrupted(Exception):
+    """Ctrl-C ended a local run; `forced`: a second Ctrl-C killed the ranks without a save;
+    `failed`: a rank that did not stop cleanly (its status and log), or None."""
+
+    def __init__(self, forced: bool, failed: str | None = None):
+        super().__init__("interrupted")
+        self.forced, self.failed = forced, failed
+
+
+def report_interrupt(run_dir: Path, checkpoints: Path, stop: Interrupted) -> str:
+    """What a user needs after Ctrl-C: the checkpoint a resume starts from, and the command."""
+    from nanotrain.checkpoint.format import load_candidates  # torch: only now, not at every launch
+
+    if stop.forced:
+        how = "the ranks were killed (second Ctrl-C)"
+    elif stop.failed:
+        how = f"{stop.failed} while stopping"
+    else:
+        how = "the ranks saved at a step boundary and stopped"
+    found = load_candidates(checkpoints)
+    resume = f"python submit.py --resume {run_dir}"
+    if not found:
+        return f"interrupted: {how}; no checkpoint was saved yet, so {resume} starts from step 0"
+    return f"interrupted: {how}; latest checkpoint: {found[0]}; resume with: {resume}"
 
 
 def rank_env(rank: int, world_size: int, port: int, threads: int) -> dict[str, str]:
@@ -70,45 +113,66 @@ def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool
     port = free_port()
     procs: list[subprocess.Popen] = []
     tees: list[threading.Thread] = []
-    for rank in range(world_size):
-        env = rank_env(rank, world_size, port, threads)
-        if rank in stream_ranks and not quiet:
-            proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            tee = threading.Thread(target=_tee, args=(proc.stdout, sys.stdout.buffer, log_dir / f"rank-{rank}.log"),
-                                   daemon=True)
-            tee.start()
-            tees.append(tee)
-        else:
-            with open(log_dir / f"rank-{rank}.log", "ab") as log:
-                proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        procs.append(proc)
-
     previous = {sig: signal.getsignal(sig) for sig in FORWARDED_SIGNALS}
+    interrupts: list[int] = []  # Ctrl-C count; the handler only records and forwards
 
     def forward(signum, _frame):
+        if signum == signal.SIGINT:
+            interrupts.append(signum)
+            signum = signal.SIGTERM if len(interrupts) == 1 else signal.SIGKILL
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
+    # Installed before the first rank starts: a Ctrl-C while they start reaches those started.
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, forward)
     try:
-        status = _wait(procs, log_dir)
+        for rank in range(world_size):
+            if interrupts:
+                break  # interrupted while starting: start no more
+            env = rank_env(rank, world_size, port, threads)
+            if rank in stream_ranks and not quiet:
+                proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+                tee = threading.Thread(target=_tee, args=(proc.stdout, sys.stdout.buffer,
+                                                          log_dir / f"rank-{rank}.log"), daemon=True)
+                tee.start()
+                tees.append(tee)
+            else:
+                with open(log_dir / f"rank-{rank}.log", "ab") as log:
+                    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+            procs.append(proc)
+        status = _wait(procs, log_dir, interrupts)
+        failed = next((f"rank {r} exited with status {p.returncode} (log: {log_dir / f'rank-{r}.log'})"
+                       for r, p in enumerate(procs) if p.returncode not in (0, None)), None)
     finally:
         _stop_all(procs)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for tee in tees:
             tee.join(timeout=5)
+    if interrupts:
+        raise Interrupted(forced=len(interrupts) > 1, failed=failed)
     return status
 
 
-def _wait(procs: list[subprocess.Popen], log_dir: Path) -> int:
-    """Block until every rank exits, or the first failure (then the rest are stopped)."""
+def _wait(procs: list[subprocess.Popen], log_dir: Path, interrupts: list[int]) -> int:
+    """Block until every rank exits, or the first failure (then the rest are stopped). After
+    Ctrl-C every rank is waited for: they are saving together, and none has failed."""
+    told = False
     while True:
         codes = [proc.poll() for proc in procs]
+        if interrupts:
+            if not told:
+                print("\ninterrupt: every rank saves and stops at the next step boundary "
+                      "(Ctrl-C again to stop at once, without saving)", file=sys.stderr, flush=True)
+                told = True
+            if all(code is not None for code in codes):
+                return 130
+            time.sleep(0.2)
+            continue
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
         if failed:
             rank, code = failed[0]

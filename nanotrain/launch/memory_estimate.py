@@ -20,6 +20,13 @@ from nanotrain.config import Config
 from nanotrain.models import llama_arch
 
 GB = 1024**3
+# No accelerator holds this much (the largest have ~300 GB): an estimate above it means a model
+# shape typo (hidden_size 10**12), and deserves a warning even without slurm.gpu_memory_gb.
+ABSURD_GB = 1024.0
+
+
+def _gb(value: float) -> str:
+    return f"{value:.2f}" if value < 1e6 else f"{value:.3g}"
 
 
 @dataclass(frozen=True)
@@ -81,11 +88,15 @@ def describe(config: Config) -> list[str]:
     p = config.parallelism
     over = f"dp{p.dp} x cp{p.cp}" if p.cp > 1 else f"dp{p.dp}"
     zero = f", ZeRO-1 over {over}" if config.optimizer.zero_stage == 1 else ""
-    lines = [f"memory per GPU (estimate, busiest rank): weights {est.weights:.2f} GB + grads {est.grads:.2f} GB"
-             f" + optimizer {est.optimizer:.2f} GB{zero} + activations {est.activations:.2f} GB "
-             f"({est.in_flight:g} micro-batch(es) in flight x {est.layers_per_stage} layers) = {est.total:.2f} GB"]
+    lines = [f"memory per GPU (estimate, busiest rank): weights {_gb(est.weights)} GB + grads {_gb(est.grads)} GB"
+             f" + optimizer {_gb(est.optimizer)} GB{zero} + activations {_gb(est.activations)} GB "
+             f"({est.in_flight:g} micro-batch(es) in flight x {est.layers_per_stage} layers) = {_gb(est.total)} GB"]
     limit = config.slurm.gpu_memory_gb
-    if limit is not None and est.total > limit:
+    if est.total > ABSURD_GB:
+        lines.append(f"warning: the estimate {_gb(est.total)} GB per GPU is more than any accelerator holds "
+                     f"(> {ABSURD_GB:g} GB): check model.hidden_size, intermediate_size, num_layers and "
+                     "vocab_size, or raise tp/pp")
+    elif limit is not None and est.total > limit:
         lines.append(f"warning: the estimate {est.total:.1f} GB exceeds slurm.gpu_memory_gb ({limit:g} GB): "
                      "raise tp/pp, use optimizer.zero_stage: 1, or lower training.micro_batch_size")
     return lines

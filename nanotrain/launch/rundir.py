@@ -10,18 +10,52 @@ checkpoints live, so that `--status` and `--resume` need nothing but its path.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
-from nanotrain.config import Config, dump_config, load_config
+from nanotrain.config import Config, ConfigError, dump_config, load_config
 
 CONFIG_FILE = "config.yaml"
 LAUNCH_FILE = "launch.json"
 
 
 def default_run_name(config_path: str | None) -> str:
-    stem = Path(config_path).stem if config_path else "run"
+    stem = Path(config_path).stem[:100] if config_path else "run"  # a file name has 255 bytes
     return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def check_can_create(path: Path, what: str) -> None:
+    """Raise ConfigError unless `path` is, or can be made, a directory we may write in.
+
+    Checked before anything is submitted or created, so that a `logging.dir` that is a file, a
+    read-only file system or an over-long name is one line at `--dry-run` time instead of a
+    traceback after the job is queued. (Writes still catch OSError: permissions can change.)"""
+    path = Path(path)
+    for part in path.parts:
+        if len(part.encode(errors="replace")) > 255:
+            raise ConfigError(f"{what}: the name {part[:40]!r}... is {len(part.encode(errors='replace'))} "
+                              "bytes; file systems allow 255: choose a shorter name")
+    if len(str(path).encode(errors="replace")) >= 4000:
+        raise ConfigError(f"{what}: the path is {len(str(path))} characters long; choose a shorter one")
+    probe = path
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent
+    if os.path.islink(probe) and not probe.exists():
+        raise ConfigError(f"{what}: {probe} is a broken symbolic link: fix it or choose another directory")
+    if not probe.is_dir():
+        raise ConfigError(f"{what}: {probe} is a file, not a directory: choose another {what} "
+                          "(or move the file away)")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+        why = "is on a read-only file system" if read_only else "is not writable by you"
+        raise ConfigError(f"{what}: {probe} {why}: choose a writable {what}")
+
+
+def os_error(what: str, exc: OSError) -> ConfigError:
+    """A failed write as one line that names what was being written."""
+    name = f" {exc.filename}" if exc.filename else ""
+    return ConfigError(f"{what}: cannot write{name}: {exc.strerror or exc}")
 
 
 def resolve_run(config: Config, config_path: str | None) -> Path:
@@ -43,20 +77,50 @@ def run_dir_of(config: Config) -> Path:
 
 def write_run_dir(config: Config, run_dir: Path) -> Path:
     """Create the run directory and write the resolved config; returns the config's path."""
-    (run_dir / "job").mkdir(parents=True, exist_ok=True)
-    path = run_dir / CONFIG_FILE
-    dump_config(config, path)
+    try:
+        (run_dir / "job").mkdir(parents=True, exist_ok=True)
+        path = run_dir / CONFIG_FILE
+        dump_config(config, path)
+    except OSError as exc:
+        raise os_error("logging.dir", exc) from None
     return path
 
 
 def write_launch_record(run_dir: Path, **record) -> None:
     record.setdefault("time", time.strftime("%Y-%m-%dT%H:%M:%S"))
-    (run_dir / LAUNCH_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    try:
+        (run_dir / LAUNCH_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    except OSError as exc:
+        raise os_error("logging.dir", exc) from None
+
+
+# launch.json field -> accepted types (it is ours, but it sits in a user-writable directory)
+_LAUNCH_FIELDS = {"mode": (str,), "job_id": (str, int), "time": (str,), "argv": (list,)}
 
 
 def read_launch_record(run_dir: Path) -> dict:
+    """launch.json as a dict ({} when absent); anything else is a ConfigError naming the file."""
     path = run_dir / LAUNCH_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    fix = "it is written by submit.py: restore it, or delete it (the launcher is then chosen again)"
+    try:
+        record = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError alike
+        reason = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else f"not JSON ({exc.msg})" \
+            if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise ConfigError(f"{path}: {reason}; {fix}") from None
+    if not isinstance(record, dict):
+        raise ConfigError(f"{path}: expected a JSON object, found a {type(record).__name__}; {fix}")
+    for key, types in _LAUNCH_FIELDS.items():
+        value = record.get(key)
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+            raise ConfigError(f"{path}: '{key}' is {type(value).__name__} {str(value)[:40]!r}; {fix}")
+    if record.get("mode") not in (None, "slurm", "local"):
+        raise ConfigError(f"{path}: 'mode' is {record['mode'][:40]!r}, not 'slurm' or 'local'; {fix}")
+    return record
 
 
 def load_run_config(run_dir: Path) -> Config:

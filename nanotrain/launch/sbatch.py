@@ -8,7 +8,10 @@ submitit's pickled function, so the emitted file needs no Python driver.
 """
 from __future__ import annotations
 
+import functools
 import shlex
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -82,3 +85,43 @@ def task_command(config_path: Path) -> str:
 def render_sbatch(config: Config, layout: SlurmLayout, run_dir: Path, command: str) -> str:
     return _make_sbatch_string(command=command, folder=str(job_folder(run_dir)),
                                **executor_parameters(config, layout))
+
+
+@functools.lru_cache(maxsize=1)
+def cluster_partitions() -> tuple[str, ...] | None:
+    """The partitions of the SLURM cluster here, or None when there is no `sinfo` to ask."""
+    if shutil.which("sinfo") is None:
+        return None
+    try:
+        res = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if res.returncode != 0:
+        return None
+    return tuple(sorted({p.strip().rstrip("*") for p in res.stdout.split() if p.strip()}))
+
+
+def partition_problem(config: Config) -> str | None:
+    """Why this cluster's sbatch would refuse `slurm.partition`, or None (also when no `sinfo`).
+
+    A submission makes it an error before anything is written or queued (sbatch itself would
+    refuse it only after the run directory and the pickled job exist); --dry-run a warning, since
+    a plan may be meant for another cluster."""
+    wanted = config.slurm.partition
+    known = cluster_partitions() if wanted is not None else None
+    if not known:
+        return None
+    missing = [p for p in wanted.split(",") if p not in known]
+    if not missing:
+        return None
+    return (f"slurm.partition: {missing[0]!r} is not a partition of this cluster "
+            f"(sinfo lists: {', '.join(known)}): choose one of them")
+
+
+def sbatch_error(detail: str) -> str:
+    """The one informative line of sbatch's (possibly multi-line) refusal."""
+    lines = [line.strip() for line in detail.splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    if errors:
+        return errors[-1]  # "Batch job submission failed: ..." comes last
+    return lines[0] if lines else "(no message)"  # getopt's complaint, before "Try sbatch --help"

@@ -10,6 +10,7 @@ Training progress comes from `<run_dir>/progress.json`, written atomically by th
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -125,11 +126,39 @@ def _check_run_dir(run_dir: Path) -> None:
                           f"(none of {', '.join(RUN_DIR_MARKERS)} in it)")
 
 
+# progress.json field -> what --status does with it. The file is ours (written atomically), but
+# it lives in a user-writable directory: a damaged one is named, never a traceback.
+_WHOLE = ("step", "total_steps")                          # integers >= 0
+_NUMBERS = ("loss", "tokens_per_sec", "mfu", "eta_s", "time")  # numbers (loss may be nan)
+
+
 def _read_progress(run_dir: Path) -> Optional[dict]:
-    try:
-        return json.loads((run_dir / PROGRESS_FILE).read_text())
-    except (OSError, ValueError):
+    """progress.json, checked field by field; None when there is none yet."""
+    path = run_dir / PROGRESS_FILE
+    if not path.is_file():
         return None
+    fix = "it is rewritten at the next log step; delete it to show no progress until then"
+    try:
+        progress = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError:  # not UTF-8, not JSON
+        raise ConfigError(f"{path}: not a JSON progress record; {fix}") from None
+    if not isinstance(progress, dict):
+        raise ConfigError(f"{path}: expected a JSON object, found a {type(progress).__name__}; {fix}")
+    for key in _WHOLE + _NUMBERS:
+        value = progress.get(key)
+        if value is None:
+            continue
+        whole = key in _WHOLE
+        ok = isinstance(value, int if whole else (int, float)) and not isinstance(value, bool)
+        if not ok or (whole and value < 0):
+            expected = "a whole number >= 0" if whole else "a number"
+            raise ConfigError(f"{path}: '{key}' is {str(value)[:40]!r}, not {expected}; {fix}")
+    for key in ("eta_s", "time"):  # used in arithmetic: a non-finite one is simply unknown
+        if progress.get(key) is not None and not math.isfinite(progress[key]):
+            progress[key] = None
+    return progress
 
 
 def _total_steps_from_config(run_dir: Path) -> Optional[int]:

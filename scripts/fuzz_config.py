@@ -1,0 +1,339 @@
+#!/usr/bin/env python3
+"""Fuzz `submit.py --dry-run` with hostile configs: every field of the shipped configs mutated.
+
+    python scripts/fuzz_config.py                    # every mutation (~16,700), in-process, + a subprocess sample
+    python scripts/fuzz_config.py --limit 60 --subprocess 3 --seed 1
+
+Each mutation replaces one field of `configs/*.yaml` (every field of the schema, present in the
+file or not, and the entries of list/mapping fields) by a wrong type, null, a non-finite, huge,
+negative, zero or empty value, unicode, shell metacharacters, an alias (a bomb, a recursive one,
+an undefined one, a fair one), or duplicates the field or its section; each is tried both in the
+file and as `--set section.field=VALUE`. The contract checked for every one:
+
+    exit 0, or exit 2 with exactly one stderr line starting `error:`; never a traceback (any
+    exception escaping `main`), never a file written, and an answer in under 2 s.
+
+Why in-process for the bulk: a fresh interpreter costs ~0.3 s, so 10,000 subprocesses would take
+an hour on a busy box; `main()` is the same code `submit.py` runs. A seeded sample still runs as
+real `python submit.py ... --dry-run` processes, to prove the process-level contract (exit
+status, no traceback on stderr). "Under 2 s" is judged in CPU seconds, as tests/test_memory_estimate.py
+judges the planner: wall time on a loaded machine measures the machine. Answers that took 2 s of
+wall time without the CPU are listed apart (I/O, such as a data path that is a huge tree, shows
+there). Exit status of this script: 0 when no mutation broke the contract, else 1.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nanotrain.config.loader import sections  # noqa: E402
+from nanotrain.launch.cli import main as cli_main  # noqa: E402
+
+LIMIT_S = 2.0   # the contract: every answer in under 2 s (CPU seconds)
+HANG_S = 20     # in-process wall-clock guard (SIGALRM) so one hang cannot stall the run
+
+_BOMB = "[&a [l, l, l, l, l, l, l, l, l], " + ", ".join(
+    f"&{b} [{', '.join([f'*{a}'] * 9)}]" for a, b in zip("abcdefgh", "bcdefghi")) + "]"
+
+# (kind, YAML text of the value). The text is placed verbatim after `field: `.
+VALUES: list[tuple[str, str]] = [
+    ("wrong-type", '"two"'), ("wrong-type", "true"), ("wrong-type", "[1, 2]"), ("wrong-type", "{a: 1}"),
+    ("wrong-type", "3.5"), ("wrong-type", "!!binary aGVsbG8="), ("wrong-type", "2026-12-01"),
+    ("wrong-type", "[[1, [2, [3]]]]"), ("wrong-type", "{dp: {tp: {pp: 1}}}"),
+    ("null", "null"), ("null", "~"), ("null", ""),
+    ("non-finite", ".nan"), ("non-finite", ".inf"), ("non-finite", "-.inf"), ("non-finite", '"nan"'),
+    ("non-finite", '"-inf"'), ("non-finite", "1e999"), ("non-finite", "[.nan, .inf]"),
+    ("huge", "9223372036854775808"), ("huge", "1" + "0" * 29), ("huge", "1" + "0" * 40),
+    ("huge", "1.0e+300"), ("huge", "9007199254740993"), ("huge", "1048577"), ("huge", '"' + "x" * 5000 + '"'),
+    ("huge", "[" + "1, " * 20000 + "1]"), ("huge", '"' + "y" * 300 + '"'),
+    ("negative", "-1"), ("negative", "-0.0"), ("negative", "-1.0e-9"), ("negative", "-9999999999"),
+    ("zero-empty", "0"), ("zero-empty", "0.0"), ("zero-empty", '""'), ("zero-empty", "[]"), ("zero-empty", "{}"),
+    ("zero-empty", "4.9e-324"), ("zero-empty", '" "'),
+    ("unicode", '"ünïcødé"'), ("unicode", '"日本語"'), ("unicode", '"\\u202eevil"'), ("unicode", '"🙂"'),
+    ("unicode", '"nul\\0byte"'), ("unicode", '"tab\\tchar"'), ("unicode", '"line\\nbreak"'),
+    ("unicode", '"\\udc80"'), ("unicode", "\ufeffbom"),
+    ("shell", '"$(rm -rf /)"'), ("shell", '"`id`"'), ("shell", '"; echo pwned"'), ("shell", '"a|b&&c>d"'),
+    ("shell", "\"'\\\"\""), ("shell", '"--wrap=hostname"'), ("shell", '"../../etc/passwd"'), ("shell", '"/"'),
+    ("shell", '"*"'), ("shell", '"~root"'), ("shell", '"%j%t"'),
+    ("alias", _BOMB), ("alias", "&r [*r]"), ("alias", "&m {x: *m}"), ("alias", "*undefined"),
+    ("alias", "&fair 2"), ("alias", "!!python/object/apply:os.system [id]"),
+]
+DOC_KINDS = ("duplicate-field", "duplicate-section", "section-scalar", "section-list", "unknown-key")
+
+
+@dataclass
+class Mutation:
+    config: str      # shipped config name
+    section: str
+    field: str       # "" for document-level mutations
+    kind: str
+    text: str        # the value's YAML text ("" for document kinds)
+    via: str         # "file" | "set"
+
+    def label(self) -> str:
+        where = f"{self.section}.{self.field}" if self.field else self.section
+        shown = self.text if len(self.text) <= 40 else self.text[:37] + "..."
+        return f"{self.config} {where} [{self.kind}/{self.via}] {shown!r}"
+
+
+def field_paths(raw: dict) -> list[tuple[str, str]]:
+    """Every (section, field) of the schema, plus entries of the mapping fields the file sets."""
+    out = []
+    for name, cls in sections().items():
+        for f in cls.__dataclass_fields__.values():
+            out.append((name, f.name))
+        for key, value in (raw.get(name) or {}).items():
+            if isinstance(value, dict):
+                out += [(name, f"{key}.{sub}") for sub in value]
+    return out
+
+
+def mutations(config_paths: list[Path]) -> list[Mutation]:
+    out = []
+    for path in config_paths:
+        raw = yaml.safe_load(path.read_text())
+        for section, name in field_paths(raw):
+            for kind, text in VALUES:
+                for via in ("file", "set"):
+                    if via == "set" and text.startswith(("&", "*", "!!", "\ufeff")):
+                        continue  # anchors/tags in --set are covered by the file variant
+                    out.append(Mutation(path.stem, section, name, kind, text, via))
+            for kind in ("duplicate-field", "unknown-key"):
+                out.append(Mutation(path.stem, section, name, kind, "", "file"))
+        for section in sections():
+            for kind in ("duplicate-section", "section-scalar", "section-list"):
+                out.append(Mutation(path.stem, section, "", kind, "", "file"))
+    return out
+
+
+def _flow(value) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=1 << 30).strip().removesuffix("...").strip()
+
+
+def render(raw: dict, m: Mutation) -> str:
+    """The shipped config as YAML text with mutation `m` applied (text-level, so that aliases,
+    tags and duplicates survive)."""
+    lines = []
+    fields = m.field.split(".")
+    done = False
+    for section, body in raw.items():
+        if section == m.section and m.kind == "section-scalar":
+            lines.append(f"{section}: 5")
+            continue
+        if section == m.section and m.kind == "section-list":
+            lines.append(f"{section}: [1, 2]")
+            continue
+        lines.append(f"{section}:")
+        for key, value in (body or {}).items():
+            if section == m.section and key == fields[0] and m.via == "file" and m.kind in dict(VALUES):
+                if len(fields) == 2 and isinstance(value, dict):
+                    inner = {k: _flow(v) for k, v in value.items()}
+                    inner[fields[1]] = m.text
+                    lines.append(f"  {key}: {{{', '.join(f'{k}: {v}' for k, v in inner.items())}}}")
+                else:
+                    lines.append(f"  {key}: {m.text}")
+                done = True
+                continue
+            lines.append(f"  {key}: {_flow(value)}")
+            if section == m.section and key == fields[0] and m.kind == "duplicate-field":
+                lines.append(f"  {key}: {_flow(value)}")
+                done = True
+        if section == m.section and not done and m.field and m.via == "file" and m.kind in dict(VALUES):
+            lines.append(f"  {m.field.replace('.', ': {', 1)}: {m.text}" + ("}" if "." in m.field else ""))
+        if section == m.section and m.kind == "duplicate-field" and not done:
+            lines += [f"  {fields[0]}: null", f"  {fields[0]}: null"]
+        if section == m.section and m.kind == "unknown-key":
+            lines.append(f"  {fields[0]}_x: 1")
+    if m.section not in raw and m.via == "file" and m.field and m.kind in dict(VALUES):
+        lines += [f"{m.section}:", f"  {m.field}: {m.text}"]
+    if m.kind == "duplicate-section":
+        lines += [f"{m.section}:", "  {}: null".format(next(iter(sections()[m.section].__dataclass_fields__)))]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Outcome:
+    code: int | None
+    stderr: str
+    cpu_s: float
+    wall_s: float
+    crash: str = ""
+    wrote: list[str] = field(default_factory=list)
+
+
+class _Hang(Exception):
+    pass
+
+
+def _alarm(_signum, _frame):
+    raise _Hang()
+
+
+def run_in_process(argv: list[str], cwd: Path) -> Outcome:
+    out, err = io.StringIO(), io.StringIO()
+    before = set(os.listdir(cwd))
+    cpu, wall = time.process_time(), time.perf_counter()
+    crash, code = "", None
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(HANG_S)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli_main(argv)
+    except _Hang:
+        crash = f"no answer after {HANG_S} s"
+    except BaseException:  # noqa: BLE001 - anything escaping main is what we are looking for
+        crash = traceback.format_exc(limit=-3)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    wrote = sorted(set(os.listdir(cwd)) - before)
+    return Outcome(code, err.getvalue(), time.process_time() - cpu, time.perf_counter() - wall, crash, wrote)
+
+
+def run_subprocess(argv: list[str], cwd: Path) -> Outcome:
+    before_usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before = set(os.listdir(cwd))
+    wall = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, str(ROOT / "submit.py"), *argv], cwd=cwd, capture_output=True,
+                              text=True, timeout=HANG_S)
+        code, stderr, crash = proc.returncode, proc.stderr, ""
+    except subprocess.TimeoutExpired:
+        code, stderr, crash = None, "", f"no answer after {HANG_S} s"
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = usage.ru_utime + usage.ru_stime - before_usage.ru_utime - before_usage.ru_stime
+    if "Traceback" in stderr:
+        crash = stderr[-600:]
+    return Outcome(code, stderr, cpu, time.perf_counter() - wall, crash, sorted(set(os.listdir(cwd)) - before))
+
+
+def verdict(o: Outcome) -> str:
+    """'ok-0', 'ok-2', or what broke the contract."""
+    if o.crash:
+        return "traceback" if "no answer" not in o.crash else "hang"
+    if o.wrote:
+        return "wrote-files"
+    if o.cpu_s >= LIMIT_S:
+        return "slow"
+    if o.code == 0:
+        return "ok-0"
+    lines = o.stderr.strip().splitlines()
+    if o.code == 2 and len(lines) == 1 and lines[0].startswith("error: "):
+        return "ok-2"
+    return "bad-output"
+
+
+def fuzz(limit: int = 0, subprocess_sample: int = 20, seed: int = 0, verbose: bool = False,
+         stream=sys.stdout, progress: int = 0) -> dict:
+    """Run the mutations (all, or a seeded sample of `limit`); returns the counts."""
+    configs = sorted((ROOT / "configs").glob("*.yaml"))
+    raws = {p.stem: yaml.safe_load(p.read_text()) for p in configs}
+    todo = mutations(configs)
+    rng = random.Random(seed)
+    if limit and limit < len(todo):
+        todo = rng.sample(todo, limit)
+    sampled = set(rng.sample(range(len(todo)), min(subprocess_sample, len(todo))))
+    counts: Counter = Counter()
+    kinds: Counter = Counter()
+    failures: list[str] = []
+    worst = {"in-process": 0.0, "subprocess": 0.0, "subprocess-wall": 0.0}
+    slowest = {"in-process": "", "subprocess": ""}
+    wall_slow: list[str] = []  # >= 2 s of wall time but not of CPU: the machine's load, or I/O
+    with tempfile.TemporaryDirectory(prefix="fuzz_config_") as tmp:
+        work = Path(tmp) / "cwd"
+        work.mkdir()
+        for i, m in enumerate(todo):
+            path = Path(tmp) / f"{m.config}.yaml"
+            argv = [str(path), "--dry-run"]
+            if m.via == "set":
+                path.write_text(render(raws[m.config], Mutation(m.config, "", "", "none", "", "file")))
+                argv += ["--set", f"{m.section}.{m.field}={m.text}"]
+            else:
+                path.write_text(render(raws[m.config], m))
+            runs = [("in-process", run_in_process(argv, work))]
+            if i in sampled:
+                runs.append(("subprocess", run_subprocess(argv, work)))
+            for how, o in runs:
+                v = verdict(o)
+                counts[f"{how} {v}"] += 1
+                kinds[(m.kind, v)] += 1
+                if o.wall_s >= LIMIT_S and v.startswith("ok"):
+                    wall_slow.append(f"{how}: {o.wall_s:.1f} s wall, {o.cpu_s:.2f} s CPU: {m.label()}")
+                if o.cpu_s > worst[how]:
+                    worst[how], slowest[how] = o.cpu_s, m.label()
+                if how == "subprocess":
+                    worst["subprocess-wall"] = max(worst["subprocess-wall"], o.wall_s)
+                if not v.startswith("ok"):
+                    failures.append(f"{v} ({how}, {o.cpu_s:.2f} s CPU): {m.label()}\n    "
+                                    + (o.crash or o.stderr or str(o.wrote)).strip().replace("\n", "\n    ")[:800])
+                elif verbose:
+                    print(f"{v}: {m.label()}: {o.stderr.strip()[:160]}", file=stream)
+            if progress and (i + 1) % progress == 0:
+                print(f"... {i + 1}/{len(todo)} mutations, {len(failures)} broke the contract",
+                      file=sys.stderr, flush=True)
+            for leftover in work.iterdir():  # never expected; counted above, removed for the next
+                subprocess.run(["rm", "-rf", str(leftover)], check=False)
+    report = {"mutations": len(todo), "subprocess_runs": len(sampled), "counts": dict(counts),
+              "failures": failures, "worst_cpu_s": worst, "slowest": slowest, "wall_slow": wall_slow,
+              "by_kind": {f"{k} {v}": n for (k, v), n in sorted(kinds.items())}}
+    return report
+
+
+def print_report(report: dict, stream=sys.stdout) -> None:
+    print(f"mutations: {report['mutations']} (each in-process; {report['subprocess_runs']} also as a "
+          "`python submit.py --dry-run` process)", file=stream)
+    for key, n in sorted(report["counts"].items()):
+        print(f"  {key}: {n}", file=stream)
+    print("by kind:", file=stream)
+    for key, n in report["by_kind"].items():
+        print(f"  {key}: {n}", file=stream)
+    w = report["worst_cpu_s"]
+    print(f"slowest answer: {w['in-process']:.3f} s CPU in-process, {w['subprocess']:.3f} s CPU "
+          f"({w['subprocess-wall']:.3f} s wall) as a process; limit {LIMIT_S} s", file=stream)
+    for how, label in report["slowest"].items():
+        if label:
+            print(f"  slowest {how}: {label}", file=stream)
+    print(f"answers over {LIMIT_S} s of wall time but not of CPU (load or I/O; look at repeated "
+          f"labels): {len(report['wall_slow'])}", file=stream)
+    for line in report["wall_slow"][:15]:
+        print("  " + line, file=stream)
+    bad = report["failures"]
+    tracebacks = sum(n for k, n in report["counts"].items() if k.endswith(("traceback", "hang")))
+    slow = sum(n for k, n in report["counts"].items() if k.endswith("slow"))
+    print(f"tracebacks: {tracebacks}, slow: {slow}, contract broken: {len(bad)}", file=stream)
+    for line in bad[:30]:
+        print("  " + line, file=stream)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--limit", type=int, default=0, help="a seeded sample of this many mutations (0 = all)")
+    parser.add_argument("--subprocess", type=int, default=20, help="how many also run as real processes")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--verbose", action="store_true", help="print every answer")
+    args = parser.parse_args(argv)
+    report = fuzz(args.limit, args.subprocess, args.seed, args.verbose, progress=1000)
+    print_report(report)
+    return 0 if not report["failures"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
