@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from nanotrain.config.files import atomic_write_json as write_json_atomic
 from nanotrain.launch.cli import main
 from nanotrain.launch.rundir import write_launch_record
-from nanotrain.logging.metrics import write_json_atomic
 
 from helpers.slurm import wait_for_job
 

@@ -22,13 +22,13 @@ import json
 import os
 import re
 import shutil
-import socket
 import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
+from nanotrain.config.files import atomic_write
 from nanotrain.data.errors import DataError
 from nanotrain.data.sources import Source, load_texts, resolve_source
 from nanotrain.data.tokenizer import Tokenizer, load_tokenizer, token_dtype
@@ -52,19 +52,6 @@ def _cache_name(source: Source, tokenizer: Tokenizer, key: str) -> str:
     src = "stdlib" if source.kind == "stdlib" else os.path.basename(source.spec.rstrip("/*")) or "data"
     tok = os.path.splitext(os.path.basename(tokenizer.name))[0]
     return re.sub(r"[^\w.-]+", "_", f"{src}-{tok}")[:60] + "-" + key
-
-
-def _write_atomic(path: str, write) -> None:
-    """Write through a unique temporary name and rename: readers never see half a file, and
-    two builders racing on a shared filesystem (one per node) both produce the same bytes."""
-    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        with open(tmp, "wb") as fh:
-            write(fh)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 @dataclass
@@ -176,7 +163,7 @@ def _tokenise(source: Source, tokenizer: Tokenizer, data_args, path: str, key: s
             cache_file_name=os.path.join(scratch, "tokenised.arrow"), new_fingerprint=key,
             desc=f"tokenising {source.spec}")
         counts = {"tokens": 0, "docs": 0}
-        _write_atomic(os.path.join(path, "tokens.bin"),
+        atomic_write(os.path.join(path, "tokens.bin"),
                       lambda fh: _write_token_chunks(fh, tokenised.data.column("input_ids").chunks, dtype, counts))
         tokenised = None  # close its memory map before the scratch folder goes
     finally:
@@ -191,5 +178,5 @@ def _tokenise(source: Source, tokenizer: Tokenizer, data_args, path: str, key: s
             "separator_id": tokenizer.separator_id, "dtype": dtype.name,
             "num_tokens": counts["tokens"], "num_documents": counts["docs"],
             "max_documents": max_documents, "key": key}
-    _write_atomic(os.path.join(path, "meta.json"),
+    atomic_write(os.path.join(path, "meta.json"),
                   lambda fh: fh.write(json.dumps(meta, indent=1).encode()))

@@ -5,7 +5,7 @@ builds the logger with `enabled=False` and pays nothing. The caller averages the
 before handing it over; `should_log(step)` answers the same on every rank, so the dp all-reduce of
 the loss can be skipped on steps that are not logged.
 
-    logger = MetricsLogger(run_dir, dataclasses.asdict(config), enabled, total_steps=..., ...)
+    logger = MetricsLogger(run_dir, config_to_dict(config), enabled, total_steps=..., ...)
     for step in range(start_step + 1, total_steps + 1):
         ...                                   # one optimizer step, timed (after a device sync)
         logger.log(step, loss, lr, grad_norm, step_time_s)   # every step, every rank
@@ -19,15 +19,15 @@ and never has to parse TensorBoard event files.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import resource
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
+from nanotrain.config import config_to_dict
+from nanotrain.config.files import atomic_write_json
 from nanotrain.logging.flops import peak_bf16_tflops
 from nanotrain.models.llama_arch import training_flops_per_token
 
@@ -54,21 +54,6 @@ def format_eta(seconds: Optional[float]) -> str:
     return "-" if seconds is None else str(_dt.timedelta(seconds=int(round(seconds))))
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Temp file in the same directory + os.replace: a reader sees the old or the new file, never
-    a half-written one (`--status` may read while the job writes)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; others on the cluster may run --status
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _device_name(device) -> Optional[str]:
     import torch
 
@@ -81,7 +66,7 @@ class MetricsLogger:
     """Scalars every `log_interval` steps from the logging rank; a no-op elsewhere.
 
     run_dir          the run directory (`logs/<run>/`); events go to `<run_dir>/tb/`
-    config_dict      the resolved config (`dataclasses.asdict(config)`), stored once as text
+    config_dict      the resolved config (`config_to_dict(config)`: plain YAML), stored once as text
     enabled          True on exactly one rank: last pp stage, tp 0, dp 0 (cp 0, ep 0)
     total_steps      training.train_steps (for the progress bar and the ETA)
     tokens_per_step  global tokens per optimizer step: dp * micro_batch * accumulation * seq_len
@@ -154,7 +139,7 @@ class MetricsLogger:
         self._interval_steps, self._interval_time = 0, 0.0
         self._write_tensorboard(step, metrics)
         self._write_console(step, metrics)
-        write_json_atomic(self.run_dir / PROGRESS_FILE, self._progress(step, metrics))
+        atomic_write_json(self.run_dir / PROGRESS_FILE, self._progress(step, metrics))
         return metrics
 
     def _compute(self, step: int, loss, lr, grad_norm) -> dict[str, Any]:
@@ -240,17 +225,8 @@ def config_markdown(config_dict: dict) -> str:
     by four spaces keeps YAML's own indentation and `#`s from being read as Markdown)."""
     import yaml
 
-    text = yaml.safe_dump(_plain(config_dict), sort_keys=False, default_flow_style=False)
+    text = yaml.safe_dump(config_dict, sort_keys=False, default_flow_style=False)
     return "\n".join("    " + line for line in text.splitlines())
-
-
-def _plain(value):
-    """Tuples (e.g. betas) as lists, so `safe_dump` accepts an `asdict` result."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def is_logging_rank(parallel_context) -> bool:
@@ -265,12 +241,10 @@ def metrics_logger_for(config, run_dir, parallel_context=None, *, device=None,
     """The logger a trainer wants, with every number derived from the resolved config.
 
     `parallel_context=None` means a single process (always the logging rank)."""
-    import dataclasses
-
     t, p = config.training, config.parallelism
     enabled = True if parallel_context is None else is_logging_rank(parallel_context)
     return MetricsLogger(
-        run_dir, dataclasses.asdict(config), enabled, total_steps=t.train_steps,
+        run_dir, config_to_dict(config), enabled, total_steps=t.train_steps,
         tokens_per_step=p.dp * t.micro_batch_size * t.batch_accumulation_per_replica * t.sequence_length,
         flops_per_token=training_flops_per_token(config.model, t.sequence_length), device=device,
         world_size=p.world_size, log_interval=config.logging.log_interval,
