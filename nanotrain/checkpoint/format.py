@@ -34,6 +34,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or loaded (the message says which file / parameter)."""
 
 
+class CheckpointMismatch(CheckpointError):
+    """The checkpoint is intact but is not this run's to load: another model shape, or another
+    run's identity. A user's decision (exit 2, one line), never a reason to fall back."""
+
+
 # ----------------------------------------------------------------------------- names
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
