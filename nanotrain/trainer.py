@@ -26,12 +26,13 @@ from nanotrain.checkpoint import load_checkpoint, save_checkpoint
 from nanotrain.config import Config
 from nanotrain.data import build_sampler
 from nanotrain.launch.env import DistEnv
-from nanotrain.launch.preemption import PreemptionHandler, request_requeue
+from nanotrain.launch.preemption import PreemptionHandler
 from nanotrain.logging import metrics_logger_for
 from nanotrain.optim import build_lr_scheduler, build_optimizer
 from nanotrain.parallel.context import ParallelContext
 from nanotrain.parallel.data_parallel import BucketedGradSync
 from nanotrain.parallel.pipeline_parallel import build_engine, build_pipeline_model, train_step
+from nanotrain.training.stop import TrainingDiverged, agree_on_stop
 
 
 def quiet_libraries() -> None:
@@ -50,8 +51,9 @@ def seed_everything(seed: int) -> None:
 
 class DistributedTrainer:
     def __init__(self, config: Config, run_dir: Path, env: DistEnv, pc: ParallelContext,
-                 preemption: PreemptionHandler):
+                 preemption: PreemptionHandler, run_id: str | None = None):
         self.config, self.run_dir, self.env, self.pc = config, Path(run_dir), env, pc
+        self.run_id = run_id  # stored in every checkpoint; another run's are refused on resume
         t = config.training
         self.device = pc.device
         seed_everything(t.seed)
@@ -67,11 +69,15 @@ class DistributedTrainer:
         self.sampler = build_sampler(config, builder=self.pc.world_rank == 0, needs_data=stage_needs_data,
                                      barrier=dist.barrier)
         self.step, self.consumed_samples = 0, 0
+        self.saved_step: int | None = None  # the step whose state is on disk, verified
+        self.stop_code = 0  # the stop request all ranks agreed on (launch.preemption codes)
         if config.checkpoints.resume:
             resumed = load_checkpoint(config.checkpoints.path, self.model, self.optimizer, self.scheduler,
-                                      self.pc, config=config)
+                                      self.pc, config=config, run_id=run_id,
+                                      allow_foreign=config.checkpoints.allow_foreign)
             if resumed is not None:
                 self.step, self.consumed_samples = resumed.step, resumed.extra["consumed_samples"]
+                self.saved_step = resumed.step
                 if self.pc.world_rank == 0:
                     how = "resharded from another topology" if resumed.resharded else "same topology, bit-exact"
                     print(f"resumed from {resumed.path} at step {self.step} ({how})", flush=True)
@@ -81,7 +87,8 @@ class DistributedTrainer:
         self.preemption = preemption  # installed by the task before anything slow
 
     def train(self) -> str:
-        """Run to `training.train_steps`; returns "completed", "preempted" or "stopped"."""
+        """Run to `training.train_steps`; returns "completed" or "preempted" (a stop request was
+        agreed and saved; `self.stop_code` says which). Raises TrainingDiverged (nothing saved)."""
         t = self.config.training
         global_batch = self.config.parallelism.dp * t.micro_batch_size * t.batch_accumulation_per_replica
         while self.step < t.train_steps:
@@ -95,35 +102,34 @@ class DistributedTrainer:
             self.consumed_samples += global_batch
             self.metrics.log(self.step, stats.loss, stats.lr, stats.grad_norm, time.perf_counter() - start)
 
+            self.stop_code, diverged = agree_on_stop(self.preemption.code, stats.loss, stats.grad_norm, self.device)
+            if diverged:  # before any save: the last finite checkpoint stays the latest
+                raise TrainingDiverged(self.step, stats.loss, stats.grad_norm)
             interval = self.config.checkpoints.interval
             if interval and self.step % interval == 0:
                 self.save()
-            if self.preemption.agreed(device=self.device):
+            if self.stop_code:
                 return self.stop_for_preemption()
         if not (self.config.checkpoints.interval and self.step % self.config.checkpoints.interval == 0):
             self.save()  # the final state, unless the interval just wrote it
         return "completed"
 
     def save(self) -> None:
+        if self.saved_step == self.step:
+            return  # written (or loaded and verified) by this process: not hashed again
         t = self.config.training
         extra = {"consumed_samples": self.consumed_samples,
                  "consumed_tokens": self.consumed_samples * t.sequence_length}
         save_checkpoint(self.config.checkpoints.path, self.step, self.model, self.optimizer, self.scheduler,
-                        self.pc, extra=extra, config=self.config)
+                        self.pc, extra=extra, config=self.config, run_id=self.run_id)
+        self.saved_step = self.step
 
     def stop_for_preemption(self) -> str:
-        """Save (all ranks), then rank 0 requeues a SLURM job. Returns "preempted", or "stopped"
-        when SLURM will not run it again (requeue budget spent or refused): then the job must not
-        look COMPLETED, and the task exits non-zero."""
+        """Save (all ranks) and return "preempted"; what the stop means (requeue, a user's cancel)
+        is decided by the task, which knows the scheduler."""
         if self.config.checkpoints.save_on_preemption:
             self.save()
-        outcome = "preempted"
-        if self.pc.world_rank == 0:
-            print(f"preempted at step {self.step} ({self.preemption.received or 'signal on another rank'}): "
-                  f"checkpoint saved; resume with: python submit.py --resume {self.run_dir}", flush=True)
-            if self.env.launcher == "slurm" and not request_requeue(self.config.slurm.max_requeues):
-                outcome = "stopped"
-        return outcome
+        return "preempted"
 
     def close(self) -> None:
         self.metrics.close()

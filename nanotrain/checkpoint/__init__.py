@@ -68,10 +68,19 @@ pruning never deletes one.
 Checksum: sha256 (1.7 GB/s with SHA-NI here; crc32 3.9, blake2b 0.9): detects deliberate edits,
 not just bit rot; it costs ~0.6 s per GB a rank writes or reads.
 """
-from nanotrain.checkpoint.format import (CheckpointError, CheckpointMismatch, complete_checkpoints,
-                                         load_candidates, read_latest, verify_checkpoint)
-from nanotrain.checkpoint.load import LoadedCheckpoint, load_checkpoint
-from nanotrain.checkpoint.save import prune, save_checkpoint
+import importlib
 
-__all__ = ["CheckpointError", "CheckpointMismatch", "LoadedCheckpoint", "complete_checkpoints", "load_candidates",
-           "load_checkpoint", "prune", "read_latest", "save_checkpoint", "verify_checkpoint"]
+# Lazy attributes (PEP 562): `submit.py` reads checkpoint names and meta.json before a launch
+# (`layout.py`, standard library only) and must not pay for importing torch to do it.
+_HOMES = {
+    "CheckpointError": "layout", "CheckpointMismatch": "layout", "complete_checkpoints": "layout",
+    "load_candidates": "layout", "read_latest": "layout", "verify_checkpoint": "format",
+    "LoadedCheckpoint": "load", "load_checkpoint": "load", "prune": "save", "save_checkpoint": "save",
+}
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'nanotrain.checkpoint' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"nanotrain.checkpoint.{_HOMES[name]}"), name)

@@ -35,6 +35,7 @@ from nanotrain.checkpoint.damage import quarantine
 from nanotrain.checkpoint.format import CheckpointError, CheckpointMismatch, info_from_json
 from nanotrain.checkpoint.items import (GRID_AXES, Models, config_as_dict, named_params, optimizer_layout,
                                         same_grid, topology_of)
+from nanotrain.checkpoint.layout import model_differences
 from nanotrain.checkpoint.rng import restore_rng
 from nanotrain.optim.optimizer import load_optimizer_state_by_name
 from nanotrain.parallel.sharding import copy_from_full_, get_shard_info
@@ -180,12 +181,9 @@ class _Plan:
 
 def _plan(cand: Path, meta: dict, params, optimizer, topology, cfg, rank, load_rng) -> _Plan:
     if cfg is not None and meta.get("config"):
-        mine = {k: v for k, v in (cfg.get("model") or {}).items() if k != "dtype"}
-        saved = {k: v for k, v in (meta["config"].get("model") or {}).items() if k != "dtype"}
-        diff = sorted(k for k in set(mine) | set(saved) if mine.get(k) != saved.get(k))
+        diff = model_differences(meta["config"], cfg)
         if diff:
-            raise CheckpointMismatch(f"{cand}: model config differs from the saved one in "
-                                  + ", ".join(f"{k} ({saved.get(k)!r} saved, {mine.get(k)!r} now)" for k in diff))
+            raise CheckpointMismatch(f"{cand}: model config differs from the saved one in " + ", ".join(diff))
     plan = _Plan(same_grid=same_grid(meta["topology"], topology))
     model_index, opt_index = meta["index"]["model"], meta["index"]["optimizer"]
     missing, mismatched = [], []

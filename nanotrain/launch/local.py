@@ -4,7 +4,8 @@ Why not submitit's local executor: it neither streams output nor ends the other 
 fails. Here rank 0's output (and the metrics rank's) streams to the terminal (and to `job/rank-R.log`), every other rank
 writes `job/rank-R.log`, the first rank that fails ends the rest within seconds (a hang is a
 failure), and SIGINT/SIGTERM/SIGUSR1/SIGUSR2 sent to the launcher are passed on to every rank —
-the same signals SLURM sends before a preemption or time limit.
+the same signals SLURM sends before a preemption or time limit. A stop signal that arrives
+before the ranks exist is held (`submit.py` blocks it) and passed on once they do.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 from nanotrain.launch.env import free_port
+from nanotrain.launch.preemption import unblock_stop_signals
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 _CLEARED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -94,6 +96,9 @@ def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool
 
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, forward)
+    # submit.py held stop signals pending since its start (the ranks inherited that mask and
+    # release it once their own handler exists): deliver them now, to every rank (issue 17 item 9).
+    unblock_stop_signals()
     try:
         status = _wait(procs, log_dir)
     finally:
