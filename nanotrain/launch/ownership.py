@@ -7,7 +7,8 @@ in-progress `step_N.tmp` as a "leftover" (the first then died) and interleaved l
 * `<dir>/owner.lock` (JSON: run id, host, SLURM node, pid and its start time, SLURM job id and
   restart, start time, command) is created with O_EXCL by rank 0 of the task before anything
   reads or writes checkpoints, logs or TensorBoard files, and removed when the task ends. It is
-  taken for the run directory and, when `checkpoints.path` lies outside it, for that directory.
+  taken for the run directory and for the checkpoint directory (`checkpoints.path`, which
+  another run may share).
 * A lock whose owner is gone is *stale*: its SLURM job is no longer pending/running (squeue), or,
   without a job, its pid is dead or belongs to another process (start time differs) on this host.
   A stale lock is reported (one line naming the dead owner) and taken over. A live owner — or one
@@ -186,9 +187,10 @@ def ensure_run_id(run_dir: Path) -> str:
 
 
 def owned_dirs(run_dir: Path, checkpoint_dir: Path) -> list[Path]:
+    """Both, always: a checkpoint directory inside one run directory may be another run's
+    `checkpoints.path`, and that run locks only the checkpoint directory."""
     run_dir, checkpoint_dir = Path(run_dir).resolve(), Path(checkpoint_dir).resolve()
-    inside = checkpoint_dir == run_dir or run_dir in checkpoint_dir.parents
-    return [run_dir] if inside else [run_dir, checkpoint_dir]
+    return [run_dir] if checkpoint_dir == run_dir else [run_dir, checkpoint_dir]
 
 
 @dataclass
