@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nanotrain.launch import preemption
+from nanotrain.launch import ownership, preemption
 from slurm_utils import restart_count, submitted_job_id, wait_for_job, wait_until
 from test_failures import assert_latest_intact, rank_pid, step_of
 
@@ -48,6 +48,8 @@ def test_scancel_saves_and_ends_cancelled_without_requeue(slurm_cluster, tmp_pat
     assert f"cancelled at step {saved} (SIGTERM, a user's scancel" in log and "not requeued" in log, log[-2000:]
     assert "requeued job" not in log
 
+    # submit.py counts a COMPLETING job (tasks still being killed) as live: wait for SLURM to finish it
+    wait_until(lambda: ownership.job_state(job_id) not in ownership.LIVE_JOB_STATES, 120, "the job to leave the queue")
     resumed = submit("--resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr
     new_job = submitted_job_id(resumed.stdout)
