@@ -71,6 +71,7 @@ SCONTROL = {
     "timelimit": "JobState=COMPLETING Reason=TimeLimit Dependency=(null)\n   Requeue=1 Restarts=0 BatchFlag=1",
 }
 SACCT = {"scancel": "CANCELLED by 0\n", "preempt": "PREEMPTED\n", "timelimit": "TIMEOUT\n"}
+SACCT_ONLY = {"scancel": "cancelled", "preempt": "preempted", "timelimit": "timeout"}
 
 
 @pytest.mark.parametrize("case,accounting,expected", [
@@ -85,3 +86,13 @@ def test_sigterm_is_told_apart_by_the_jobs_record(monkeypatch, case, accounting,
     monkeypatch.setattr(preemption, "_run", answers)
     kind, evidence = preemption.classify_sigterm("7", restart_count=0)
     assert kind == expected and "scontrol JobState=COMPLETING" in evidence
+
+
+@pytest.mark.parametrize("case", list(SACCT_ONLY))
+def test_sacct_alone_decides_when_scontrol_shows_nothing(monkeypatch, case):
+    """E.g. a cluster whose scontrol record shows no reason yet: accounting's state decides."""
+    def answers(argv):
+        return "JobState=RUNNING Reason=None Dependency=(null)\n   Restarts=0" if argv[0] == "scontrol" else SACCT[case]
+    monkeypatch.setattr(preemption, "_run", answers)
+    kind, evidence = preemption.classify_sigterm("7", restart_count=0)
+    assert kind == SACCT_ONLY[case] and f"sacct {SACCT[case].split()[0]}" in evidence

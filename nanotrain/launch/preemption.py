@@ -109,8 +109,8 @@ def _run(argv: list[str]) -> str:
 def classify_sigterm(job_id: str, restart_count: int) -> tuple[str, str]:
     """("cancelled" | "preempted" | "timeout", the evidence) for a SIGTERM in SLURM job `job_id`."""
     fields = dict(re.findall(r"(?<![\w/])(\w+)=(\S*)", _run(["scontrol", "show", "job", job_id])))
-    rows = _run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"]).split()
-    acct = rows[-1].split()[0] if rows else ""
+    rows = [row for row in _run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"]).splitlines() if row.strip()]
+    acct = rows[-1].split()[0] if rows else ""  # "CANCELLED by 0": the state is the first word
     state, reason, restarts = fields.get("JobState", ""), fields.get("Reason", ""), fields.get("Restarts", "")
     seen = f"scontrol JobState={state or '?'} Reason={reason or '?'} Restarts={restarts or '?'}, sacct {acct or '?'}"
     if reason == "TimeLimit" or "TIMEOUT" in (state, acct):

@@ -62,8 +62,9 @@ def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> d
                          expert_parallel_size=p.ep)
     claim = None
     try:
-        claim = ownership.claim(run_dir, Path(config.checkpoints.path), env.rank == 0, World(pc).broadcast)
-        for note in claim.notes:
+        checkpoint_dir = Path(config.checkpoints.path or run_dir / "checkpoints")
+        claim = ownership.claim(run_dir, checkpoint_dir, env.rank == 0, World(pc).broadcast)
+        for note in claim.notes if env.rank == 0 else []:
             print(f"warning: {note}", file=sys.stderr, flush=True)
         report = smoke_step(pc, env, Path(run_dir))  # a cheap preflight: every group answers
         trainer = DistributedTrainer(config, Path(run_dir), env, pc, preemption, run_id=claim.run_id)
