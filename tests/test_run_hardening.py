@@ -17,6 +17,7 @@ import yaml
 
 from nanotrain.checkpoint import read_latest
 from slurm_utils import wait_until
+from test_failures import rank_pid
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
@@ -113,6 +114,9 @@ def test_one_owner_per_run_directory_and_no_foreign_checkpoints(tmp_path):
         live.wait(timeout=60)
     finally:
         kill_group(live)
+        leftover = rank_pid(run_a, 0)  # ranks run in their own sessions: end the rank too
+        if leftover is not None:
+            os.kill(leftover, signal.SIGKILL)
     assert (run_a / "owner.lock").is_file() and read_latest(run_a / "checkpoints") is not None
 
     # item 6: a model-shape change on resume is refused before launch, in one line
