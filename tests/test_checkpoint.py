@@ -582,10 +582,12 @@ def test_corrupt_newest_falls_back_with_warning_naming_file(tmp_path, caplog):
     with pytest.raises(CheckpointError, match="no intact complete checkpoint") as err:
         load_checkpoint(root, *_tiny(5))
     assert "step_000001/meta.json: checksum mismatch" in str(err.value)
+    # every damaged one was moved aside (issue 17 item 1): kept for inspection, never counted
+    assert sorted(p.name for p in root.iterdir()) == ["latest"] + [f"step_00000{s}.damaged" for s in (1, 2, 3, 4)]
     with pytest.raises(CheckpointError, match="sha256 mismatch"):  # an explicit path never falls back
-        load_checkpoint(root, *_tiny(5), path=root / "step_000003")
+        load_checkpoint(root, *_tiny(5), path=root / "step_000003.damaged")
     from nanotrain.checkpoint.format import verify_checkpoint
-    assert len(verify_checkpoint(root / "step_000003")) == 1
+    assert len(verify_checkpoint(root / "step_000003.damaged")) == 1
 
 
 def test_keep_last_prunes_older_complete_checkpoints(tmp_path):

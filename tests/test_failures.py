@@ -15,6 +15,8 @@ import pytest
 
 from nanotrain.checkpoint import read_latest
 from nanotrain.checkpoint.format import verify_checkpoint
+from nanotrain.launch.ownership import LIVE_JOB_STATES
+from nanotrain.launch.ownership import job_state as job_state_in_queue
 
 from helpers.runs import TINY, cli, tb_losses
 from helpers.slurm import submitted_job_id, wait_for_job, wait_until
@@ -115,6 +117,8 @@ def test_resume_of_a_cancelled_slurm_run(slurm_cluster, tmp_path):
     # scancel sends SIGTERM first: the ranks agree, save at the next step, then SLURM kills them.
     wait_until(lambda: all(rank_pid(run_dir, r) is None for r in range(8)), 60, "the tasks to exit")
     saved = assert_latest_intact(run_dir)
+    # `--resume` refuses while the job is still in the queue (issue 17, item 3): COMPLETING counts
+    wait_until(lambda: job_state_in_queue(job_id) not in LIVE_JOB_STATES, 120, "the job to leave the queue")
 
     resumed = subprocess.run([sys.executable, str(ROOT / "submit.py"), "--resume", str(run_dir)],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -59,18 +59,28 @@ torch_dist. The usual cost of per-rank files — a rank reading one tensor of an
 must hash the whole file — is avoided by checksumming each tensor: a loader verifies exactly the
 bytes it reads. Files are streamed to disk tensor by tensor (no second in-memory copy) and fsynced.
 
+Damage: a checkpoint that fails verification (on load, before a save trusts it, or the size
+check of pruning) is renamed ``step_N.damaged`` with a ``DAMAGED.txt`` saying why (``damage.py``):
+kept for inspection, never loaded, counted or pruned. meta.json records the writing run's
+``run_id``; the loader refuses another run's checkpoint unless told (``allow_foreign``) and
+pruning never deletes one.
+
 Checksum: sha256 (1.7 GB/s with SHA-NI here; crc32 3.9, blake2b 0.9): detects deliberate edits,
 not just bit rot; it costs ~0.6 s per GB a rank writes or reads.
 """
-from nanotrain.checkpoint.format import (
-                                         CheckpointError,
-                                         complete_checkpoints,
-                                         load_candidates,
-                                         read_latest,
-                                         verify_checkpoint,
-)
-from nanotrain.checkpoint.load import LoadedCheckpoint, load_checkpoint
-from nanotrain.checkpoint.save import prune, save_checkpoint
+import importlib
 
-__all__ = ["CheckpointError", "LoadedCheckpoint", "complete_checkpoints", "load_candidates",
-           "load_checkpoint", "prune", "read_latest", "save_checkpoint", "verify_checkpoint"]
+# Lazy attributes (PEP 562): `submit.py` reads checkpoint names and meta.json before a launch
+# (`layout.py`, standard library only) and must not pay for importing torch to do it.
+_HOMES = {
+    "CheckpointError": "layout", "CheckpointMismatch": "layout", "complete_checkpoints": "layout",
+    "load_candidates": "layout", "read_latest": "layout", "verify_checkpoint": "format",
+    "LoadedCheckpoint": "load", "load_checkpoint": "load", "prune": "save", "save_checkpoint": "save",
+}
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'nanotrain.checkpoint' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"nanotrain.checkpoint.{_HOMES[name]}"), name)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import struct
 from pathlib import Path
@@ -17,37 +16,28 @@ from typing import Iterable
 
 import torch
 
+from nanotrain.checkpoint.layout import (  # noqa: F401 (re-exported)
+    COMPLETE,
+    FORMAT,
+    FORMAT_VERSION,
+    LATEST,
+    META,
+    CheckpointError,
+    CheckpointMismatch,
+    complete_checkpoints,
+    is_tmp_name,
+    load_candidates,
+    parse_step,
+    read_latest,
+    read_meta,
+    stale_entries,
+    step_dir_name,
+)
 from nanotrain.parallel.sharding import ShardInfo
 
-FORMAT = "nanotrain-checkpoint"
-FORMAT_VERSION = 1
-META = "meta.json"
-COMPLETE = "COMPLETE"
-LATEST = "latest"
 HEADER_KEY = "nanotrain"  # safetensors __metadata__ key holding the per-tensor shard records (JSON)
 
-_STEP_RE = re.compile(r"^step_(\d+)$")
-_TMP_RE = re.compile(r"^step_\d+(\.[A-Za-z0-9_-]+)*\.tmp$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or loaded (the message says which file / parameter)."""
-
-
 # ----------------------------------------------------------------------------- names
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def parse_step(name: str) -> int | None:
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
-def is_tmp_name(name: str) -> bool:
-    return bool(_TMP_RE.match(name))
-
-
 def coord_tag(**coords: int) -> str:
     """``pp-00_tp-01`` style tag; axes whose value is None are left out."""
     return "_".join(f"{axis}-{value:02d}" for axis, value in coords.items() if value is not None)
@@ -208,14 +198,6 @@ def update_latest(root: Path, name: str) -> None:
     atomic_write_text(root / LATEST, name + "\n")
 
 
-def read_latest(root: Path) -> str | None:
-    try:
-        name = (root / LATEST).read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return name if parse_step(name) is not None else None
-
-
 def remove_dir(path: Path) -> None:
     """Delete a checkpoint directory without ever exposing a half-deleted COMPLETE one: rename it
     to a *.tmp name first (atomic), then delete."""
@@ -228,69 +210,6 @@ def remove_dir(path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- discovery
-def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, dir) of every directory named step_N holding COMPLETE, newest first."""
-    out = []
-    try:
-        entries = list(Path(root).iterdir())
-    except OSError:
-        return []
-    for p in entries:
-        step = parse_step(p.name)
-        if step is not None and p.is_dir() and (p / COMPLETE).is_file():
-            out.append((step, p))
-    return sorted(out, reverse=True)
-
-
-def load_candidates(root: Path) -> list[Path]:
-    """Checkpoints to try, in order: the one ``latest`` names (if complete), then the complete
-    ones older than it, newest first. Without a valid ``latest``: every complete one, newest
-    first. Complete checkpoints newer than ``latest`` (a crash between the rename and the update
-    of ``latest``, or the abandoned future of a rolled-back run) are not used."""
-    found = complete_checkpoints(root)
-    latest = read_latest(root)
-    if latest is not None:
-        steps = {p.name: s for s, p in found}
-        if latest in steps:
-            return [p for s, p in found if s <= steps[latest]]
-    return [p for _, p in found]
-
-
-def stale_entries(root: Path) -> Iterable[Path]:
-    """Leftovers of interrupted saves: *.tmp directories and step_N without COMPLETE."""
-    try:
-        entries = list(Path(root).iterdir())
-    except OSError:
-        return []
-    out = []
-    for p in entries:
-        if not p.is_dir():
-            continue
-        if is_tmp_name(p.name) or (parse_step(p.name) is not None and not (p / COMPLETE).is_file()):
-            out.append(p)
-    return out
-
-
-def read_meta(ckpt_dir: Path) -> dict:
-    """meta.json, checked against the sha256 in COMPLETE. Raises CheckpointError naming the file."""
-    try:
-        complete = (ckpt_dir / COMPLETE).read_text().split()
-        data = (ckpt_dir / META).read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"{ckpt_dir}: cannot read {META}/{COMPLETE}: {e}") from None
-    if len(complete) != 2 or complete[0] != "sha256":
-        raise CheckpointError(f"{ckpt_dir / COMPLETE}: unexpected content")
-    if hashlib.sha256(data).hexdigest() != complete[1]:
-        raise CheckpointError(f"{ckpt_dir / META}: checksum mismatch (file altered or truncated)")
-    meta = json.loads(data)
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{ckpt_dir / META}: not a {FORMAT} checkpoint")
-    if meta.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{ckpt_dir / META}: format version {meta['format_version']} is newer "
-                              f"than this code understands ({FORMAT_VERSION})")
-    return meta
-
-
 def read_header(path: Path) -> tuple[bytes, dict]:
     """(the raw 8-byte length + header, the parsed header) of a safetensors file."""
     with open(path, "rb") as f:

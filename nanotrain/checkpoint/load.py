@@ -12,8 +12,10 @@ copying, never arithmetic, so resharded values are bit-identical to the saved on
 Integrity: every file a rank is about to read is checked against the size and sha256 recorded
 in meta.json (itself checked against COMPLETE) before anything is modified. Any damage found on
 any rank is shared (one all-gather), logged with the file names, and all ranks fall back together
-to the previous complete checkpoint. Errors that a fallback cannot fix (a parameter missing or of
-another shape) raise on every rank.
+to the previous complete checkpoint; rank 0 moves the damaged one aside (``damage.py``) and points
+``latest`` at the one loaded, so no later save or prune counts it again. Errors that a fallback
+cannot fix (a parameter missing or of another shape, a checkpoint of another run) raise
+``CheckpointMismatch`` on every rank.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from safetensors import safe_open
 
 from nanotrain.checkpoint import format as fmt
 from nanotrain.checkpoint.comm import World
-from nanotrain.checkpoint.format import CheckpointError, info_from_json
+from nanotrain.checkpoint.damage import quarantine
+from nanotrain.checkpoint.format import CheckpointError, CheckpointMismatch, info_from_json
 from nanotrain.checkpoint.items import (
     GRID_AXES,
     Models,
@@ -39,6 +42,7 @@ from nanotrain.checkpoint.items import (
     same_grid,
     topology_of,
 )
+from nanotrain.checkpoint.layout import model_differences
 from nanotrain.checkpoint.rng import restore_rng
 from nanotrain.optim.optimizer import load_optimizer_state_by_name
 from nanotrain.parallel.sharding import copy_from_full_, get_shard_info
@@ -62,13 +66,18 @@ class LoadedCheckpoint:
 
 def load_checkpoint(root: str | Path, model: Models, optimizer=None, scheduler=None, pc=None, *,
                     config=None, path: str | Path | None = None, load_rng: bool = True,
-                    strict: bool = True) -> LoadedCheckpoint | None:
+                    strict: bool = True, run_id: str | None = None, allow_foreign: bool = False,
+                    move_damaged: bool = True) -> LoadedCheckpoint | None:
     """Restore the newest intact complete checkpoint under ``root`` into the given objects.
 
     Returns None when there is nothing to resume (no complete checkpoint). ``path``: load this
     checkpoint directory instead (no fallback). ``config``: if given, its ``model`` section must
     match the saved one (dtype aside). ``strict``: every saved parameter must be taken by some
-    rank (a checkpoint of a bigger model is an error, not a silent partial load). The caller
+    rank (a checkpoint of a bigger model is an error, not a silent partial load). ``run_id``: the
+    loading run's identity; a checkpoint written under another one is refused
+    (``CheckpointMismatch``) unless ``allow_foreign`` (``checkpoints.allow_foreign``); checkpoints
+    without a recorded run id (older ones, offline tools) are accepted. ``move_damaged``: rank 0
+    moves a checkpoint that failed verification aside (not for an explicit ``path``). The caller
     builds ``model``/``optimizer``/``scheduler`` for the current topology first, as for a fresh run.
     """
     world = World(pc)
@@ -91,18 +100,24 @@ def load_checkpoint(root: str | Path, model: Models, optimizer=None, scheduler=N
             problems.append(str(e))
         if meta is not None:
             try:
+                _check_identity(cand, meta, run_id, allow_foreign)
                 plan = _plan(cand, meta, params, optimizer, topology, cfg, world.rank, load_rng)
                 problems = [p for rel, keys in sorted(plan.files.items())
                             if (p := fmt.verify_file(cand, rel, meta["files"].get(rel), keys))]
             except CheckpointError as e:  # does not fit this model: a fallback would not help
-                fatal.append(str(e))
+                fatal.append(e)
             except Exception:
-                fatal.append(traceback.format_exc())
+                fatal.append(CheckpointError(traceback.format_exc()))
         replica_zero = pc is None or (pc.dp_rank == 0 and pc.cp_rank == 0)  # the others hold the same
         used = sorted(plan.used_names) if plan is not None and replica_zero else []
-        reports = world.all_gather({"problems": problems, "fatal": fatal, "used": used})
+        mismatch = all(isinstance(f, CheckpointMismatch) for f in fatal)
+        reports = world.all_gather({"problems": problems, "fatal": [str(f) for f in fatal], "used": used,
+                                    "mismatch": mismatch})
         fatal_all = [f for r in reports for f in r["fatal"]]
         if fatal_all:
+            kind = CheckpointMismatch if all(r["mismatch"] for r in reports) else CheckpointError
+            if kind is CheckpointMismatch:  # one line: the first reason, said once
+                raise CheckpointMismatch(fatal_all[0])
             raise CheckpointError(f"cannot load {cand}:\n" + "\n".join(dict.fromkeys(fatal_all)))
         problems_all = list(dict.fromkeys(p for r in reports for p in r["problems"]))
         if problems_all:
@@ -112,13 +127,15 @@ def load_checkpoint(root: str | Path, model: Models, optimizer=None, scheduler=N
             skipped.append(msg)
             if path is not None:
                 raise CheckpointError(msg)
+            if move_damaged and world.rank == 0:
+                quarantine(cand, problems_all)
             continue
         if strict:
             saved = set(meta["index"]["model"])
             used_all = {n for r in reports for n in r["used"]}
             unused = sorted(saved - used_all)
             if unused:
-                raise CheckpointError(f"cannot load {cand}: it holds parameters no rank of this model has "
+                raise CheckpointMismatch(f"cannot load {cand}: it holds parameters no rank of this model has "
                                       f"(pass strict=False to ignore): {unused[:8]}")
         try:
             result = _apply(cand, meta, plan, params, optimizer, scheduler, world, topology)
@@ -130,6 +147,11 @@ def load_checkpoint(root: str | Path, model: Models, optimizer=None, scheduler=N
             raise CheckpointError(f"loading {cand} failed (model/optimizer may be partly loaded):\n"
                                   + "\n".join(errors))
         result.skipped = skipped
+        if skipped and move_damaged and world.rank == 0:
+            try:  # `latest` named a checkpoint that is gone now: name the one in use
+                fmt.update_latest(cand.parent, cand.name)
+            except OSError as e:
+                log.warning("could not point %s at %s: %s", cand.parent / fmt.LATEST, cand.name, e)
         resharded = world.any(result.resharded)
         result.resharded = resharded
         if world.rank == 0:
@@ -139,6 +161,20 @@ def load_checkpoint(root: str | Path, model: Models, optimizer=None, scheduler=N
 
 
 # ----------------------------------------------------------------------------- planning
+def _check_identity(cand: Path, meta: dict, run_id: str | None, allow_foreign: bool) -> None:
+    """Another run's checkpoint (e.g. ``checkpoints.path`` pointing into another run directory)
+    must not be resumed silently: its weights were trained under another config."""
+    saved = meta.get("run_id")
+    if run_id is None or saved is None or saved == run_id or allow_foreign:
+        return
+    run = (meta.get("config") or {}).get("logging") or {}
+    where = f" ({run.get('dir')}/{run.get('run_name')})" if run.get("run_name") else ""
+    raise CheckpointMismatch(f"{cand} belongs to another run (run id {saved}{where}, this run is {run_id}): "
+                             "not resuming another run's weights; point checkpoints.path elsewhere, or set "
+                             "checkpoints.allow_foreign=true to start from it on purpose")
+
+
+
 @dataclass
 class _Plan:
     model: dict = field(default_factory=dict)  # name -> (entries, fast)
@@ -152,12 +188,9 @@ class _Plan:
 
 def _plan(cand: Path, meta: dict, params, optimizer, topology, cfg, rank, load_rng) -> _Plan:
     if cfg is not None and meta.get("config"):
-        mine = {k: v for k, v in (cfg.get("model") or {}).items() if k != "dtype"}
-        saved = {k: v for k, v in (meta["config"].get("model") or {}).items() if k != "dtype"}
-        diff = sorted(k for k in set(mine) | set(saved) if mine.get(k) != saved.get(k))
+        diff = model_differences(meta["config"], cfg)
         if diff:
-            raise CheckpointError(f"{cand}: model config differs from the saved one in "
-                                  + ", ".join(f"{k} ({saved.get(k)!r} saved, {mine.get(k)!r} now)" for k in diff))
+            raise CheckpointMismatch(f"{cand}: model config differs from the saved one in " + ", ".join(diff))
     plan = _Plan(same_grid=same_grid(meta["topology"], topology))
     model_index, opt_index = meta["index"]["model"], meta["index"]["optimizer"]
     missing, mismatched = [], []
@@ -188,7 +221,7 @@ def _plan(cand: Path, meta: dict, params, optimizer, topology, cfg, rank, load_r
     elif optimizer is not None and rank == 0:
         log.warning("%s holds no optimizer state; the optimizer starts fresh", cand)
     if missing or mismatched:
-        raise CheckpointError(f"{cand} does not fit this model: "
+        raise CheckpointMismatch(f"{cand} does not fit this model: "
                               + (f"missing {missing[:8]}" if missing else "")
                               + (f" shape mismatch {mismatched[:8]}" if mismatched else ""))
     for entries, _ in plan.model.values():

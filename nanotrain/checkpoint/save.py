@@ -3,7 +3,9 @@
 Protocol (every rank calls ``save_checkpoint`` at the same step):
 
 1. rank 0 removes leftovers of interrupted saves (``*.tmp``, ``step_N`` without COMPLETE) and
-   creates ``step_N.tmp/``; the decision is broadcast (nothing else starts before it);
+   creates ``step_N.tmp/``; the decision is broadcast (nothing else starts before it). A
+   ``step_N`` that ``latest`` already names is only trusted (the save skipped) after every file
+   of it verified; one that fails is moved aside (``damage.py``) and written anew;
 2. the ranks agree who writes what: every (name, ShardInfo, ...) record held by several ranks (dp
    and cp replicas, tp-replicated norms, a tied copy on another pipeline stage, ZeRO-0 states) is
    written once, by the lowest global rank holding it — dp rank 0 for parameters, every dp rank
@@ -12,7 +14,8 @@ Protocol (every rank calls ``save_checkpoint`` at the same step):
    sizes, checksums and its part of the tensor index to rank 0 (a gather: the barrier);
 4. rank 0 checks that every reported file exists with its size, writes meta.json and then
    COMPLETE (holding meta.json's sha256), renames ``step_N.tmp`` -> ``step_N``, moves ``latest``
-   (temp file + ``os.replace``) and prunes to ``keep_last``; the outcome is broadcast.
+   (temp file + ``os.replace``) and prunes to ``keep_last`` (only this run's checkpoints, and
+   only ones that pass a size check count as kept); the outcome is broadcast.
 
 A process killed anywhere before the rename leaves a ``*.tmp`` directory that the loader ignores;
 killed between the rename and the update of ``latest``, it leaves ``latest`` on the previous one.
@@ -34,6 +37,7 @@ import torch
 from nanotrain.checkpoint import format as fmt
 from nanotrain.checkpoint import shard_files
 from nanotrain.checkpoint.comm import World
+from nanotrain.checkpoint.damage import full_problems, quarantine, quick_problems
 from nanotrain.checkpoint.format import CheckpointError
 from nanotrain.checkpoint.items import Models, config_as_dict, coords_of, named_params, optimizer_entries, topology_of
 from nanotrain.checkpoint.rng import capture_rng
@@ -44,7 +48,7 @@ log = logging.getLogger("nanotrain.checkpoint")
 
 def save_checkpoint(root: str | Path, step: int, model: Models, optimizer=None, scheduler=None, pc=None,
                     extra: dict | None = None, config=None, *, keep_last: int | None = None,
-                    rank_state: dict | None = None, granularity: str = "rank") -> Path:
+                    rank_state: dict | None = None, granularity: str = "rank", run_id: str | None = None) -> Path:
     """Write ``<root>/step_<step>/`` on all ranks together; returns its path once committed.
 
     ``model``: this rank's module (or list of modules: virtual pipeline chunks). ``optimizer``:
@@ -54,8 +58,11 @@ def save_checkpoint(root: str | Path, step: int, model: Models, optimizer=None, 
     returned by ``load_checkpoint``. ``config``: Config or dict, stored for resharding and
     ``--resume``; its ``checkpoints.keep_last`` applies unless ``keep_last`` is given (None and
     no config: keep all). ``rank_state``: JSON-able per-rank state (e.g. a data iterator's
-    position) stored next to the RNG states. Saving a step that ``latest`` already names is a
-    no-op (e.g. an interval save followed by a preemption save at the same step).
+    position) stored next to the RNG states. ``run_id``: the identity of the run that writes
+    (stored in meta.json; pruning never deletes a checkpoint of another run id). Saving a step
+    that ``latest`` already names is a no-op if that checkpoint verifies completely (every
+    tensor's sha256, on rank 0; callers that know they just wrote it skip the call instead),
+    otherwise it is moved aside and written again.
     """
     t0 = time.perf_counter()
     world = World(pc)
@@ -103,8 +110,9 @@ def save_checkpoint(root: str | Path, step: int, model: Models, optimizer=None, 
         else:
             try:
                 meta = _meta(step, extra, cfg, pc, optimizer, scheduler, reports, granularity)
+                meta["run_id"] = run_id
                 meta["save_seconds_before_commit"] = round(time.perf_counter() - t0, 4)
-                _commit(root, tmp, final, meta, step, keep_last)
+                _commit(root, tmp, final, meta, step, keep_last, run_id)
                 result = {"ok": True, "bytes": sum(f["bytes"] for f in meta["files"].values())}
             except Exception:
                 result = {"error": traceback.format_exc()}
@@ -121,7 +129,10 @@ def _prepare(root: Path, name: str, tmp: Path) -> dict:
     try:
         root.mkdir(parents=True, exist_ok=True)
         if fmt.read_latest(root) == name and (root / name / fmt.COMPLETE).is_file():
-            return {"skip": True}
+            problems = full_problems(root / name)
+            if not problems:
+                return {"skip": True}
+            quarantine(root / name, problems)  # never trusted, never replaced silently
         for stale in fmt.stale_entries(root):
             log.warning("removing leftover of an interrupted checkpoint save: %s", stale)
             shutil.rmtree(stale, ignore_errors=True)
@@ -218,7 +229,8 @@ def _meta(step, extra, cfg, pc, optimizer, scheduler, reports, granularity) -> d
     }
 
 
-def _commit(root: Path, tmp: Path, final: Path, meta: dict, step: int, keep_last: int | None) -> None:
+def _commit(root: Path, tmp: Path, final: Path, meta: dict, step: int, keep_last: int | None,
+            run_id: str | None) -> None:
     for rel, rec in meta["files"].items():
         try:
             size = (tmp / rel).stat().st_size
@@ -230,14 +242,28 @@ def _commit(root: Path, tmp: Path, final: Path, meta: dict, step: int, keep_last
     fmt.commit_rename(tmp, final)
     fmt.update_latest(root, final.name)
     if keep_last:
-        prune(root, step, keep_last)
+        prune(root, step, keep_last, run_id)
 
 
-def prune(root: Path, step: int, keep_last: int) -> list[Path]:
-    """Keep the checkpoint of ``step`` and the ``keep_last - 1`` newest complete ones before it.
-    Complete checkpoints after ``step`` (an abandoned future of a rolled-back run) are left alone."""
-    older = [(s, p) for s, p in fmt.complete_checkpoints(root) if s < step]
-    removed = [p for _, p in older[max(0, keep_last - 1):]]
-    for p in removed:
-        fmt.remove_dir(p)
+def prune(root: Path, step: int, keep_last: int, run_id: str | None = None) -> list[Path]:
+    """Keep the checkpoint of ``step`` (just written and checked) and the ``keep_last - 1`` newest
+    complete ones before it; delete older ones.
+
+    Only checkpoints of ``run_id`` are considered: another run's (a ``checkpoints.path`` shared
+    on purpose, ``checkpoints.allow_foreign``) are never deleted. A checkpoint is counted among
+    the kept ones only after a size check (``quick_problems``): one that fails is moved aside,
+    so the last good checkpoint is never pruned in favour of a damaged one. Complete
+    checkpoints after ``step`` (an abandoned future of a rolled-back run) are left alone."""
+    kept, removed = 0, []
+    for _, p in (sp for sp in fmt.complete_checkpoints(root) if sp[0] < step):  # newest first
+        problems, meta = quick_problems(p)
+        if meta is not None and meta.get("run_id") != run_id:
+            continue  # another run's checkpoint: not ours to delete
+        if problems:
+            quarantine(p, problems)
+        elif kept < keep_last - 1:
+            kept += 1
+        else:
+            fmt.remove_dir(p)
+            removed.append(p)
     return removed

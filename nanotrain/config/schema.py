@@ -105,6 +105,7 @@ class CheckpointArgs:
     keep_last: int = bounded(2, 1, doc="complete checkpoints kept")
     resume: bool = doc(True, "continue from the latest complete checkpoint in the run dir")
     save_on_preemption: bool = doc(True, "save when SLURM signals a preemption or time limit")
+    allow_foreign: bool = doc(False, "resume from a checkpoint another run wrote (else refused)")
 
 
 @dataclass

@@ -1,25 +1,30 @@
 """The pre-submit check: everything about `data:` that can be known without tokenising.
 
 `submit.py` calls `check_data_config` before it launches anything, so a typo in a path fails in
-a second with exit 2 instead of minutes later inside a queued job. It reads names, sizes and at
-most the first line or schema of one file, plus the tokenizer.json when one is given.
+a second with exit 2 instead of minutes later inside a queued job. It reads names, sizes, the
+first line or schema of one file, the tokenizer.json when one is given, and a sample of the rows
+of a few files (`sample_check.py`).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 from nanotrain.data.errors import DataError
+from nanotrain.data.sample_check import check_sample, check_volume
 from nanotrain.data.sources import Source, peek_columns, resolve_source
 from nanotrain.data.tokenizer import BYTE, check_tokenizer_path, load_tokenizer
 
 
-def check_data_config(data_args, vocab_size: Optional[int] = None) -> Source:
+def check_data_config(data_args, vocab_size: Optional[int] = None, config=None) -> Source:
     """Raise `DataError` for a data config that cannot work; return the resolved source.
 
     Checks: the tokenizer is 'byte' or a loadable tokenizer.json (with `tokenizers` installed)
     whose vocabulary fits `vocab_size` (`model.vocab_size`, when given); the source path, glob
     or directory exists and holds data; the text column is present where the first file shows
-    it cheaply (jsonl, csv, parquet, text, stdlib). A hub name cannot be checked offline.
+    it cheaply (jsonl, csv, parquet, text, stdlib); a sample of rows holds JSON objects whose text
+    column is a string (jsonl), the column is text and readable (parquet), the files are text;
+    with the whole `config`, the data can fill one global batch (an upper bound, never a guess).
+    A hub name cannot be checked offline.
     """
     check_tokenizer_path(data_args.tokenizer)
     if data_args.tokenizer != BYTE or vocab_size is not None:
@@ -30,4 +35,11 @@ def check_data_config(data_args, vocab_size: Optional[int] = None) -> Source:
         raise DataError(f"data.text_column: {data_args.text_column!r} is not a column of "
                         f"{source.spec!r} (columns present: {columns}); "
                         f"set data.text_column to one of them")
+    bound = check_sample(source, data_args.text_column)
+    if config is not None:
+        t = config.training
+        global_batch = config.parallelism.dp * t.micro_batch_size * t.batch_accumulation_per_replica
+        check_volume(bound, source, seq_len=t.sequence_length, global_batch=global_batch,
+                     detail=f"parallelism.dp={config.parallelism.dp} x training.batch_accumulation_per_replica="
+                            f"{t.batch_accumulation_per_replica} x training.micro_batch_size={t.micro_batch_size}")
     return source

@@ -264,10 +264,14 @@ def _main(argv: list[str] | None) -> int:
             raise ConfigError(sbatch.partition_problem(config))  # plans may target another cluster
         from nanotrain.data import check_data_config
 
-        check_data_config(config.data, vocab_size=config.model.vocab_size)
+        check_data_config(config.data, vocab_size=config.model.vocab_size, config=config)
         run_dir = rundir.resolve_run(config, config_arg)
         validate_names(config)  # again: the default run name is only known now
         check_paths(config, run_dir, args.emit)
+        from nanotrain.launch.preflight import before_launch  # live owner / job, resume target (issue 17)
+
+        for note in before_launch(config, run_dir, launching=not (args.dry_run or args.emit)):
+            print(f"warning: {note}", file=sys.stderr)
     except ValueError as exc:  # ConfigError, DataError: user errors
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR

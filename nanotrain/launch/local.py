@@ -20,6 +20,7 @@ from pathlib import Path
 
 from nanotrain.config import ConfigError
 from nanotrain.launch.env import free_port
+from nanotrain.launch.preemption import unblock_stop_signals
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 _CLEARED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -127,6 +128,9 @@ def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool
     # Installed before the first rank starts: a Ctrl-C while they start reaches those started.
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, forward)
+    # submit.py held stop signals pending since its start (the ranks inherited that mask and
+    # release it once their own handler exists): deliver them now, to every rank (issue 17 item 9).
+    unblock_stop_signals()
     try:
         for rank in range(world_size):
             if interrupts:

@@ -1,33 +1,88 @@
-"""Preemption and time limits: SLURM signals the job (`--signal=USR2@delay`) before killing it.
+"""Stop signals: SLURM's preemption / time-limit signal, a user's `scancel`, a local `kill`.
 
 The handler only sets a flag: nothing collective can run inside a signal handler, and only some
-ranks may receive the signal. The trainer polls the flag every step and the ranks vote on it with
-one tiny all-reduce (MAX, `training/stop_vote.py`), so all ranks agree on the same step, save the
-same checkpoint together, and exit. This module imports no torch, so the handler is in place
-before the seconds of importing it. On SLURM, rank 0 then asks for a requeue (`scontrol requeue`, bounded by
-`slurm.max_requeues`); the restarted job (`SLURM_RESTART_COUNT` > 0) resumes from the checkpoint.
-This replaces submitit's own USR2 handler inside the task: submitit calls `checkpoint()` on rank 0
-from the handler itself, where no collective sharded save is possible.
+ranks may receive the signal. At each step boundary the trainer makes every rank agree on the
+strongest flag (one tiny all-reduce, `training/stop_vote.py`), all ranks save the same checkpoint
+together and return; the task (`task.py`) then decides, on rank 0, what the stop means:
+
+* the configured `slurm.signal` (USR2 by default; SLURM sends it before a time limit and, with
+  `preempt_send_user_signal`, on preemption): requeue (`scontrol requeue`, bounded by
+  `slurm.max_requeues`); the restarted job resumes from the checkpoint;
+* SIGTERM alone: ambiguous, so the job's own record decides (`classify_sigterm`): `scancel` leaves
+  the job CANCELLED (sacct) with its restart count unchanged and no reason; SLURM's preemption
+  has already requeued it (scontrol's `Restarts` is above this incarnation's
+  SLURM_RESTART_COUNT, sacct says PREEMPTED); a time limit shows `Reason=TimeLimit` (sacct
+  TIMEOUT). Only the last two requeue; without evidence of either it is a user's stop — the safe
+  side: a cancel that requeues runs a job the user ended, a preemption that does not requeue
+  only needs `--resume`. (Measured on Slurm 22.05: shared/research and tests/test_slurm_cancel.py.)
+
+This module imports nothing but the standard library, so a task installs the handler before it
+imports torch or submitit (a signal during those seconds used to kill the process, issue 17 item
+9), and the local launcher blocks the stop signals until its ranks have their handlers.
 """
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)  # what a launcher forwards
+NO_STOP, TERM_STOP, SIGNAL_STOP = 0, 1, 2  # agreed with MAX: the configured signal wins
+
+
+def block_stop_signals() -> None:
+    """Hold stop signals pending (children inherit the mask across exec) until a handler exists."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def unblock_stop_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
 
 class PreemptionHandler:
-    def __init__(self, signal_name: str = "USR2", also_sigterm: bool = True):
-        self.received: str | None = None
-        self._signals = [getattr(signal, f"SIG{signal_name}")]
-        if also_sigterm and signal.SIGTERM not in self._signals:
-            self._signals.append(signal.SIGTERM)  # SLURM's own TERM at the end; `kill` locally
-        for sig in self._signals:
-            signal.signal(sig, self._on_signal)
+    """Records stop signals. `PreemptionHandler.early()` first thing, `.use(config.slurm.signal)`
+    once the config is read (signals it does not use get their previous action back)."""
+
+    def __init__(self, signal_name: str | None = "USR2", also_sigterm: bool = True):
+        self.received: str | None = None  # the first stop signal's name
+        self.names: set[str] = set()
+        self._previous: dict = {}
+        self.use(signal_name, also_sigterm)
+
+    @classmethod
+    def early(cls) -> "PreemptionHandler":
+        """Catch every possible stop signal before anything slow is imported."""
+        return cls(None)
+
+    def use(self, signal_name: str | None, also_sigterm: bool = True) -> "PreemptionHandler":
+        """Handle `signal_name` (+ SIGTERM); None: every stop signal (until the config is read)."""
+        self.signal_name = signal_name
+        wanted = list(STOP_SIGNALS) if signal_name is None else [getattr(signal, f"SIG{signal_name}")]
+        if also_sigterm and signal.SIGTERM not in wanted:
+            wanted.append(signal.SIGTERM)  # scancel, SLURM's TERM at the end, `kill` locally
+        for sig in wanted:
+            if sig not in self._previous:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        for sig in [s for s in self._previous if s not in wanted]:
+            signal.signal(sig, self._previous.pop(sig))
+            self.names.discard(signal.Signals(sig).name.removeprefix("SIG"))
+        self._signals = wanted
+        return self
 
     def _on_signal(self, signum, _frame) -> None:
-        self.received = signal.Signals(signum).name
+        name = signal.Signals(signum).name.removeprefix("SIG")
+        self.names.add(name)
+        self.received = self.received or f"SIG{name}"
+
+    @property
+    def code(self) -> int:
+        """What this rank received: SIGNAL_STOP (the configured signal), TERM_STOP, NO_STOP."""
+        if self.signal_name in self.names:
+            return SIGNAL_STOP
+        return TERM_STOP if "TERM" in self.names else NO_STOP
 
     def ignore_from_now_on(self) -> None:
         """The work is saved or finished: a late stop signal must not kill the exiting process.
@@ -35,6 +90,40 @@ class PreemptionHandler:
         time-limit signal landing then would end a finished task with "User defined signal 2".)"""
         for sig in self._signals:
             signal.signal(sig, signal.SIG_IGN)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(argv: list[str]) -> str:
+    if shutil.which(argv[0]) is None:
+        return ""
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return proc.stdout if proc.returncode == 0 else ""
+
+
+def classify_sigterm(job_id: str, restart_count: int) -> tuple[str, str]:
+    """("cancelled" | "preempted" | "timeout", the evidence) for a SIGTERM in SLURM job `job_id`."""
+    fields = dict(re.findall(r"(?<![\w/])(\w+)=(\S*)", _run(["scontrol", "show", "job", job_id])))
+    rows = [row for row in _run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"]).splitlines() if row.strip()]
+    acct = rows[-1].split()[0] if rows else ""  # "CANCELLED by 0": the state is the first word
+    state, reason, restarts = fields.get("JobState", ""), fields.get("Reason", ""), fields.get("Restarts", "")
+    seen = f"scontrol JobState={state or '?'} Reason={reason or '?'} Restarts={restarts or '?'}, sacct {acct or '?'}"
+    if reason == "TimeLimit" or "TIMEOUT" in (state, acct):
+        return "timeout", seen
+    if (restarts.isdigit() and int(restarts) > restart_count) or "PREEMPTED" in (state, acct):
+        return "preempted", seen
+    return "cancelled", seen
+
+
+def requeued_by_slurm(job_id: str, restart_count: int) -> bool:
+    """SLURM's own preemption (PreemptMode=REQUEUE) requeues before the TERM arrives."""
+    match = re.search(r"Restarts=(\d+)", _run(["scontrol", "show", "job", job_id]))
+    return bool(match) and int(match.group(1)) > restart_count
 
 
 def request_requeue(max_requeues: int) -> bool:
@@ -47,6 +136,9 @@ def request_requeue(max_requeues: int) -> bool:
         print(f"preemption: job {job_id} was already requeued {restarts} time(s) = slurm.max_requeues; "
               "not requeueing again", file=sys.stderr, flush=True)
         return False
+    if requeued_by_slurm(job_id, restarts):
+        print(f"preemption: SLURM requeued job {job_id} itself (restart {restarts + 1})", flush=True)
+        return True
     proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
         print(f"preemption: scontrol requeue {job_id} failed: {proc.stderr.strip()}", file=sys.stderr, flush=True)

@@ -1,28 +1,51 @@
 """The per-process entry point of every job: `python -m nanotrain.launch.task CONFIG`.
 
 The same function runs under submitit (pickled), an emitted sbatch script, torchrun, and the
-local launcher, so the four launch paths differ only in how the environment is mapped.
+local launcher, so the four launch paths differ only in how the environment is mapped. The task,
+not the trainer, decides what an ending means: exit codes, requeue or not, one-line errors.
+
+    0   completed, or stopped and saved (preempted and requeued; locally: any stop signal)
+    2   a user error found inside a rank (data, a checkpoint of another model or run, a run
+        directory in use): one `error:` line, from the rank that found it
+    3   training diverged (non-finite loss or grad norm): nothing saved after the last finite step
+    75  stopped and saved, but not requeued (a user's scancel, or the requeue budget is spent)
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+# Stop signals first: the handler's module is standard library only, and under
+# `python -m nanotrain.launch.task` a signal during the imports below (submitit, then torch:
+# seconds) would otherwise kill the task (issue 17, item 9).
+from nanotrain.launch.preemption import (
+    SIGNAL_STOP,
+    PreemptionHandler,
+    classify_sigterm,
+    request_requeue,
+    unblock_stop_signals,
+)
 
-import submitit.helpers
+_EARLY = PreemptionHandler.early() if __name__ == "__main__" else None
 
-from nanotrain.config import ConfigError, check_world_size, load_config, validate
-from nanotrain.launch.env import export_user_env, setup_distributed_env
-from nanotrain.launch.preemption import PreemptionHandler, request_requeue
-from nanotrain.launch.rundir import resolve_run, write_run_dir
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-EXIT_STOPPED = 75  # EX_TEMPFAIL: preempted and saved, but not requeued; resume with --resume
+import submitit.helpers  # noqa: E402
+
+from nanotrain.config import ConfigError, check_world_size, load_config, validate  # noqa: E402
+from nanotrain.launch import ownership  # noqa: E402
+from nanotrain.launch.env import export_user_env, setup_distributed_env  # noqa: E402
+from nanotrain.launch.rundir import resolve_run, write_run_dir  # noqa: E402
+
+EXIT_USER_ERROR = 2
+EXIT_DIVERGED = 3
+EXIT_STOPPED = 75  # EX_TEMPFAIL: saved, but not requeued; resume with --resume
 
 
-def run_task(config_path: str) -> dict:
+def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> dict:
+    preemption = preemption or PreemptionHandler.early()
+    unblock_stop_signals()  # the local launcher holds them blocked until this handler exists
     config = load_config(config_path)
     validate(config)
-    # First thing: a stop signal that arrives while torch imports must set the flag, not kill us.
-    preemption = PreemptionHandler(config.slurm.signal)
+    preemption.use(config.slurm.signal)
     export_user_env(config.slurm.env)
     env = setup_distributed_env()
     check_world_size(config, env.world_size, f"this {env.launcher} job")
@@ -32,43 +55,82 @@ def run_task(config_path: str) -> dict:
     if env.rank == 0 and not (run_dir / "config.yaml").is_file():
         write_run_dir(config, run_dir)  # an emitted script's first run creates its run directory
 
+    from nanotrain.checkpoint import CheckpointMismatch
+    from nanotrain.checkpoint.comm import World
+    from nanotrain.data import DataError
+
     # Imported only now, with the stop handler installed: they import torch (seconds).
     from nanotrain.launch.smoke import smoke_step
     from nanotrain.parallel.context import ParallelContext
+    from nanotrain.training.stop_vote import TrainingDiverged
     from nanotrain.training.trainer import DistributedTrainer
 
     p = config.parallelism
     pc = ParallelContext(tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp,
                          data_parallel_size=p.dp, context_parallel_size=p.cp,
                          expert_parallel_size=p.ep, timeout_s=config.training.collective_timeout_s)
+    claim = None
     try:
+        checkpoint_dir = Path(config.checkpoints.path or run_dir / "checkpoints")
+        claim = ownership.claim(run_dir, checkpoint_dir, env.rank == 0, World(pc).broadcast)
+        for note in claim.notes if env.rank == 0 else []:
+            print(f"warning: {note}", file=sys.stderr, flush=True)
         report = smoke_step(pc, env, Path(run_dir))  # a cheap preflight: every group answers
-        trainer = DistributedTrainer(config, Path(run_dir), pc, lambda: preemption.received is not None)
+        trainer = DistributedTrainer(config, Path(run_dir), pc, lambda: preemption.code, run_id=claim.run_id)
         try:
             report["outcome"] = trainer.train()
         finally:
             trainer.close()
         if report["outcome"] == "preempted" and env.rank == 0:
-            report["outcome"] = after_preemption(config, env, run_dir, trainer.step, preemption.received)
-        if report["outcome"] == "stopped":  # saved, but SLURM will not requeue it: not COMPLETED
+            report["outcome"] = decide_stop(trainer, config, env, run_dir, preemption)
+        if report["outcome"] in ("stopped", "cancelled"):  # saved, not requeued: not COMPLETED
             raise SystemExit(EXIT_STOPPED)
         return report
+    except (DataError, CheckpointMismatch, ownership.OwnershipError) as exc:
+        # A user's mistake that only a rank could find: one line, no traceback. Errors every rank
+        # finds together are said once, by rank 0; a data error by the rank that read the data.
+        if env.rank == 0 or isinstance(exc, DataError):
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USER_ERROR) from None
+    except TrainingDiverged as exc:
+        if env.rank == 0:
+            from nanotrain.checkpoint import read_latest
+
+            latest = read_latest(Path(config.checkpoints.path))
+            kept = f"latest checkpoint {latest} is untouched" if latest else "no checkpoint was written"
+            print(f"error: {exc}; {kept}; resume from it with other settings (e.g. a lower optimizer.lr): "
+                  f"python submit.py --resume {run_dir} --set ...", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_DIVERGED) from None
     finally:
+        if claim is not None:
+            claim.release()
         pc.destroy()
         # Never restore submitit's handler (it would fail a finished job on a late time-limit
         # signal) nor let Python's shutdown restore the default action (it would kill us).
         preemption.ignore_from_now_on()
 
 
-def after_preemption(config, env, run_dir, step: int, signal_name) -> str:
-    """Rank 0, once every rank saved: say how to resume and, on SLURM, requeue the job. Returns
-    "preempted", or "stopped" when SLURM will not run it again (requeue budget spent or refused):
-    then the job must not look COMPLETED, and the task exits non-zero."""
-    print(f"preempted at step {step} ({signal_name or 'signal on another rank'}): checkpoint saved; "
-          f"resume with: python submit.py --resume {run_dir}", flush=True)
-    if env.launcher == "slurm" and not request_requeue(config.slurm.max_requeues):
-        return "stopped"
-    return "preempted"
+def decide_stop(trainer, config, env, run_dir: Path, preemption: PreemptionHandler) -> str:
+    """Rank 0, after every rank saved: "preempted" (requeued, or local), "cancelled" (a user's
+    scancel: no requeue) or "stopped" (SLURM will not run it again). Why SIGTERM needs the
+    scheduler's word: see `preemption.py`."""
+    saved = ("checkpoint saved" if config.checkpoints.save_on_preemption
+             else "not saved (checkpoints.save_on_preemption: false)")
+    resume = f"resume with: python submit.py --resume {run_dir}"
+    received = preemption.received or "signal on another rank"
+    if env.launcher != "slurm":
+        print(f"preempted at step {trainer.step} ({received}): {saved}; {resume}", flush=True)
+        return "preempted"
+    if trainer.stop_code == SIGNAL_STOP:
+        kind, why = "preempted", f"slurm.signal SIG{config.slurm.signal}"
+    else:
+        kind, why = classify_sigterm(str(env.job_id), env.restart_count)
+    if kind == "cancelled":
+        print(f"cancelled at step {trainer.step} (SIGTERM, a user's scancel: {why}): {saved}; not requeued; "
+              f"{resume}", flush=True)
+        return "cancelled"
+    print(f"preempted at step {trainer.step} ({received}, {kind}: {why}): {saved}; {resume}", flush=True)
+    return "preempted" if request_requeue(config.slurm.max_requeues) else "stopped"
 
 
 class TrainingTask(submitit.helpers.Checkpointable):
@@ -89,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m nanotrain.launch.task CONFIG.yaml", file=sys.stderr)
         return 2
     try:
-        run_task(args[0])
+        run_task(args[0], _EARLY)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,12 +1,23 @@
-"""All ranks agree to stop at the same step, without a host sync per step.
+"""The per-step agreement of all ranks — stop (and why), or the numbers went non-finite — without
+a host sync on a silent step.
 
-A stop request (a preemption signal) reaches some ranks only, so the ranks vote: each step posts
-an asynchronous MAX all-reduce of the local flag, and the NEXT step reads it. Reading a fresh
-all-reduce right away would make the host wait for the whole step's kernels every step on a GPU
-(the all-reduce is queued behind them) and the host could never run ahead to launch the next
-step; one step later it is done, or nearly. The price is one more step before the save, well
-inside any signal delay (SLURM's is tens of seconds). Every rank reads the same reduced value
-at the same step, so they stop together.
+Why a vote: a stop signal reaches some ranks only, and a NaN loss is seen first where the loss
+lives, yet every rank must take the same branch at the same step (save together, or stop
+without saving) or the others wait forever in the next collective. One all-reduce (MAX) of two
+numbers per step settles both: the strongest stop code (``launch.preemption``: none, SIGTERM,
+the configured signal) and whether the loss or gradient norm of the step was non-finite.
+
+Why read a step late: the flags are built on the device from the step's loss and grad norm
+(``isfinite`` there, no copy to the host), and the all-reduce is posted asynchronously. Reading
+it at once would make the host wait for the whole step's kernels on a GPU, every step, and the
+host could never run ahead to launch the next one; a step later it is done, or nearly. A stop
+therefore lands one step after the signal — well inside any signal delay (SLURM's: tens of
+seconds) — and every rank reads the same value at the same step, so they stop together.
+
+Why settle before every save: a step with a non-finite loss or gradient has already poisoned
+the weights (AdamW applied the NaN), so a save after it would overwrite the last finite
+checkpoint with garbage every resume then loads (issue 17, item 4). A step that saves (interval,
+preemption, the end) reads its own vote first; saves are rare, so the sync is too.
 """
 from __future__ import annotations
 
@@ -16,30 +27,49 @@ import torch
 import torch.distributed as dist
 
 
-class StopVote:
-    def __init__(self, requested: Callable[[], bool], device: torch.device, group=None):
-        self.requested, self.device, self.group = requested, device, group
-        self._pending: Optional[tuple[object, torch.Tensor]] = None
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm became non-finite at ``step``; nothing was saved after it."""
 
-    def poll(self) -> bool:
-        """Post this step's vote; return the outcome of the previous step's vote."""
-        agreed = self._read()
-        flag = torch.tensor([1.0 if self.requested() else 0.0], device=self.device)
+    def __init__(self, step: int, loss: float, grad_norm: float):
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        super().__init__(f"training diverged at step {step}: loss {loss:g}, grad norm {grad_norm:g} "
+                         "(not finite); stopped without saving this step")
+
+
+class StopVote:
+    """``post`` every step, then ``settle``; see the module doc."""
+
+    def __init__(self, stop_code: Callable[[], int], device: torch.device, group=None):
+        self.stop_code, self.device, self.group = stop_code, device, group
+        self._pending: list[tuple[int, object, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def post(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Start this step's vote (asynchronous; nothing waits for the device here)."""
+        code = torch.tensor(float(self.stop_code()), device=self.device)
+        bad = ~(torch.isfinite(loss.detach().float()) & torch.isfinite(grad_norm.detach().float()))
+        flags = torch.stack([code, bad.to(code.dtype).reshape(())])
         work = None
         if dist.is_available() and dist.is_initialized():
-            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        self._pending = (work, flag)
-        return agreed
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._pending.append((step, work, flags, loss, grad_norm))
 
-    def close(self) -> None:
-        """Complete the vote in flight (every rank calls it: the all-reduce must finish)."""
-        self._read()
+    def settle(self, latest: bool) -> int:
+        """Read the votes posted so far — all of them (``latest``: this step's too, before a
+        save) or all but the newest — and return the strongest stop code. Raises
+        TrainingDiverged for the first step whose loss or grad norm was non-finite."""
+        ready = self._pending if latest else self._pending[:-1]
+        self._pending = [] if latest else self._pending[-1:]
+        code = 0
+        for step, work, flags, loss, grad_norm in ready:
+            if work is not None:
+                work.wait()
+            stop, bad = flags.tolist()
+            if bad > 0:
+                self._pending = []
+                raise TrainingDiverged(step, float(loss), float(grad_norm))
+            code = max(code, int(stop))
+        return code
 
-    def _read(self) -> bool:
-        if self._pending is None:
-            return False
-        work, flag = self._pending
-        self._pending = None
-        if work is not None:
-            work.wait()
-        return bool(flag.item() > 0)
+    def close(self) -> Optional[int]:
+        """Complete every vote in flight (all ranks call it: the all-reduces must finish)."""
+        return self.settle(latest=True) if self._pending else None

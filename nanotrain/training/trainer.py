@@ -56,8 +56,10 @@ def seed_everything(seed: int) -> None:
 
 
 class DistributedTrainer:
-    def __init__(self, config: Config, run_dir: Path, pc: ParallelContext, stop_requested: Callable[[], bool]):
+    def __init__(self, config: Config, run_dir: Path, pc: ParallelContext, stop_code: Callable[[], int],
+                 run_id: str | None = None):
         self.config, self.run_dir, self.pc = config, Path(run_dir), pc
+        self.run_id = run_id  # stored in every checkpoint; another run's are refused on resume
         t = config.training
         self.device = pc.device
         seed_everything(t.seed)
@@ -76,22 +78,27 @@ class DistributedTrainer:
                                      barrier=dist.barrier)
         self.batches = BatchPrefetcher(self.sampler, self.pc.dp_rank, self.device) if self.sampler else None
         self.step, self.consumed_samples = 0, 0
+        self.saved_step: int | None = None  # the step whose state is on disk, verified
+        self.stop_code = 0  # the stop request all ranks agreed on (launch.preemption codes)
         if config.checkpoints.resume:
             resumed = load_checkpoint(config.checkpoints.path, self.model, self.optimizer, self.scheduler,
-                                      self.pc, config=config)
+                                      self.pc, config=config, run_id=run_id,
+                                      allow_foreign=config.checkpoints.allow_foreign)
             if resumed is not None:
                 self.step, self.consumed_samples = resumed.step, resumed.extra["consumed_samples"]
+                self.saved_step = resumed.step
                 if self.pc.world_rank == 0:
                     how = "resharded from another topology" if resumed.resharded else "same topology, bit-exact"
                     print(f"resumed from {resumed.path} at step {self.step} ({how})", flush=True)
 
         self.metrics = metrics_logger_for(config, self.run_dir, self.pc, device=self.device,
                                           start_step=self.step)
-        self.stop_vote = StopVote(stop_requested, self.device)
+        self.votes = StopVote(stop_code, self.device)
 
     def train(self) -> str:
         """Run to `training.train_steps` ("completed"), or until the ranks agree to stop
-        ("preempted", after saving when `checkpoints.save_on_preemption`)."""
+        ("preempted", after saving when `checkpoints.save_on_preemption`; `self.stop_code` says
+        which request). Raises TrainingDiverged (nothing saved after the last finite step)."""
         t = self.config.training
         m = t.batch_accumulation_per_replica
         global_batch = self.config.parallelism.dp * t.micro_batch_size * m
@@ -110,25 +117,34 @@ class DistributedTrainer:
             self.metrics.log(self.step, stats.loss_tensor, stats.lr, stats.grad_norm_tensor,
                              time.perf_counter() - start)
 
+            # Every rank agrees on stopping and on the numbers being finite; a step that saves
+            # reads its own vote first, the others the previous step's (stop_vote.py).
             interval = self.config.checkpoints.interval
+            saves = bool(interval and self.step % interval == 0) or self.step == t.train_steps
+            self.votes.post(self.step, stats.loss_tensor, stats.grad_norm_tensor)
+            self.stop_code = self.votes.settle(latest=saves)
+            if self.stop_code and not saves:  # about to save: this step must be finite too
+                self.stop_code = max(self.stop_code, self.votes.settle(latest=True))
             if interval and self.step % interval == 0:
                 self.save()
-            if self.stop_vote.poll():  # every rank agrees: save together, and let the task decide
+            if self.stop_code:
                 if self.config.checkpoints.save_on_preemption:
                     self.save()
                 return "preempted"
             start = time.perf_counter()
-        self.stop_vote.close()
         if not (self.config.checkpoints.interval and self.step % self.config.checkpoints.interval == 0):
             self.save()  # the final state, unless the interval just wrote it
         return "completed"
 
     def save(self) -> None:
+        if self.saved_step == self.step:
+            return  # written (or loaded and verified) by this process: not hashed again
         t = self.config.training
         extra = {"consumed_samples": self.consumed_samples,
                  "consumed_tokens": self.consumed_samples * t.sequence_length}
         save_checkpoint(self.config.checkpoints.path, self.step, self.model, self.optimizer, self.scheduler,
-                        self.pc, extra=extra, config=self.config)
+                        self.pc, extra=extra, config=self.config, run_id=self.run_id)
+        self.saved_step = self.step
 
     def close(self) -> None:
         self.metrics.close()
