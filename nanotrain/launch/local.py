@@ -128,9 +128,6 @@ def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool
     # Installed before the first rank starts: a Ctrl-C while they start reaches those started.
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, forward)
-    # submit.py held stop signals pending since its start (the ranks inherited that mask and
-    # release it once their own handler exists): deliver them now, to every rank (issue 17 item 9).
-    unblock_stop_signals()
     try:
         for rank in range(world_size):
             if interrupts:
@@ -148,6 +145,10 @@ def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool
                     proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
             procs.append(proc)
+        # submit.py held stop signals pending since its start (the ranks inherited that mask and
+        # release it once their own handler exists): deliver them now that every rank exists, so
+        # each gets them (issue 17 item 9). Ctrl-C is not held: it stops the start-up above.
+        unblock_stop_signals()
         status = _wait(procs, log_dir, interrupts)
         failed = next((f"rank {r} exited with status {p.returncode} (log: {log_dir / f'rank-{r}.log'})"
                        for r, p in enumerate(procs) if p.returncode not in (0, None)), None)
