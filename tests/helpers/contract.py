@@ -38,7 +38,7 @@ class Contract:
         self.count = 0
 
     def check(self, name: str, tensors) -> None:
-        caller = sys._getframe(2).f_globals.get("__name__", "?")
+        caller = _caller(3)
         for t in tensors:
             if t.device != self.device:
                 raise ContractViolation(f"{caller}: {name} got a tensor on {t.device}, "
@@ -52,6 +52,18 @@ class Contract:
 
     def dtypes_from(self, module: str) -> set:
         return {dtype for name, dtype in self.calls.get(module, ())}
+
+
+# Shared helpers that only pass tensors through: the module that called them is the one recorded.
+PASS_THROUGH = ("nanotrain.parallel.collectives",)
+
+
+def _caller(depth: int) -> str:
+    """The module of the first frame ``depth`` up the stack that is not a pass-through helper."""
+    frame = sys._getframe(depth)
+    while frame is not None and frame.f_globals.get("__name__") in PASS_THROUGH:
+        frame = frame.f_back
+    return frame.f_globals.get("__name__", "?") if frame is not None else "?"
 
 
 def _tensors(args, kwargs) -> list[torch.Tensor]:
@@ -76,7 +88,7 @@ def install(device) -> Contract:
 
     def refuse(name):
         def refused(*args, **kwargs):
-            caller = sys._getframe(1).f_globals.get("__name__", "?")
+            caller = _caller(2)
             raise ContractViolation(f"{caller}: {name} is an object collective (pickles; host syncs on NCCL)")
         return refused
 
