@@ -214,7 +214,7 @@ class NativePipeline:
         # The logged loss on every rank, as nanotrain's train_step returns it: mean over
         # micro-batches on the last stage, averaged over dp, broadcast along pp.
         if self.has_last:
-            loss = torch.stack([plain_loss(l).detach() for l in losses]).mean().double()
+            loss = torch.stack([plain_loss(x).detach() for x in losses]).mean().double()
             if self.dp_group is not None:
                 dist.all_reduce(loss, group=self.dp_group)
                 loss /= self.dp

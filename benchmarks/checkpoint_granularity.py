@@ -1,6 +1,7 @@
 """Checkpoint save / load time and size, one file per rank vs one per parameter (CPU, gloo).
 
-    .venv/bin/python benchmarks/checkpoint_granularity.py --model tiny --dp 2 --tp 2 [--granularity rank|param] [--dir /tmp/x]
+    .venv/bin/python benchmarks/checkpoint_granularity.py --model tiny --dp 2 --tp 2 \
+        [--granularity rank|param] [--dir /tmp/x]
     .venv/bin/python benchmarks/checkpoint_granularity.py --model 100m --dp 2 --tp 2
 
 The measurement behind the choice of one file per rank (``nanotrain/checkpoint/__init__.py``).

@@ -150,7 +150,8 @@ def main() -> int:
         "step_ms_median": round(1e3 * step_s, 1), "step_ms": [round(1e3 * t, 1) for t in times],
         "tokens_per_s": round(tps), "model_tflops_per_s": round(tps * flops_per_token / 1e12, 1),
         "peak_bf16_tflops": peak, "mfu": round(tps * flops_per_token / (peak * 1e12), 4) if peak else None,
-        "flops_per_token": flops_per_token, "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if device.type == "cuda" else None,
+        "flops_per_token": flops_per_token,
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if device.type == "cuda" else None,
         "loss_first_last": [losses[0], losses[-1]], "init_s": round(init_s, 1), "oom_tried": errors,
     }
     text = json.dumps(result)

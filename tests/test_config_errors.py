@@ -132,7 +132,8 @@ BAD_CONFIGS = [
     # strings: control characters anywhere, absurd lengths, over-long names (item 7)
     ("string-nul", lambda c: c["data"].update(source="corpus\x00.jsonl"), [], ["data.source", "control character"]),
     ("string-surrogate", lambda c: c["logging"].update(dir="logs\udc80"), [], ["logging.dir", "lone surrogate"]),
-    ("string-huge", lambda c: c["data"].update(text_column="x" * 100_000), [], ["data.text_column", "100,000 characters"]),
+    ("string-huge", lambda c: c["data"].update(text_column="x" * 100_000), [],
+     ["data.text_column", "100,000 characters"]),
     ("run-name-300", lambda c: c["logging"].update(run_name="r" * 300), [], ["logging.run_name", "300 characters"]),
     ("huge-unknown-key", lambda c: c["model"].update({"k" * 100_000: 1}), [], ["model.kkkk", "unknown key"]),
     # sbatch_extra that would break the job (item 10), including getopt abbreviations

@@ -33,7 +33,8 @@ TEXT = "t" * 400
 CASES = [
     ("non-string", "a.jsonl", lambda p: p.write_bytes(jsonl({"text": i} for i in range(400))),
      ["data.text_column", "a.jsonl line 1", "JSON int", "not text"]),
-    ("mixed", "a.jsonl", lambda p: p.write_bytes(jsonl([{"text": TEXT}] * 30 + [{"text": [1, 2]}] + [{"text": TEXT}] * 30)),
+    ("mixed", "a.jsonl",
+     lambda p: p.write_bytes(jsonl([{"text": TEXT}] * 30 + [{"text": [1, 2]}] + [{"text": TEXT}] * 30)),
      ["data.text_column", "a.jsonl line 31", "JSON list"]),
     ("not-an-object", "a.jsonl", lambda p: p.write_bytes(jsonl([{"text": TEXT}] * 30 + [[TEXT]])),
      ["data.source", "a.jsonl line 31", "JSON list, not an object"]),

@@ -65,7 +65,7 @@ def test_long_config_name_gets_a_short_default_run_name(tmp_path, capsys, monkey
     shutil.copy(TINY, config)
     code, out, err = run_cli([config, "--dry-run"], capsys)
     assert code == 0, err
-    run_dir = next(l for l in out.splitlines() if l.startswith("run directory:")).split(": ", 1)[1]
+    run_dir = next(text for text in out.splitlines() if text.startswith("run directory:")).split(": ", 1)[1]
     assert len(Path(run_dir).name) <= 120
 
 

@@ -129,8 +129,8 @@ def test_one_owner_per_run_directory_and_no_foreign_checkpoints(tmp_path):
     last = int(read_latest(run_a / "checkpoints").split("_")[1])
     again = submit("--resume", str(run_a), "--local", *sets(f"training.train_steps={last + 2}"))
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
-    assert re.search(rf"warning: stale lock {run_a}/owner.lock of pid {holder['pid']} .*process {holder['pid']} is gone",
-                     again.stderr), again.stderr
+    stale = rf"warning: stale lock {run_a}/owner.lock of pid {holder['pid']} .*process {holder['pid']} is gone"
+    assert re.search(stale, again.stderr), again.stderr
     assert not (run_a / "owner.lock").exists()  # released at the end
     last += 2
     saved = sorted(p.name for p in (run_a / "checkpoints").iterdir() if p.name.startswith("step_"))

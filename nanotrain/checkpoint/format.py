@@ -61,7 +61,7 @@ def info_to_json(info: ShardInfo) -> dict:
 def info_from_json(data: dict) -> ShardInfo:
     def idx(spans):
         return tuple(slice(a, b) for a, b in spans)
-    return ShardInfo(tuple(data["global_shape"]), tuple((idx(l), idx(g)) for l, g in data["pairs"]),
+    return ShardInfo(tuple(data["global_shape"]), tuple((idx(loc), idx(glob)) for loc, glob in data["pairs"]),
                      data.get("axis"))
 
 

@@ -164,7 +164,8 @@ def reshard_offline(src: str | Path, dst_root: str | Path, overrides: list[str] 
                 local = _cut(full[pname], info, tuple(p.shape))
                 items.append((pname, local, info))
             if items:
-                f, i = shard_files.write_model_shards(tmp, fmt.coord_tag(pp=pp_rank, tp=tp_rank), items, granularity, pp_rank)
+                f, i = shard_files.write_model_shards(tmp, fmt.coord_tag(pp=pp_rank, tp=tp_rank), items,
+                                                      granularity, pp_rank)
                 files.update(f)
                 shard_files.merge_index(model_index, i)
         if not full_opt:

@@ -260,7 +260,8 @@ def read_yaml(path: str | Path) -> dict:
     that names the file (and the line, for YAML problems)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found: pass the path of a YAML file, e.g. configs/tiny_cpu.yaml")
+        raise ConfigError(f"config file {str(path)!r} not found: pass the path of a YAML file, "
+                          "e.g. configs/tiny_cpu.yaml")
     try:
         with open(path, "rb") as f:
             data = f.read(strict_yaml.MAX_BYTES + 1)

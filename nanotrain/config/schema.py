@@ -35,7 +35,8 @@ class ParallelismArgs:
     dp: int = bounded(1, 1, MAX_WORLD, doc="data-parallel replicas")
     tp: int = bounded(1, 1, MAX_WORLD, doc="tensor-parallel shards of each layer")
     pp: int = bounded(1, 1, MAX_WORLD, doc="pipeline stages")
-    cp: int = bounded(1, 1, MAX_WORLD, doc="context-parallel ranks: each holds 2 of 2*cp zig-zag chunks of every sequence")
+    cp: int = bounded(1, 1, MAX_WORLD,
+                      doc="context-parallel ranks: each holds 2 of 2*cp zig-zag chunks of every sequence")
     ep: int = bounded(1, 1, MAX_WORLD, doc="expert-parallel groups (reserved: only 1 until the model has experts)")
     pp_engine: Literal["afab", "1f1b", "interleaved_1f1b"] = doc("1f1b", "pipeline schedule")
     pp_virtual_stages: int = bounded(1, 1, 1024, doc="model chunks per pp rank (interleaved_1f1b)")

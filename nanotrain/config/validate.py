@@ -204,7 +204,8 @@ def check_world_size(config: Config, world_size: int, where: str) -> None:
     """The product of the parallel sizes must equal the processes actually running."""
     if config.parallelism.world_size != world_size:
         _fail(f"parallelism: {parallel_product(config)} but {where} has {world_size} processes: "
-              f"change dp (or tp/pp) so that the product is {world_size}, or launch {config.parallelism.world_size} processes")
+              f"change dp (or tp/pp) so that the product is {world_size}, "
+              f"or launch {config.parallelism.world_size} processes")
 
 
 def validate(config: Config, *, slurm: bool = False) -> SlurmLayout | None:
