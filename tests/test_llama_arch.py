@@ -15,27 +15,15 @@ from nanotrain.config import Config, ModelArgs, ParallelismArgs, TrainingArgs
 from nanotrain.launch.memory_estimate import stage_parameters as estimated_stage_parameters
 from nanotrain.models import llama_arch
 from nanotrain.models.llama import LlamaModel
+from nanotrain.parallel.grid import GroupShape
 from nanotrain.parallel.tensor_parallel import TensorParallelLinearMode
 
 ARGS = ModelArgs(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=6, num_attention_heads=8,
                  num_key_value_heads=4, max_position_embeddings=64)
 
 
-class _Group:
-    """What the tensor-parallel layers ask of a tp group at construction: size() and rank()."""
-
-    def __init__(self, size: int, rank: int):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 def _model(args: ModelArgs, tp: int, tp_rank: int, pp: int, pp_rank: int, v: int) -> LlamaModel:
-    return LlamaModel(args, _Group(tp, tp_rank), pp_rank=pp_rank, pp_size=pp, virtual_stages=v)
+    return LlamaModel(args, GroupShape(tp, tp_rank), pp_rank=pp_rank, pp_size=pp, virtual_stages=v)
 
 
 # (tp, pp, virtual stages, tied, vocab): vocab 259 and 257 are not multiples of tp (padded rows);
@@ -94,7 +82,7 @@ def test_model_kwargs_carry_the_config():
     config = Config(parallelism=ParallelismArgs(tp=2, pp=2, pp_engine="interleaved_1f1b", pp_virtual_stages=2,
                                                 tp_mode="REDUCE_SCATTER", tp_linear_async_communication=True),
                     model=replace(ARGS, dtype="bfloat16"), training=TrainingArgs(seed=11))
-    pc = SimpleNamespace(tp_pg=_Group(2, 1), pp_rank=1, pp_size=2, cp_pg=None)
+    pc = SimpleNamespace(tp_pg=GroupShape(2, 1), pp_rank=1, pp_size=2, cp_pg=None)
     kwargs = llama_arch.model_kwargs(config, pc)
     assert kwargs["seed"] == 11 and kwargs["tp_pg"] is pc.tp_pg and kwargs["args"] is config.model
     model = LlamaModel(**kwargs)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanotrain.parallel.grid import GroupShape
 from nanotrain.parallel.sharding import copy_from_full_, get_shard_info, row_shard_info, scatter_to_full
 from nanotrain.parallel.tensor_parallel import (
     TensorParallelColumnLinear,
@@ -323,25 +324,12 @@ def test_tp_layers_match_reference(tp):
 
 
 # ----------------------------------------------------------------------------- ShardInfo (in-process)
-class _StubGroup:
-    """What the layers ask of a process group at construction: size() and rank()."""
-
-    def __init__(self, rank: int, size: int):
-        self._rank, self._size = rank, size
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 def _sl(a, b):
     return slice(a, b)
 
 
 def test_shard_info_fused_chunks_tp2():
-    layer = TensorParallelColumnLinear(16, 48, _StubGroup(1, 2), "ALL_REDUCE", bias=True,
+    layer = TensorParallelColumnLinear(16, 48, GroupShape(2, 1), "ALL_REDUCE", bias=True,
                                        contiguous_chunks=(32, 8, 8))
     info = get_shard_info(layer.weight)
     assert layer.weight.shape == (24, 16) and info.global_shape == (48, 16) and info.axis == "tp"
@@ -356,46 +344,46 @@ def test_shard_info_fused_chunks_tp2():
 
 
 def test_shard_info_padding_excluded():
-    head = TensorParallelColumnLinear(16, VOCAB, _StubGroup(3, 4), "ALL_REDUCE", pad_to_tp=True)
+    head = TensorParallelColumnLinear(16, VOCAB, GroupShape(4, 3), "ALL_REDUCE", pad_to_tp=True)
     assert (head.out_features, head.padded_out_features, head.local_out_features) == (258, 260, 65)
     info = get_shard_info(head.weight)
     assert info.global_shape == (258, 16)
     assert info.pairs == (((_sl(0, 63), _sl(0, 16)), (_sl(195, 258), _sl(0, 16))),)
-    emb = TensorParallelEmbedding(VOCAB, 8, _StubGroup(3, 4), "REDUCE_SCATTER")
+    emb = TensorParallelEmbedding(VOCAB, 8, GroupShape(4, 3), "REDUCE_SCATTER")
     assert (emb.padded_num_embeddings, emb.vocab_start, emb.vocab_end) == (260, 195, 260)
     assert get_shard_info(emb.weight).pairs == (((_sl(0, 63), _sl(0, 8)), (_sl(195, 258), _sl(0, 8))),)
     # A rank whose rows are all padding holds no piece at all.
-    tiny = TensorParallelEmbedding(5, 8, _StubGroup(3, 4), "ALL_REDUCE")
+    tiny = TensorParallelEmbedding(5, 8, GroupShape(4, 3), "ALL_REDUCE")
     assert tiny.padded_num_embeddings == 8 and get_shard_info(tiny.weight).pairs == ()
 
 
 def test_shard_info_row_and_tp1():
-    row = TensorParallelRowLinear(24, 16, _StubGroup(1, 2), "REDUCE_SCATTER", bias=True)
+    row = TensorParallelRowLinear(24, 16, GroupShape(2, 1), "REDUCE_SCATTER", bias=True)
     info = get_shard_info(row.weight)
     assert row.weight.shape == (16, 12) and info.global_shape == (16, 24)
     assert info.pairs == (((_sl(0, 16), _sl(0, 12)), (_sl(0, 16), _sl(12, 24))),)
     assert not get_shard_info(row.bias).is_sharded and has_sequence_parallel_partial_grad(row.bias)
     assert not has_sequence_parallel_partial_grad(
-        TensorParallelRowLinear(24, 16, _StubGroup(1, 2), "ALL_REDUCE", bias=True).bias)
-    solo = TensorParallelColumnLinear(16, 48, _StubGroup(0, 1), "ALL_REDUCE",
+        TensorParallelRowLinear(24, 16, GroupShape(2, 1), "ALL_REDUCE", bias=True).bias)
+    solo = TensorParallelColumnLinear(16, 48, GroupShape(1, 0), "ALL_REDUCE",
                                       contiguous_chunks=(32, 8, 8))
     assert not get_shard_info(solo.weight).is_sharded and solo.weight.shape == (48, 16)
 
 
 def test_layer_argument_errors():
     with pytest.raises(ValueError, match="not divisible by tp"):
-        TensorParallelColumnLinear(16, 30, _StubGroup(0, 4), "ALL_REDUCE", contiguous_chunks=(24, 6))
+        TensorParallelColumnLinear(16, 30, GroupShape(4, 0), "ALL_REDUCE", contiguous_chunks=(24, 6))
     with pytest.raises(ValueError, match="pad_to_tp"):
-        TensorParallelColumnLinear(16, 48, _StubGroup(0, 4), "ALL_REDUCE", contiguous_chunks=(32, 16),
+        TensorParallelColumnLinear(16, 48, GroupShape(4, 0), "ALL_REDUCE", contiguous_chunks=(32, 16),
                                    pad_to_tp=True)
     with pytest.raises(ValueError, match="unknown tp mode"):
-        TensorParallelRowLinear(16, 16, _StubGroup(0, 2), "SEQUENCE")
+        TensorParallelRowLinear(16, 16, GroupShape(2, 0), "SEQUENCE")
 
 
 def test_init_from_full_is_tp_invariant():
     """Seeded full-tensor init: the pieces of all tp=4 ranks reassemble to the tp=1 weights."""
     def build(rank, tp):
-        layer = TensorParallelColumnLinear(16, 48, _StubGroup(rank, tp), "ALL_REDUCE",
+        layer = TensorParallelColumnLinear(16, 48, GroupShape(tp, rank), "ALL_REDUCE",
                                            contiguous_chunks=(32, 8, 8))
         gen = torch.Generator().manual_seed(3)  # same seed on every "rank"
         init_from_full_(layer.weight, lambda t: t.normal_(0, 0.02, generator=gen))
@@ -405,7 +393,7 @@ def test_init_from_full_is_tp_invariant():
     for rank in range(4):
         scatter_to_full(build(rank, 4).weight, full)
     assert torch.equal(full, ref)
-    head = TensorParallelColumnLinear(16, VOCAB, _StubGroup(3, 4), "ALL_REDUCE", pad_to_tp=True)
+    head = TensorParallelColumnLinear(16, VOCAB, GroupShape(4, 3), "ALL_REDUCE", pad_to_tp=True)
     head.weight.data.fill_(5.0)
     init_from_full_(head.weight, lambda t: t.fill_(1.0))
     assert head.weight[:63].eq(1).all() and head.weight[63:].eq(0).all()  # padding zeroed

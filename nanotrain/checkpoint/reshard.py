@@ -32,22 +32,10 @@ from nanotrain.checkpoint.load import _Reader, assemble_full, assemble_optimizer
 from nanotrain.config import Config
 from nanotrain.models import llama_arch
 from nanotrain.models.llama import LlamaModel
+from nanotrain.parallel.grid import GroupShape
 from nanotrain.parallel.sharding import ShardInfo, get_shard_info
 
 log = logging.getLogger("nanotrain.checkpoint")
-
-
-class _StandInGroup:
-    """What the model's constructors ask of a tp group: its size and this rank's place in it."""
-
-    def __init__(self, size: int, rank: int):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
 
 
 @dataclass(frozen=True)
@@ -55,7 +43,7 @@ class _StandInContext:
     """What ``llama_arch.model_kwargs`` reads of a ParallelContext, for one (tp, pp) rank of a
     topology that has no processes (offline resharding supports cp = 1 only)."""
 
-    tp_pg: _StandInGroup
+    tp_pg: GroupShape
     pp_rank: int
     pp_size: int
     cp_pg: None = None
@@ -69,7 +57,7 @@ class _Skeleton(LlamaModel):
 def skeleton_model(config: Config, tp_rank: int, pp_rank: int) -> LlamaModel:
     """The model of one (tp, pp) rank with the right names, shapes and ShardInfo, no storage."""
     p = config.parallelism
-    pc = _StandInContext(_StandInGroup(p.tp, tp_rank), pp_rank, p.pp)
+    pc = _StandInContext(GroupShape(p.tp, tp_rank), pp_rank, p.pp)
     with torch.device("meta"):
         return _Skeleton(**llama_arch.model_kwargs(config, pc))
 

@@ -175,3 +175,20 @@ def _as_int(v):
     if isinstance(v, int) or not hasattr(v, "__index__"):
         return v
     return v.__index__()
+
+
+class GroupShape:
+    """A process group's shape without processes: what the tp layers and the model ask of a
+    group when they are built (``size()`` and this rank's ``rank()``). Checkpoint skeletons and
+    in-process tests build the model of any rank of any layout with it."""
+
+    def __init__(self, size: int, rank: int):
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is not in a group of {size}")
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
