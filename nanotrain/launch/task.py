@@ -32,6 +32,8 @@ def run_task(config_path: str) -> dict:
     if env.rank == 0 and not (run_dir / "config.yaml").is_file():
         write_run_dir(config, run_dir)  # an emitted script's first run creates its run directory
 
+    # Before any process group exists: importing the model pulls in torch._dynamo, whose import
+    # takes references to an existing default group that are only dropped at interpreter exit.
     from nanotrain.launch.smoke import smoke_step
     from nanotrain.parallel.context import ParallelContext
     from nanotrain.trainer import DistributedTrainer
@@ -40,21 +42,32 @@ def run_task(config_path: str) -> dict:
     pc = ParallelContext(tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp,
                          data_parallel_size=p.dp, context_parallel_size=p.cp,
                          expert_parallel_size=p.ep)
+    finished = False
     try:
         report = smoke_step(pc, env, Path(run_dir))  # a cheap preflight: every group answers
-        trainer = DistributedTrainer(config, Path(run_dir), env, pc, preemption)
-        try:
-            report["outcome"] = trainer.train()
-        finally:
-            trainer.close()
-        if report["outcome"] == "stopped":  # saved, but SLURM will not requeue it: not COMPLETED
-            raise SystemExit(EXIT_STOPPED)
-        return report
+        report["outcome"] = _train(DistributedTrainer(config, Path(run_dir), env, pc, preemption))
+        finished = True
     finally:
-        pc.destroy()
+        # Groups go before the interpreter does (see ParallelContext.destroy); the barrier only
+        # when every rank got here the normal way, since a failed rank's peers may never arrive.
+        pc.destroy(synchronize=finished)
         # Never restore submitit's handler (it would fail a finished job on a late time-limit
         # signal) nor let Python's shutdown restore the default action (it would kill us).
         preemption.ignore_from_now_on()
+    if report["outcome"] == "stopped":  # saved, but SLURM will not requeue it: not COMPLETED
+        raise SystemExit(EXIT_STOPPED)
+    return report
+
+
+def _train(trainer) -> str:
+    """Train, close and drop ``trainer``; returns the outcome. Handed over rather than kept in
+    ``run_task``'s frame, so that everything it holds on to a process group (model, gradient
+    sync, optimizer, pipeline engine) is freed before ``pc.destroy()`` checks that no group
+    outlives its destruction."""
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
 
 
 class TrainingTask(submitit.helpers.Checkpointable):
