@@ -61,11 +61,12 @@ def task_command(config_path: Path) -> list[str]:
 
 
 def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool = False,
-              threads: int = 1, stream_ranks: tuple[int, ...] = (0,)) -> int:
+              threads: int = 1, stream_ranks: tuple[int, ...] = (0,), timeout_s: float | None = None) -> int:
     """Start `world_size` ranks of `command` (normally `task_command`); return the job's status.
 
     `stream_ranks` go to the terminal as well as to their log: rank 0, and the rank that logs
-    metrics (the last pipeline stage) when that is another one."""
+    metrics (the last pipeline stage) when that is another one. `timeout_s`: a hard limit for
+    scripted launches (status 124, as `timeout` returns); None waits as long as the job runs."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs: list[subprocess.Popen] = []
@@ -95,7 +96,7 @@ def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, forward)
     try:
-        status = _wait(procs, log_dir)
+        status = _wait(procs, log_dir, None if timeout_s is None else time.monotonic() + timeout_s)
     finally:
         _stop_all(procs)
         for sig, handler in previous.items():
@@ -105,9 +106,12 @@ def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool
     return status
 
 
-def _wait(procs: list[subprocess.Popen], log_dir: Path) -> int:
+def _wait(procs: list[subprocess.Popen], log_dir: Path, deadline: float | None = None) -> int:
     """Block until every rank exits, or the first failure (then the rest are stopped)."""
     while True:
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"error: the job did not finish in time; logs: {log_dir}", file=sys.stderr, flush=True)
+            return 124
         codes = [proc.poll() for proc in procs]
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
         if failed:

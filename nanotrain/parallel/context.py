@@ -17,6 +17,7 @@ It is never installed over an existing attribute.
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import warnings
 import weakref
@@ -100,6 +101,11 @@ class ParallelContext:
             self.backend = str(active)
         else:
             self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            # Before the default group exists: torch._dynamo's import (which the optimizer, the
+            # checkpoint code and others trigger lazily) takes references to an existing default
+            # group that live until interpreter exit, so the group, its gloo threads and rank 0's
+            # TCPStore server would outlive destroy() (see destroy_process_groups).
+            importlib.import_module("torch._dynamo")
             # The CUDA device is already set above, which is what NCCL binds its communicators to.
             dist.init_process_group(backend=self.backend, init_method="env://")
 
