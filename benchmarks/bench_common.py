@@ -33,6 +33,40 @@ SAME_LOSS_RTOL = 1e-4
 
 
 # ============================================================================ worker-side helpers
+def drop_dtensor_caches() -> None:
+    """Empty DTensor's sharding-propagation, redistribution and mesh-topology caches.
+
+    Why: their entries hold DTensor specs, the specs hold the DeviceMesh, and the mesh holds its
+    process groups, so a job's groups would outlive ``destroy_process_group()`` and be torn down
+    during interpreter shutdown (see ``nanotrain.parallel.context.destroy_process_groups``)."""
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+
+
+def preimport() -> None:
+    """Import, before a worker creates any process group, every module its jobs import lazily.
+
+    Why: importing torch._dynamo (which the model, DTensor, pipelining and FSDP pull in) while a
+    default process group exists takes references to that group which live until interpreter
+    exit, so the group (and its gloo threads, and rank 0's TCPStore server) would outlive
+    ``destroy_process_group()`` and be torn down during interpreter shutdown."""
+    import importlib
+
+    for name in ("nanotrain.models.llama", "nanotrain.training.step", "nanotrain.optim", "nanotrain.checkpoint",
+                 "nanotrain.parallel.context", "nanotrain.parallel.data_parallel",
+                 "nanotrain.parallel.pipeline_parallel", "native_llama", "torch.distributed.device_mesh",
+                 "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.distributed.pipelining",
+                 "torch.distributed.fsdp", "torch.distributed._composable.replicate_with_fsdp",
+                 "torch.distributed.checkpoint.state_dict", "torch.profiler"):
+        importlib.import_module(name)
+
+
 class Bench:
     """What a job's functions share: settings, the batches, the timing loop."""
 
@@ -184,8 +218,12 @@ class SavedBytes:
             self.bytes += storage.nbytes()
 
     def _pack(self, t):
+        # A detached alias, never ``t`` itself: a node saving its own output would hold it with
+        # its grad_fn, a cycle through C++ that no collector frees; this forward is never run
+        # backward, so the graph (and the process groups its collectives' contexts hold) would
+        # live until interpreter shutdown.
         self._count(t)
-        return t
+        return t.detach()
 
     def __enter__(self):
         import torch

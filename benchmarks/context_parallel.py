@@ -32,13 +32,27 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# Imported before any process group exists (the model pulls in torch._dynamo, whose import takes
+# references to an existing default group that live until interpreter exit).
+from nanotrain.config import ModelArgs, OptimizerArgs  # noqa: E402
+from nanotrain.models.llama import LlamaModel  # noqa: E402
+from nanotrain.optim import build_lr_scheduler, build_optimizer  # noqa: E402
+from nanotrain.parallel.context import ParallelContext, destroy_process_groups  # noqa: E402
+from nanotrain.parallel.data_parallel import BucketedGradSync  # noqa: E402
+from nanotrain.training.step import train_step  # noqa: E402
+
 MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=4096)
 SEQUENCES = 4  # per step, global: one process takes all, dp2 two each, cp2 all (halves of each)
 
 
 def saved_bytes(model, ids, targets) -> int:
-    """Bytes autograd saves in one forward (each storage once, parameters excluded)."""
+    """Bytes autograd saves in one forward (each storage once, parameters excluded).
+
+    ``pack`` returns a detached alias, never the tensor itself: a node that saves its own output
+    would otherwise hold it with its ``grad_fn``, a cycle through C++ that no collector frees, and
+    this forward (never run backward) would keep the model and its process groups alive until
+    interpreter shutdown."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen, total = set(), 0
 
@@ -48,7 +62,7 @@ def saved_bytes(model, ids, targets) -> int:
         if ptr not in params and ptr not in seen:
             seen.add(ptr)
             total += t.untyped_storage().nbytes()
-        return t
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(ids, targets)
@@ -57,16 +71,16 @@ def saved_bytes(model, ids, targets) -> int:
 
 
 def run_layout(layout: str, seq: int, steps: int, warmup: int) -> dict:
-    from nanotrain.config import ModelArgs, OptimizerArgs
-    from nanotrain.models.llama import LlamaModel
-    from nanotrain.optim import build_lr_scheduler, build_optimizer
-    from nanotrain.parallel.context import ParallelContext
-    from nanotrain.parallel.data_parallel import BucketedGradSync
-    from nanotrain.training.step import train_step
-
     world = dist.get_world_size()
     pc = ParallelContext(context_parallel_size=world if layout == "cp2" else 1,
                          data_parallel_size=world if layout == "dp2" else 1)
+    try:
+        return measure(pc, seq, steps, warmup)  # its model, optimizer and sync are freed on return
+    finally:
+        pc.destroy()
+
+
+def measure(pc, seq: int, steps: int, warmup: int) -> dict:
     model = LlamaModel(ModelArgs(**MODEL), pc.tp_pg, seed=0, cp_pg=pc.cp_pg)
     optim_args = OptimizerArgs(lr=1e-3, warmup_steps=0)
     grad_sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg)
@@ -88,7 +102,6 @@ def run_layout(layout: str, seq: int, steps: int, warmup: int) -> dict:
             times.append(float(elapsed))
     peak = torch.tensor(float(activation))
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    pc.destroy()
     return {"tokens_per_s": SEQUENCES * seq / statistics.median(times), "activation_bytes": float(peak),
             "first_loss": first_loss}
 
@@ -101,7 +114,7 @@ def worker(rank: int, world: int, port: int, layout: str, seqs: list[int], steps
     results = {seq: run_layout(layout, seq, steps, warmup) for seq in seqs}
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    destroy_process_groups()  # every group freed (threads joined) before the interpreter exits
 
 
 def launch(layout: str, seqs: list[int], steps: int, warmup: int) -> dict:

@@ -69,6 +69,7 @@ def worker(dp: int, tp: int, mode: str, async_comm: bool, steps: int, warmup: in
         losses.append(stats.loss)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps({"times": times, "losses": losses}))
+    del model, grad_sync, optimizer, scheduler, stats  # they hold the groups pc.destroy() frees
     pc.destroy()
 
 

@@ -53,8 +53,10 @@ from bench_common import (  # noqa: E402
     SEQ,
     Bench,
     SavedBytes,
+    drop_dtensor_caches,
     max_over_ranks,
     micro_batches,
+    preimport,
 )
 from bench_sides import NativeFlat, NativePipeline, Ours  # noqa: E402
 
@@ -171,26 +173,24 @@ def worker(job: str, reps: int, steps: int, warmup: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from nanotrain.parallel.context import destroy_process_groups
+
     torch.set_num_threads(1)
     os.environ["NANOTRAIN_BENCH_JOB"] = job
     import warnings
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    preimport()
     dist.init_process_group("gloo", init_method="env://")
     bench = Bench(reps, steps, warmup)
-    rows = JOBS[job][1](bench)
+    rows = JOBS[job][1](bench)  # the job's models, optimizers and meshes are freed on return
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(rows))
-    dist.barrier()
-    dist.destroy_process_group()
+    drop_dtensor_caches()
+    destroy_process_groups()  # barrier, destroy, and check that every group is really gone
 
 
 # ============================================================================ launcher side
-class RankKilled(RuntimeError):
-    """A rank died by a signal (e.g. SIGABRT from a C++ abort in a communication library's
-    teardown, seen once on gloo here) rather than by a Python error."""
-
-
 def launch(job: str, reps: int, steps: int, warmup: int, timeout_s: float, log_root: Path) -> list[dict]:
     from nanotrain.launch.env import free_port
     from nanotrain.launch.local import _stop_all, rank_env
@@ -212,9 +212,8 @@ def launch(job: str, reps: int, steps: int, warmup: int, timeout_s: float, log_r
             codes = [p.poll() for p in procs]
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
-                error = RankKilled if bad[0][1] < 0 else RuntimeError
-                raise error(f"job {job}: rank {bad[0][0]} exited with {bad[0][1]}; log:\n"
-                            + (log_dir / f"rank-{bad[0][0]}.log").read_text()[-3000:])
+                raise RuntimeError(f"job {job}: rank {bad[0][0]} exited with {bad[0][1]}; log:\n"
+                                   + (log_dir / f"rank-{bad[0][0]}.log").read_text()[-3000:])
             if all(c == 0 for c in codes):
                 break
             if time.monotonic() > deadline:
@@ -311,18 +310,12 @@ def main() -> int:
     t0 = time.perf_counter()
     load_start = [round(x, 2) for x in os.getloadavg()]
     rows: list[dict] = []
-    failures, retried = [], []
+    failures = []
     with tempfile.TemporaryDirectory(prefix="nanotrain-bench-") as tmp:
         for job in jobs:
             tj = time.perf_counter()
             try:
-                try:
-                    got = launch(job, reps, steps, warmup, timeout_s=600, log_root=Path(tmp))
-                except RankKilled as err:  # once, loudly: the retry is recorded in the results' meta
-                    print(f"[bench] {err}\n[bench] job {job}: a rank was killed by a signal; retrying once",
-                          file=sys.stderr, flush=True)
-                    retried.append(job)
-                    got = launch(job, reps, steps, warmup, timeout_s=600, log_root=Path(tmp) / "retry")
+                got = launch(job, reps, steps, warmup, timeout_s=600, log_root=Path(tmp))
             except RuntimeError as err:
                 print(f"[bench] {err}", file=sys.stderr, flush=True)
                 failures.append(job)
@@ -341,7 +334,7 @@ def main() -> int:
         "wall_s": time.perf_counter() - t0, "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores ({platform.processor() or cpu_model()})",
         "torch": torch.__version__, "reps": reps, "steps": steps, "warmup": warmup,
-        "retried_after_a_signal": retried, "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
     }
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "latest.json").write_text(json.dumps(rows, indent=1) + "\n")

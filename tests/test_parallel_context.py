@@ -219,3 +219,45 @@ def test_harness_hang_is_a_failure(tmp_path):
     assert time.monotonic() - t0 < 20
     assert "sleep_forever" in str(info.value)  # faulthandler shows where the rank hung
     _assert_dead(tmp_path)
+
+
+def groups_freed_on_destroy_2():
+    """dp2 with what the trainer builds on the groups: a model, its gradient sync (whose hooks
+    live in C++ autograd metadata), an optimizer, one step. Once they are dropped, destroy()
+    must free every group: a group that survives keeps gloo threads alive into interpreter
+    shutdown, where a rank can abort ("terminate called without an active exception")."""
+    import warnings
+
+    import torch
+
+    from nanotrain.config import ModelArgs, OptimizerArgs
+    from nanotrain.models.llama import LlamaModel
+    from nanotrain.optim import build_lr_scheduler, build_optimizer
+    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.data_parallel import BucketedGradSync
+    from nanotrain.training.step import train_step
+
+    pc = ParallelContext(data_parallel_size=2)
+    args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=16)
+    model = LlamaModel(args, pc.tp_pg, seed=0)
+    grad_sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg)
+    optim_args = OptimizerArgs(lr=1e-3, warmup_steps=0)
+    optimizer = build_optimizer(model.named_parameters(), optim_args, pc.dp_cp_pg)
+    scheduler = build_lr_scheduler(optimizer, optim_args, 2)
+    ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(pc.dp_rank))
+    train_step(model, [(ids[:, :-1], ids[:, 1:])], grad_sync, optimizer, scheduler, pc, 1.0)
+    del model, grad_sync, optimizer, scheduler
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pc.destroy()
+    threads = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    return {"warnings": [str(w.message) for w in caught], "threads": threads}
+
+
+@pytest.mark.timeout(180)
+def test_destroy_frees_every_group():
+    for rank, out in enumerate(run_distributed(groups_freed_on_destroy_2, 2, timeout=150)):
+        assert out["warnings"] == [], (rank, out["warnings"])
+        leftover = [t for t in out["threads"] if t.startswith(("pt_gloo", "gloo_", "pt_tcpstore"))]
+        assert leftover == [], (rank, leftover)  # the groups' C++ threads (and the store's) are gone

@@ -105,11 +105,12 @@ def task_command(config_path: Path) -> list[str]:
 
 
 def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool = False,
-              threads: int = 1, stream_ranks: tuple[int, ...] = (0,)) -> int:
+              threads: int = 1, stream_ranks: tuple[int, ...] = (0,), timeout_s: float | None = None) -> int:
     """Start `world_size` ranks of `command` (normally `task_command`); return the job's status.
 
     `stream_ranks` go to the terminal as well as to their log: rank 0, and the rank that logs
-    metrics (the last pipeline stage) when that is another one."""
+    metrics (the last pipeline stage) when that is another one. `timeout_s`: a hard limit for
+    scripted launches (status 124, as `timeout` returns); None waits as long as the job runs."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs: list[subprocess.Popen] = []
@@ -149,7 +150,7 @@ def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool
         # release it once their own handler exists): deliver them now that every rank exists, so
         # each gets them (issue 17 item 9). Ctrl-C is not held: it stops the start-up above.
         unblock_stop_signals()
-        status = _wait(procs, log_dir, interrupts)
+        status = _wait(procs, log_dir, interrupts, None if timeout_s is None else time.monotonic() + timeout_s)
         failed = next((f"rank {r} exited with status {p.returncode} (log: {log_dir / f'rank-{r}.log'})"
                        for r, p in enumerate(procs) if p.returncode not in (0, None)), None)
     finally:
@@ -163,11 +164,15 @@ def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool
     return status
 
 
-def _wait(procs: list[subprocess.Popen], log_dir: Path, interrupts: list[int]) -> int:
+def _wait(procs: list[subprocess.Popen], log_dir: Path, interrupts: list[int], deadline: float | None = None) -> int:
     """Block until every rank exits, or the first failure (then the rest are stopped). After
-    Ctrl-C every rank is waited for: they are saving together, and none has failed."""
+    Ctrl-C every rank is waited for: they are saving together, and none has failed. Past
+    ``deadline`` (scripted launches): status 124, as `timeout` returns."""
     told = False
     while True:
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"error: the job did not finish in time; logs: {log_dir}", file=sys.stderr, flush=True)
+            return 124
         codes = [proc.poll() for proc in procs]
         if interrupts:
             if not told:

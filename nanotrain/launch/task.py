@@ -59,7 +59,9 @@ def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> d
     from nanotrain.checkpoint.comm import World
     from nanotrain.data import DataError
 
-    # Imported only now, with the stop handler installed: they import torch (seconds).
+    # Imported only now, with the stop handler installed (they import torch: seconds), and before
+    # any process group exists: importing the model pulls in torch._dynamo, whose import takes
+    # references to an existing default group that are only dropped at interpreter exit.
     from nanotrain.launch.smoke import smoke_step
     from nanotrain.parallel.context import ParallelContext
     from nanotrain.training.stop_vote import TrainingDiverged
@@ -69,7 +71,7 @@ def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> d
     pc = ParallelContext(tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp,
                          data_parallel_size=p.dp, context_parallel_size=p.cp,
                          expert_parallel_size=p.ep, timeout_s=config.training.collective_timeout_s)
-    claim = None
+    claim, finished = None, False
     try:
         checkpoint_dir = Path(config.checkpoints.path or run_dir / "checkpoints")
         claim = ownership.claim(run_dir, checkpoint_dir, env.rank == 0, World(pc).broadcast)
@@ -77,15 +79,11 @@ def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> d
             print(f"warning: {note}", file=sys.stderr, flush=True)
         report = smoke_step(pc, env, Path(run_dir))  # a cheap preflight: every group answers
         trainer = DistributedTrainer(config, Path(run_dir), pc, lambda: preemption.code, run_id=claim.run_id)
-        try:
-            report["outcome"] = trainer.train()
-        finally:
-            trainer.close()
+        report["outcome"], step, stop_code = _train(trainer)
+        del trainer  # _train dropped what it holds; nothing here may keep a group alive
         if report["outcome"] == "preempted" and env.rank == 0:
-            report["outcome"] = decide_stop(trainer, config, env, run_dir, preemption)
-        if report["outcome"] in ("stopped", "cancelled"):  # saved, not requeued: not COMPLETED
-            raise SystemExit(EXIT_STOPPED)
-        return report
+            report["outcome"] = decide_stop(step, stop_code, config, env, run_dir, preemption)
+        finished = True
     except (DataError, CheckpointMismatch, ownership.OwnershipError) as exc:
         # A user's mistake that only a rank could find: one line, no traceback. Errors every rank
         # finds together are said once, by rank 0; a data error by the rank that read the data.
@@ -104,13 +102,30 @@ def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> d
     finally:
         if claim is not None:
             claim.release()
-        pc.destroy()
+        # Groups go before the interpreter does (see ParallelContext.destroy); the barrier only
+        # when every rank got here the normal way, since a failed rank's peers may never arrive.
+        pc.destroy(synchronize=finished)
         # Never restore submitit's handler (it would fail a finished job on a late time-limit
         # signal) nor let Python's shutdown restore the default action (it would kill us).
         preemption.ignore_from_now_on()
+    if report["outcome"] in ("stopped", "cancelled"):  # saved, not requeued: not COMPLETED
+        raise SystemExit(EXIT_STOPPED)
+    return report
 
 
-def decide_stop(trainer, config, env, run_dir: Path, preemption: PreemptionHandler) -> str:
+def _train(trainer) -> tuple[str, int, int]:
+    """Train and close ``trainer``; returns (outcome, last step, agreed stop code). The caller
+    drops its own reference right after, so that everything the trainer holds on to a process
+    group (model, gradient sync, optimizer, pipeline engine) is freed before ``pc.destroy()``
+    checks that no group outlives its destruction."""
+    try:
+        outcome = trainer.train()
+        return outcome, trainer.step, trainer.stop_code
+    finally:
+        trainer.close()
+
+
+def decide_stop(step: int, stop_code: int, config, env, run_dir: Path, preemption: PreemptionHandler) -> str:
     """Rank 0, after every rank saved: "preempted" (requeued, or local), "cancelled" (a user's
     scancel: no requeue) or "stopped" (SLURM will not run it again). Why SIGTERM needs the
     scheduler's word: see `preemption.py`."""
@@ -119,17 +134,17 @@ def decide_stop(trainer, config, env, run_dir: Path, preemption: PreemptionHandl
     resume = f"resume with: python submit.py --resume {run_dir}"
     received = preemption.received or "signal on another rank"
     if env.launcher != "slurm":
-        print(f"preempted at step {trainer.step} ({received}): {saved}; {resume}", flush=True)
+        print(f"preempted at step {step} ({received}): {saved}; {resume}", flush=True)
         return "preempted"
-    if trainer.stop_code == SIGNAL_STOP:
+    if stop_code == SIGNAL_STOP:
         kind, why = "preempted", f"slurm.signal SIG{config.slurm.signal}"
     else:
         kind, why = classify_sigterm(str(env.job_id), env.restart_count)
     if kind == "cancelled":
-        print(f"cancelled at step {trainer.step} (SIGTERM, a user's scancel: {why}): {saved}; not requeued; "
+        print(f"cancelled at step {step} (SIGTERM, a user's scancel: {why}): {saved}; not requeued; "
               f"{resume}", flush=True)
         return "cancelled"
-    print(f"preempted at step {trainer.step} ({received}, {kind}: {why}): {saved}; {resume}", flush=True)
+    print(f"preempted at step {step} ({received}, {kind}: {why}): {saved}; {resume}", flush=True)
     return "preempted" if request_requeue(config.slurm.max_requeues) else "stopped"
 
 

@@ -16,7 +16,11 @@ It is never installed over an existing attribute.
 
 from __future__ import annotations
 
+import gc
+import importlib
 import os
+import warnings
+import weakref
 from datetime import timedelta
 from typing import Optional
 
@@ -104,6 +108,11 @@ class ParallelContext:
             self.backend = str(active)
         else:
             self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            # Before the default group exists: torch._dynamo's import (which the optimizer, the
+            # checkpoint code and others trigger lazily) takes references to an existing default
+            # group that live until interpreter exit, so the group, its gloo threads and rank 0's
+            # TCPStore server would outlive destroy() (see destroy_process_groups).
+            importlib.import_module("torch._dynamo")
             # The CUDA device is already set above, which is what NCCL binds its communicators to.
             dist.init_process_group(backend=self.backend, init_method="env://",
                                     **({} if self.timeout is None else {"timeout": self.timeout}))
@@ -249,17 +258,76 @@ class ParallelContext:
             f"dp={g.dp} pp={g.pp} ep={g.ep}, coords={tuple(self.coords)}, backend={self.backend})"
         )
 
-    def destroy(self) -> None:
-        """Tear down: the whole default group if we initialised it, else only our subgroups."""
+    def destroy(self, synchronize: bool = True) -> None:
+        """Tear down this context's process groups now, while the interpreter is fully alive.
+
+        ``synchronize``: barrier first, so that no rank closes its sockets while a peer still
+        communicates; pass False on an error path, where the peers may never reach it. Then the
+        groups are destroyed (the default group too if this context initialised it) and this
+        context drops its references; ``check_freed`` verifies that nothing else still holds
+        one (see ``destroy_process_groups`` for why that matters). Callers drop the objects
+        built on these groups (model, gradient sync, optimizer, engine) before calling this.
+        """
         if not (dist.is_available() and dist.is_initialized()):
             return
-        if self._owns_init:
-            dist.destroy_process_group()
-        else:
-            for ranks, pg in self._pg_by_ranks.items():
-                if self.world_rank in ranks and pg is not dist.group.WORLD:
-                    dist.destroy_process_group(pg)
-            for pg in {id(g): g for g in (self.pipeline_flow_groups or {}).values()}.values():
-                dist.destroy_process_group(pg)
-        self._pg_by_ranks.clear()
+        if synchronize:
+            dist.barrier()
+        mine = [pg for ranks, pg in self._pg_by_ranks.items() if self.world_rank in ranks]
+        # The per-flow P2P groups (NCCL), each once, after the grid's (created after them).
+        mine += list({id(g): g for g in (self.pipeline_flow_groups or {}).values()}.values())
         self.pipeline_flow_groups = None
+        self._pg_by_ranks.clear()
+        for name in GROUP_NAMES:
+            setattr(self, f"{name}_pg", None)
+        self.embedding_pg = None
+        if self._owns_init:
+            del mine
+            destroy_process_groups(synchronize=False)
+            return
+        refs = [weakref.ref(pg) for pg in mine]
+        while mine:  # reverse creation order; no loop variable left holding a group
+            if mine[-1] is not dist.group.WORLD:
+                dist.destroy_process_group(mine[-1])
+            mine.pop()
+        check_freed(refs)
+
+
+def destroy_process_groups(synchronize: bool = True) -> None:
+    """Destroy every process group of this process, the default one last, and check that they
+    are really gone: the one clean way for a rank to end.
+
+    Why not just ``dist.destroy_process_group()``: it unregisters the groups but frees none
+    that something else still references. A gloo group owns C++ threads (its work loop and
+    socket loop) and, through its store, rank 0's TCPStore server thread; they stop only when the
+    group object is freed. A group kept by a live object (a model's layers, a gradient sync, an
+    autograd graph no collector can free) is freed by the interpreter's final garbage collection,
+    after Python is already marked as finalizing, or never: its threads then run on through the
+    interpreter's teardown and ``exit()``, which is where a gloo rank dies with "terminate called
+    without an active exception" (SIGABRT) once in a while.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if synchronize:
+        dist.barrier()
+    # Every registered group (ours, DeviceMesh's, ...); a private map, so read defensively.
+    registered = list(getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", {}))
+    refs = [weakref.ref(pg) for pg in registered]
+    del registered
+    dist.destroy_process_group()
+    check_freed(refs)
+
+
+def check_freed(refs: list) -> None:
+    """Warn (once per call, naming them) about process groups that survive their destruction.
+
+    A warning and not an error: the run itself succeeded. ``benchmarks/exit_stress.py`` and the
+    tests treat it as a failure."""
+    gc.collect()  # plain Python cycles (a module and its hooks) are not a leak
+    alive = [pg for pg in (r() for r in refs) if pg is not None]
+    if alive:
+        names = ", ".join(f"{getattr(pg, 'group_name', '?')} (size {pg.size()})" for pg in alive)
+        warnings.warn(
+            f"{len(alive)} process group(s) still referenced after destroy: {names}. Their C++ "
+            "threads outlive the process group and are torn down during interpreter shutdown, "
+            "which can abort the process; drop what holds them (model, gradient sync, optimizer, "
+            "autograd graphs) before destroying the groups.", RuntimeWarning, stacklevel=3)

@@ -41,6 +41,7 @@ Use::
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
 
@@ -101,7 +102,15 @@ class BucketedGradSync:
                 self._bucket_of[id(p)] = b
                 self._view_of[id(p)] = b.buffer[off:off + p.numel()].view_as(p)
         self._attach_views(copy_existing=True)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        # The hooks reach this object through a weak reference. A hook lives in the parameter's
+        # C++ autograd metadata, which Python's cycle collector cannot see, so a bound method there
+        # (param -> hook -> self -> param) is a cycle no collector frees: this object, its buckets
+        # and its process group (with the group's C++ threads) would live until interpreter
+        # shutdown and be torn down inside it, where a gloo thread that needs the GIL aborts the
+        # process ("terminate called without an active exception").
+        ref = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda p, ref=ref: ref()._on_grad_ready(p))
+                       for p in self.params]
         self._sync_enabled = True
         self._next_launch = 0
         self._hooks_fired = 0
