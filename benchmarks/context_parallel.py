@@ -10,8 +10,9 @@ steps (median over timed steps, slowest rank), peak bytes autograd saves for bac
 micro-batch's forward on a rank (parameters excluded; the activation memory cp divides), and the
 first step's loss, which must equal the one process's (a benchmark of a wrong computation is
 void). dp2 also halves a rank's activations here, but only down to one sequence per rank; cp is
-what splits a single sequence, so it is what lets a sequence too long for one rank train at all. PyTorch's own ``context_parallel`` cannot be the side-by-side baseline here: in torch 2.13
-it dispatches only the CUDA flash / efficient / cuDNN attention kernels, and on CPU it fails with
+what splits a single sequence, so it is what lets a sequence too long for one rank train at all.
+PyTorch's own ``context_parallel`` cannot be the side-by-side baseline here: in torch 2.13 it
+dispatches only the CUDA flash / efficient / cuDNN attention kernels, and on CPU it fails with
 "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy".
 """
 from __future__ import annotations
@@ -140,7 +141,8 @@ def main() -> int:
           f"GQA {MODEL['num_attention_heads']}/{MODEL['num_key_value_heads']}), {SEQUENCES} sequences per step, "
           f"gloo, 1 thread per rank, {os.cpu_count()} CPU cores; median of {steps} steps after {warmup} warm-up; "
           f"{time.perf_counter() - t0:.0f} s\n")
-    print("| seq | layout | tokens/s | activation MB per rank (one micro-batch) | vs 1 process | first loss | same loss |")
+    print("| seq | layout | tokens/s | activation MB per rank (one micro-batch) | vs 1 process | first loss "
+          "| same loss |")
     print("|---|---|---|---|---|---|---|")
     same_everywhere = True
     for seq in opts.seq:

@@ -159,7 +159,7 @@ def main() -> int:
     if opts.out:
         opts.out.parent.mkdir(parents=True, exist_ok=True)
         opts.out.write_text(json.dumps(result, indent=1) + "\n")
-    del step, model, grad_sync, optimizer, scheduler  # they hold the groups pc.destroy() frees
+    step = model = grad_sync = optimizer = scheduler = None  # they hold the groups pc.destroy() frees
     pc.destroy()
     return 0
 

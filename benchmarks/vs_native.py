@@ -330,7 +330,8 @@ def main() -> int:
     import torch
 
     meta = {
-        "command": "make bench" + (" QUICK=1" if opts.quick else "") + (f" (--only {' '.join(jobs)})" if opts.only else ""),
+        "command": "make bench" + (" QUICK=1" if opts.quick else "")
+        + (f" (--only {' '.join(jobs)})" if opts.only else ""),
         "wall_s": time.perf_counter() - t0, "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores ({platform.processor() or cpu_model()})",
         "torch": torch.__version__, "reps": reps, "steps": steps, "warmup": warmup,

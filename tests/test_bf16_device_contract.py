@@ -74,7 +74,7 @@ def _train(layout: str, tmp: str) -> dict:
         trainer.close()
         out["losses"][(dtype, async_tp)] = [m["train/loss"] for m in logged if m is not None]
         out["wire"][(dtype, async_tp)] = {m: contract.dtypes_from(m) for m in WIRE_MODULES}
-        del trainer, log  # nothing may hold a process group when it is destroyed
+        trainer = log = None  # nothing may hold a process group when it is destroyed
     out["collectives"] = contract.count
     pc.destroy()
     return out
