@@ -6,10 +6,10 @@ the world group instead. ``pc=None`` (or a world of one) means a single process:
 """
 from __future__ import annotations
 
-import json
-
 import torch
 import torch.distributed as dist
+
+from nanotrain.checkpoint import json_bytes
 
 
 class World:
@@ -25,13 +25,11 @@ class World:
             self.device = torch.device("cuda", torch.cuda.current_device())
 
     def _bytes_tensor(self, obj) -> torch.Tensor:
-        data = json.dumps(obj, separators=(",", ":")).encode()
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if data else \
-            torch.zeros(0, dtype=torch.uint8, device=self.device)
+        return json_bytes.to_tensor(obj, self.device)
 
     @staticmethod
     def _decode(t: torch.Tensor, n: int):
-        return json.loads(bytes(t[:n].cpu().numpy().tobytes()).decode())
+        return json_bytes.from_tensor(t, n)
 
     def _padded(self, obj) -> tuple[list[int], torch.Tensor]:
         """Every rank's encoded size, and this rank's bytes padded to the largest (one all-gather)."""

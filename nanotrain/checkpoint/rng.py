@@ -6,19 +6,13 @@ generator give tuples of ints (and a float), stored as UTF-8 JSON bytes. JSON wr
 """
 from __future__ import annotations
 
-import json
 import random
 
 import numpy as np
 import torch
 
-
-def _json_tensor(obj) -> torch.Tensor:
-    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).clone()
-
-
-def _tensor_json(t: torch.Tensor):
-    return json.loads(bytes(t.numpy().tobytes()).decode())
+from nanotrain.checkpoint.json_bytes import from_tensor as _tensor_json
+from nanotrain.checkpoint.json_bytes import to_tensor as _json_tensor
 
 
 def capture_rng() -> dict[str, torch.Tensor]:
