@@ -26,9 +26,9 @@ import torch
 
 from nanotrain.checkpoint import format as fmt
 from nanotrain.checkpoint import shard_files
+from nanotrain.checkpoint.assemble import ShardReader, assemble_full, assemble_optimizer_full, cut_local
 from nanotrain.checkpoint.format import CheckpointError
 from nanotrain.checkpoint.items import named_params
-from nanotrain.checkpoint.load import _Reader, assemble_full, assemble_optimizer_full, cut_local
 from nanotrain.config import Config
 from nanotrain.models import llama_arch
 from nanotrain.models.llama import LlamaModel
@@ -94,7 +94,7 @@ def read_full_state(ckpt: str | Path, verify: bool = True) -> tuple[dict, dict, 
         bad = fmt.verify_checkpoint(ckpt)
         if bad:
             raise CheckpointError(f"{ckpt} is damaged: " + "; ".join(bad))
-    reader = _Reader(ckpt)
+    reader = ShardReader(ckpt)
     params = {n: assemble_full(reader, n, e) for n, e in meta["index"]["model"].items()}
     optim = {}
     for n, e in meta["index"]["optimizer"].items():
