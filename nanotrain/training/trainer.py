@@ -132,8 +132,7 @@ class DistributedTrainer:
                     self.save()
                 return "preempted"
             start = time.perf_counter()
-        if not (self.config.checkpoints.interval and self.step % self.config.checkpoints.interval == 0):
-            self.save()  # the final state, unless the interval just wrote it
+        self.save()  # the final state (a no-op when the interval just wrote it)
         return "completed"
 
     def save(self) -> None:
