@@ -18,20 +18,18 @@ dispatches only the CUDA flash / efficient / cuDNN attention kernels, and on CPU
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_launch import run_workers, worker_main  # noqa: E402
 
 # Imported before any process group exists (the model pulls in torch._dynamo, whose import takes
 # references to an existing default group that live until interpreter exit).
@@ -107,26 +105,20 @@ def measure(pc, seq: int, steps: int, warmup: int) -> dict:
             "first_loss": first_loss}
 
 
-def worker(rank: int, world: int, port: int, layout: str, seqs: list[int], steps: int, warmup: int, out: str):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+def worker(payload: dict) -> dict:
+    """One rank of a launch: the layout at every sequence length, in turn."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    results = {seq: run_layout(layout, seq, steps, warmup) for seq in seqs}
-    if rank == 0:
-        Path(out).write_text(json.dumps(results))
+    results = {seq: run_layout(payload["layout"], seq, payload["steps"], payload["warmup"]) for seq in payload["seqs"]}
     destroy_process_groups()  # every group freed (threads joined) before the interpreter exits
+    return results
 
 
-def launch(layout: str, seqs: list[int], steps: int, warmup: int) -> dict:
+def launch(layout: str, seqs: list[int], steps: int, warmup: int, timeout_s: float = 1800, log_dir=None) -> dict:
     world = 1 if layout == "1 process" else 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.json")
-        mp.spawn(worker, args=(world, port, layout, seqs, steps, warmup, out), nprocs=world, join=True)
-        return {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
+    results = run_workers(__file__, world, {"layout": layout, "seqs": seqs, "steps": steps, "warmup": warmup},
+                          timeout_s, log_dir)
+    return {int(k): v for k, v in results.items()}
 
 
 def main() -> int:
@@ -158,4 +150,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["--worker"]:
+        worker_main(worker)
+    else:
+        sys.exit(main())

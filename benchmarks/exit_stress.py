@@ -10,11 +10,12 @@ graph or gradient-sync hooks no collector frees, or by torch._dynamo's import), 
 threads were torn down inside interpreter shutdown, or not at all. One launch in a hundred is
 enough to fail a SLURM job or a CI run; a single clean run proves nothing.
 
-Launches alternate between the two ways ranks are started, each through its own code path:
+Launches alternate between the two kinds of rank code (one launcher starts both):
 ``trainer``: ``submit.py --local`` (``run_local`` + ``nanotrain.launch.task``: smoke step, two
 training steps, the final checkpoint, ``pc.destroy()``) on ``configs/tiny_cpu.yaml``;
 ``benchmark``: the benchmark workers (``vs_native.py``'s jobs dp2, tp2_ar, pp2_1f1b with one
-step per side; ``context_parallel.py --quick``, whose ranks run under ``torch.multiprocessing``).
+step per side; ``context_parallel.py``'s cp2 layout), started by the same launcher
+(``nanotrain.launch.ranks``) from ``bench_launch.py`` and ``vs_native.py``.
 Reported: launches that ended with a signal, other failures, and launches where a rank warned
 that a process group survived its destruction (the cause of the abort, seen even when the race
 is not lost). Every launch has a hard timeout and its processes are stopped.
@@ -24,8 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,36 +63,24 @@ def trainer_launch(layout: str, tmp: Path, i: int, timeout_s: float) -> tuple[st
 
 def benchmark_launch(layout: str, tmp: Path, i: int, timeout_s: float) -> tuple[str, str]:
     """The benchmark workers of this layout; returns (outcome, log text)."""
-    if layout == "cp2":
-        return _context_parallel(timeout_s)
+    import context_parallel
     import vs_native
+
+    from nanotrain.launch.ranks import RanksFailed
 
     log_root = tmp / f"bench{i}"
     try:
-        vs_native.launch(BENCH_JOBS[layout], 1, 1, 0, timeout_s=timeout_s, log_root=log_root)
+        if layout == "cp2":
+            context_parallel.launch("cp2", [128], 2, 1, timeout_s=timeout_s, log_dir=log_root / "cp2")
+        else:
+            vs_native.launch(BENCH_JOBS[layout], 1, 1, 0, timeout_s=timeout_s, log_root=log_root)
         outcome = "ok"
-    except RuntimeError as err:
-        code = re.search(r"exited with (-?\d+)", str(err))
-        outcome = f"signal {-int(code.group(1))}" if code and int(code.group(1)) < 0 else f"failed: {str(err)[:200]}"
+    except RanksFailed as err:
+        code = re.search(r"exited with status (\d+)", str(err))
+        died = code and int(code.group(1)) > 128  # a shell's status: signal N reads 128 + N
+        outcome = f"signal {int(code.group(1)) - 128}" if died else f"failed: {str(err)[:200]}"
     text = "".join(p.read_text(errors="replace") for p in sorted(log_root.glob("*/rank-*.log")))
     return outcome, text
-
-
-def _context_parallel(timeout_s: float) -> tuple[str, str]:
-    """context_parallel.py --quick in its own session (its mp.spawn children with it)."""
-    proc = subprocess.Popen([sys.executable, str(HERE / "context_parallel.py"), "--quick", "--seq", "128"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return "timeout", out.decode(errors="replace")
-    text = out.decode(errors="replace")
-    died = re.search(r"terminated with signal (\w+)", text)  # torch.multiprocessing's report of a rank
-    if died or proc.returncode < 0:
-        return f"signal {died.group(1) if died else -proc.returncode}", text
-    return ("ok" if proc.returncode == 0 else f"status {proc.returncode}"), text
 
 
 def main() -> int:

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/pipeline_bubble.py            # pp 2 and 4, m = 4, 8, 16
     .venv/bin/python benchmarks/pipeline_bubble.py --quick    # fewer timed steps
 
-One local gloo process per pipeline stage (one thread each), a tiny Llama (8 layers), full
+One local gloo process per pipeline stage (one thread each; ``bench_launch.py``), a tiny Llama (8 layers), full
 training steps (engine + optimizer). The engine times each rank's forward and backward compute;
 the measured bubble of a stage is ``1 - compute / wall time of the engine's forward_backward``
 (idle while waiting for a neighbour, plus the P2P cost), averaged over the stages and the median
@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_launch import run_workers, worker_main  # noqa: E402
 
 MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=8, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=64)
@@ -76,12 +75,13 @@ def run_config(pc, engine_name: str, m: int, steps: int, warmup: int) -> dict:
     return {"step_s": statistics.median(step_s), "bubble": per_stage, "live_stage0": live, "v": v}
 
 
-def worker(rank: int, world: int, port: int, configs: list, steps: int, warmup: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def worker(payload: dict) -> list:
+    """One rank of a launch: every (engine, m) config at pp = world size, in turn."""
     from nanotrain.parallel.context import ParallelContext
 
-    pc = ParallelContext(pipeline_parallel_size=world)
+    torch.set_num_threads(1)
+    configs, steps, warmup = payload["configs"], payload["steps"], payload["warmup"]
+    pc = ParallelContext(pipeline_parallel_size=int(os.environ["WORLD_SIZE"]))
     results = []
     for engine_name, m in configs:
         live = torch.zeros(1)
@@ -90,21 +90,12 @@ def worker(rank: int, world: int, port: int, configs: list, steps: int, warmup: 
         dist.broadcast(live, src=0)  # report stage 0's peak (it holds the most)
         result["live_stage0"] = int(live.item())
         results.append((engine_name, m, result))
-    if rank == 0:
-        import json
-        Path(out).write_text(json.dumps(results))
     pc.destroy()
+    return results
 
 
 def launch(pp: int, configs: list, steps: int, warmup: int) -> list:
-    import json
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.json")
-        mp.spawn(worker, args=(pp, port, configs, steps, warmup, out), nprocs=pp, join=True)
-        return json.loads(Path(out).read_text())
+    return run_workers(__file__, pp, {"configs": configs, "steps": steps, "warmup": warmup})
 
 
 def main() -> None:
@@ -139,4 +130,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--worker"]:
+        worker_main(worker)
+    else:
+        main()

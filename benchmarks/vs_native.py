@@ -17,10 +17,10 @@ sides train on identical batch sequences, so their losses are comparable step by
 weights and data; computed, not assumed), and ``loss_rel_max`` is the largest relative difference
 over the warm-up steps (after optimizer steps).
 
-One launch (local gloo processes, 1 thread each, ``nanotrain.launch.local.rank_env``) per job,
-jobs listed in ``JOBS``. Results: ``benchmarks/results/latest.json`` (a list of rows: name, ours,
-native, unit, ratio, target, same_loss, + details) and ``latest.md`` (the table, the command,
-the machine, the date).
+One launch per job (local gloo processes, 1 thread each, started by ``nanotrain.launch.ranks``,
+the launcher of ``submit.py --local``), jobs listed in ``JOBS``. Results:
+``benchmarks/results/latest.json`` (a list of rows: name, ours, native, unit, ratio, target,
+same_loss, + details) and ``latest.md`` (the table, the command, the machine, the date).
 
 The shared harness (settings, timing loop, meters) is ``bench_common.py``, the two sides compared
 ``bench_sides.py``, the checkpoint rows ``bench_checkpoint.py``; this file holds the jobs, the
@@ -33,7 +33,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -192,35 +191,11 @@ def worker(job: str, reps: int, steps: int, warmup: int, out: str) -> None:
 
 # ============================================================================ launcher side
 def launch(job: str, reps: int, steps: int, warmup: int, timeout_s: float, log_root: Path) -> list[dict]:
-    from nanotrain.launch.env import free_port
-    from nanotrain.launch.local import _stop_all, rank_env
+    from nanotrain.launch.ranks import run_ranks
 
-    world = JOBS[job][0]
     out = log_root / f"{job}.json"
-    log_dir = log_root / job
-    log_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-u", __file__, "--worker", job, str(reps), str(steps), str(warmup), str(out)]
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        with open(log_dir / f"rank-{rank}.log", "wb") as log:
-            procs.append(subprocess.Popen(command, env=rank_env(rank, world, port, 1), stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                raise RuntimeError(f"job {job}: rank {bad[0][0]} exited with {bad[0][1]}; log:\n"
-                                   + (log_dir / f"rank-{bad[0][0]}.log").read_text()[-3000:])
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"job {job}: timed out after {timeout_s:.0f} s; logs in {log_dir}")
-            time.sleep(0.1)
-    finally:
-        _stop_all(procs)
+    run_ranks(command, JOBS[job][0], log_root / job, timeout_s)
     return json.loads(out.read_text())
 
 

@@ -3,33 +3,27 @@
     results = run_distributed(fn, 4, arg1, arg2, timeout=120)   # list, one entry per rank
 
 ``fn`` must be a module-level (importable) function; its arguments and return value must be
-picklable. Each rank runs in its own ``python`` subprocess (a fresh interpreter, like a real
-launcher) in its own session, so on a timeout or a failing rank the whole process group of every
-rank is killed: a hang is a failure, never a wait. Each rank gets RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT (a free port), OMP_NUM_THREADS=1 and
-CUDA_VISIBLE_DEVICES="" (tests are CPU/gloo; pass ``env`` to override any of these).
+picklable. The ranks are started by the product's local launcher (``nanotrain.launch.ranks``,
+the one behind ``submit.py --local``): each in its own ``python`` subprocess and session, so on a
+timeout or a failing rank the whole session of every rank is killed: a hang is a failure, never a
+wait. Each rank gets the launcher's env:// variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT a
+free port...), OMP_NUM_THREADS=1 and CUDA_VISIBLE_DEVICES="" (tests are CPU/gloo; pass ``env`` to
+override any of these).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from nanotrain.launch.ranks import TIMED_OUT, RankProcesses
+
 _ADDR_IN_USE = ("address already in use", "eaddrinuse", "errno 98")
 _TAIL = 4000  # characters of each rank's output shown in a failure
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120, env: dict | None = None) -> list:
@@ -52,78 +46,27 @@ class _AddressInUse(Exception):
 
 
 def _launch(fn, world_size, args, timeout, env, retry_ok):
-    port = _free_port()
     with tempfile.TemporaryDirectory(prefix="nanotrain-dist-") as tmp:
         tmp = Path(tmp)
         spec = tmp / "spec.pkl"
         spec.write_bytes(pickle.dumps((fn, args, timeout)))
-        base_env = dict(os.environ)
         # The children must import what the parent imports (the test module, the package).
-        base_env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p or os.curdir) for p in sys.path)
-        procs, logs = [], []
-        try:
-            for rank in range(world_size):
-                e = dict(base_env)
-                e.update(
-                    RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                    LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", NODE_RANK="0",
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                    CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1",
-                )
-                e.update({k: str(v) for k, v in (env or {}).items()})
-                log = open(tmp / f"rank{rank}.log", "wb")
-                logs.append(log)
-                procs.append(subprocess.Popen(
-                    [sys.executable, __file__, str(spec), str(tmp / f"rank{rank}.result")],
-                    env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                ))
-            failed, timed_out = _wait(procs, timeout)
-        finally:
-            _kill_all(procs)
-            for log in logs:
-                log.close()
-        return _collect(tmp, world_size, procs, failed, timed_out, timeout, retry_ok)
-
-
-def _wait(procs, timeout):
-    """Poll until all exit 0, one fails (fail fast: the others would block on it) or time runs out."""
-    deadline = time.monotonic() + timeout
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            return failed, False
-        if all(c == 0 for c in codes):
-            return [], False
-        if time.monotonic() > deadline:
-            return [], True
-        time.sleep(0.05)
-
-
-def _kill_all(procs) -> None:
-    """SIGKILL each rank's whole session (the rank and anything it spawned), then reap."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                p.kill()
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        # Also reap stragglers the rank may have left in its session.
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        extra = {"PYTHONPATH": os.pathsep.join(os.path.abspath(p or os.curdir) for p in sys.path),
+                 "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+        # The product's own local launcher (nanotrain.launch.ranks): the same env:// variables,
+        # sessions, fail-fast and deadline as `submit.py --local`.
+        with RankProcesses([sys.executable, __file__, str(spec)], world_size, tmp, env=extra) as ranks:
+            ranks.start()
+            status = ranks.wait(time.monotonic() + timeout, poll_s=0.05)
+            timed_out = status == TIMED_OUT and not ranks.done()
+            failed = [r for r, c in enumerate(ranks.codes()) if c not in (None, 0)]
+        return _collect(tmp, world_size, ranks.procs, failed, timed_out, timeout, retry_ok)
 
 
 def _collect(tmp, world_size, procs, failed, timed_out, timeout, retry_ok):
     results, errors, when = [None] * world_size, {}, {}
     for rank in range(world_size):
-        path = tmp / f"rank{rank}.result"
+        path = tmp / f"rank-{rank}.result"
         if path.exists():
             status, value = pickle.loads(path.read_bytes())
             if status == "ok":
@@ -135,7 +78,7 @@ def _collect(tmp, world_size, procs, failed, timed_out, timeout, retry_ok):
             when[rank] = 0  # a hard crash (signal, os._exit) is the likeliest root cause
     # Once one rank fails, its peers usually fail too (closed connections): report the first.
     order = sorted(errors, key=lambda r: (when[r], r))
-    output = {r: (tmp / f"rank{r}.log").read_text(errors="replace") for r in range(world_size)}
+    output = {r: (tmp / f"rank-{r}.log").read_text(errors="replace") for r in range(world_size)}
     if not errors and not timed_out and not failed:
         for r in range(world_size):  # shown by pytest on failure or with -s
             if output[r].strip():
@@ -159,11 +102,12 @@ def _collect(tmp, world_size, procs, failed, timed_out, timeout, retry_ok):
     raise AssertionError("\n".join(parts))
 
 
-def _child_main(spec_path: str, result_path: str) -> int:
+def _child_main(spec_path: str) -> int:
     import faulthandler
     import traceback
 
     status, value = "ok", None
+    result_path = str(Path(spec_path).parent / f"rank-{os.environ['RANK']}.result")
     try:
         fn, args, timeout = pickle.loads(Path(spec_path).read_bytes())
         # If this rank hangs, print where just before the parent kills it.
@@ -191,4 +135,4 @@ def _child_main(spec_path: str, result_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main(sys.argv[1], sys.argv[2]))
+    sys.exit(_child_main(sys.argv[1]))
