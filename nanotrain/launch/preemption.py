@@ -50,6 +50,7 @@ class PreemptionHandler:
         self.received: str | None = None  # the first stop signal's name
         self.names: set[str] = set()
         self._previous: dict = {}
+        self._before_training = None  # see `act_before_training`
         self.use(signal_name, also_sigterm)
 
     @classmethod
@@ -76,6 +77,25 @@ class PreemptionHandler:
         name = signal.Signals(signum).name.removeprefix("SIG")
         self.names.add(name)
         self.received = self.received or f"SIG{name}"
+        if name == self.signal_name and self._before_training is not None:
+            action, self._before_training = self._before_training, None
+            action()
+
+    def act_before_training(self, action) -> None:
+        """Run `action()` at once if the configured signal arrives before the trainer first polls
+        (`poll`, at the end of the first step).
+
+        Why: the trainer answers a stop at a step boundary, but start-up (imports, rendezvous,
+        building the model, reading a checkpoint) can outlast the warning SLURM gives before a
+        time limit, and the job would then end TIMEOUT, never requeued. Before the first step
+        there is nothing to save, so rank 0 requeues right away (measured: an 8-rank start-up on a
+        loaded 2-core machine took longer than a 1-minute limit's 10-second warning)."""
+        self._before_training = action
+
+    def poll(self) -> int:
+        """`code`, for the trainer's step-boundary vote: from the first poll on, a stop is the vote's."""
+        self._before_training = None
+        return self.code
 
     @property
     def code(self) -> int:

@@ -54,6 +54,8 @@ def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> d
     run_dir = resolve_run(config, config_path)  # absolute paths, checkpoints.path defaulted
     if env.rank == 0 and not (run_dir / "config.yaml").is_file():
         write_run_dir(config, run_dir)  # an emitted script's first run creates its run directory
+    if env.launcher == "slurm" and env.rank == 0:
+        preemption.act_before_training(lambda: _requeue_during_startup(config))
 
     from nanotrain.checkpoint import CheckpointMismatch
     from nanotrain.checkpoint.comm import World
@@ -78,7 +80,7 @@ def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> d
         for note in claim.notes if env.rank == 0 else []:
             print(f"warning: {note}", file=sys.stderr, flush=True)
         report = smoke_step(pc, env, Path(run_dir))  # a cheap preflight: every group answers
-        trainer = DistributedTrainer(config, Path(run_dir), pc, lambda: preemption.code, run_id=claim.run_id)
+        trainer = DistributedTrainer(config, Path(run_dir), pc, preemption.poll, run_id=claim.run_id)
         report["outcome"], step, stop_code = _train(trainer)
         del trainer  # _train dropped what it holds; nothing here may keep a group alive
         if report["outcome"] == "preempted" and env.rank == 0:
@@ -123,6 +125,14 @@ def _train(trainer) -> tuple[str, int, int]:
         return outcome, trainer.step, trainer.stop_code
     finally:
         trainer.close()
+
+
+def _requeue_during_startup(config) -> None:
+    """Rank 0, inside the signal handler: SLURM's warning came before the first step (nothing to
+    save). Requeue now; SLURM then ends every task of this incarnation and starts the next."""
+    print(f"preemption: SIG{config.slurm.signal} during start-up, before any step: nothing to save, "
+          "requeueing now", flush=True)
+    request_requeue(config.slurm.max_requeues)
 
 
 def decide_stop(step: int, stop_code: int, config, env, run_dir: Path, preemption: PreemptionHandler) -> str:
