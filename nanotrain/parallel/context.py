@@ -29,8 +29,9 @@ import torch.distributed as dist
 
 from nanotrain.parallel.grid import Coords, RankGrid
 
-# Group attributes created on every ParallelContext, in creation order (which must be the same on
-# every rank, because torch matches new_group calls across ranks by their order).
+# Group attributes created on every ParallelContext, in creation order: each rank creates its own
+# group of each, in this order (torch names locally synchronised groups by their ranks and the
+# number of groups the process created before, so the members' orders must agree).
 GROUP_NAMES = ("world", "tp", "cp", "dp", "pp", "ep", "dp_cp", "mp")
 
 
@@ -122,6 +123,7 @@ class ParallelContext:
         self.ep_rank, self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = coords
         self.coords: Coords = coords
         self._create_groups()
+        self._create_embedding_group()
         # One communicator per pipeline flow (see p2p.py): what keeps NCCL's in-order streams
         # from deadlocking the schedules. gloo matches by tag and needs none (None = auto).
         flows = self.backend == "nccl" if pipeline_flow_groups is None else pipeline_flow_groups
@@ -152,56 +154,96 @@ class ParallelContext:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
 
-    def _create_groups(self) -> None:
-        """Create every group of every axis on every rank, in one global order.
+    def _new_group(self, ranks: tuple[int, ...]) -> Optional[dist.ProcessGroup]:
+        """The group ``ranks``, created once per rank set; None where this rank is no member.
 
-        torch requires all ranks to call ``new_group`` for every group, members or not, in the same
-        order. Identical rank sets (e.g. ``dp_cp`` when cp == 1) share one group, as in nanotron,
-        so no communicator is created twice.
+        Locally synchronised (``self.local_sync``): only the members call ``new_group`` and
+        only they meet on the store (gloo's rendezvous, and the barrier when
+        ``TORCH_DIST_INIT_BARRIER=1``), so a rank's start-up grows with the groups it belongs
+        to, not with the world. torch names such a group by hashing its ranks with the number
+        of groups this process has registered, so all members must have created equally many
+        before it: the callers keep that count equal on every rank. Otherwise every rank calls
+        this for every group, in one order (torch's global rule)."""
+        pg = self._pg_by_ranks.get(ranks)
+        if pg is None and (self.world_rank in ranks or not self.local_sync):
+            pg = dist.new_group(ranks=list(ranks), timeout=self.timeout,
+                                use_local_synchronization=self.local_sync)
+            self._pg_by_ranks[ranks] = pg
+        return pg if self.world_rank in ranks else None
+
+    def _groups(self, name: str) -> list[tuple[int, ...]]:
+        """The groups of ``name`` this rank must create: its own, or all of them (global)."""
+        return [self.grid.group_of(name, self.world_rank)] if self.local_sync else self.grid.groups(name)
+
+    def _create_groups(self) -> None:
+        """Create this rank's group of every axis (and, without local sync, every other one).
+
+        Local synchronisation needs names that were never used in this process: torch hashes
+        a group's ranks with the count of live groups, which repeats once groups have been
+        destroyed, and a repeated name finds the stale rendezvous keys of its predecessor
+        (connection refused). So it is used when this context's world group is the first
+        group the process creates after the default one (``group_count``: torch's count of
+        sequentially named groups, which never decreases); a process that built and destroyed
+        a context before (tests) falls back to the global pattern. Each rank then creates
+        exactly one group per name in ``GROUP_NAMES`` order; identical rank sets (e.g.
+        ``dp_cp`` when cp == 1) share one group, as in nanotron, and which names coincide
+        depends only on the axis sizes, so the counts stay equal on every rank.
         """
         self._pg_by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._group_ranks: dict[str, tuple[int, ...]] = {}
+        fresh = getattr(dist.distributed_c10d._world, "group_count", None) == 1
+        self.local_sync = False  # for "world" (first): every rank is a member; named sequentially
         for name in GROUP_NAMES:
-            mine = None
-            for ranks in self.grid.groups(name):
-                pg = self._pg_by_ranks.get(ranks)
-                if pg is None:
-                    pg = dist.new_group(ranks=list(ranks), timeout=self.timeout)
-                    self._pg_by_ranks[ranks] = pg
-                if self.world_rank in ranks:
-                    mine = (ranks, pg)
-            self._group_ranks[name] = mine[0]
-            setattr(self, f"{name}_pg", mine[1])
-        self._create_embedding_groups()
+            for ranks in self._groups(name):
+                pg = self._new_group(ranks)
+                if pg is not None:
+                    self._group_ranks[name] = ranks
+                    setattr(self, f"{name}_pg", pg)
+            self.local_sync = fresh
 
-    def _create_embedding_groups(self) -> None:
+    def _create_embedding_group(self) -> None:
         """``embedding_pg``: the first and the last pipeline stage of each pp group (Megatron's
         embedding group), which sum the gradients of tied embeddings. None on middle stages;
-        the pp group itself when pp <= 2 (the two sets are equal)."""
-        self.embedding_pg = None
-        for pp_ranks in self.grid.groups("pp"):
-            ranks = tuple(sorted({pp_ranks[0], pp_ranks[-1]}))
-            pg = self._pg_by_ranks.get(ranks)
-            if pg is None:
-                pg = dist.new_group(ranks=list(ranks), timeout=self.timeout)
-                self._pg_by_ranks[ranks] = pg
-            if self.world_rank in ranks:
-                self.embedding_pg = pg
+        the pp group itself when pp <= 2 (the two sets are equal).
+
+        Locally synchronised with pp > 2, a middle stage creates a one-rank group in its place,
+        used for nothing: every rank then has created the same number of groups once this
+        context exists, as torch's hashed names need for any group created after it."""
+        self.embedding_pg = self._placeholder_pg = None
+        for pp_ranks in self._groups("pp"):
+            pg = self._new_group(tuple(sorted({pp_ranks[0], pp_ranks[-1]})))
+            self.embedding_pg = pg if pg is not None else self.embedding_pg
+        if self.embedding_pg is None and self.local_sync:
+            self._placeholder_pg = dist.new_group(ranks=[self.world_rank], timeout=self.timeout,
+                                                  use_local_synchronization=True)
 
     def _create_pipeline_flow_groups(self) -> dict[tuple[int, int], dist.ProcessGroup]:
         """For every pp group, a two-rank group per flow (kind, sending pp rank r): activations
         r -> r + 1 (kind 0) and gradients r -> r - 1 (kind 1), wrapping around for the
-        interleaved schedule. Returns this rank's flows, keyed as ``p2p.Op.flow``. Every rank
-        creates every group, in one order (torch's rule for new_group)."""
-        mine = {}
-        for pp_ranks in self.grid.groups("pp"):
-            pp = len(pp_ranks)
+        interleaved schedule. Returns this rank's four flows, keyed as ``p2p.Op.flow``.
+
+        The flows form a ring with each link used twice (once per kind). With an even pp and
+        local synchronisation, link i (stages i and i + 1) goes in slot ``2 * kind + i % 2``:
+        each stage is on one even and one odd link, so both ends of every link create it as
+        their same n-th group. An odd ring cannot be coloured that way: there every rank
+        creates every flow group of the world in one order, members or not (torch's global
+        rule; a non-member touches no store unless ``TORCH_DIST_INIT_BARRIER=1``)."""
+        pp = self.pp_size
+        slotted = self.local_sync and pp % 2 == 0
+        groups = [self._group_ranks["pp"]] if slotted else self.grid.groups("pp")
+        order = []
+        for pp_ranks in groups:
             for kind, step in ((0, 1), (1, -1)):
                 for src in range(pp):
-                    pair = [pp_ranks[src], pp_ranks[(src + step) % pp]]
-                    pg = dist.new_group(ranks=sorted(pair), timeout=self.timeout)
-                    if self.world_rank in pair:
-                        mine[(kind, src)] = pg
+                    pair = (pp_ranks[src], pp_ranks[(src + step) % pp])
+                    link = src if kind == 0 else (src - 1) % pp  # link i joins stages i and i + 1
+                    if self.world_rank in pair or not slotted:
+                        order.append((2 * kind + link % 2 if slotted else 0, kind, src, pair))
+        mine = {}
+        for _, kind, src, pair in sorted(order, key=lambda o: o[0]):  # stable: global order kept
+            pg = dist.new_group(ranks=sorted(pair), timeout=self.timeout, use_local_synchronization=slotted)
+            if self.world_rank in pair:
+                mine[(kind, src)] = pg
         return mine
 
     # ------------------------------------------------------------------ queries
@@ -275,7 +317,8 @@ class ParallelContext:
         mine = [pg for ranks, pg in self._pg_by_ranks.items() if self.world_rank in ranks]
         # The per-flow P2P groups (NCCL), each once, after the grid's (created after them).
         mine += list({id(g): g for g in (self.pipeline_flow_groups or {}).values()}.values())
-        self.pipeline_flow_groups = None
+        mine += [self._placeholder_pg] if self._placeholder_pg is not None else []
+        self.pipeline_flow_groups = self._placeholder_pg = None
         self._pg_by_ranks.clear()
         for name in GROUP_NAMES:
             setattr(self, f"{name}_pg", None)
