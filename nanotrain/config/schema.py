@@ -73,6 +73,7 @@ class TrainingArgs:
     sequence_length: int = bounded(256, 1, doc="tokens per sample")
     micro_batch_size: int = bounded(1, 1, doc="samples per micro-batch per dp rank")
     batch_accumulation_per_replica: int = bounded(1, 1, doc="micro-batches per step = pipeline m")
+    recompute: Literal["none", "selective", "full"] = doc("none", "activation recomputation: none, selective (attention core + SwiGLU activation), full (each decoder layer)")  # noqa: E501
     seed: int = bounded(42, 0, 2**63 - 1, doc="init, data order and dropout-free RNG")
     collective_timeout_s: float = bounded(
         600.0, 1.0, doc="timeout of every process group: a collective waiting longer fails the job")

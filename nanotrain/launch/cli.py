@@ -1,5 +1,5 @@
 """`submit.py CONFIG [--dry-run] [--emit DIR] [--local] [--set section.field=value ...]`,
-or `submit.py --status RUN_DIR`.
+`submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]`, or `submit.py --status RUN_DIR`.
 
 Everything a user can get wrong is checked here, before anything is submitted or started, and
 reported as one `error:` line with exit status 2. With no flag the job goes to SLURM when
@@ -47,6 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="validate, print the rank grid and the sbatch script; submit nothing")
     mode.add_argument("--emit", metavar="DIR",
                       help="write a standalone .sbatch script (and its config) to DIR for plain `sbatch`")
+    mode.add_argument("--plan", action="store_true",
+                      help="propose the fastest layouts that fit (see nanotrain/launch/plan.py); submit nothing")
+    parser.add_argument("--gpus", type=int, metavar="N", help="--plan: GPUs to plan for (default: the config's)")
+    parser.add_argument("--gpu-memory-gb", type=float, metavar="G",
+                        help="--plan: memory of one GPU (default: slurm.gpu_memory_gb, else 80)")
+    for flag, what in (("--gpu-tflops", "peak bf16 TFLOP/s per GPU"), ("--efficiency", "fraction of peak reached"),
+                       ("--intra-node-gbs", "GB/s per GPU within a node"),
+                       ("--inter-node-gbs", "GB/s per GPU across nodes")):
+        parser.add_argument(flag, type=float, metavar="X", help=f"--plan cost model: {what}")
     parser.add_argument("--local", action="store_true",
                         help="run as local processes (gloo on CPU) even when SLURM is available")
     return parser
@@ -237,6 +246,37 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def _plan_flags(args) -> list[str]:
+    given = [("--gpus", args.gpus), ("--gpu-memory-gb", args.gpu_memory_gb), ("--gpu-tflops", args.gpu_tflops),
+             ("--efficiency", args.efficiency), ("--intra-node-gbs", args.intra_node_gbs),
+             ("--inter-node-gbs", args.inter_node_gbs)]
+    return [flag for flag, value in given if value is not None]
+
+
+def plan(args) -> int:
+    """`--plan`: the best layouts for the GPUs asked (plan.py); one `error:` line and exit 2
+    for a bad request, or when no layout fits (with what would help)."""
+    from nanotrain.launch import plan as planner
+
+    if not args.plan:
+        raise ConfigError(f"{_plan_flags(args)[0]} only applies to --plan: add --plan")
+    if args.resume is not None or args.local:
+        raise ConfigError("--plan takes a config and proposes layouts; it cannot be combined with "
+                          + ("--resume" if args.resume is not None else "--local"))
+    if args.config is None:
+        raise ConfigError("--plan needs a config: submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]")
+    config = load_config(args.config, args.set)
+    gpus, memory = planner.check_request(config, args.gpus, args.gpu_memory_gb)
+    hw = planner.hardware(config, peak_tflops=args.gpu_tflops, efficiency=args.efficiency,
+                          intra_node_gbs=args.intra_node_gbs, inter_node_gbs=args.inter_node_gbs)
+    result = planner.make_plan(config, gpus, memory, hw)
+    for line in planner.render(result, args.config, memory):
+        print(line)
+    if not result.proposals:
+        raise ConfigError(planner.explain_none(result, config))
+    return 0
+
+
 def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -246,6 +286,8 @@ def _main(argv: list[str] | None) -> int:
             from nanotrain.launch.status import show_status
 
             return show_status(args.status)
+        if args.plan or _plan_flags(args):
+            return plan(args)
         config, config_arg, resumed_mode = _config_of(args)
         if args.emit and args.local:
             raise ConfigError("--emit writes a SLURM script; it cannot be combined with --local")

@@ -1,0 +1,302 @@
+"""`submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]`: choose the layout for the user.
+
+Every layout of N GPUs that keeps the config's global batch (micro_batch_size x
+batch_accumulation_per_replica x dp samples) is enumerated: (dp, tp, pp, cp, pipeline engine and
+virtual stages, tp mode, micro-batch size, accumulation, recompute, ZeRO stage). Memory comes only
+from ``memory_estimate.estimate_memory`` on each candidate config (one source of arithmetic, so
+the plan follows every change of the estimate); a layout fits when that estimate is at most
+``G x (1 - MARGIN) - RESERVED_GB`` (the estimate leaves out the CUDA context, communication
+buffers and fragmentation). The fitting layouts are ranked by the step time of the cost model
+below, and the best few that pass the real validation (``config.validate``) are printed as ready
+``--set`` lines. Nothing is proposed that validation rejects.
+
+Cost model (per optimizer step, nothing overlapped: an upper bound that ranks layouts):
+- compute: the hardware FLOPs of the step (model FLOPs, ``llama_arch.training_flops_per_token``,
+  plus what recomputation re-runs: ``full`` one more forward of every layer, ``selective`` the
+  attention core's forward; the SwiGLU activation is elementwise, no matmul FLOPs) over
+  N GPUs at ``efficiency`` x ``peak`` FLOP/s;
+- pipeline bubble: compute x (pp - 1) / (v x m) for 1f1b and afab (v = 1) and interleaved 1f1b
+  with v virtual stages, m = batch_accumulation_per_replica;
+- tp: per layer and micro-batch, 4 all-reduces (ALL_REDUCE) or 4 all-gather/reduce-scatter pairs
+  (REDUCE_SCATTER, the same volume) of the b x s/cp x h activation in bf16, 6 under full
+  recompute, each moving 2 (t - 1)/t of it (ring);
+- cp: per layer and micro-batch, the ring passes of keys and values (forward: (cp - 1) chunks of
+  K and V; backward: those and their gradients);
+- pp: each micro-batch's activation and its gradient crossing each stage boundary;
+- dp: the fp32 gradient all-reduce over dp x cp (ZeRO-1: reduce-scatter plus all-gather, the
+  same volume) of this rank's parameters, 2 (d - 1)/d of them;
+- a group uses the intra-node bandwidth when it fits in one node (ranks are laid out tp fastest,
+  then cp, dp, pp), the inter-node bandwidth otherwise.
+The figures (peak, efficiency, bandwidths) are ``Hardware``'s defaults, an H100 node with
+400 Gb/s per GPU across nodes; set them with ``--gpu-tflops``, ``--efficiency``,
+``--intra-node-gbs`` and ``--inter-node-gbs``.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+from nanotrain.config import Config, ConfigError, validate
+from nanotrain.config.schema import MAX_WORLD
+from nanotrain.launch.memory_estimate import GB, estimate_memory
+from nanotrain.models import llama_arch
+
+MARGIN = 0.10  # of the GPU's memory, kept free
+RESERVED_GB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation: outside the estimate
+DEFAULT_GPU_MEMORY_GB = 80.0
+DEFAULT_GPUS_PER_NODE = 8  # when the config is a CPU one (slurm.gpus_per_node: 0)
+MAX_MICRO_BATCH = 64
+# Matmuls of few rows reach less of the peak: efficiency x rows / (rows + this), rows = tokens of
+# one micro-batch on one rank (micro_batch_size x sequence_length / cp).
+SMALL_MATMUL_TOKENS = 256
+RECOMPUTE = ("none", "selective", "full")
+SHOWN = 5
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the cost model assumes of one GPU and its links (bytes/s are per GPU, one way)."""
+
+    peak_tflops: float = 989.0  # H100 SXM, bf16 dense
+    efficiency: float = 0.5  # fraction of peak a matmul-bound step reaches
+    intra_node_gbs: float = 300.0  # NVLink, achieved ring bus bandwidth
+    inter_node_gbs: float = 40.0  # 400 Gb/s InfiniBand per GPU, achieved
+    latency_us: float = 20.0  # per step of a ring collective or point-to-point message
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
+
+
+@dataclass(frozen=True)
+class Proposal:
+    config: Config
+    memory_gb: float
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    parts: dict
+
+    def set_args(self) -> list[str]:
+        p, t = self.config.parallelism, self.config.training
+        fields = [("parallelism.dp", p.dp), ("parallelism.tp", p.tp), ("parallelism.pp", p.pp),
+                  ("parallelism.cp", p.cp), ("parallelism.pp_engine", p.pp_engine),
+                  ("parallelism.pp_virtual_stages", p.pp_virtual_stages), ("parallelism.tp_mode", p.tp_mode),
+                  ("training.micro_batch_size", t.micro_batch_size),
+                  ("training.batch_accumulation_per_replica", t.batch_accumulation_per_replica),
+                  ("training.recompute", t.recompute), ("optimizer.zero_stage", self.config.optimizer.zero_stage)]
+        return [f"--set {k}={v}" for k, v in fields]
+
+    def summary(self) -> str:
+        p, t = self.config.parallelism, self.config.training
+        virtual = f" v{p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else ""
+        engine = "" if p.pp == 1 else f" {p.pp_engine}{virtual}"
+        mode = " SP" if p.tp > 1 and p.tp_mode == "REDUCE_SCATTER" else ""
+        return (f"dp{p.dp} tp{p.tp}{mode} pp{p.pp}{engine} cp{p.cp} mbs{t.micro_batch_size} "
+                f"acc{t.batch_accumulation_per_replica} recompute={t.recompute} "
+                f"zero{self.config.optimizer.zero_stage}")
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _ring(bytes_: float, group: int, gbs: float, hw: Hardware) -> float:
+    """Seconds of one ring all-reduce (or reduce-scatter + all-gather) of ``bytes_`` over
+    ``group`` ranks: 2 (g - 1) steps of latency, 2 (g - 1)/g of the bytes through each link."""
+    return 0.0 if group == 1 else 2 * (group - 1) * (hw.latency_us * 1e-6 + bytes_ / group / (gbs * 1e9))
+
+
+def _bandwidth(span: int, hw: Hardware) -> float:
+    return hw.intra_node_gbs if span <= hw.gpus_per_node else hw.inter_node_gbs
+
+
+def step_time(config: Config, memory, hw: Hardware) -> tuple[float, float, dict]:
+    """(step seconds, model FLOPs per step, the parts) of the cost model in the module doc."""
+    m, p, t = config.model, config.parallelism, config.training
+    n = p.world_size
+    seq, b, acc = t.sequence_length, t.micro_batch_size, t.batch_accumulation_per_replica
+    tokens = seq * b * acc * p.dp
+    model_flops = llama_arch.training_flops_per_token(m, seq) * tokens
+    attention_forward = llama_arch.attention_flops_per_token(m, seq) / 3
+    extra = {"none": 0.0, "selective": attention_forward,
+             "full": 2 * m.num_layers * llama_arch.layer_matmul_parameters(m) + attention_forward}[t.recompute]
+    local = b * (seq // p.cp)  # tokens of one micro-batch on one rank: the matmuls' rows
+    efficiency = hw.efficiency * local / (local + SMALL_MATMUL_TOKENS)
+    compute = (model_flops + extra * tokens) / (n * hw.peak_tflops * 1e12 * efficiency)
+    parts = {"compute": compute, "bubble": compute * (p.pp - 1) / (p.pp_virtual_stages * acc)}
+    layers = -(-m.num_layers // p.pp)
+    activation = local * m.hidden_size * 2  # bf16, one micro-batch on one rank
+    collectives = 6 if t.recompute == "full" else 4
+    parts["tp"] = collectives * layers * acc * _ring(activation, p.tp, _bandwidth(p.tp, hw), hw)
+    kv = 2 * local * llama_arch.kv_heads(m) * llama_arch.head_dim(m) * 2 / p.tp
+    cp_gbs = _bandwidth(p.tp * p.cp, hw) * 1e9
+    parts["cp"] = 3 * (p.cp - 1) * (hw.latency_us * 1e-6 + kv / cp_gbs) * layers * acc
+    boundaries = 0 if p.pp == 1 else 2 * acc * p.pp_virtual_stages
+    parts["pp"] = boundaries * (hw.latency_us * 1e-6 + activation / p.tp / (_bandwidth(n, hw) * 1e9))
+    grads = memory.weights * GB  # fp32 parameters of this rank = the bytes of its fp32 gradients
+    parts["dp"] = _ring(grads, p.dp * p.cp, _bandwidth(p.tp * p.cp * p.dp, hw), hw)
+    return sum(parts.values()), model_flops, parts
+
+
+def _with(config: Config, **sections) -> Config:
+    out = copy.copy(config)
+    for name, values in sections.items():
+        setattr(out, name, dataclasses.replace(getattr(config, name), **values))
+    return out
+
+
+def candidates(config: Config, gpus: int, hw: Hardware):
+    """Every layout of ``gpus`` that keeps the global batch (structurally; validation decides)."""
+    m, t = config.model, config.training
+    batch = t.micro_batch_size * t.batch_accumulation_per_replica * config.parallelism.dp
+    for tp in (d for d in _divisors(gpus) if d <= hw.gpus_per_node and m.num_attention_heads % d == 0):
+        for cp in (d for d in _divisors(gpus // tp) if t.sequence_length % (2 * d) == 0 or d == 1):
+            for pp in (d for d in _divisors(gpus // (tp * cp)) if d <= m.num_layers):
+                dp = gpus // (tp * cp * pp)
+                if batch % dp:
+                    continue
+                for mbs in (d for d in _divisors(batch // dp) if d <= MAX_MICRO_BATCH):
+                    acc = batch // (dp * mbs)
+                    engines = [("1f1b", 1)] if pp == 1 else [("afab", 1)] if acc < pp else [("1f1b", 1)]
+                    if pp > 1 and acc % pp == 0:
+                        engines += [("interleaved_1f1b", v) for v in (2, 4) if m.num_layers >= pp * v]
+                    for engine, v in engines:
+                        for mode in ("ALL_REDUCE", "REDUCE_SCATTER") if tp > 1 else (config.parallelism.tp_mode,):
+                            for recompute in RECOMPUTE:
+                                for zero in (0, 1):
+                                    yield _with(config, parallelism=dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=1,
+                                                                         pp_engine=engine, pp_virtual_stages=v,
+                                                                         tp_mode=mode),
+                                                training=dict(micro_batch_size=mbs, batch_accumulation_per_replica=acc,
+                                                              recompute=recompute),
+                                                optimizer=dict(zero_stage=zero))
+
+
+def _valid(config: Config, slurm: bool) -> str | None:
+    """None when the real validation accepts ``config``, else its message."""
+    try:
+        validate(config, slurm=slurm)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+@dataclass
+class Plan:
+    gpus: int
+    budget_gb: float
+    hw: Hardware
+    proposals: list
+    smallest: tuple | None  # (memory GB, summary) of the leanest valid layout, when none fits
+    rejected: str | None  # a validation message, when every layout that fits was rejected
+    count: int
+
+
+def make_plan(config: Config, gpus: int, gpu_memory_gb: float, hw: Hardware, shown: int = SHOWN) -> Plan:
+    budget = gpu_memory_gb * (1 - MARGIN) - RESERVED_GB
+    slurm = config.slurm.gpus_per_node > 0
+    scored, leanest, count = [], [], 0
+    for cand in candidates(config, gpus, hw):
+        count += 1
+        try:
+            est = estimate_memory(cand)
+        except ValueError:  # a shape the layout cannot shard (llama_arch says why); validation would too
+            continue
+        if est.total > budget:
+            leanest.append((est.total, cand))
+            continue
+        seconds, flops, parts = step_time(cand, est, hw)
+        scored.append((seconds, est.total, cand, flops, parts))
+    scored.sort(key=lambda s: (s[0], s[1]))
+    proposals, rejected, seen = [], None, set()
+    for seconds, mem, cand, flops, parts in scored:
+        p, t = cand.parallelism, cand.training
+        key = (p.dp, p.tp, p.pp, p.cp, p.pp_engine, p.pp_virtual_stages, t.micro_batch_size, t.recompute)
+        if key in seen:  # the same layout with more memory (ZeRO stage, tp mode): no news
+            continue
+        problem = _valid(cand, slurm)
+        if problem is not None:
+            rejected = rejected or problem
+            continue
+        seen.add(key)
+        tokens = t.sequence_length * t.micro_batch_size * t.batch_accumulation_per_replica * cand.parallelism.dp
+        proposals.append(Proposal(cand, mem, seconds, tokens / seconds,
+                                  flops / (seconds * gpus * hw.peak_tflops * 1e12), parts))
+        if len(proposals) == shown:
+            break
+    smallest = None
+    if not proposals:
+        for mem, cand in sorted(leanest, key=lambda x: x[0]):
+            problem = _valid(cand, slurm)
+            if problem is None:
+                smallest = (mem, Proposal(cand, mem, 0, 0, 0, {}).summary())
+                break
+            rejected = rejected or problem
+    return Plan(gpus, budget, hw, proposals, smallest, rejected, count)
+
+
+def check_request(config: Config, gpus: int | None, gpu_memory_gb: float | None) -> tuple[int, float]:
+    """The GPU count and memory to plan for, or a ConfigError naming the flag and the fix."""
+    gpus = config.parallelism.world_size if gpus is None else gpus
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus}: plan for at least 1 GPU (e.g. --gpus 8)")
+    if gpus > MAX_WORLD:
+        raise ConfigError(f"--gpus {gpus:,}: at most {MAX_WORLD:,} ranks are supported")
+    per_node = config.slurm.gpus_per_node
+    if per_node and gpus % per_node and gpus > per_node:
+        raise ConfigError(f"--gpus {gpus} is not a multiple of slurm.gpus_per_node ({per_node}): "
+                          f"plan for {gpus - gpus % per_node} or {gpus + per_node - gpus % per_node} GPUs")
+    memory = gpu_memory_gb if gpu_memory_gb is not None else (config.slurm.gpu_memory_gb or DEFAULT_GPU_MEMORY_GB)
+    if not memory > 0 or memory != memory or memory == float("inf"):
+        raise ConfigError(f"--gpu-memory-gb {memory:g}: give the memory of one GPU in GB (e.g. 80)")
+    if memory * (1 - MARGIN) - RESERVED_GB <= 0:
+        raise ConfigError(f"--gpu-memory-gb {memory:g}: nothing is left after the {RESERVED_GB:g} GB reserve "
+                          f"and {MARGIN:.0%} margin; give at least {RESERVED_GB / (1 - MARGIN) + 0.1:.1f}")
+    return gpus, memory
+
+
+FLAGS = {"peak_tflops": "--gpu-tflops", "efficiency": "--efficiency", "intra_node_gbs": "--intra-node-gbs",
+         "inter_node_gbs": "--inter-node-gbs"}
+
+
+def hardware(config: Config, **figures) -> Hardware:
+    """``Hardware`` with the node size of the config and the figures given (None = default),
+    keyed as its fields; a bad figure is a ConfigError naming its flag (``FLAGS``)."""
+    given = {k: v for k, v in figures.items() if v is not None}
+    for name, value in given.items():
+        if not 0 < value < float("inf") or (name == "efficiency" and value > 1):
+            hint = "a fraction of peak in (0, 1], e.g. 0.5" if name == "efficiency" else "a positive number"
+            raise ConfigError(f"{FLAGS[name]} {value:g}: must be {hint}")
+    return Hardware(gpus_per_node=config.slurm.gpus_per_node or DEFAULT_GPUS_PER_NODE, **given)
+
+
+def render(plan: Plan, config_arg: str, gpu_memory_gb: float) -> list[str]:
+    hw = plan.hw
+    lines = [f"plan: {plan.gpus} GPUs ({hw.gpus_per_node} per node), {gpu_memory_gb:g} GB each; a layout fits "
+             f"when its estimate is <= {plan.budget_gb:.1f} GB ({MARGIN:.0%} margin, {RESERVED_GB:g} GB reserved); "
+             f"{plan.count} layouts keep the global batch",
+             f"cost model: {hw.peak_tflops:g} TFLOP/s peak per GPU at {hw.efficiency:.0%} efficiency; links "
+             f"{hw.intra_node_gbs:g} GB/s within a node, {hw.inter_node_gbs:g} GB/s across nodes "
+             "(--gpu-tflops, --efficiency, --intra-node-gbs, --inter-node-gbs)"]
+    for i, prop in enumerate(plan.proposals, 1):
+        parts = ", ".join(f"{k} {v:.3g}" for k, v in prop.parts.items() if v > 0)
+        lines += [f"#{i} {prop.summary()}: memory {prop.memory_gb:.1f} GB, step {prop.step_s:.3g} s ({parts}), "
+                  f"{prop.tokens_per_s:,.0f} tokens/s, MFU {prop.mfu:.1%}",
+                  f"   python submit.py {config_arg} " + " ".join(prop.set_args())]
+    return lines
+
+
+def explain_none(plan: Plan, config: Config) -> str:
+    """The one line for a plan with nothing to propose: why, and what would help."""
+    if plan.smallest is not None:
+        mem, layout = plan.smallest
+        return (f"no layout of {plan.gpus} GPUs fits: the leanest valid one ({layout}) needs {mem:.1f} GB "
+                f"per GPU, over the {plan.budget_gb:.1f} GB usable: use more GPUs (--gpus), GPUs with more "
+                "memory (--gpu-memory-gb), a shorter training.sequence_length or a smaller model")
+    if plan.rejected is not None:
+        return f"no layout of {plan.gpus} GPUs passes validation; the first refusal: {plan.rejected}"
+    t = config.training
+    batch = t.micro_batch_size * t.batch_accumulation_per_replica * config.parallelism.dp
+    return (f"no layout of {plan.gpus} GPUs keeps the global batch of {batch} samples (dp must divide it, "
+            "tp*cp*pp the rest): change --gpus or the batch (training.micro_batch_size, "
+            "batch_accumulation_per_replica, parallelism.dp)")
