@@ -270,7 +270,7 @@ def plan(args) -> int:
     hw = planner.hardware(config, peak_tflops=args.gpu_tflops, efficiency=args.efficiency,
                           intra_node_gbs=args.intra_node_gbs, inter_node_gbs=args.inter_node_gbs)
     result = planner.make_plan(config, gpus, memory, hw)
-    for line in planner.render(result, args.config, memory):
+    for line in planner.render(result, args.config, memory, args.set):
         print(line)
     if not result.proposals:
         raise ConfigError(planner.explain_none(result, config))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import shlex
 from dataclasses import dataclass
 
 from nanotrain.config import Config, ConfigError, validate
@@ -270,8 +271,10 @@ def hardware(config: Config, **figures) -> Hardware:
     return Hardware(gpus_per_node=config.slurm.gpus_per_node or DEFAULT_GPUS_PER_NODE, **given)
 
 
-def render(plan: Plan, config_arg: str, gpu_memory_gb: float) -> list[str]:
+def render(plan: Plan, config_arg: str, gpu_memory_gb: float, user_sets: list[str] = ()) -> list[str]:
+    """The plan's lines; each proposal's command repeats the user's own ``--set`` overrides first."""
     hw = plan.hw
+    own = "".join(f" --set {shlex.quote(s)}" for s in user_sets)
     lines = [f"plan: {plan.gpus} GPUs ({hw.gpus_per_node} per node), {gpu_memory_gb:g} GB each; a layout fits "
              f"when its estimate is <= {plan.budget_gb:.1f} GB ({MARGIN:.0%} margin, {RESERVED_GB:g} GB reserved); "
              f"{plan.count} layouts keep the global batch",
@@ -282,7 +285,7 @@ def render(plan: Plan, config_arg: str, gpu_memory_gb: float) -> list[str]:
         parts = ", ".join(f"{k} {v:.3g}" for k, v in prop.parts.items() if v > 0)
         lines += [f"#{i} {prop.summary()}: memory {prop.memory_gb:.1f} GB, step {prop.step_s:.3g} s ({parts}), "
                   f"{prop.tokens_per_s:,.0f} tokens/s, MFU {prop.mfu:.1%}",
-                  f"   python submit.py {config_arg} " + " ".join(prop.set_args())]
+                  f"   python submit.py {shlex.quote(config_arg)}{own} " + " ".join(prop.set_args())]
     return lines
 
 
