@@ -184,14 +184,19 @@ class ParallelContext:
         (connection refused). So it is used when this context's world group is the first
         group the process creates after the default one (``group_count``: torch's count of
         sequentially named groups, which never decreases); a process that built and destroyed
-        a context before (tests) falls back to the global pattern. Each rank then creates
-        exactly one group per name in ``GROUP_NAMES`` order; identical rank sets (e.g.
-        ``dp_cp`` when cp == 1) share one group, as in nanotron, and which names coincide
-        depends only on the axis sizes, so the counts stay equal on every rank.
+        a context before (tests) falls back to the global pattern, as does a world initialised
+        with a bound device (NCCL then splits every group from the world communicator, a
+        collective of all ranks). Each rank then creates exactly one group per name, in
+        ``GROUP_NAMES`` order; identical rank sets (e.g. ``dp_cp`` when cp == 1) share one
+        group, as in nanotron, and which names coincide depends only on the axis sizes, so the
+        counts stay equal on every rank.
         """
         self._pg_by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._group_ranks: dict[str, tuple[int, ...]] = {}
-        fresh = getattr(dist.distributed_c10d._world, "group_count", None) == 1
+        # With a device bound at init (``init_process_group(device_id=...)`` by a caller), NCCL
+        # builds every group by splitting the world communicator, which all ranks must join.
+        bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+        fresh = getattr(dist.distributed_c10d._world, "group_count", None) == 1 and bound is None
         self.local_sync = False  # for "world" (first): every rank is a member; named sequentially
         for name in GROUP_NAMES:
             for ranks in self._groups(name):
