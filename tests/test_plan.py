@@ -36,14 +36,14 @@ def _sets(extra):
     return [a for s in extra for a in ("--set", s)]
 
 
-def _proposals(out: str) -> list[tuple[str, list[str]]]:
+def _proposals(out: str, config=CONFIG) -> list[tuple[str, list[str]]]:
     """(summary line, --set assignments) of each proposal printed."""
     lines = out.splitlines()
     found = []
     for i, line in enumerate(lines):
         if re.match(r"#\d+ ", line):
             words = shlex.split(lines[i + 1])
-            assert words[:3] == ["python", "submit.py", str(CONFIG)], lines[i + 1]
+            assert words[:3] == ["python", "submit.py", str(config)], lines[i + 1]
             found.append((line, [words[j + 1] for j, w in enumerate(words) if w == "--set"]))
     return found
 
@@ -69,11 +69,24 @@ def test_proposals_validate_fit_and_keep_the_batch(gpus, extra, capsys):
         assert t.micro_batch_size * t.batch_accumulation_per_replica * config.parallelism.dp == batch
         memory = estimate_memory(config).total
         assert memory <= budget
-        assert f"memory {memory:.1f} GB" in summary
+        assert f"memory {planner.gb(memory)} GB" in summary
         mfu = float(re.search(r"MFU ([\d.]+)%", summary).group(1))
         assert 0 < mfu < 100
         steps.append(float(re.search(r"step ([\d.e+-]+) s", summary).group(1)))
     assert steps == sorted(steps)  # best first
+
+
+def test_cpu_config_plans_for_gpus(capsys):
+    """A CPU config (slurm.gpus_per_node: 0) is planned as 8-GPU nodes and validated locally."""
+    tiny = ROOT / "configs" / "tiny_cpu.yaml"
+    code, out, err = run_cli([tiny, "--plan", "--gpus", 8], capsys)
+    assert code == 0 and err == "" and "(8 per node)" in out
+    found = _proposals(out, tiny)
+    assert found
+    for _, assignments in found:
+        config = load_config(tiny, assignments)
+        validate(config)
+        assert config.parallelism.world_size == 8
 
 
 def test_cost_model_ranks_what_it_should():

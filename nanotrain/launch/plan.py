@@ -96,6 +96,11 @@ class Proposal:
                 f"zero{self.config.optimizer.zero_stage}")
 
 
+def gb(value: float) -> str:
+    """GB as printed: one decimal, or three significant digits below 1 GB (tiny models)."""
+    return f"{value:.1f}" if value >= 1 else f"{value:.3g}"
+
+
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
@@ -209,17 +214,17 @@ def make_plan(config: Config, gpus: int, gpu_memory_gb: float, hw: Hardware, sho
         seconds, flops, parts = step_time(cand, est, hw)
         scored.append((seconds, est.total, cand, flops, parts))
     scored.sort(key=lambda s: (s[0], s[1]))
-    proposals, rejected, seen = [], None, set()
+    proposals, rejected, seen = [], None, {}
     for seconds, mem, cand, flops, parts in scored:
         p, t = cand.parallelism, cand.training
-        key = (p.dp, p.tp, p.pp, p.cp, p.pp_engine, p.pp_virtual_stages, t.micro_batch_size, t.recompute)
-        if key in seen:  # the same layout with more memory (ZeRO stage, tp mode): no news
-            continue
+        key = (p.dp, p.tp, p.pp, p.cp, p.pp_engine, p.pp_virtual_stages, t.micro_batch_size)
+        if mem >= seen.get(key, float("inf")):  # a faster variant (ZeRO stage, tp mode, recompute)
+            continue  # of this layout is shown already, with no more memory: no news
         problem = _valid(cand, slurm)
         if problem is not None:
             rejected = rejected or problem
             continue
-        seen.add(key)
+        seen[key] = mem
         tokens = t.sequence_length * t.micro_batch_size * t.batch_accumulation_per_replica * cand.parallelism.dp
         proposals.append(Proposal(cand, mem, seconds, tokens / seconds,
                                   flops / (seconds * gpus * hw.peak_tflops * 1e12), parts))
@@ -283,7 +288,7 @@ def render(plan: Plan, config_arg: str, gpu_memory_gb: float, user_sets: list[st
              "(--gpu-tflops, --efficiency, --intra-node-gbs, --inter-node-gbs)"]
     for i, prop in enumerate(plan.proposals, 1):
         parts = ", ".join(f"{k} {v:.3g}" for k, v in prop.parts.items() if v > 0)
-        lines += [f"#{i} {prop.summary()}: memory {prop.memory_gb:.1f} GB, step {prop.step_s:.3g} s ({parts}), "
+        lines += [f"#{i} {prop.summary()}: memory {gb(prop.memory_gb)} GB, step {prop.step_s:.3g} s ({parts}), "
                   f"{prop.tokens_per_s:,.0f} tokens/s, MFU {prop.mfu:.1%}",
                   f"   python submit.py {shlex.quote(config_arg)}{own} " + " ".join(prop.set_args())]
     return lines
