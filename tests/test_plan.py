@@ -138,6 +138,7 @@ def test_fits_nowhere_says_so_and_what_would_help(capsys):
     (["--plan", "--gpus", "-8"], "--gpus -8: plan for at least 1 GPU"),
     (["--plan", "--gpus", "2000000"], "at most 1,048,576 ranks"),
     (["--plan", "--gpus", "18"], "--gpus 18 is not a multiple of slurm.gpus_per_node (4): plan for 16 or 20"),
+    (["--plan", "--gpus", "2"], "--gpus 2 is not a multiple of slurm.gpus_per_node (4): plan for 4 GPUs"),
     (["--plan", "--gpu-memory-gb", "0"], "--gpu-memory-gb 0: give the memory of one GPU"),
     (["--plan", "--gpu-memory-gb", "2"], "nothing is left after the 2 GB reserve"),
     (["--plan", "--efficiency", "1.5"], "--efficiency 1.5: must be a fraction of peak"),

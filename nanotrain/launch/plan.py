@@ -249,9 +249,10 @@ def check_request(config: Config, gpus: int | None, gpu_memory_gb: float | None)
     if gpus > MAX_WORLD:
         raise ConfigError(f"--gpus {gpus:,}: at most {MAX_WORLD:,} ranks are supported")
     per_node = config.slurm.gpus_per_node
-    if per_node and gpus % per_node and gpus > per_node:
-        raise ConfigError(f"--gpus {gpus} is not a multiple of slurm.gpus_per_node ({per_node}): "
-                          f"plan for {gpus - gpus % per_node} or {gpus + per_node - gpus % per_node} GPUs")
+    if per_node and gpus % per_node:
+        lower = f"{gpus - gpus % per_node} or " if gpus > per_node else ""
+        raise ConfigError(f"--gpus {gpus} is not a multiple of slurm.gpus_per_node ({per_node}): plan for "
+                          f"{lower}{gpus + per_node - gpus % per_node} GPUs, or --set slurm.gpus_per_node=<a divisor>")
     memory = gpu_memory_gb if gpu_memory_gb is not None else (config.slurm.gpu_memory_gb or DEFAULT_GPU_MEMORY_GB)
     if not memory > 0 or memory != memory or memory == float("inf"):
         raise ConfigError(f"--gpu-memory-gb {memory:g}: give the memory of one GPU in GB (e.g. 80)")
