@@ -128,9 +128,15 @@ def test_fits_nowhere_says_so_and_what_would_help(capsys):
     line = err.strip()
     assert len(line.splitlines()) == 1 and line.startswith("error: no layout of 8 GPUs fits")
     assert "leanest valid one" in line and "GB per GPU" in line
-    for hint in ("--gpus", "--gpu-memory-gb", "training.sequence_length"):
+    for hint in ("--gpu-memory-gb", "training.sequence_length"):
         assert hint in line
     assert "#1" not in out
+    # The GPU count it names is the first doubling where a layout fits: half of it has none.
+    fewest = int(re.search(r"more GPUs \(--gpus ([\d,]+) fits\)", line).group(1).replace(",", ""))
+    code, out, _ = run_cli([CONFIG, "--plan", "--gpus", fewest, "--gpu-memory-gb", 16, *_sets(huge)], capsys)
+    assert code == 0 and "#1 " in out
+    if fewest > 16:
+        assert run_cli([CONFIG, "--plan", "--gpus", fewest // 2, "--gpu-memory-gb", 16, *_sets(huge)], capsys)[0] == 2
 
 
 @pytest.mark.parametrize("args,fragment", [

@@ -48,6 +48,7 @@ RESERVED_GB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation: outsid
 DEFAULT_GPU_MEMORY_GB = 80.0
 DEFAULT_GPUS_PER_NODE = 8  # when the config is a CPU one (slurm.gpus_per_node: 0)
 MAX_MICRO_BATCH = 64
+MAX_PLAN_GPUS = 262144  # the largest count "what would help" searches
 # Matmuls of few rows reach less of the peak: efficiency x rows / (rows + this), rows = tokens of
 # one micro-batch on one rank (micro_batch_size x sequence_length / cp).
 SMALL_MATMUL_TOKENS = 256
@@ -151,31 +152,67 @@ def _with(config: Config, **sections) -> Config:
     return out
 
 
-def candidates(config: Config, gpus: int, hw: Hardware):
-    """Every layout of ``gpus`` that keeps the global batch (structurally; validation decides)."""
+def _grids(config: Config, gpus: int, hw: Hardware):
+    """(tp, cp, pp, dp) of ``gpus`` with dp dividing the global batch (tp within a node)."""
     m, t = config.model, config.training
-    batch = t.micro_batch_size * t.batch_accumulation_per_replica * config.parallelism.dp
     for tp in (d for d in _divisors(gpus) if d <= hw.gpus_per_node and m.num_attention_heads % d == 0):
         for cp in (d for d in _divisors(gpus // tp) if t.sequence_length % (2 * d) == 0 or d == 1):
             for pp in (d for d in _divisors(gpus // (tp * cp)) if d <= m.num_layers):
                 dp = gpus // (tp * cp * pp)
-                if batch % dp:
-                    continue
-                for mbs in (d for d in _divisors(batch // dp) if d <= MAX_MICRO_BATCH):
-                    acc = batch // (dp * mbs)
-                    engines = [("1f1b", 1)] if pp == 1 else [("afab", 1)] if acc < pp else [("1f1b", 1)]
-                    if pp > 1 and acc % pp == 0:
-                        engines += [("interleaved_1f1b", v) for v in (2, 4) if m.num_layers >= pp * v]
-                    for engine, v in engines:
-                        for mode in ("ALL_REDUCE", "REDUCE_SCATTER") if tp > 1 else (config.parallelism.tp_mode,):
-                            for recompute in RECOMPUTE:
-                                for zero in (0, 1):
-                                    yield _with(config, parallelism=dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=1,
-                                                                         pp_engine=engine, pp_virtual_stages=v,
-                                                                         tp_mode=mode),
-                                                training=dict(micro_batch_size=mbs, batch_accumulation_per_replica=acc,
-                                                              recompute=recompute),
-                                                optimizer=dict(zero_stage=zero))
+                if global_batch(config) % dp == 0:
+                    yield tp, cp, pp, dp
+
+
+def global_batch(config: Config) -> int:
+    t = config.training
+    return t.micro_batch_size * t.batch_accumulation_per_replica * config.parallelism.dp
+
+
+def _engines(config: Config, pp: int, acc: int) -> list[tuple[str, int]]:
+    engines = [("1f1b", 1)] if pp == 1 else [("afab", 1)] if acc < pp else [("1f1b", 1)]
+    if pp > 1 and acc % pp == 0:
+        engines += [("interleaved_1f1b", v) for v in (2, 4) if config.model.num_layers >= pp * v]
+    return engines
+
+
+def _layout(config: Config, tp, cp, pp, dp, engine, v, mode, mbs, acc, recompute, zero) -> Config:
+    return _with(config, parallelism=dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=1, pp_engine=engine,
+                                          pp_virtual_stages=v, tp_mode=mode),
+                 training=dict(micro_batch_size=mbs, batch_accumulation_per_replica=acc, recompute=recompute),
+                 optimizer=dict(zero_stage=zero))
+
+
+def candidates(config: Config, gpus: int, hw: Hardware):
+    """Every layout of ``gpus`` that keeps the global batch (structurally; validation decides)."""
+    batch = global_batch(config)
+    for tp, cp, pp, dp in _grids(config, gpus, hw):
+        for mbs in (d for d in _divisors(batch // dp) if d <= MAX_MICRO_BATCH):
+            acc = batch // (dp * mbs)
+            for engine, v in _engines(config, pp, acc):
+                for mode in ("ALL_REDUCE", "REDUCE_SCATTER") if tp > 1 else (config.parallelism.tp_mode,):
+                    for recompute in RECOMPUTE:
+                        for zero in (0, 1):
+                            yield _layout(config, tp, cp, pp, dp, engine, v, mode, mbs, acc, recompute, zero)
+
+
+def fewest_gpus(config: Config, gpus: int, budget: float, hw: Hardware, slurm: bool) -> int | None:
+    """The smallest gpus x 2**k (up to ``MAX_PLAN_GPUS``) where some valid layout fits, trying
+    only the leanest variant of each grid (one micro-sample per micro-batch, ZeRO-1, sequence
+    parallelism, full recompute, the engine with the fewest micro-batches in flight)."""
+    batch, n = global_batch(config), gpus * 2
+    while n <= MAX_PLAN_GPUS:
+        for tp, cp, pp, dp in _grids(config, n, hw):
+            acc = batch // dp
+            mode = "REDUCE_SCATTER" if tp > 1 and (config.training.sequence_length // cp) % tp == 0 else "ALL_REDUCE"
+            cand = _layout(config, tp, cp, pp, dp, *_engines(config, pp, acc)[0], mode, 1, acc, "full", 1)
+            try:
+                fits = estimate_memory(cand).total <= budget
+            except ValueError:
+                continue
+            if fits and _valid(cand, slurm) is None:
+                return n
+        n *= 2
+    return None
 
 
 def _valid(config: Config, slurm: bool) -> str | None:
@@ -196,6 +233,7 @@ class Plan:
     smallest: tuple | None  # (memory GB, summary) of the leanest valid layout, when none fits
     rejected: str | None  # a validation message, when every layout that fits was rejected
     count: int
+    fewest: int | None = None  # when none fits: the fewest GPUs (gpus x 2**k) where one would
 
 
 def make_plan(config: Config, gpus: int, gpu_memory_gb: float, hw: Hardware, shown: int = SHOWN) -> Plan:
@@ -238,7 +276,8 @@ def make_plan(config: Config, gpus: int, gpu_memory_gb: float, hw: Hardware, sho
                 smallest = (mem, Proposal(cand, mem, 0, 0, 0, {}).summary())
                 break
             rejected = rejected or problem
-    return Plan(gpus, budget, hw, proposals, smallest, rejected, count)
+    fewest = fewest_gpus(config, gpus, budget, hw, slurm) if smallest is not None else None
+    return Plan(gpus, budget, hw, proposals, smallest, rejected, count, fewest)
 
 
 def check_request(config: Config, gpus: int | None, gpu_memory_gb: float | None) -> tuple[int, float]:
@@ -299,9 +338,10 @@ def explain_none(plan: Plan, config: Config) -> str:
     """The one line for a plan with nothing to propose: why, and what would help."""
     if plan.smallest is not None:
         mem, layout = plan.smallest
+        more = f"--gpus {plan.fewest:,} fits" if plan.fewest else f"no count up to {MAX_PLAN_GPUS:,} GPUs fits"
         return (f"no layout of {plan.gpus} GPUs fits: the leanest valid one ({layout}) needs {mem:.1f} GB "
-                f"per GPU, over the {plan.budget_gb:.1f} GB usable: use more GPUs (--gpus), GPUs with more "
-                "memory (--gpu-memory-gb), a shorter training.sequence_length or a smaller model")
+                f"per GPU, over the {plan.budget_gb:.1f} GB usable; what would help: more GPUs ({more}), "
+                "GPUs with more memory (--gpu-memory-gb), a shorter training.sequence_length or a smaller model")
     if plan.rejected is not None:
         return f"no layout of {plan.gpus} GPUs passes validation; the first refusal: {plan.rejected}"
     t = config.training
