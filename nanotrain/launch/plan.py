@@ -14,7 +14,8 @@ Cost model (per optimizer step, nothing overlapped: an upper bound that ranks la
 - compute: the hardware FLOPs of the step (model FLOPs, ``llama_arch.training_flops_per_token``,
   plus what recomputation re-runs: ``full`` one more forward of every layer, ``selective`` the
   attention core's forward; the SwiGLU activation is elementwise, no matmul FLOPs) over
-  N GPUs at ``efficiency`` x ``peak`` FLOP/s;
+  N GPUs at ``efficiency`` x ``peak`` FLOP/s, times rows / (rows + SMALL_MATMUL_TOKENS) for
+  the few rows of a small micro-batch (rows = micro_batch_size x sequence_length / cp);
 - pipeline bubble: compute x (pp - 1) / (v x m) for 1f1b and afab (v = 1) and interleaved 1f1b
   with v virtual stages, m = batch_accumulation_per_replica;
 - tp: per layer and micro-batch, 4 all-reduces (ALL_REDUCE) or 4 all-gather/reduce-scatter pairs
@@ -25,8 +26,10 @@ Cost model (per optimizer step, nothing overlapped: an upper bound that ranks la
 - pp: each micro-batch's activation and its gradient crossing each stage boundary;
 - dp: the fp32 gradient all-reduce over dp x cp (ZeRO-1: reduce-scatter plus all-gather, the
   same volume) of this rank's parameters, 2 (d - 1)/d of them;
-- a group uses the intra-node bandwidth when it fits in one node (ranks are laid out tp fastest,
-  then cp, dp, pp), the inter-node bandwidth otherwise.
+- every ring step and message also costs ``latency_us``; a group uses the intra-node bandwidth
+  when it fits in one node (ranks are laid out tp fastest, then cp, dp, pp), the inter-node
+  bandwidth otherwise.
+MFU is model FLOPs (recomputation excluded) over step time x N x peak.
 The figures (peak, efficiency, bandwidths) are ``Hardware``'s defaults, an H100 node with
 400 Gb/s per GPU across nodes; set them with ``--gpu-tflops``, ``--efficiency``,
 ``--intra-node-gbs`` and ``--inter-node-gbs``.
