@@ -21,8 +21,9 @@ Cost model (per optimizer step, nothing overlapped: an upper bound that ranks la
 - tp: per layer and micro-batch, 4 all-reduces (ALL_REDUCE) or 4 all-gather/reduce-scatter pairs
   (REDUCE_SCATTER, the same volume) of the b x s/cp x h activation in bf16, 6 under full
   recompute, each moving 2 (t - 1)/t of it (ring);
-- cp: per layer and micro-batch, the ring passes of keys and values (forward: (cp - 1) chunks of
-  K and V; backward: those and their gradients);
+- cp (keys and values all-gathered, ``context_parallel.py``): per layer and micro-batch, the
+  all-gather of this rank's K and V in forward (again under full recompute) and the
+  reduce-scatter of their gradients in backward, (cp - 1) chunks each;
 - pp: each micro-batch's activation and its gradient crossing each stage boundary;
 - dp: the fp32 gradient all-reduce over dp x cp (ZeRO-1: reduce-scatter plus all-gather, the
   same volume) of this rank's parameters, 2 (d - 1)/d of them;
@@ -140,7 +141,8 @@ def step_time(config: Config, memory, hw: Hardware) -> tuple[float, float, dict]
     parts["tp"] = collectives * layers * acc * _ring(activation, p.tp, _bandwidth(p.tp, hw), hw)
     kv = 2 * local * llama_arch.kv_heads(m) * llama_arch.head_dim(m) * 2 / p.tp
     cp_gbs = _bandwidth(p.tp * p.cp, hw) * 1e9
-    parts["cp"] = 3 * (p.cp - 1) * (hw.latency_us * 1e-6 + kv / cp_gbs) * layers * acc
+    gathers = 3 if t.recompute == "full" else 2  # k/v all-gather (forward, again), grads' reduce-scatter
+    parts["cp"] = gathers * (p.cp - 1) * (hw.latency_us * 1e-6 + kv / cp_gbs) * layers * acc
     boundaries = 0 if p.pp == 1 else 2 * acc * p.pp_virtual_stages
     parts["pp"] = boundaries * (hw.latency_us * 1e-6 + activation / p.tp / (_bandwidth(n, hw) * 1e9))
     grads = memory.weights * GB  # fp32 parameters of this rank = the bytes of its fp32 gradients
