@@ -13,6 +13,7 @@ import collections
 import os
 import warnings
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -169,3 +170,20 @@ def test_store_operations_grow_with_own_groups(tp, pp, dp):
     print(f"{grid.world_size} ranks, rank 0: {sum(results[0]['first']['ops'].values())} store operations "
           f"locally synchronised, {sum(results[0]['again']['ops'].values())} globally "
           f"({grid_groups} groups in the grid)")
+
+
+def test_counts_the_readme_states_for_16384_gpus():
+    """The README's figures for tp8·pp8·dp256, from the grid arithmetic and the per-group costs
+    measured above (gloo: 1 + 2 x size operations per group a rank joins)."""
+    grid = RankGrid(tp=8, pp=8, dp=256)
+    mine = _my_groups(grid, 0)
+    ops = sum(1 + 2 * len(g) for g in mine)
+    sets = {g for n in NAMES for g in grid.groups(n)}
+    embedding = {tuple(sorted({g[0], g[-1]})) for g in grid.groups("pp")} - sets
+    grid_groups = len(sets) + len(embedding) + 2 * grid.world_size
+    assert (len(mine), ops, ops - (1 + 2 * grid.world_size)) == (11, 33_473, 704)
+    assert (grid_groups, len(sets) + len(embedding)) == (55_617, 22_849)
+    assert 3 * grid_groups == 166_851 and 3 * grid_groups * grid.world_size == 2_733_686_784
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for figure in ("33,473", "704", "55,617", "22,849", "166,851", "2.7 billion"):
+        assert figure in readme, figure
