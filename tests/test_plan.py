@@ -152,6 +152,7 @@ def test_fits_nowhere_says_so_and_what_would_help(capsys):
     (["--gpus", "16"], "--gpus only applies to --plan: add --plan"),
     (["--plan", "--dry-run"], "not allowed with argument"),
     (["--plan", "--local"], "cannot be combined with --local"),
+    (["--plan", "--status", "logs/x"], "cannot be combined with --status"),
     (["--plan", "--gpus", "eight"], "invalid int value"),
 ])
 def test_bad_requests_are_one_error_line(args, fragment, capsys):

@@ -260,9 +260,10 @@ def plan(args) -> int:
 
     if not args.plan:
         raise ConfigError(f"{_plan_flags(args)[0]} only applies to --plan: add --plan")
-    if args.resume is not None or args.local:
-        raise ConfigError("--plan takes a config and proposes layouts; it cannot be combined with "
-                          + ("--resume" if args.resume is not None else "--local"))
+    other = [flag for flag, given in (("--resume", args.resume is not None), ("--status", args.status is not None),
+                                      ("--local", args.local)) if given]
+    if other:
+        raise ConfigError(f"--plan takes a config and proposes layouts; it cannot be combined with {other[0]}")
     if args.config is None:
         raise ConfigError("--plan needs a config: submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]")
     config = load_config(args.config, args.set)
@@ -280,14 +281,14 @@ def plan(args) -> int:
 def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        if args.plan or _plan_flags(args):
+            return plan(args)
         if args.status is not None:
             if args.config is not None:
                 raise ConfigError("--status takes a run directory, not a config (see --help)")
             from nanotrain.launch.status import show_status
 
             return show_status(args.status)
-        if args.plan or _plan_flags(args):
-            return plan(args)
         config, config_arg, resumed_mode = _config_of(args)
         if args.emit and args.local:
             raise ConfigError("--emit writes a SLURM script; it cannot be combined with --local")
