@@ -22,6 +22,31 @@ def _unavailable(reason: str) -> None:
     pytest.skip(f"no usable SLURM cluster: {reason}{hint}")
 
 
+# Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`) a group runs whole on one
+# worker, in order. The tests that share the local SLURM cluster form one group: the preemption test
+# needs both nodes to itself, so they never run beside each other. The tests that read the session's
+# shared reference runs form another, so each run is still made once. Both groups come first, so
+# the two workers start on them and share out the rest as they free up.
+GROUPS = ("slurm", "shared-runs")
+
+
+def _group_of(item) -> str | None:
+    if item.get_closest_marker("slurm") or "slurm_cluster" in item.fixturenames:
+        return "slurm"
+    if "shared_runs" in item.fixturenames:
+        return "shared-runs"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    groups = {id(item): _group_of(item) for item in items}
+    for item in items:
+        if groups[id(item)]:
+            item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
+    rank = {name: i for i, name in enumerate(GROUPS)}
+    items.sort(key=lambda item: rank.get(groups[id(item)], len(GROUPS)))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> list[str]:
     """Names of the usable nodes of the default partition of a live SLURM cluster.
