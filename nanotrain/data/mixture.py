@@ -12,8 +12,8 @@ all of them sorted by that position. Then, for every k and every prefix of n sam
 endless stream, |count_k(n) - n * n_k / P| stays below about one sample (at most K/2 + 1 in
 theory for K sources; below 1 for every weight set in tests/test_mixture.py), so any window of
 N consecutive samples holds source k's share within ~2/N of n_k/P (0.2% at N = 1,000), and
-n_k/P is within 1/P of the weight. Sample g is in period q = g // P at offset r = g % P; its source is pattern[r] and its
-rank within that source is q * n_k + rank[r].
+n_k/P is within 1/P of the weight. Sample g is in period q = g // P at offset r = g % P; its
+source is pattern[r] and its rank within that source is q * n_k + rank[r].
 """
 from __future__ import annotations
 
