@@ -7,6 +7,7 @@ of a few files (`sample_check.py`).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from nanotrain.data.errors import DataError
@@ -16,6 +17,29 @@ from nanotrain.data.tokenizer import BYTE, check_tokenizer_path, load_tokenizer
 
 
 def check_data_config(data_args, vocab_size: Optional[int] = None, config=None) -> Source:
+    """`check_source` for the one `data.source`, or for every entry of `data.sources` and the
+    `data.validation.source`, each error naming the entry (`data.sources[1].source: ...`)."""
+    entries = [(f"data.sources[{i}]", dataclasses.replace(data_args, source=s.source, sources=[],
+                                                          text_column=s.text_column or data_args.text_column))
+               for i, s in enumerate(data_args.sources)]
+    validation = getattr(data_args, "validation", None)
+    if validation is not None and validation.source is not None:
+        entries.append(("data.validation", dataclasses.replace(data_args, source=validation.source, sources=[])))
+    first = None if data_args.sources else check_source(data_args, vocab_size, config)
+    for where, args in entries:
+        try:
+            source = check_source(args, vocab_size, None)
+        except DataError as exc:
+            message = str(exc)
+            for field in ("data.source", "data.text_column"):
+                if message.startswith(field + ":"):
+                    message = where + "." + field.split(".")[1] + message[len(field):]
+            raise DataError(message) from None
+        first = first or source
+    return first
+
+
+def check_source(data_args, vocab_size: Optional[int] = None, config=None) -> Source:
     """Raise `DataError` for a data config that cannot work; return the resolved source.
 
     Checks: the tokenizer is 'byte' or a loadable tokenizer.json (with `tokenizers` installed)
