@@ -53,7 +53,7 @@ def test_eval_leaves_training_unchanged(eval_runs, shared_runs):
     steps = [s for s, _ in scalars(run_dir, "val/loss")]
     assert steps == list(range(EVAL_INTERVAL, STEPS + 1, EVAL_INTERVAL))
     assert f"step {STEPS}/{STEPS} | val/loss" in out
-    (s, loss), (_, ppl) = scalars(run_dir, "val/loss")[-1], scalars(run_dir, "val/ppl")[-1]
+    (_, loss), (_, ppl) = scalars(run_dir, "val/loss")[-1], scalars(run_dir, "val/ppl")[-1]
     assert ppl == pytest.approx(2.718281828 ** loss, rel=1e-5)
 
 

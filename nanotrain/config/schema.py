@@ -122,6 +122,9 @@ class DataArgs:
     num_workers: int = bounded(0, 0, 1024, doc="tokenisation processes")
     sources: list[SourceArgs] = doc(list, "weighted mixture; when set, data.source is not used")
     validation: Optional[ValidationArgs] = doc(None, "held-out set for training.eval_interval")
+    max_build_mb: Optional[float] = bounded(
+        512.0, 0.0, doc="a training job tokenises a source without a cache only up to this size on disk "
+                        "(larger: run --prepare-data first); null = no limit")
 
 
 @dataclass
@@ -140,6 +143,15 @@ class LoggingArgs:
     run_name: Optional[str] = doc(None, "run directory name; default <config name>-<timestamp>")
     log_interval: int = bounded(1, 1, doc="steps between metric lines")
     tensorboard: bool = doc(True, "write <run dir>/tb/ event files")
+
+
+@dataclass
+class PrepareArgs:
+    """`slurm.prepare`: the CPU-only job of `submit.py CONFIG --prepare-data`."""
+    partition: Optional[str] = doc(None, "SLURM partition; default slurm.partition")
+    cpus: int = bounded(4, 1, 65536, doc="CPU cores of the one task (data.num_workers uses them)")
+    time: int = bounded(60, 1, 525600, doc="time limit, minutes")
+    mem_gb: Optional[float] = bounded(None, 0.0, 1e6, doc="memory of the job", above=True)
 
 
 @dataclass
@@ -162,6 +174,8 @@ class SlurmArgs:
     setup: list[str] = doc(list, "trusted shell lines run before srun (module load, source venv)")
     sbatch_extra: dict[str, str] = doc(dict, "extra #SBATCH options, e.g. {mail-type: END}")
     env: dict[str, str] = doc(dict, "exported before init (NCCL_*, InfiniBand settings)")
+    prepare: PrepareArgs = field(default_factory=PrepareArgs,
+                                 metadata={"doc": "the CPU job of --prepare-data (partition, cpus, time)"})
 
 
 @dataclass

@@ -170,8 +170,8 @@ def validate_data(config: Config) -> None:
 def validate_names(config: Config) -> None:
     """Values that end up in paths or in the sbatch script must be inert."""
     s = config.slurm
-    for name in ("partition", "account", "qos", "constraint"):
-        value = getattr(s, name)
+    for name, value in [(n, getattr(s, n)) for n in ("partition", "account", "qos", "constraint")] + \
+            [("prepare.partition", s.prepare.partition)]:
         if value is not None and not _SLURM_NAME.match(value):
             _fail(f"slurm.{name}: {value!r} contains characters SLURM names never use "
                   "(letters, digits and _.,:|&*[]@+- only)")

@@ -9,25 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Callable, Optional
 
-from nanotrain.data.dataset import TokenDataset
+from nanotrain.data.dataset import TokenDataset, default_cache_dir
 from nanotrain.data.sampler import GlobalSampler, SourcePart
 
 DEFAULT_NAME = "default"  # the TensorBoard name (data/tokens/default) of the `data.source` shorthand
 
 
-def default_cache_dir(config) -> str:
-    """`<logging.dir>/.cache/data`: shared by every run under the same logs folder, so a second
-    run (or a resumed one) finds the tokens the first one made."""
-    return os.path.join(config.logging.dir, ".cache", "data")
-
-
 def prepare_dataset(data_args, *, seq_len: int, cache_dir: str, vocab_size: Optional[int] = None,
                     builder: bool = True, needs_data: bool = True,
                     barrier: Optional[Callable[[], object]] = None,
-                    max_documents: Optional[int] = None) -> Optional[TokenDataset]:
+                    max_documents: Optional[int] = None,
+                    max_build_mb: Optional[float] = None) -> Optional[TokenDataset]:
     """This rank's `TokenDataset`, or None where `needs_data` is False.
 
     `builder` ranks tokenise (or find the cache) before `barrier()`; the rest load after it and
@@ -39,7 +33,7 @@ def prepare_dataset(data_args, *, seq_len: int, cache_dir: str, vocab_size: Opti
     dataset, error = None, None
     if builder:
         try:
-            dataset = TokenDataset.build(data_args, **kwargs)
+            dataset = TokenDataset.build(data_args, max_build_mb=max_build_mb, **kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the barrier
             error = exc
     if barrier is not None:
@@ -84,7 +78,7 @@ def build_samplers(config, *, dp: Optional[int] = None, cache_dir: Optional[str]
     t, d = config.training, config.data
     kwargs = dict(seq_len=t.sequence_length, cache_dir=cache_dir or default_cache_dir(config),
                   vocab_size=config.model.vocab_size, builder=builder, needs_data=needs_data,
-                  barrier=barrier, max_documents=max_documents)
+                  barrier=barrier, max_documents=max_documents, max_build_mb=d.max_build_mb)
     datasets = [(name, prepare_dataset(args, **kwargs), w) for name, args, w in source_args(d)]
     val_ds = None
     if d.validation is not None and d.validation.source is not None:
