@@ -33,20 +33,31 @@ def run(logs, name, topology, extra) -> tuple:
     return logs / name, proc.stdout
 
 
+class EvalRuns:
+    """The eval-on runs, each made on first use (a test's timeout then covers its own runs)."""
+
+    def __init__(self, root):
+        self.root, self.done = root, {}
+        val = root / "val.jsonl"
+        lines = (ROOT / "README.md").read_text().splitlines()
+        with open(val, "w") as fh:
+            for i in range(0, len(lines), 20):
+                fh.write(json.dumps({"text": "\n".join(lines[i:i + 20])}) + "\n")
+        self.extra = [f"data.validation={{source: {val}}}", f"training.eval_interval={EVAL_INTERVAL}",
+                      "training.eval_batches=2"]
+
+    def __getitem__(self, topo):
+        if topo not in self.done:
+            self.done[topo] = run(self.root, f"eval-{topo}", topo, self.extra)
+        return self.done[topo]
+
+
 @pytest.fixture(scope="module")
 def eval_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eval")
-    val = root / "val.jsonl"
-    lines = (ROOT / "README.md").read_text().splitlines()
-    with open(val, "w") as fh:
-        for i in range(0, len(lines), 20):
-            fh.write(json.dumps({"text": "\n".join(lines[i:i + 20])}) + "\n")
-    extra = [f"data.validation={{source: {val}}}", f"training.eval_interval={EVAL_INTERVAL}",
-             "training.eval_batches=2"]
-    return {topo: run(root, f"eval-{topo}", topo, extra)
-            for topo in ("2-2-2", "1-1-1", "cp2-tp2-pp2-zero1")}
+    return EvalRuns(tmp_path_factory.mktemp("eval"))
 
 
+@pytest.mark.timeout(600)
 def test_eval_leaves_training_unchanged(eval_runs, shared_runs):
     run_dir, out = eval_runs["2-2-2"]
     assert tb_losses(run_dir) == tb_losses(shared_runs.straight("2-2-2"))
@@ -57,6 +68,7 @@ def test_eval_leaves_training_unchanged(eval_runs, shared_runs):
     assert ppl == pytest.approx(2.718281828 ** loss, rel=1e-5)
 
 
+@pytest.mark.timeout(900)
 def test_val_loss_equal_across_topologies(eval_runs):
     want = scalars(eval_runs["2-2-2"][0], "val/loss")
     for topo in ("1-1-1", "cp2-tp2-pp2-zero1"):

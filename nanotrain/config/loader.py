@@ -238,7 +238,7 @@ def apply_override(raw: dict, assignment: str) -> None:
     if keys[1] not in field_names:
         raise ConfigError(f"--set {path}: unknown key in section '{keys[0]}'{_closest(keys[1], field_names)}")
     hint = typing.get_type_hints(known[keys[0]])[keys[1]]
-    nested = typing.get_origin(hint) is dict or any(dataclasses.is_dataclass(a) for a in typing.get_args(hint))
+    nested = typing.get_origin(hint) is dict or any(dataclasses.is_dataclass(a) for a in (hint, *typing.get_args(hint)))
     if len(keys) > 3 or (len(keys) == 3 and not nested):
         raise ConfigError(f"--set {path}: '{keys[0]}.{keys[1]}' has no sub-keys")
     try:
