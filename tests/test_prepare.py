@@ -97,6 +97,7 @@ def test_prepare_as_slurm_cpu_job_then_training_finds_it(slurm_cluster, tmp_path
     assert "data: prepared 1 source(s)" in status.stdout, status.stdout
     (cache,) = caches(tmp_path)
     assert json.loads((cache / "meta.json").read_text())["num_tokens"] == expected_tokens(source)
+    prepared_at = (cache / "meta.json").stat().st_mtime_ns
 
     train = submit(*sets(tmp_path, source, "logging.run_name=train", "data.max_build_mb=0",
                          "training.train_steps=2", "checkpoints.interval=0"), timeout=120)
@@ -111,4 +112,4 @@ def test_prepare_as_slurm_cpu_job_then_training_finds_it(slurm_cluster, tmp_path
         subprocess.run(["scancel", train_id], timeout=30)
     progress = json.loads((tmp_path / "logs" / "train" / "progress.json").read_text())
     assert progress["step"] == 2
-    assert "tokenising" not in (job_dir / f"{train_id}_0_log.err").read_text()  # the cache was ready
+    assert caches(tmp_path) == [cache] and (cache / "meta.json").stat().st_mtime_ns == prepared_at  # not rebuilt
