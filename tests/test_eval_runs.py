@@ -61,6 +61,7 @@ def eval_runs(tmp_path_factory):
 def test_eval_leaves_training_unchanged(eval_runs, shared_runs):
     run_dir, out = eval_runs["2-2-2"]
     assert tb_losses(run_dir) == tb_losses(shared_runs.straight("2-2-2"))
+    assert scalars(run_dir, "data/tokens/default")[-1] == (STEPS, STEPS * 16 * 64)  # the shorthand's name
     steps = [s for s, _ in scalars(run_dir, "val/loss")]
     assert steps == list(range(EVAL_INTERVAL, STEPS + 1, EVAL_INTERVAL))
     assert f"step {STEPS}/{STEPS} | val/loss" in out

@@ -12,9 +12,7 @@ import math
 from typing import Callable, Optional
 
 from nanotrain.data.dataset import TokenDataset, default_cache_dir
-from nanotrain.data.sampler import GlobalSampler, SourcePart
-
-DEFAULT_NAME = "default"  # the TensorBoard name (data/tokens/default) of the `data.source` shorthand
+from nanotrain.data.sampler import DEFAULT_NAME, GlobalSampler, SourcePart
 
 
 def prepare_dataset(data_args, *, seq_len: int, cache_dir: str, vocab_size: Optional[int] = None,

@@ -27,6 +27,8 @@ from nanotrain.data.dataset import TokenDataset
 from nanotrain.data.errors import DataError
 from nanotrain.data.mixture import MixturePattern
 
+DEFAULT_NAME = "default"  # the TensorBoard name (data/tokens/default) of the `data.source` shorthand
+
 
 @dataclass(frozen=True)
 class SourcePart:
@@ -54,7 +56,7 @@ class GlobalSampler:
 
     def __init__(self, dataset: TokenDataset | Sequence[SourcePart], *, seed: int, dp: int,
                  micro_batch_size: int, batch_accumulation: int):
-        parts = [SourcePart("data", dataset)] if isinstance(dataset, TokenDataset) else list(dataset)
+        parts = [SourcePart(DEFAULT_NAME, dataset)] if isinstance(dataset, TokenDataset) else list(dataset)
         self.parts = parts
         self.dataset = parts[0].dataset
         self.seed = int(seed)
