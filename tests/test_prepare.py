@@ -113,3 +113,16 @@ def test_prepare_as_slurm_cpu_job_then_training_finds_it(slurm_cluster, tmp_path
     progress = json.loads((tmp_path / "logs" / "train" / "progress.json").read_text())
     assert progress["step"] == 2
     assert caches(tmp_path) == [cache] and (cache / "meta.json").stat().st_mtime_ns == prepared_at  # not rebuilt
+
+
+def test_training_job_refuses_a_large_missing_cache_itself(tmp_path):
+    """Inside the job too (an --emit script skips submit.py's check): no tokenising above the limit."""
+    from nanotrain.config.schema import DataArgs
+    from nanotrain.data import DataError, TokenDataset
+
+    args = DataArgs(source=str(corpus(tmp_path / "c.jsonl", docs=50)))
+    with pytest.raises(DataError, match=r"above data.max_build_mb=0: run `python submit.py CONFIG --prepare-data`"):
+        TokenDataset.build(args, seq_len=8, cache_dir=str(tmp_path / "cache"), max_build_mb=0)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("meta.json"))
+    built = TokenDataset.build(args, seq_len=8, cache_dir=str(tmp_path / "cache"), max_build_mb=1)
+    assert not built.from_cache and built.num_documents == 50
