@@ -4,6 +4,7 @@ validation happen before any submission)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -350,3 +351,21 @@ def test_validate_rechecks_fields_of_a_config_built_in_code(section, name, value
     setattr(getattr(config, section), name, value)
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
         validate(config)
+
+
+def test_validate_rechecks_sub_sections_built_in_code():
+    """`data.sources[i]`, `data.validation` and `slurm.prepare` meet the per-field checks too."""
+    from nanotrain.config import Config, ConfigError, validate
+    from nanotrain.config.schema import SourceArgs, ValidationArgs
+
+    for mutate, fragment in [
+        (lambda c: setattr(c.data, "sources", [SourceArgs("a", "stdlib", float("nan"))]),
+         "data.sources[0].weight: nan is not a finite number"),
+        (lambda c: setattr(c.data, "validation", ValidationArgs(fraction=-0.5)),
+         "data.validation.fraction: -0.5 must be above 0.0"),
+        (lambda c: setattr(c.slurm.prepare, "cpus", 0), "slurm.prepare.cpus: 0 is below the minimum 1"),
+    ]:
+        config = Config()
+        mutate(config)
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            validate(config)

@@ -180,16 +180,26 @@ def _build_section(section: str, cls: type, raw: Any):
 
 def check_fields(config: Config) -> None:
     """The per-field checks again, on a `Config` that may not come from YAML (built in code, or
-    changed after loading): every float finite, every number in its range."""
+    changed after loading): every float finite, every number in its range, sub-sections too."""
     for name in sections():
-        section = getattr(config, name)
-        for f in dataclasses.fields(section):
-            where, value = f"{name}.{f.name}", getattr(section, f.name)
-            for i, item in enumerate(value if isinstance(value, tuple) else (value,)):
-                if isinstance(item, float) and not math.isfinite(item):
-                    at = f"{where}[{i}]" if isinstance(value, tuple) else where
-                    raise ConfigError(f"{at}: {item} is not a finite number: give a real value such as the default")
-            _check_range(where, f.metadata, value)
+        _check_object(name, getattr(config, name))
+
+
+def _check_object(prefix: str, section) -> None:
+    for f in dataclasses.fields(section):
+        where, value = f"{prefix}.{f.name}", getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_object(where, value)
+            continue
+        if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            for i, item in enumerate(value):
+                _check_object(f"{where}[{i}]", item)
+            continue
+        for i, item in enumerate(value if isinstance(value, tuple) else (value,)):
+            if isinstance(item, float) and not math.isfinite(item):
+                at = f"{where}[{i}]" if isinstance(value, tuple) else where
+                raise ConfigError(f"{at}: {item} is not a finite number: give a real value such as the default")
+        _check_range(where, f.metadata, value)
 
 
 def sections() -> dict[str, type]:
