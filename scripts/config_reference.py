@@ -39,9 +39,24 @@ def default_of(f: dataclasses.Field) -> str:
     return f"`{list(value) if isinstance(value, tuple) else value}`"
 
 
+def _sub_sections(name: str, cls) -> list:
+    """(title, dataclass) of the sub-sections a section holds: `data.sources[]`, `data.validation`."""
+    found = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        for arg in (hint, *typing.get_args(hint)):
+            if dataclasses.is_dataclass(arg):
+                list_of = typing.get_origin(hint) is list
+                found.append((f"{name}.{f.name}{'[]' if list_of else ''}", arg))
+    return found
+
+
 def reference() -> str:
     lines = []
+    todo = []
     for name, cls in sections().items():
+        todo += [(name, cls), *_sub_sections(name, cls)]
+    for name, cls in todo:
         hints = typing.get_type_hints(cls)
         lines += [f"**`{name}`**", "", "| field | type | default | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):

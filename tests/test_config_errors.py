@@ -4,6 +4,7 @@ validation happen before any submission)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -86,6 +87,44 @@ BAD_CONFIGS = [
      ["pp_virtual_stages", "interleaved_1f1b"]),
     ("seq-vs-positions", lambda c: c["training"].update(sequence_length=512), [],
      ["training.sequence_length", "max_position_embeddings"]),
+    ("wsd-too-long", lambda c: c["optimizer"].update(lr_decay_style="wsd", decay_fraction=0.95), [],
+     ["optimizer.warmup_steps (20)", "decay_fraction=0.95", "lower warmup_steps or decay_fraction"]),
+    ("wsd-fraction-zero", lambda c: c["optimizer"].update(lr_decay_style="wsd", decay_fraction=0.0), [],
+     ["optimizer.decay_fraction", "above 0"]),
+    ("wsd-bad-shape", lambda c: c["optimizer"].update(lr_decay_style="wsd", decay_shape="cosine"), [],
+     ["optimizer.decay_shape", "'1-sqrt'"]),
+    ("mix-weight-zero", lambda c: c["data"].update(sources=[{"name": "a", "source": "stdlib", "weight": 0}]), [],
+     ["data.sources[0].weight", "above 0"]),
+    ("mix-weight-negative", lambda c: c["data"].update(sources=[{"name": "a", "source": "stdlib", "weight": -1}]),
+     [], ["data.sources[0].weight", "above 0"]),
+    ("mix-duplicate-name", lambda c: c["data"].update(sources=[{"name": "a", "source": "stdlib"},
+                                                               {"name": "a", "source": "stdlib"}]), [],
+     ["data.sources[1].name", "used twice"]),
+    ("mix-missing-source", lambda c: c["data"].update(sources=[{"name": "a"}]), [],
+     ["data.sources[0].source", "missing"]),
+    ("mix-missing-name", lambda c: c["data"].update(sources=[{"source": "stdlib"}]), [],
+     ["data.sources[0].name", "needs a name"]),
+    ("mix-unknown-key", lambda c: c["data"].update(sources=[{"name": "a", "source": "stdlib", "wieght": 1}]), [],
+     ["data.sources[0].wieght", "did you mean 'weight'"]),
+    ("mix-and-source", lambda c: c["data"].update(source="x.jsonl", sources=[{"name": "a", "source": "stdlib"}]),
+     [], ["data.source", "data.sources are both set"]),
+    ("mix-source-absent", lambda c: c["data"].update(sources=[{"name": "a", "source": "stdlib"},
+                                                              {"name": "b", "source": "/nonexistent/x.jsonl"}]),
+     [], ["data.sources[1].source", "no such file"]),
+    ("mix-source-empty", lambda c: (open("empty.jsonl", "w").close(),  # in the test's tmp cwd
+                                    c["data"].update(sources=[{"name": "e", "source": "empty.jsonl"}])), [],
+     ["data.sources[0].source", "is empty"]),
+    ("val-source-absent", lambda c: c["data"].update(validation={"source": "/nonexistent/v.jsonl"}), [],
+     ["data.validation.source", "no such file"]),
+    ("val-fraction-one", lambda c: c["data"].update(validation={"fraction": 1.0}), [],
+     ["data.validation.fraction", "below 1"]),
+    ("val-both", lambda c: c["data"].update(validation={"fraction": 0.1, "source": "stdlib"}), [],
+     ["data.validation", "exactly one"]),
+    ("eval-batches-zero", lambda c: (c["data"].update(validation={"fraction": 0.1}),
+                                     c["training"].update(eval_interval=5, eval_batches=0)), [],
+     ["training.eval_batches is 0", "eval_interval: 0"]),
+    ("eval-needs-validation", lambda c: c["training"].update(eval_interval=5), [],
+     ["training.eval_interval (5) needs data.validation"]),
     ("min-lr-above-lr", lambda c: c["optimizer"].update(min_lr=1.0), [], ["optimizer.min_lr", "optimizer.lr"]),
     ("world-not-multiple", lambda c: (c["parallelism"].update(dp=3), c["slurm"].update(tasks_per_node=8)), [],
      ["dp*tp*pp*cp*ep = 3*2*2*1*1 = 12", "not a multiple of slurm.tasks_per_node (8)"]),
@@ -312,3 +351,21 @@ def test_validate_rechecks_fields_of_a_config_built_in_code(section, name, value
     setattr(getattr(config, section), name, value)
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
         validate(config)
+
+
+def test_validate_rechecks_sub_sections_built_in_code():
+    """`data.sources[i]`, `data.validation` and `slurm.prepare` meet the per-field checks too."""
+    from nanotrain.config import Config, ConfigError, validate
+    from nanotrain.config.schema import SourceArgs, ValidationArgs
+
+    for mutate, fragment in [
+        (lambda c: setattr(c.data, "sources", [SourceArgs("a", "stdlib", float("nan"))]),
+         "data.sources[0].weight: nan is not a finite number"),
+        (lambda c: setattr(c.data, "validation", ValidationArgs(fraction=-0.5)),
+         "data.validation.fraction: -0.5 must be above 0.0"),
+        (lambda c: setattr(c.slurm.prepare, "cpus", 0), "slurm.prepare.cpus: 0 is below the minimum 1"),
+    ]:
+        config = Config()
+        mutate(config)
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            validate(config)

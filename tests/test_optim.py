@@ -53,6 +53,33 @@ def test_schedule_linear_constant_and_no_warmup():
     assert _lrs(const, 4, 5) == pytest.approx([1.0, 2.0, 2.0, 2.0, 2.0])
 
 
+def test_schedule_wsd_linear_and_1_sqrt():
+    lin = OptimizerArgs(lr=2.0, warmup_steps=2, lr_decay_style="wsd", decay_fraction=0.4,
+                        decay_shape="linear", min_lr=0.0)
+    # 10 steps: warmup 0-1, stable 2-5 at lr, decay over the last round(0.4*10)=4 steps (6-9)
+    assert _lrs(lin, 10, 12) == pytest.approx([1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 1.5, 1.0, 0.5, 0.0, 0.0])
+    sq = OptimizerArgs(lr=1.0, warmup_steps=0, lr_decay_style="wsd", decay_fraction=0.5,
+                       decay_shape="1-sqrt", min_lr=0.1)
+    lrs = _lrs(sq, 8, 9)
+    assert lrs[:4] == pytest.approx([1.0] * 4)
+    assert lrs[4:] == pytest.approx([0.1 + 0.9 * (1 - math.sqrt(p / 4)) for p in range(5)])
+    assert lrs[8] == pytest.approx(0.1)
+    assert lrs == pytest.approx([lr_at(s, sq, 8) for s in range(9)])
+    # resumable: a scheduler restored at step 5 continues with the uninterrupted values
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=sq.lr)
+    sched = build_lr_scheduler(opt, sq, 8)
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    opt2 = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=sq.lr)
+    sched2 = build_lr_scheduler(opt2, sq, 8)
+    sched2.load_state_dict(sched.state_dict())
+    for _ in range(2):
+        opt2.step()
+        sched2.step()
+    assert opt2.param_groups[0]["lr"] == pytest.approx(lrs[7])  # 5 steps + 2 after the restore
+
+
 def test_scheduler_state_dict_is_plain_and_resumes():
     args = OptimizerArgs(lr=1e-3, warmup_steps=3, lr_decay_style="cosine", min_lr=1e-5)
     p = nn.Parameter(torch.zeros(2))

@@ -203,9 +203,15 @@ def run_cases(pp: int) -> dict:
         if pc.embedding_pg is not None:
             allreduce_tied_grads_(model.parameters(), pc.embedding_pg)
         grads = full_grads(model)
+        # evaluation through the same engine: forward-only, the same loss, no graph, grads untouched
+        eval_loss = engine.forward_only(model, data, model.pipeline_message(MICRO_BATCH, SEQ))
+        untouched = all(torch.equal(grads[n], p.grad) for n, p in model.named_parameters())
+        no_graph = not torch.is_tensor(eval_loss) or eval_loss.grad_fn is None
         replicas = [n for n, p in model.named_parameters() if is_tied_replica(p)]
         stats = engine.last_stats
         results[(engine_name, v, m, tied)] = {
+            "eval_loss": eval_loss.item() if torch.is_tensor(eval_loss) else None,
+            "eval_clean": untouched and no_graph,
             "loss": None if not torch.is_tensor(loss) else loss.item(), "grads": grads, "replicas": replicas,
             "live": stats.peak_live_microbatches, "bytes": stats.peak_activation_bytes,
             "bubble": stats.bubble,
@@ -305,6 +311,8 @@ def test_pipeline_equals_single_process(pp):
         losses = [r[case]["loss"] for r in per_rank]
         assert losses[:-1] == [None] * (pp - 1), label  # the loss lives on the last stage only
         assert losses[-1] == pytest.approx(ref["loss"], rel=1e-5, abs=0), label
+        assert [r[case]["eval_loss"] for r in per_rank] == losses, label  # forward_only: same loss
+        assert all(r[case]["eval_clean"] for r in per_rank), label  # no graph, no gradient touched
         merged: dict[str, torch.Tensor] = {}
         for rank, r in enumerate(per_rank):
             for name, grad in r[case]["grads"].items():

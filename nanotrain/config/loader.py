@@ -90,6 +90,8 @@ def _parse_value(where: str, hint: Any, value: Any) -> Any:
         if not isinstance(value, list):
             return _fail(f"{where}: expected a list, got {_describe(value)}")
         return [_parse_value(f"{where}[{i}]", args[0], v) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(hint):  # a sub-section (data.sources[i], data.validation)
+        return _build_section(where, hint, value)
     if origin is dict:
         if not isinstance(value, dict):
             return _fail(f"{where}: expected a mapping of key: value, got {_describe(value)}")
@@ -161,12 +163,13 @@ def _build_section(section: str, cls: type, raw: Any):
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{section}: expected a mapping of fields, got {_describe(raw)}")
+    section_name = section.rsplit(".", 1)[-1]
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in raw.items():
         if key not in fields:
-            raise ConfigError(f"{section}.{_shown(key)}: unknown key in section '{section}'"
+            raise ConfigError(f"{section}.{_shown(key)}: unknown key in section '{section_name}'"
                               f"{_closest(str(key), fields)}")
         where = f"{section}.{key}"
         parsed = _parse_value(where, hints[key], value)
@@ -177,16 +180,26 @@ def _build_section(section: str, cls: type, raw: Any):
 
 def check_fields(config: Config) -> None:
     """The per-field checks again, on a `Config` that may not come from YAML (built in code, or
-    changed after loading): every float finite, every number in its range."""
+    changed after loading): every float finite, every number in its range, sub-sections too."""
     for name in sections():
-        section = getattr(config, name)
-        for f in dataclasses.fields(section):
-            where, value = f"{name}.{f.name}", getattr(section, f.name)
-            for i, item in enumerate(value if isinstance(value, tuple) else (value,)):
-                if isinstance(item, float) and not math.isfinite(item):
-                    at = f"{where}[{i}]" if isinstance(value, tuple) else where
-                    raise ConfigError(f"{at}: {item} is not a finite number: give a real value such as the default")
-            _check_range(where, f.metadata, value)
+        _check_object(name, getattr(config, name))
+
+
+def _check_object(prefix: str, section) -> None:
+    for f in dataclasses.fields(section):
+        where, value = f"{prefix}.{f.name}", getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_object(where, value)
+            continue
+        if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            for i, item in enumerate(value):
+                _check_object(f"{where}[{i}]", item)
+            continue
+        for i, item in enumerate(value if isinstance(value, tuple) else (value,)):
+            if isinstance(item, float) and not math.isfinite(item):
+                at = f"{where}[{i}]" if isinstance(value, tuple) else where
+                raise ConfigError(f"{at}: {item} is not a finite number: give a real value such as the default")
+        _check_range(where, f.metadata, value)
 
 
 def sections() -> dict[str, type]:
@@ -234,8 +247,9 @@ def apply_override(raw: dict, assignment: str) -> None:
     field_names = [f.name for f in dataclasses.fields(known[keys[0]])]
     if keys[1] not in field_names:
         raise ConfigError(f"--set {path}: unknown key in section '{keys[0]}'{_closest(keys[1], field_names)}")
-    if len(keys) > 3 or (len(keys) == 3 and typing.get_origin(
-            typing.get_type_hints(known[keys[0]])[keys[1]]) is not dict):
+    hint = typing.get_type_hints(known[keys[0]])[keys[1]]
+    nested = typing.get_origin(hint) is dict or any(dataclasses.is_dataclass(a) for a in (hint, *typing.get_args(hint)))
+    if len(keys) > 3 or (len(keys) == 3 and not nested):
         raise ConfigError(f"--set {path}: '{keys[0]}.{keys[1]}' has no sub-keys")
     try:
         value = strict_yaml.load(text) if text.strip() else None

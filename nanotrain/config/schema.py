@@ -75,6 +75,8 @@ class TrainingArgs:
     batch_accumulation_per_replica: int = bounded(1, 1, doc="micro-batches per step = pipeline m")
     recompute: Literal["none", "selective", "full"] = doc("none", "activation recomputation: none, selective (attention core + SwiGLU activation), full (each decoder layer)")  # noqa: E501
     seed: int = bounded(42, 0, 2**63 - 1, doc="init, data order and dropout-free RNG")
+    eval_interval: int = bounded(0, 0, doc="validate every N steps and at the last step; 0 = off")
+    eval_batches: int = bounded(1, 0, doc="global batches of data.validation per evaluation")
     collective_timeout_s: float = bounded(
         600.0, 1.0, doc="timeout of every process group: a collective waiting longer fails the job")
 
@@ -87,9 +89,30 @@ class OptimizerArgs:
     eps: float = bounded(1e-8, 0.0, 1.0, doc="AdamW epsilon")
     clip_grad: Optional[float] = bounded(1.0, 0.0, doc="global grad-norm clip; null disables")
     warmup_steps: int = bounded(0, 0, doc="linear warm-up steps")
-    lr_decay_style: Literal["cosine", "linear", "constant"] = doc("cosine", "decay to min_lr at train_steps")
+    lr_decay_style: Literal["cosine", "linear", "constant", "wsd"] = doc(
+        "cosine", "decay to min_lr at train_steps; wsd = warmup, stable at lr, decay in the last decay_fraction")
+    decay_fraction: float = bounded(0.2, 0.0, 1.0, above=True,
+                                    doc="wsd: share of train_steps spent decaying (the last ones)")
+    decay_shape: Literal["linear", "1-sqrt"] = doc("1-sqrt", "wsd: shape of the decay to min_lr")
     min_lr: float = bounded(0.0, 0.0, doc="final learning rate")
     zero_stage: Literal[0, 1] = doc(0, "1 shards optimizer states across dp")
+
+
+@dataclass
+class SourceArgs:
+    """One entry of `data.sources`: a corpus and its share of the training samples."""
+    name: str = doc("", "label of the source in logs and TensorBoard (data/tokens/<name>); unique")
+    source: str = doc("", "files/dir/glob, a hub dataset name, or 'stdlib', as data.source")
+    weight: float = bounded(1.0, 0.0, above=True, doc="relative share of training samples (normalised)")
+    text_column: Optional[str] = doc(None, "column holding the text; default data.text_column")
+
+
+@dataclass
+class ValidationArgs:
+    """`data.validation`: a held-out set, either a source of its own or a tail of each source."""
+    source: Optional[str] = doc(None, "files/dir/glob or hub name of a validation corpus")
+    fraction: Optional[float] = bounded(None, 0.0, 1.0, above=True,
+                                        doc="share of each training source's windows held out (< 1)")
 
 
 @dataclass
@@ -98,6 +121,11 @@ class DataArgs:
     text_column: str = doc("text", "column holding the text")
     tokenizer: str = doc("byte", "'byte' or a path to a tokenizer.json")
     num_workers: int = bounded(0, 0, 1024, doc="tokenisation processes")
+    sources: list[SourceArgs] = doc(list, "weighted mixture; when set, data.source is not used")
+    validation: Optional[ValidationArgs] = doc(None, "held-out set for training.eval_interval")
+    max_build_mb: Optional[float] = bounded(
+        512.0, 0.0, doc="a training job tokenises a source without a cache only up to this size on disk "
+                        "(larger: run --prepare-data first); null = no limit")
 
 
 @dataclass
@@ -116,6 +144,15 @@ class LoggingArgs:
     run_name: Optional[str] = doc(None, "run directory name; default <config name>-<timestamp>")
     log_interval: int = bounded(1, 1, doc="steps between metric lines")
     tensorboard: bool = doc(True, "write <run dir>/tb/ event files")
+
+
+@dataclass
+class PrepareArgs:
+    """`slurm.prepare`: the CPU-only job of `submit.py CONFIG --prepare-data`."""
+    partition: Optional[str] = doc(None, "SLURM partition; default slurm.partition")
+    cpus: int = bounded(4, 1, 65536, doc="CPU cores of the one task (data.num_workers uses them)")
+    time: int = bounded(60, 1, 525600, doc="time limit, minutes")
+    mem_gb: Optional[float] = bounded(None, 0.0, 1e6, doc="memory of the job", above=True)
 
 
 @dataclass
@@ -138,6 +175,8 @@ class SlurmArgs:
     setup: list[str] = doc(list, "trusted shell lines run before srun (module load, source venv)")
     sbatch_extra: dict[str, str] = doc(dict, "extra #SBATCH options, e.g. {mail-type: END}")
     env: dict[str, str] = doc(dict, "exported before init (NCCL_*, InfiniBand settings)")
+    prepare: PrepareArgs = field(default_factory=PrepareArgs,
+                                 metadata={"doc": "the CPU job of --prepare-data (partition, cpus, time)"})
 
 
 @dataclass

@@ -118,13 +118,60 @@ def validate_optimizer(config: Config) -> None:
             _fail(f"optimizer.betas[{i}]: {beta} must be in [0, 1)")
     if o.min_lr > o.lr:
         _fail(f"optimizer.min_lr ({o.min_lr}) must not exceed optimizer.lr ({o.lr})")
+    if o.lr_decay_style == "wsd":
+        steps = config.training.train_steps
+        decay = wsd_decay_steps(o.decay_fraction, steps)
+        if o.warmup_steps + decay > steps:
+            _fail(f"optimizer.warmup_steps ({o.warmup_steps}) + the wsd decay (optimizer.decay_fraction="
+                  f"{o.decay_fraction} of {steps} steps = {decay}) exceed training.train_steps ({steps}): "
+                  "lower warmup_steps or decay_fraction")
+
+
+def wsd_decay_steps(decay_fraction: float, train_steps: int) -> int:
+    """The steps a wsd schedule decays over: `decay_fraction * train_steps`, rounded, at least 1."""
+    return max(1, round(decay_fraction * train_steps))
+
+
+def validate_data(config: Config) -> None:
+    """The mixture, the validation split and evaluation: the rules between their fields."""
+    d, t = config.data, config.training
+    names = set()
+    for i, src in enumerate(d.sources):
+        where = f"data.sources[{i}]"
+        if not src.name:
+            _fail(f"{where}.name: every source needs a name (it labels data/tokens/<name>), e.g. name: web")
+        if not _RUN_NAME.match(src.name):
+            _fail(f"{where}.name: {src.name!r} must be letters, digits, '.', '_' or '-' (it names TensorBoard tags)")
+        if src.name in names:
+            _fail(f"{where}.name: {src.name!r} is used twice; give every source its own name")
+        names.add(src.name)
+        if not src.source:
+            _fail(f"{where}.source: missing; set it to files, a directory, a glob or a hub dataset name")
+    if d.sources and d.source != "stdlib":
+        _fail(f"data.source ({d.source!r}) and data.sources are both set: list every corpus in data.sources "
+              "(data.source is the one-source shorthand)")
+    v = d.validation
+    if v is not None:
+        if (v.source is None) == (v.fraction is None):
+            _fail("data.validation: set exactly one of source (a corpus of its own) or fraction "
+                  "(a share held out of each training source), e.g. {fraction: 0.01}")
+        if v.fraction is not None and v.fraction >= 1.0:
+            _fail(f"data.validation.fraction: {v.fraction} must be below 1 (it is the share held out of "
+                  "training), e.g. 0.01")
+    if t.eval_interval > 0:
+        if v is None:
+            _fail(f"training.eval_interval ({t.eval_interval}) needs data.validation: add "
+                  "data.validation: {fraction: 0.01} or {source: PATH}, or set eval_interval: 0")
+        if t.eval_batches < 1:
+            _fail(f"training.eval_batches is 0 with training.eval_interval {t.eval_interval}: "
+                  "set eval_batches >= 1, or eval_interval: 0 to turn evaluation off")
 
 
 def validate_names(config: Config) -> None:
     """Values that end up in paths or in the sbatch script must be inert."""
     s = config.slurm
-    for name in ("partition", "account", "qos", "constraint"):
-        value = getattr(s, name)
+    for name, value in [(n, getattr(s, n)) for n in ("partition", "account", "qos", "constraint")] + \
+            [("prepare.partition", s.prepare.partition)]:
         if value is not None and not _SLURM_NAME.match(value):
             _fail(f"slurm.{name}: {value!r} contains characters SLURM names never use "
                   "(letters, digits and _.,:|&*[]@+- only)")
@@ -213,5 +260,6 @@ def validate(config: Config, *, slurm: bool = False) -> SlurmLayout | None:
     check_fields(config)
     validate_model(config)
     validate_optimizer(config)
+    validate_data(config)
     validate_names(config)
     return slurm_layout(config) if slurm else None

@@ -17,7 +17,9 @@ import importlib
 # Lazy attributes (PEP 562): `submit.py` calls `check_data_config` before every submission and must
 # not pay for importing torch and datasets (seconds) just to check that a path exists.
 _HOMES = {
-    "build_sampler": "build", "default_cache_dir": "build", "prepare_dataset": "build",
+    "build_sampler": "build", "build_samplers": "build", "SourcePart": "sampler",
+    "MixturePattern": "mixture", "default_cache_dir": "dataset", "missing_cache_problem": "check",
+    "source_args": "build", "prepare_dataset": "build",
     "check_data_config": "check", "TokenDataset": "dataset", "DataError": "errors",
     "GlobalSampler": "sampler", "Source": "sources", "resolve_source": "sources",
     "stdlib_files": "sources", "ByteTokenizer": "tokenizer", "JsonTokenizer": "tokenizer",

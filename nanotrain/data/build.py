@@ -7,23 +7,19 @@ no data (middle pipeline stages) still enter the barrier, so every rank calls it
 """
 from __future__ import annotations
 
-import os
+import dataclasses
+import math
 from typing import Callable, Optional
 
-from nanotrain.data.dataset import TokenDataset
-from nanotrain.data.sampler import GlobalSampler
-
-
-def default_cache_dir(config) -> str:
-    """`<logging.dir>/.cache/data`: shared by every run under the same logs folder, so a second
-    run (or a resumed one) finds the tokens the first one made."""
-    return os.path.join(config.logging.dir, ".cache", "data")
+from nanotrain.data.dataset import TokenDataset, default_cache_dir
+from nanotrain.data.sampler import DEFAULT_NAME, GlobalSampler, SourcePart
 
 
 def prepare_dataset(data_args, *, seq_len: int, cache_dir: str, vocab_size: Optional[int] = None,
                     builder: bool = True, needs_data: bool = True,
                     barrier: Optional[Callable[[], object]] = None,
-                    max_documents: Optional[int] = None) -> Optional[TokenDataset]:
+                    max_documents: Optional[int] = None,
+                    max_build_mb: Optional[float] = None) -> Optional[TokenDataset]:
     """This rank's `TokenDataset`, or None where `needs_data` is False.
 
     `builder` ranks tokenise (or find the cache) before `barrier()`; the rest load after it and
@@ -35,7 +31,7 @@ def prepare_dataset(data_args, *, seq_len: int, cache_dir: str, vocab_size: Opti
     dataset, error = None, None
     if builder:
         try:
-            dataset = TokenDataset.build(data_args, **kwargs)
+            dataset = TokenDataset.build(data_args, max_build_mb=max_build_mb, **kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the barrier
             error = exc
     if barrier is not None:
@@ -49,21 +45,63 @@ def prepare_dataset(data_args, *, seq_len: int, cache_dir: str, vocab_size: Opti
     return dataset
 
 
-def build_sampler(config, *, dp: Optional[int] = None, cache_dir: Optional[str] = None,
-                  builder: bool = True, needs_data: bool = True,
-                  barrier: Optional[Callable[[], object]] = None,
-                  max_documents: Optional[int] = None) -> Optional[GlobalSampler]:
-    """The trainer's one call: config -> this rank's `GlobalSampler` (None without data).
+def source_args(data_args) -> list[tuple[str, object, float]]:
+    """(name, per-source `DataArgs`, weight) of every training source: `data.sources`, or the
+    one `data.source` (named `default`)."""
+    if not data_args.sources:
+        return [(DEFAULT_NAME, data_args, 1.0)]
+    return [(s.name, dataclasses.replace(data_args, source=s.source, sources=[],
+                                         text_column=s.text_column or data_args.text_column), s.weight)
+            for s in data_args.sources]
 
-    `dp` defaults to `parallelism.dp`; `cache_dir` to `default_cache_dir(config)`.
+
+def validation_windows(num_windows: int, fraction: float) -> int:
+    """Windows held out of a source for `data.validation.fraction`: the last
+    ceil(fraction * W) of its stream (at least 1, and at least 1 left for training)."""
+    return min(max(1, math.ceil(fraction * num_windows)), num_windows - 1)
+
+
+def build_samplers(config, *, dp: Optional[int] = None, cache_dir: Optional[str] = None,
+                   builder: bool = True, needs_data: bool = True,
+                   barrier: Optional[Callable[[], object]] = None,
+                   max_documents: Optional[int] = None) -> tuple[Optional[GlobalSampler], Optional[GlobalSampler]]:
+    """The trainer's one call: config -> this rank's (training, validation) `GlobalSampler`s;
+    both None where the rank needs no data, the second None without `data.validation`.
+
+    `data.validation.fraction` holds out the tail of every source's window range (contiguous,
+    so no held-out window shares more than its first token with a training one), read in order
+    in the same mixture; `data.validation.source` is a corpus of its own. `dp` defaults to
+    `parallelism.dp`; `cache_dir` to `default_cache_dir(config)`.
     """
-    t = config.training
-    dataset = prepare_dataset(config.data, seq_len=t.sequence_length,
-                              cache_dir=cache_dir or default_cache_dir(config),
-                              vocab_size=config.model.vocab_size, builder=builder,
-                              needs_data=needs_data, barrier=barrier, max_documents=max_documents)
-    if dataset is None:
-        return None
-    return GlobalSampler(dataset, seed=t.seed, dp=dp or config.parallelism.dp,
-                         micro_batch_size=t.micro_batch_size,
-                         batch_accumulation=t.batch_accumulation_per_replica)
+    t, d = config.training, config.data
+    kwargs = dict(seq_len=t.sequence_length, cache_dir=cache_dir or default_cache_dir(config),
+                  vocab_size=config.model.vocab_size, builder=builder, needs_data=needs_data,
+                  barrier=barrier, max_documents=max_documents, max_build_mb=d.max_build_mb)
+    datasets = [(name, prepare_dataset(args, **kwargs), w) for name, args, w in source_args(d)]
+    val_ds = None
+    if d.validation is not None and d.validation.source is not None:
+        val_ds = prepare_dataset(dataclasses.replace(d, source=d.validation.source, sources=[]), **kwargs)
+    if not needs_data:
+        return None, None
+    sizes = dict(seed=t.seed, dp=dp or config.parallelism.dp, micro_batch_size=t.micro_batch_size,
+                 batch_accumulation=t.batch_accumulation_per_replica)
+    fraction = d.validation.fraction if d.validation is not None else None
+    if fraction is None:
+        train_parts = [SourcePart(name, ds, w) for name, ds, w in datasets]
+        val_parts = [SourcePart("validation", val_ds, shuffle=False)] if val_ds is not None else None
+    else:
+        held = [validation_windows(ds.num_windows, fraction) for _, ds, _ in datasets]
+        train_parts = [SourcePart(name, ds, w, hi=ds.num_windows - v) for (name, ds, w), v in zip(datasets, held)]
+        val_parts = [SourcePart(name, ds, w, lo=ds.num_windows - v, shuffle=False)
+                     for (name, ds, w), v in zip(datasets, held)]
+    if not d.sources and fraction is None:  # the one-source shorthand, exactly as before mixtures
+        train = GlobalSampler(datasets[0][1], **sizes)
+    else:
+        train = GlobalSampler(train_parts, **sizes)
+    val = GlobalSampler(val_parts, **sizes) if val_parts else None
+    return train, val
+
+
+def build_sampler(config, **kwargs) -> Optional[GlobalSampler]:
+    """The training sampler of `build_samplers` (None without data)."""
+    return build_samplers(config, **kwargs)[0]

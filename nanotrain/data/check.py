@@ -7,8 +7,11 @@ of a few files (`sample_check.py`).
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 from typing import Optional
 
+from nanotrain.data.dataset import cache_location, default_cache_dir, too_big_to_build
 from nanotrain.data.errors import DataError
 from nanotrain.data.sample_check import check_sample, check_volume
 from nanotrain.data.sources import Source, peek_columns, resolve_source
@@ -16,6 +19,52 @@ from nanotrain.data.tokenizer import BYTE, check_tokenizer_path, load_tokenizer
 
 
 def check_data_config(data_args, vocab_size: Optional[int] = None, config=None) -> Source:
+    """`check_source` for the one `data.source`, or for every entry of `data.sources` and the
+    `data.validation.source`, each error naming the entry (`data.sources[1].source: ...`)."""
+    entries = [(w, a) for w, a in all_source_args(data_args) if w != "data"]
+    first = None if data_args.sources else check_source(data_args, vocab_size, config)
+    for where, args in entries:
+        try:
+            source = check_source(args, vocab_size, None)
+        except DataError as exc:
+            message = str(exc)
+            for field in ("data.source", "data.text_column"):
+                if message.startswith(field + ":"):
+                    message = where + "." + field.split(".")[1] + message[len(field):]
+            raise DataError(message) from None
+        first = first or source
+    return first
+
+
+def all_source_args(data_args) -> list[tuple[str, object]]:
+    """(where, per-source `DataArgs`) of every corpus a run reads: training and validation."""
+    if data_args.sources:
+        out = [(f"data.sources[{i}]", dataclasses.replace(data_args, source=s.source, sources=[],
+                                                           text_column=s.text_column or data_args.text_column))
+               for i, s in enumerate(data_args.sources)]
+    else:
+        out = [("data", data_args)]
+    if data_args.validation is not None and data_args.validation.source is not None:
+        out.append(("data.validation", dataclasses.replace(data_args, source=data_args.validation.source,
+                                                           sources=[])))
+    return out
+
+
+def missing_cache_problem(config) -> Optional[str]:
+    """Why a training job would stop on a missing cache (`data.max_build_mb`), or None: checked
+    before a training submission, so the user learns it in a second, not after the queue."""
+    tokenizer = load_tokenizer(config.data.tokenizer, None)
+    for _, args in all_source_args(config.data):
+        source = resolve_source(args.source)
+        path, _ = cache_location(source, tokenizer, args, default_cache_dir(config))
+        if not os.path.exists(os.path.join(path, "meta.json")):
+            problem = too_big_to_build(source, config.data.max_build_mb)
+            if problem:
+                return problem
+    return None
+
+
+def check_source(data_args, vocab_size: Optional[int] = None, config=None) -> Source:
     """Raise `DataError` for a data config that cannot work; return the resolved source.
 
     Checks: the tokenizer is 'byte' or a loadable tokenizer.json (with `tokenizers` installed)

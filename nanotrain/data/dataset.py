@@ -93,7 +93,8 @@ class TokenDataset:
 
     @classmethod
     def build(cls, data_args, *, seq_len: int, cache_dir: str, vocab_size: Optional[int] = None,
-              max_documents: Optional[int] = None, allow_build: bool = True) -> "TokenDataset":
+              max_documents: Optional[int] = None, allow_build: bool = True,
+              max_build_mb: Optional[float] = None, progress: bool = False) -> "TokenDataset":
         """Load the tokenised stream from `cache_dir`, tokenising it first if it isn't there.
 
         `data_args` is the config's `DataArgs` (`source`, `text_column`, `tokenizer`,
@@ -101,22 +102,26 @@ class TokenDataset:
         `max_documents` keeps only the first N documents (tests, quick runs). With
         `allow_build=False` a missing cache is an error instead of a tokenisation: ranks that
         wait for another rank to build must never start a second tokenisation of their own.
+        `max_build_mb` (`data.max_build_mb` in a training job): a missing cache of a source
+        larger than that on disk (or of a hub dataset, whose size is unknown) is an error that
+        says to run `--prepare-data`, instead of hours of tokenising on GPU nodes. `progress`:
+        a tqdm bar of documents, tokens, MB/s and ETA (`--prepare-data --local`).
         """
         if seq_len < 1:
             raise DataError(f"training.sequence_length={seq_len} must be >= 1")
         tokenizer = load_tokenizer(data_args.tokenizer, vocab_size)
         source = resolve_source(data_args.source)
-        key_parts = [FORMAT_VERSION, source.fingerprint(), data_args.text_column,
-                     tokenizer.fingerprint, max_documents]
-        key = hashlib.sha256(json.dumps(key_parts, default=str).encode()).hexdigest()[:16]
-        path = os.path.join(os.path.abspath(cache_dir), _cache_name(source, tokenizer, key))
+        path, key = cache_location(source, tokenizer, data_args, cache_dir, max_documents)
 
         from_cache = os.path.exists(os.path.join(path, "meta.json"))
         if not from_cache:
             if not allow_build:
                 raise DataError(f"data: the tokenised cache {path} is missing: the rank that "
                                 f"builds it failed or used another cache dir (see its log)")
-            _tokenise(source, tokenizer, data_args, path, key, cache_dir, max_documents)
+            too_big = too_big_to_build(source, max_build_mb)
+            if too_big:
+                raise DataError(too_big)
+            _tokenise(source, tokenizer, data_args, path, key, cache_dir, max_documents, progress)
         with open(os.path.join(path, "meta.json")) as fh:
             meta = json.load(fh)
         tokens = np.memmap(os.path.join(path, "tokens.bin"), dtype=meta["dtype"], mode="r",
@@ -124,6 +129,66 @@ class TokenDataset:
         return cls(tokens=tokens, seq_len=seq_len, separator_id=meta["separator_id"],
                    tokenizer_vocab_size=meta["vocab_size"], num_documents=meta["num_documents"],
                    path=path, from_cache=from_cache, meta=meta)
+
+
+def default_cache_dir(config) -> str:
+    """`<logging.dir>/.cache/data`: shared by every run under the same logs folder, so a second
+    run (or a resumed one) finds the tokens the first one made."""
+    return os.path.join(config.logging.dir, ".cache", "data")
+
+
+def cache_location(source: Source, tokenizer: Tokenizer, data_args, cache_dir: str,
+                   max_documents: Optional[int] = None) -> tuple[str, str]:
+    """(cache folder, key) of a source: what `build` reads or writes, known without tokenising."""
+    key_parts = [FORMAT_VERSION, source.fingerprint(), data_args.text_column,
+                 tokenizer.fingerprint, max_documents]
+    key = hashlib.sha256(json.dumps(key_parts, default=str).encode()).hexdigest()[:16]
+    return os.path.join(os.path.abspath(cache_dir), _cache_name(source, tokenizer, key)), key
+
+
+def too_big_to_build(source: Source, max_build_mb: Optional[float]) -> Optional[str]:
+    """Why a training job must not tokenise `source` itself, or None (`data.max_build_mb`)."""
+    if max_build_mb is None:
+        return None
+    if source.kind == "hub":
+        size = "a hub dataset, of unknown size"
+    else:
+        mb = sum(os.path.getsize(f) for f in source.files) / 1e6
+        if mb <= max_build_mb:
+            return None
+        size = f"{mb:,.0f} MB"
+    return (f"data.source: {source.spec!r} ({size}) has no tokenised cache yet and is above "
+            f"data.max_build_mb={max_build_mb:g}: run `python submit.py CONFIG --prepare-data` first "
+            f"(a CPU job), or raise data.max_build_mb")
+
+
+class _ProgressBar:
+    """tqdm over documents, with tokens so far and the input rate in MB/s (from the files'
+    size on disk; a hub dataset shows no rate). `datasets`' own bars are off meanwhile."""
+
+    def __init__(self, texts, source: Source):
+        import datasets
+        from tqdm import tqdm
+
+        datasets.disable_progress_bars()
+        self._bytes = sum(os.path.getsize(f) for f in source.files) if source.files else None
+        self._total = len(texts)
+        self._bar = tqdm(total=len(texts), unit="doc", desc=f"preparing {os.path.basename(source.spec) or source.spec}",
+                         dynamic_ncols=True)
+
+    def advance(self, docs: int, tokens: int) -> None:
+        self._bar.update(docs)
+        elapsed = max(self._bar.format_dict["elapsed"], 1e-9)
+        rate = {"tokens": f"{tokens:,}"}
+        if self._bytes is not None:
+            rate["MB/s"] = f"{self._bytes * self._bar.n / self._total / elapsed / 1e6:.1f}"
+        self._bar.set_postfix(rate, refresh=True)
+
+    def close(self) -> None:
+        import datasets
+
+        self._bar.close()
+        datasets.enable_progress_bars()
 
 
 def _write_token_chunks(fh, chunks, dtype, counts: dict) -> None:
@@ -137,7 +202,7 @@ def _write_token_chunks(fh, chunks, dtype, counts: dict) -> None:
 
 
 def _tokenise(source: Source, tokenizer: Tokenizer, data_args, path: str, key: str,
-              cache_dir: str, max_documents: Optional[int]) -> None:
+              cache_dir: str, max_documents: Optional[int], progress: bool = False) -> None:
     """Tokenise with `datasets.map` (batched, `num_workers` processes), then stream the result
     into `tokens.bin`. The map's own Arrow files are scratch: `tokens.bin` is the cache, at a
     fraction of the size, and deleting the scratch keeps the cache folder to the two files."""
@@ -154,20 +219,31 @@ def _tokenise(source: Source, tokenizer: Tokenizer, data_args, path: str, key: s
         # parallelism here.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     seq_type = getattr(datasets, "List", None) or datasets.Sequence  # List: datasets >= 4
+    counts = {"tokens": 0, "docs": 0}
+    bar = _ProgressBar(texts, source) if progress else None
+    shards = max(1, min(50, len(texts) // 200)) if progress else 1  # a bar that moves
+
+    def write(fh) -> None:
+        for i in range(shards):
+            part = texts.shard(shards, i, contiguous=True) if shards > 1 else texts
+            tokenised = part.map(
+                _encode, batched=True, batch_size=256, num_proc=num_proc if len(part) > 1 else None,
+                fn_kwargs={"tokenizer": tokenizer, "column": data_args.text_column, "dtype": dtype.name},
+                remove_columns=texts.column_names,
+                features=datasets.Features({"input_ids": seq_type(datasets.Value(dtype.name))}),
+                cache_file_name=os.path.join(scratch, f"tokenised-{i}.arrow"), new_fingerprint=f"{key}-{i}",
+                desc=f"tokenising {source.spec}")
+            _write_token_chunks(fh, tokenised.data.column("input_ids").chunks, dtype, counts)
+            del tokenised  # close its memory map before the scratch folder goes
+            if bar is not None:
+                bar.advance(len(part), counts["tokens"])
+
     try:
-        tokenised = texts.map(
-            _encode, batched=True, batch_size=256, num_proc=num_proc,
-            fn_kwargs={"tokenizer": tokenizer, "column": data_args.text_column, "dtype": dtype.name},
-            remove_columns=texts.column_names,
-            features=datasets.Features({"input_ids": seq_type(datasets.Value(dtype.name))}),
-            cache_file_name=os.path.join(scratch, "tokenised.arrow"), new_fingerprint=key,
-            desc=f"tokenising {source.spec}")
-        counts = {"tokens": 0, "docs": 0}
-        atomic_write(os.path.join(path, "tokens.bin"),
-                      lambda fh: _write_token_chunks(fh, tokenised.data.column("input_ids").chunks, dtype, counts))
-        tokenised = None  # close its memory map before the scratch folder goes
+        atomic_write(os.path.join(path, "tokens.bin"), write)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        if bar is not None:
+            bar.close()
     if counts["tokens"] == 0:
         os.remove(os.path.join(path, "tokens.bin"))
         raise DataError(f"data.source: {source.spec!r} has {len(texts)} documents but every "

@@ -1,81 +1,156 @@
 """Which windows each dp rank trains on at each step, as a pure function of the position.
 
-The run reads one endless *global sample stream*: global sample g is window `perm_e[g % W]`,
-where W is the number of windows, e = g // W is the epoch, and `perm_e` is a permutation drawn
-from `numpy.random.SeedSequence([seed, e])` (a fresh order every epoch; the pair, unlike
-`seed + epoch`, never lets seed 1's second epoch repeat seed 2's first).
+The run reads one endless *global sample stream*. With one source, global sample g is window
+`perm_e[g % W]`, where W is the number of windows, e = g // W is the epoch, and `perm_e` is a
+permutation drawn from `numpy.random.SeedSequence([seed, e])` (a fresh order every epoch; the
+pair, unlike `seed + epoch`, never lets seed 1's second epoch repeat seed 2's first). With a
+weighted mixture (`data.sources`), `mixture.MixturePattern` first maps g to (source k, j = the
+rank of g among source k's samples), and j walks source k's windows the same way, each source
+with its own epochs and shuffles (`SeedSequence([seed, e, k])`): a source that runs out starts a
+new epoch on its own while the others go on.
 
 Step s consumes the G = dp * m * micro_batch_size samples [s*G, (s+1)*G); dp rank d takes the
 contiguous m*mbs of them starting at s*G + d*m*mbs, as m micro-batches. The position of a run is
 therefore one integer, the consumed sample count: restoring it restores the data order exactly,
 and at another dp the global stream is unchanged, only its split across ranks differs. Nothing
-here keeps state besides a cache of the current epoch's permutation.
+here keeps state besides a cache of the current epochs' permutations.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from nanotrain.data.dataset import TokenDataset
 from nanotrain.data.errors import DataError
+from nanotrain.data.mixture import MixturePattern
+
+DEFAULT_NAME = "default"  # the TensorBoard name (data/tokens/default) of the `data.source` shorthand
+
+
+@dataclass(frozen=True)
+class SourcePart:
+    """Windows [lo, hi) of one tokenised source, as one member of a mixture.
+
+    `lo`/`hi` carve a validation split out of a source (training takes the head, validation
+    the tail); `shuffle=False` reads the windows in order (validation)."""
+
+    name: str
+    dataset: TokenDataset
+    weight: float = 1.0
+    lo: int = 0
+    hi: Optional[int] = None
+    shuffle: bool = True
+
+    @property
+    def num_windows(self) -> int:
+        return (self.dataset.num_windows if self.hi is None else self.hi) - self.lo
 
 
 class GlobalSampler:
-    """Maps (consumed samples, dp rank) to that rank's micro-batches; see the module docstring."""
+    """Maps (consumed samples, dp rank) to that rank's micro-batches; see the module docstring.
 
-    def __init__(self, dataset: TokenDataset, *, seed: int, dp: int, micro_batch_size: int,
-                 batch_accumulation: int):
-        self.dataset = dataset
+    `dataset` is one `TokenDataset` (the `data.source` shorthand) or a list of `SourcePart`."""
+
+    def __init__(self, dataset: TokenDataset | Sequence[SourcePart], *, seed: int, dp: int,
+                 micro_batch_size: int, batch_accumulation: int):
+        parts = [SourcePart(DEFAULT_NAME, dataset)] if isinstance(dataset, TokenDataset) else list(dataset)
+        self.parts = parts
+        self.dataset = parts[0].dataset
         self.seed = int(seed)
         self.dp = dp
         self.micro_batch_size = micro_batch_size
         self.batch_accumulation = batch_accumulation
         self.per_rank = batch_accumulation * micro_batch_size
         self.global_batch_size = dp * self.per_rank
-        if dataset.num_windows < self.global_batch_size:
-            raise DataError(
-                f"data: too little data for one global batch: {dataset.num_windows} windows of "
-                f"training.sequence_length+1={dataset.seq_len + 1} tokens exist "
-                f"({dataset.num_tokens} tokens), {self.global_batch_size} needed "
-                f"(parallelism.dp={dp} x training.batch_accumulation_per_replica="
-                f"{batch_accumulation} x training.micro_batch_size={micro_batch_size}); "
-                f"add data or lower those fields")
-        self._perms: dict[int, np.ndarray] = {}
+        self.pattern = MixturePattern.of([p.weight for p in parts])
+        for part in parts:  # a mixture's source (or a validation set) needs one window; a lone
+            need = self.global_batch_size if len(parts) == 1 and part.shuffle else 1  # source a batch
+            if part.num_windows < need:
+                ds = part.dataset
+                which = "" if len(parts) == 1 else f" in source {part.name!r}"
+                raise DataError(
+                    f"data: too little data{which} for one global batch: {part.num_windows} windows of "
+                    f"training.sequence_length+1={ds.seq_len + 1} tokens exist ({ds.num_tokens} tokens), "
+                    f"{need} needed (parallelism.dp={dp} x training.batch_accumulation_per_replica="
+                    f"{batch_accumulation} x training.micro_batch_size={micro_batch_size}); "
+                    f"add data or lower those fields")
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
 
     @property
     def samples_per_epoch(self) -> int:
-        return self.dataset.num_windows
+        """Windows of the first source (the one source of a `data.source` run)."""
+        return self.parts[0].num_windows
 
     def consumed_samples(self, step: int) -> int:
         """Global samples consumed before step `step` (= after `step` completed steps)."""
         return step * self.global_batch_size
 
     def epoch_of(self, consumed_samples: int) -> int:
-        return consumed_samples // self.samples_per_epoch
+        """The epoch of the first source that the next sample is in."""
+        return int(self.source_samples(consumed_samples)[0]) // self.samples_per_epoch
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            if len(self._perms) >= 2:  # a batch spans at most two epochs
-                self._perms.pop(min(self._perms))
-            rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch]))
-            self._perms[epoch] = rng.permutation(self.samples_per_epoch)
-        return self._perms[epoch]
+    def source_samples(self, consumed_samples: int) -> np.ndarray:
+        """[K] samples each source contributed to global samples [0, consumed_samples)."""
+        return self.pattern.count(consumed_samples)
 
-    def window_indices(self, start: int, count: int) -> np.ndarray:
-        """Window ids of global samples [start, start+count), crossing epochs as needed."""
+    def source_epochs(self, consumed_samples: int) -> dict[str, float]:
+        """Epochs of each source completed after `consumed_samples` (fractional: 1.5 = half-way
+        through the second pass)."""
+        used = self.source_samples(consumed_samples)
+        return {p.name: float(n) / p.num_windows for p, n in zip(self.parts, used)}
+
+    def source_tokens(self, consumed_samples: int) -> dict[str, int]:
+        """Target tokens each source contributed (every sample has sequence_length of them)."""
+        used = self.source_samples(consumed_samples)
+        return {p.name: int(n) * p.dataset.seq_len for p, n in zip(self.parts, used)}
+
+    def _permutation(self, k: int, epoch: int) -> np.ndarray:
+        key = (k, epoch)
+        if key not in self._perms:
+            if len(self._perms) >= 2 * len(self.parts):  # a batch spans at most two epochs per source
+                self._perms.pop(next(iter(self._perms)))
+            parts = [self.seed, epoch] if len(self.parts) == 1 else [self.seed, epoch, k]
+            rng = np.random.default_rng(np.random.SeedSequence(parts))
+            self._perms[key] = rng.permutation(self.parts[k].num_windows)
+        return self._perms[key]
+
+    def locate(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source id, window id within that source's dataset) of global samples [start, start+count)."""
         if start < 0 or count < 0:
             raise ValueError(f"start={start} and count={count} must be >= 0")
-        g = np.arange(start, start + count, dtype=np.int64)
-        epochs, within = np.divmod(g, self.samples_per_epoch)
+        src, j = self.pattern.locate(np.arange(start, start + count, dtype=np.int64))
         out = np.empty(count, dtype=np.int64)
-        for e in np.unique(epochs):
-            sel = epochs == e
-            out[sel] = self._permutation(int(e))[within[sel]]
-        return out
+        for k in np.unique(src):
+            part = self.parts[int(k)]
+            sel = src == k
+            epochs, within = np.divmod(j[sel], part.num_windows)
+            if not part.shuffle:
+                out[sel] = part.lo + within
+                continue
+            got = np.empty(int(sel.sum()), dtype=np.int64)
+            for e in np.unique(epochs):
+                here = epochs == e
+                got[here] = self._permutation(int(k), int(e))[within[here]]
+            out[sel] = part.lo + got
+        return src, out
+
+    def window_indices(self, start: int, count: int) -> np.ndarray:
+        """Window ids of global samples [start, start+count) (one source), crossing epochs as needed."""
+        return self.locate(start, count)[1]
 
     def samples(self, start: int, count: int) -> np.ndarray:
         """Global samples [start, start+count) as int64 windows [count, S+1]."""
-        return self.dataset.windows(self.window_indices(start, count))
+        src, win = self.locate(start, count)
+        if len(self.parts) == 1:
+            return self.dataset.windows(win)
+        out = np.empty((count, self.dataset.seq_len + 1), dtype=np.int64)
+        for k in np.unique(src):
+            sel = src == k
+            out[sel] = self.parts[int(k)].dataset.windows(win[sel])
+        return out
 
     def batch(self, consumed_samples: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """dp rank `dp_rank`'s m micro-batches of the step that starts at `consumed_samples`.

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("--intra-node-gbs", "GB/s per GPU within a node"),
                        ("--inter-node-gbs", "GB/s per GPU across nodes")):
         parser.add_argument(flag, type=float, metavar="X", help=f"--plan cost model: {what}")
+    mode.add_argument("--prepare-data", action="store_true",
+                      help="tokenise every data source into the cache: a CPU-only SLURM job "
+                           "(slurm.prepare), or here with --local")
     parser.add_argument("--local", action="store_true",
                         help="run as local processes (gloo on CPU) even when SLURM is available")
     return parser
@@ -308,6 +311,12 @@ def _main(argv: list[str] | None) -> int:
         from nanotrain.data import check_data_config
 
         check_data_config(config.data, vocab_size=config.model.vocab_size, config=config)
+        if not args.prepare_data:
+            from nanotrain.data import missing_cache_problem
+
+            problem = missing_cache_problem(config)
+            if problem:
+                raise ConfigError(problem)
         run_dir = rundir.resolve_run(config, config_arg)
         validate_names(config)  # again: the default run name is only known now
         check_paths(config, run_dir, args.emit)
@@ -319,6 +328,10 @@ def _main(argv: list[str] | None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     try:
+        if args.prepare_data:
+            from nanotrain.launch import prepare
+
+            return prepare.submit_prepare(config, run_dir) if use_slurm else prepare.prepare_locally(config)
         if args.dry_run:
             return dry_run(config, layout, run_dir, config_arg)
         if args.emit:

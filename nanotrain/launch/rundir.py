@@ -95,7 +95,7 @@ def write_launch_record(run_dir: Path, **record) -> None:
 
 
 # launch.json field -> accepted types (it is ours, but it sits in a user-writable directory)
-_LAUNCH_FIELDS = {"mode": (str,), "job_id": (str, int), "time": (str,), "argv": (list,)}
+_LAUNCH_FIELDS = {"mode": (str,), "job_id": (str, int), "time": (str,), "argv": (list,), "kind": (str,)}
 
 
 def read_launch_record(run_dir: Path) -> dict:

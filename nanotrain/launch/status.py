@@ -22,6 +22,7 @@ from typing import Optional, TextIO
 
 from nanotrain.config import ConfigError
 from nanotrain.launch import rundir
+from nanotrain.launch.prepare import prepared_line
 from nanotrain.logging.metrics import PROGRESS_FILE, format_eta
 
 QUERY_TIMEOUT_S = 15
@@ -224,5 +225,6 @@ def show_status(run_dir: str | Path, out: TextIO | None = None) -> int:
         print("state: unknown (no job id in launch.json or job/ logs)", file=out)
     elif mode == "local":
         print("state: local processes (no scheduler to ask)", file=out)
-    print(progress_line(_read_progress(run_dir), run_dir), file=out)
+    prepared = prepared_line(run_dir)
+    print(prepared if prepared is not None else progress_line(_read_progress(run_dir), run_dir), file=out)
     return 0

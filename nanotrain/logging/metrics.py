@@ -142,6 +142,21 @@ class MetricsLogger:
         atomic_write_json(self.run_dir / PROGRESS_FILE, self._progress(step, metrics))
         return metrics
 
+    def log_scalars(self, step: int, scalars: dict[str, float], console: str | None = None) -> None:
+        """Extra scalars of the logging rank (`val/*`, `data/tokens/<source>`, ...) at `step`;
+        `console`: a line printed with them (evaluations). A no-op on the other ranks."""
+        if not self.enabled or self._closed:
+            return
+        if self._writer is not None:
+            for tag, value in scalars.items():
+                self._writer.add_scalar(tag, value, global_step=step)
+            self._writer.flush()
+        if console is not None:
+            if self._bar is not None:
+                self._bar.write(console, file=self._stream)
+            else:
+                print(console, file=self._stream, flush=True)
+
     def _compute(self, step: int, loss, lr, grad_norm) -> dict[str, Any]:
         step_time = self._interval_time / max(self._interval_steps, 1)
         tokens_per_sec = self.tokens_per_step / step_time if step_time > 0 else 0.0

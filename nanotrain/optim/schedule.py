@@ -11,7 +11,15 @@ with ``lr(s)``:
   [0, 1]; cosine: ``min_lr + (lr - min_lr) * (1 + cos(pi * progress)) / 2``; linear:
   ``lr - (lr - min_lr) * progress``; ``lr(warmup_steps) = lr`` and ``lr(train_steps) = min_lr`` (the
   value after the last step, which a run extended past ``train_steps`` keeps);
-* constant: ``lr`` after warmup.
+* constant: ``lr`` after warmup;
+* wsd (warmup-stable-decay, MiniCPM / DeepSeek-style): ``lr`` after warmup until the last
+  ``D = max(1, round(decay_fraction * train_steps))`` steps, which decay to ``min_lr`` with
+  ``progress = (s - (train_steps - D)) / D``; ``decay_shape`` linear: ``lr - (lr - min_lr) * progress``,
+  ``1-sqrt``: ``min_lr + (lr - min_lr) * (1 - sqrt(progress))`` (drops fast, then flattens).
+  Validation refuses ``warmup_steps + D > train_steps``. A run that is stopped before its decay and
+  extended (a larger ``train_steps``) keeps training at ``lr``: the stable phase has no horizon.
+
+Every style is a pure function of (step, config), so resuming and resharding give the same lr.
 
 ``LambdaLR`` is used because its ``state_dict`` is plain data (last_epoch, base_lrs, ...): a
 closure (not a callable object) is not saved, so resuming with the same config restores it exactly.
@@ -24,6 +32,9 @@ from typing import Callable
 import torch
 
 from nanotrain.config.schema import OptimizerArgs
+from nanotrain.config.validate import wsd_decay_steps
+
+STYLES = ("cosine", "linear", "constant", "wsd")
 
 
 def lr_at(step: int, args: OptimizerArgs, train_steps: int) -> float:
@@ -33,6 +44,12 @@ def lr_at(step: int, args: OptimizerArgs, train_steps: int) -> float:
         return lr * (step + 1) / warmup
     if args.lr_decay_style == "constant":
         return lr
+    if args.lr_decay_style == "wsd":
+        decay = wsd_decay_steps(args.decay_fraction, train_steps)
+        progress = min(1.0, max(0.0, (step - (train_steps - decay)) / decay))
+        if args.decay_shape == "1-sqrt":
+            return args.min_lr + (lr - args.min_lr) * (1.0 - math.sqrt(progress))
+        return lr - (lr - args.min_lr) * progress
     progress = min(1.0, max(0.0, (step - warmup) / max(1, train_steps - warmup)))
     if args.lr_decay_style == "cosine":
         return args.min_lr + (lr - args.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -42,7 +59,7 @@ def lr_at(step: int, args: OptimizerArgs, train_steps: int) -> float:
 
 
 def _factor_fn(args: OptimizerArgs, train_steps: int) -> Callable[[int], float]:
-    if args.lr_decay_style not in ("cosine", "linear", "constant"):
+    if args.lr_decay_style not in STYLES:
         raise ValueError(f"unknown lr_decay_style {args.lr_decay_style!r}")
 
     def factor(step: int) -> float:  # LambdaLR multiplies each group's initial lr by this

@@ -31,12 +31,13 @@ import torch.distributed as dist
 
 from nanotrain.checkpoint import load_checkpoint, save_checkpoint
 from nanotrain.config import Config
-from nanotrain.data import BatchPrefetcher, build_sampler
+from nanotrain.data import BatchPrefetcher, build_samplers
 from nanotrain.logging import metrics_logger_for
 from nanotrain.optim import build_lr_scheduler, build_optimizer
 from nanotrain.parallel.context import ParallelContext
 from nanotrain.parallel.data_parallel import BucketedGradSync
 from nanotrain.training.builder import build_engine, build_model
+from nanotrain.training.evaluate import evaluate, perplexity
 from nanotrain.training.step import train_step
 from nanotrain.training.stop_vote import StopVote
 
@@ -74,9 +75,10 @@ class DistributedTrainer:
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, t.train_steps)
 
         stage_needs_data = self.pc.is_pipeline_first_stage or self.pc.is_pipeline_last_stage
-        self.sampler = build_sampler(config, builder=self.pc.world_rank == 0, needs_data=stage_needs_data,
-                                     barrier=dist.barrier)
+        self.sampler, val_sampler = build_samplers(config, builder=self.pc.world_rank == 0,
+                                                   needs_data=stage_needs_data, barrier=dist.barrier)
         self.batches = BatchPrefetcher(self.sampler, self.pc.dp_rank, self.device) if self.sampler else None
+        self.val_batches = BatchPrefetcher(val_sampler, self.pc.dp_rank, self.device) if val_sampler else None
         self.step, self.consumed_samples = 0, 0
         self.saved_step: int | None = None  # the step whose state is on disk, verified
         self.stop_code = 0  # the stop request all ranks agreed on (launch.preemption codes)
@@ -116,6 +118,9 @@ class DistributedTrainer:
             # within a step of the GPU, so over a logging interval it is the device's time.
             self.metrics.log(self.step, stats.loss_tensor, stats.lr, stats.grad_norm_tensor,
                              time.perf_counter() - start)
+            self.log_data(global_batch)
+            if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.train_steps):
+                self.evaluate()
 
             # Every rank agrees on stopping and on the numbers being finite; a step that saves
             # reads its own vote first, the others the previous step's (stop_vote.py).
@@ -134,6 +139,36 @@ class DistributedTrainer:
             start = time.perf_counter()
         self.save()  # the final state (a no-op when the interval just wrote it)
         return "completed"
+
+    def log_data(self, global_batch: int) -> None:
+        """`data/tokens/<source>` and `data/epoch/<source>` on log steps, and one line when a
+        source starts a new epoch (a new shuffle of its windows), from the logging rank."""
+        if not (self.metrics.enabled and self.sampler is not None):
+            return
+        now = self.sampler.source_epochs(self.consumed_samples)
+        before = self.sampler.source_epochs(self.consumed_samples - global_batch)
+        for part in self.sampler.parts:
+            if int(now[part.name]) > int(before[part.name]):
+                print(f"data: source {part.name!r} read all its {part.num_windows} windows; epoch "
+                      f"{int(now[part.name]) + 1} reads them in a new shuffled order", flush=True)
+        if self.metrics.should_log(self.step):
+            tokens = self.sampler.source_tokens(self.consumed_samples)
+            scalars = {f"data/tokens/{name}": float(n) for name, n in tokens.items()}
+            scalars.update({f"data/epoch/{name}": e for name, e in now.items()})
+            self.metrics.log_scalars(self.step, scalars)
+
+    def evaluate(self) -> None:
+        """Forward-only loss on `training.eval_batches` validation batches (training/evaluate.py)."""
+        t = self.config.training
+        m = t.batch_accumulation_per_replica
+        started = time.perf_counter()
+        loss = float(evaluate(self.model, self.val_batches, self.pc, t.eval_batches,
+                              self.config.parallelism.dp * t.micro_batch_size * m, m,
+                              engine=self.engine, message=self.message))
+        took = time.perf_counter() - started
+        self.metrics.log_scalars(self.step, {"val/loss": loss, "val/ppl": perplexity(loss)},
+                                 console=f"step {self.step}/{t.train_steps} | val/loss {loss:.4f} | "
+                                         f"val/ppl {perplexity(loss):.2f} | eval {took:.2f}s")
 
     def save(self) -> None:
         if self.saved_step == self.step:

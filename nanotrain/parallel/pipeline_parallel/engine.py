@@ -222,6 +222,54 @@ class PipelineEngine:
         self._peaks = (peak_live, meter.peak)
         return loss_total if loss_total is not None else TensorPointer(self.pp_size - 1)
 
+    @torch.no_grad()
+    def forward_only(self, model, microbatches: Sequence[Optional[MicroBatch]],
+                     message: MessageSpec) -> torch.Tensor | TensorPointer:
+        """Evaluation: the forwards of the schedule, in its order, without a backward: under
+        ``no_grad`` nothing builds an autograd graph and each micro-batch's activations are
+        dropped as soon as they are sent on, so memory stays at one micro-batch per chunk
+        (the order of the forwards is that of the training schedule, which already pairs every
+        send with a receive; only the gradient messages are gone). Returns the mean loss over
+        the micro-batches on the rank holding the last stage, a TensorPointer elsewhere."""
+        chunks = model.chunks
+        m, pp = len(microbatches), self.pp_size
+        num_stages = chunks[0].num_virtual_stages
+
+        def recv_of(action: Action) -> list[Recv]:
+            chunk = chunks[action.chunk]
+            if chunk.is_first:
+                return []
+            tag = (chunk.virtual_stage - 1) * m + action.microbatch
+            return [Recv((chunk.virtual_stage - 1) % pp, tag, message, False, ACTIVATION)]
+
+        actions = [a for a in self.schedule(pp, self.pp_rank, m, len(chunks)) if a.op == "F"]
+        if chunks and num_stages != pp * len(chunks):
+            raise ValueError(f"model has {num_stages} virtual stages, engine expects pp*chunks = {pp}*{len(chunks)}")
+        self.p2p.expect([r for a in actions for r in recv_of(a)])
+        loss_total: Optional[torch.Tensor] = None
+        pending: list[Send] = []
+        for action in actions:
+            chunk, mb = chunks[action.chunk], action.microbatch
+            received = self.p2p.communicate(pending, recv_of(action)) if pending or recv_of(action) else []
+            pending = []
+            data = microbatches[mb]
+            if data is None and (chunk.is_first or chunk.is_last):
+                raise ValueError(f"micro-batch {mb} is None on the pp rank holding the first/last stage")
+            out = model(input_ids=data[0] if chunk.is_first else None,
+                        targets=data[1] if chunk.is_last else None,
+                        hidden=received[0] if received else None, chunk=action.chunk)
+            if chunk.is_last:
+                loss_total = out / m if loss_total is None else loss_total + out / m
+            else:
+                check_message(out, message, f"the output of virtual stage {chunk.virtual_stage}")
+                pending.append(Send(out, (chunk.virtual_stage + 1) % pp, chunk.virtual_stage * m + mb, ACTIVATION))
+        if pending:
+            self.p2p.communicate(pending, [])
+        self.p2p.wait_sends()
+        if self.p2p.num_expected:
+            raise RuntimeError(f"forward-only {self.name!r} left {self.p2p.num_expected} receive(s) unused")
+        return loss_total if loss_total is not None else TensorPointer(self.pp_size - 1)
+
     def _communicate(self, sends: list[Send], recvs: list[Recv], timer: "IntervalTimer") -> list[torch.Tensor]:
         if not sends and not recvs:
             return []
