@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers.slurm import submitted_job_id, wait_for_job, wait_until
+from helpers.slurm import submitted_job_id, wait_for_job
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
@@ -103,13 +103,7 @@ def test_prepare_as_slurm_cpu_job_then_training_finds_it(slurm_cluster, tmp_path
                          "training.train_steps=2", "checkpoints.interval=0"), timeout=120)
     assert train.returncode == 0, train.stdout + train.stderr
     train_id = submitted_job_id(train.stdout)
-    job_dir = tmp_path / "logs" / "train" / "job"
-    try:  # every task finished training (seen once: the step's end lagged minutes behind under load)
-        wait_until(lambda: all("Job completed successfully" in (job_dir / f"{train_id}_{r}_log.out").read_text()
-                               for r in range(8) if (job_dir / f"{train_id}_{r}_log.out").is_file())
-                   and len(list(job_dir.glob(f"{train_id}_*_log.out"))) == 8, 300, "the training job", train_id)
-    finally:
-        subprocess.run(["scancel", train_id], timeout=30)
+    assert wait_for_job(train_id, timeout=300) == "COMPLETED"
     progress = json.loads((tmp_path / "logs" / "train" / "progress.json").read_text())
     assert progress["step"] == 2
     assert caches(tmp_path) == [cache] and (cache / "meta.json").stat().st_mtime_ns == prepared_at  # not rebuilt
