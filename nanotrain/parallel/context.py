@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.parallel.grid import Coords, RankGrid
+from nanotrain.parallel.progress import PROGRESS
 
 # Group attributes created on every ParallelContext, in creation order (which must be the same on
 # every rank, because torch matches new_group calls across ranks by their order).
@@ -172,6 +173,7 @@ class ParallelContext:
                     mine = (ranks, pg)
             self._group_ranks[name] = mine[0]
             setattr(self, f"{name}_pg", mine[1])
+            PROGRESS.name_group(mine[1], name)  # hang reports say "dp", not "group"
         self._create_embedding_groups()
 
     def _create_embedding_groups(self) -> None:
@@ -187,6 +189,7 @@ class ParallelContext:
                 self._pg_by_ranks[ranks] = pg
             if self.world_rank in ranks:
                 self.embedding_pg = pg
+                PROGRESS.name_group(pg, "embedding")
 
     def _create_pipeline_flow_groups(self) -> dict[tuple[int, int], dist.ProcessGroup]:
         """For every pp group, a two-rank group per flow (kind, sending pp rank r): activations
@@ -202,6 +205,7 @@ class ParallelContext:
                     pg = dist.new_group(ranks=sorted(pair), timeout=self.timeout)
                     if self.world_rank in pair:
                         mine[(kind, src)] = pg
+                        PROGRESS.name_group(pg, "pp flow")
         return mine
 
     # ------------------------------------------------------------------ queries

@@ -26,6 +26,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from nanotrain.parallel import collectives
+from nanotrain.parallel.progress import PROGRESS
+
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became non-finite at ``step``; nothing was saved after it."""
@@ -50,7 +53,8 @@ class StopVote:
         flags = torch.stack([code, bad.to(code.dtype).reshape(())])
         work = None
         if dist.is_available() and dist.is_initialized():
-            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            work = collectives.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True,
+                                          what="all_reduce stop vote")
         self._pending.append((step, work, flags, loss, grad_norm))
 
     def settle(self, latest: bool) -> int:
@@ -62,6 +66,7 @@ class StopVote:
         code = 0
         for step, work, flags, loss, grad_norm in ready:
             if work is not None:
+                PROGRESS.entering("wait all_reduce stop vote", self.group)
                 work.wait()
             stop, bad = flags.tolist()
             if bad > 0:

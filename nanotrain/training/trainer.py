@@ -36,6 +36,7 @@ from nanotrain.logging import metrics_logger_for
 from nanotrain.optim import build_lr_scheduler, build_optimizer
 from nanotrain.parallel.context import ParallelContext
 from nanotrain.parallel.data_parallel import BucketedGradSync
+from nanotrain.parallel.progress import PROGRESS
 from nanotrain.training.builder import build_engine, build_model
 from nanotrain.training.step import train_step
 from nanotrain.training.stop_vote import StopVote
@@ -99,21 +100,30 @@ class DistributedTrainer:
         """Run to `training.train_steps` ("completed"), or until the ranks agree to stop
         ("preempted", after saving when `checkpoints.save_on_preemption`; `self.stop_code` says
         which request). Raises TrainingDiverged (nothing saved after the last finite step)."""
+        PROGRESS.arm(self.step)  # the hang watchdog judges from here (launch/hang.py)
+        outcome = self._loop()
+        PROGRESS.disarm()  # not on an exception: the task tells a failed collective by it
+        return outcome
+
+    def _loop(self) -> str:
         t = self.config.training
         m = t.batch_accumulation_per_replica
         global_batch = self.config.parallelism.dp * t.micro_batch_size * m
         start = time.perf_counter()
         while self.step < t.train_steps:
             # Middle pipeline stages read no data: m placeholders.
+            PROGRESS.mark("data")
             microbatches = self.batches.get(self.consumed_samples) if self.batches else [None] * m
             stats = train_step(self.model, microbatches, self.grad_sync, self.optimizer, self.scheduler, self.pc,
                                self.config.optimizer.clip_grad, engine=self.engine, message=self.message)
             self.step += 1
+            PROGRESS.advance(self.step)
             self.consumed_samples += global_batch
             if self.batches and self.step < t.train_steps:
                 self.batches.prefetch(self.consumed_samples)  # overlaps this step's GPU work
             # Host time of the step (data included, saves not); the stop vote keeps the host
             # within a step of the GPU, so over a logging interval it is the device's time.
+            PROGRESS.mark("metrics")
             self.metrics.log(self.step, stats.loss_tensor, stats.lr, stats.grad_norm_tensor,
                              time.perf_counter() - start)
 
@@ -121,6 +131,7 @@ class DistributedTrainer:
             # reads its own vote first, the others the previous step's (stop_vote.py).
             interval = self.config.checkpoints.interval
             saves = bool(interval and self.step % interval == 0) or self.step == t.train_steps
+            PROGRESS.mark("stop vote")
             self.votes.post(self.step, stats.loss_tensor, stats.grad_norm_tensor)
             self.stop_code = self.votes.settle(latest=saves)
             if self.stop_code and not saves:  # about to save: this step must be finite too
@@ -138,6 +149,7 @@ class DistributedTrainer:
     def save(self) -> None:
         if self.saved_step == self.step:
             return  # written (or loaded and verified) by this process: not hashed again
+        PROGRESS.mark("checkpoint")
         t = self.config.training
         extra = {"consumed_samples": self.consumed_samples,
                  "consumed_tokens": self.consumed_samples * t.sequence_length}
