@@ -75,7 +75,10 @@ class TrainingArgs:
     batch_accumulation_per_replica: int = bounded(1, 1, doc="micro-batches per step = pipeline m")
     seed: int = bounded(42, 0, 2**63 - 1, doc="init, data order and dropout-free RNG")
     collective_timeout_s: float = bounded(
-        600.0, 1.0, doc="timeout of every process group: a collective waiting longer fails the job")
+        600.0, 1.0, doc="timeout of every process group and of the hang watchdog: a rank whose step does "
+                        "not advance this long ends the job (exit 4) with reports in <run>/hang/")
+    profile: Optional[dict[str, int]] = doc(
+        None, "{start_step, num_steps}: torch.profiler traces of those steps in <run>/profile/; null = off")
 
 
 @dataclass
@@ -107,6 +110,8 @@ class CheckpointArgs:
     resume: bool = doc(True, "continue from the latest complete checkpoint in the run dir")
     save_on_preemption: bool = doc(True, "save when SLURM signals a preemption or time limit")
     allow_foreign: bool = doc(False, "resume from a checkpoint another run wrote (else refused)")
+    async_save: bool = doc(False, "copy the state to host memory at the step and write it from a background "
+                                  "thread while training goes on (committed at a later step)")
 
 
 @dataclass

@@ -90,6 +90,7 @@ class HangWatchdog:
         self.on_hang, self.progress = on_hang, progress
         self._lock = threading.Lock()
         self._written = False
+        self.frozen_s = 0.0  # the longest this process did not run at all (SIGSTOP, a frozen VM)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="nanotrain-hang-watchdog", daemon=True)
         self._main = threading.main_thread().ident
@@ -105,7 +106,14 @@ class HangWatchdog:
 
     def _watch(self) -> None:
         poll = min(1.0, max(0.05, self.timeout_s / 20))
+        woke = time.monotonic()
         while not self._stop.wait(poll):
+            # A poll that comes back far later than asked: the whole process was not running
+            # (stopped, then continued, e.g. by SLURM's SIGCONT before it kills a job step).
+            now = time.monotonic()
+            if now - woke > max(10 * poll, 2.0):
+                self.frozen_s = max(self.frozen_s, now - woke - poll)
+            woke = now
             p = self.progress
             idle = time.monotonic() - p.beat
             if p.armed and idle > self.timeout_s:
@@ -126,6 +134,7 @@ class HangWatchdog:
                       "pid": os.getpid(), "time": time.time(), "reason": reason, **snap,
                       "waiting_in_communication": waiting_in_communication(self._main) if waiting is None
                       else waiting,
+                      "frozen_s": round(self.frozen_s, 3),
                       "job_id": os.environ.get("SLURM_JOB_ID"),
                       "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
                       "stacks": thread_stacks(), "nccl_flight_recorder": nccl_flight_recorder()}

@@ -3,8 +3,10 @@
 The rank that causes a hang is the one that writes least: a stopped process (SIGSTOP, a frozen
 node) writes nothing at all, and its peers all wait in a collective it never entered. So the
 culprit is, in order: a rank with no report (its peers' collective is the one it did not reach);
-else a rank that is not waiting in communication (stuck in its own code, e.g. asleep inside a
-pipeline step); else the rank at the earliest step. Only the reports of the latest incarnation
+else a rank that was itself frozen (its watchdog saw the whole process not run: a SIGSTOPped
+task that SLURM continues with SIGCONT before killing it writes its report late); else a rank
+that is not waiting in communication (stuck in its own code, e.g. asleep inside a pipeline
+step); else the rank at the earliest step. Only the reports of the latest incarnation
 count (a requeued job's earlier hang is history, counted separately).
 """
 from __future__ import annotations
@@ -64,14 +66,19 @@ def culprit(reports: list[dict]) -> Optional[str]:
         others = f" (also silent: {', '.join(map(str, missing[1:]))})" if len(missing) > 1 else ""
         return (f"hung at step {witness.get('step')} in {witness.get('phase')}; rank {rank} did not reach "
                 f"{name} on {group}{others}; rank {rank} wrote no report (stopped or dead)")
+    frozen = [r for r in reports if (r.get("frozen_s") or 0) > 0]
     stuck = [r for r in reports if not r.get("waiting_in_communication")]
-    target = min(stuck or reports, key=lambda r: (r.get("step", 0), r["rank"]))
+    if frozen:
+        target = max(frozen, key=lambda r: (r["frozen_s"], -r["rank"]))
+    else:
+        target = min(stuck or reports, key=lambda r: (r.get("step", 0), r["rank"]))
     rank = target["rank"]
     waiters = [r for r in reports if r is not target and r.get("collective")
                and rank in r["collective"]["group"].get("ranks", [])]
     name, group = _group_text((waiters[0] if waiters else target).get("collective"))
+    why = f"; rank {rank} was frozen for {target['frozen_s']:.0f} s (stopped)" if frozen else ""
     return (f"hung at step {target.get('step')} in {target.get('phase')}; rank {rank} did not reach "
-            f"{name} on {group}")
+            f"{name} on {group}{why}")
 
 
 def hang_lines(run_dir: Path) -> list[str]:

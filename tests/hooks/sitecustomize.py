@@ -22,3 +22,23 @@ if _spec and os.environ.get("RANK") == _spec.split(":")[0] and os.environ.get("N
         return _communicate(self, sends, recvs, timer)
 
     PipelineEngine._communicate = _sleepy_communicate
+
+# ``NANOTRAIN_TEST_SLOW_WRITE=step_000010:SECONDS``: every rank's background checkpoint writer
+# (checkpoints.async_save) sleeps that long before writing each file of that checkpoint, so a
+# test can act while the write is in flight (kill -9 a rank, preempt the job).
+_slow = os.environ.get("NANOTRAIN_TEST_SLOW_WRITE")
+if _slow and os.environ.get("NANOTRAIN_LAUNCHER") and os.environ.get("RANK"):
+    import threading
+    import time
+
+    from nanotrain.checkpoint import format as _fmt
+
+    _dir, _seconds = _slow.split(":")
+    _write = _fmt.write_safetensors
+
+    def _slow_write(path, tensors, header):
+        if f"{_dir}.tmp" in str(path) and threading.current_thread() is not threading.main_thread():
+            time.sleep(float(_seconds))
+        return _write(path, tensors, header)
+
+    _fmt.write_safetensors = _slow_write
