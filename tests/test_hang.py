@@ -111,6 +111,10 @@ def _report(rank, step, phase, coll, ranks, waiting=True, world=4):
       _report(1, 7, "forward (pp F micro-batch 2)", "pipeline send", [0, 1], waiting=False, world=2)],
      "hung at step 7 in forward (pp F micro-batch 2); rank 1 did not reach all_reduce gradient bucket 0 "
      "on dp (ranks 0, 1)"),
+    # SLURM continues a stopped task (SIGCONT) before it kills it: it reports late, frozen.
+    ([_report(0, 7, "backward", "tp all_reduce", [0, 1], world=2),
+      {**_report(1, 7, "backward", "tp all_reduce", [0, 1], world=2), "frozen_s": 9.5}],
+     "hung at step 7 in backward; rank 1 did not reach tp all_reduce on dp (ranks 0, 1); rank 1 was frozen"),
 ])
 def test_culprit_from_reports(reports_, expected):
     assert culprit(reports_).startswith(expected)
