@@ -24,7 +24,7 @@ def sets(items):
 def test_profile_files_hold_the_asked_steps_only_and_stragglers_are_logged(tmp_path):
     run_dir = tmp_path / "profiled"
     items = [f"logging.dir={tmp_path}", "logging.run_name=profiled", *LAYOUT,
-             "training.profile.start_step=3", "training.profile.num_steps=2"]
+             "training.profile={start_step: 3, num_steps: 2}"]
     proc = subprocess.run(cli(str(TINY), "--local", *sets(items)), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     files = sorted(p.name for p in (run_dir / "profile").iterdir())
@@ -43,8 +43,10 @@ def test_profile_files_hold_the_asked_steps_only_and_stragglers_are_logged(tmp_p
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("training.profile.start=3", "training.profile.start: unknown key"),
-    ("training.profile.num_steps=0", "training.profile.start_step: missing"),
+    ("training.profile={start: 3, num_steps: 2}", "training.profile.start: unknown key"),
+    ("training.profile={num_steps: 2}", "training.profile.start_step: missing"),
+    ("training.profile={start_step: 0, num_steps: 2}", "training.profile.start_step: 0 must be >= 1"),
+    ("training.profile={start_step: 500, num_steps: 2}", "training.profile.start_step: 500 is after the last step"),
 ])
 def test_bad_profile_setting_is_one_error_line(tmp_path, setting, message):
     proc = subprocess.run(cli(str(TINY), "--dry-run", *sets([f"logging.dir={tmp_path}", setting])),
