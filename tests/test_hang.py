@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from test_failures import assert_latest_intact, rank_pid, step_of
 
+from nanotrain.config import load_config
+from nanotrain.data.build import prepare_dataset
 from nanotrain.launch.hang import EXIT_HUNG
 from nanotrain.launch.hang_status import culprit
 
@@ -32,6 +34,23 @@ def overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
     return [arg for item in items for arg in ("--set", item)]
 
 
+def warm_data_cache(logs: Path) -> None:
+    """Tokenise the tiny config's data into the run's cache now (the product's own builder):
+    with a collective timeout of seconds, rank 0 tokenising at start-up on a loaded machine
+    would otherwise time out the others' start-up barrier before training begins."""
+    t = load_config(str(TINY)).training
+    prepare_dataset(load_config(str(TINY)).data, seq_len=t.sequence_length, cache_dir=str(logs / ".cache" / "data"),
+                    vocab_size=256)
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> Path:
+    """One logging.dir for this module's runs, its data cache filled once."""
+    path = tmp_path_factory.mktemp("hang-logs")
+    warm_data_cache(path)
+    return path
+
+
 def reports(run_dir: Path) -> dict[int, dict]:
     return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in (run_dir / "hang").glob("rank-*.json")}
 
@@ -43,7 +62,8 @@ def status_of(run_dir: Path) -> str:
 
 
 @pytest.mark.timeout(400)
-def test_sigstop_of_one_of_8_local_ranks(tmp_path):
+def test_sigstop_of_one_of_8_local_ranks(logs):
+    tmp_path = logs
     run_dir = tmp_path / "stopped"
     proc = subprocess.Popen(cli(str(TINY), "--local", *overrides(tmp_path, "stopped")),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -76,7 +96,8 @@ def test_sigstop_of_one_of_8_local_ranks(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_rank_asleep_inside_a_pipeline_step(tmp_path):
+def test_rank_asleep_inside_a_pipeline_step(logs):
+    tmp_path = logs
     run_dir = tmp_path / "asleep"
     layout = ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=2"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOKS), os.environ.get("PYTHONPATH", "")]),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from test_failures import rank_pid, step_of
+from test_hang import warm_data_cache
 
 from helpers.runs import TINY, cli, tb_losses
 from helpers.slurm import job_state, restart_count, start_now_if_requeued, submitted_job_id, wait_for_job, wait_until
@@ -25,6 +26,7 @@ TIMEOUT_S = 8
 @pytest.mark.timeout(600)
 def test_sigstop_on_slurm_requeues_and_completes(slurm_cluster, tmp_path):
     steps = 20
+    warm_data_cache(tmp_path)
     items = [f"logging.dir={tmp_path}", "logging.run_name=slurm-hang", f"training.train_steps={steps}",
              "logging.log_interval=1", "checkpoints.interval=5", f"training.collective_timeout_s={TIMEOUT_S}",
              "slurm.max_requeues=2"]
