@@ -48,6 +48,12 @@ def is_comm_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _COMM_FAILURE_WORDS)
 
 
+def is_timeout(exc: BaseException) -> bool:
+    """The collective gave up waiting (the rank itself saw the hang), as opposed to a peer that
+    went away — which is how every rank sees another rank's crash, bug or not."""
+    return any(w in str(exc).lower() for w in ("timed out", "timeout"))
+
+
 def thread_stacks() -> dict[str, list[str]]:
     """The Python stack of every thread, innermost frame last (``traceback`` format)."""
     names = {t.ident: t.name for t in threading.enumerate()}

@@ -70,7 +70,7 @@ def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> d
     # Imported only now, with the stop handler installed (they import torch: seconds), and before
     # any process group exists: importing the model pulls in torch._dynamo, whose import takes
     # references to an existing default group that are only dropped at interpreter exit.
-    from nanotrain.launch.hang import EXIT_HUNG, HangWatchdog, is_comm_failure
+    from nanotrain.launch.hang import EXIT_HUNG, HangWatchdog, is_comm_failure, is_timeout
     from nanotrain.launch.smoke import smoke_step
     from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.progress import PROGRESS
@@ -121,7 +121,8 @@ def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> d
         # A peer never answered (or went away) during training: a hang, reported like the
         # watchdog's (whichever comes first writes this rank's report).
         watchdog.report_failure(exc)
-        _after_hang(config, env, run_dir)
+        if is_timeout(exc):  # a peer that went away (a crash: its own error) is not requeued here
+            _after_hang(config, env, run_dir)
         traceback.clear_frames(exc.__traceback__)  # its frames hold process groups: let them go
         raise SystemExit(EXIT_HUNG) from None
     finally:
