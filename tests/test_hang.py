@@ -17,7 +17,7 @@ from test_failures import assert_latest_intact, rank_pid, step_of
 
 from nanotrain.config import load_config
 from nanotrain.data.build import prepare_dataset
-from nanotrain.launch.hang import EXIT_HUNG
+from nanotrain.launch.hang import EXIT_HUNG, is_comm_failure, is_timeout
 from nanotrain.launch.hang_status import culprit
 
 from helpers.runs import TINY, cli
@@ -139,3 +139,13 @@ def _report(rank, step, phase, coll, ranks, waiting=True, world=4):
 ])
 def test_culprit_from_reports(reports_, expected):
     assert culprit(reports_).startswith(expected)
+
+
+@pytest.mark.parametrize("exc, comm, timeout", [
+    (RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv"), True, True),
+    (RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:23252"), True, False),
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"), False, False),
+    (ValueError("timed out"), False, True),
+])
+def test_which_errors_count_as_a_hang(exc, comm, timeout):
+    assert is_comm_failure(exc) is comm and is_timeout(exc) is timeout
