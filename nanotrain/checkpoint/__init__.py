@@ -76,6 +76,7 @@ _HOMES = {
     "CheckpointError": "layout", "CheckpointMismatch": "layout", "complete_checkpoints": "layout",
     "load_candidates": "layout", "read_latest": "layout", "verify_checkpoint": "format",
     "LoadedCheckpoint": "load", "load_checkpoint": "load", "prune": "save", "save_checkpoint": "save",
+    "begin_save": "save",
 }
 __all__ = list(_HOMES)
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.checkpoint import json_bytes
+from nanotrain.parallel import collectives
 
 
 class World:
@@ -35,8 +36,8 @@ class World:
         """Every rank's encoded size, and this rank's bytes padded to the largest (one all-gather)."""
         mine = self._bytes_tensor(obj)
         sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
-        dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=self.device),
-                        group=self.group)
+        collectives.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=self.device),
+                               group=self.group, what="checkpoint all_gather sizes")
         sizes = [int(s.item()) for s in sizes]
         padded = torch.zeros(max(sizes), dtype=torch.uint8, device=self.device)
         padded[:mine.numel()] = mine
@@ -48,7 +49,7 @@ class World:
             return [obj]
         sizes, padded = self._padded(obj)
         out = [torch.empty(padded.numel(), dtype=torch.uint8, device=self.device) for _ in range(self.size)]
-        dist.all_gather(out, padded, group=self.group)
+        collectives.all_gather(out, padded, group=self.group, what="checkpoint all_gather")
         return [self._decode(t, n) for t, n in zip(out, sizes)]
 
     def gather(self, obj, dst: int = 0) -> list | None:
@@ -58,8 +59,8 @@ class World:
         sizes, padded = self._padded(obj)
         out = ([torch.empty(padded.numel(), dtype=torch.uint8, device=self.device) for _ in range(self.size)]
                if self.rank == dst else None)
-        dist.gather(padded, out, dst=dist.get_global_rank(self.group, dst) if self.group is not None else dst,
-                    group=self.group)
+        collectives.gather(padded, out, dst=dist.get_global_rank(self.group, dst) if self.group is not None else dst,
+                           group=self.group, what="checkpoint gather")
         return [self._decode(t, n) for t, n in zip(out, sizes)] if self.rank == dst else None
 
     def broadcast(self, obj, src: int = 0):
@@ -68,9 +69,9 @@ class World:
             return obj
         mine = self._bytes_tensor(obj) if self.rank == src else None
         size = torch.tensor([mine.numel() if mine is not None else 0], dtype=torch.int64, device=self.device)
-        dist.broadcast(size, src=src, group=self.group)
+        collectives.broadcast(size, src=src, group=self.group, what="checkpoint broadcast size")
         buf = mine if mine is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        dist.broadcast(buf, src=src, group=self.group)
+        collectives.broadcast(buf, src=src, group=self.group, what="checkpoint broadcast")
         return self._decode(buf, int(size.item()))
 
     def any(self, flag: bool) -> bool:
@@ -78,5 +79,5 @@ class World:
         if not self.active:
             return flag
         t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        collectives.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, what="checkpoint all_reduce flag")
         return bool(t.item())

@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import shutil
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -64,6 +65,24 @@ def save_checkpoint(root: str | Path, step: int, model: Models, optimizer=None, 
     tensor's sha256, on rank 0; callers that know they just wrote it skip the call instead),
     otherwise it is moved aside and written again.
     """
+    pending = begin_save(root, step, model, optimizer, scheduler, pc, extra, config, keep_last=keep_last,
+                         rank_state=rank_state, granularity=granularity, run_id=run_id)
+    return pending if isinstance(pending, Path) else pending.finish()
+
+
+def begin_save(root: str | Path, step: int, model: Models, optimizer=None, scheduler=None, pc=None,
+               extra: dict | None = None, config=None, *, keep_last: int | None = None,
+               rank_state: dict | None = None, granularity: str = "rank", run_id: str | None = None,
+               background: bool = False) -> "PendingSave | Path":
+    """Steps 1-2 of the protocol (collectives on the world group, at the step boundary) and this
+    rank's state taken as it is now; returns the path when the save is skipped, else a
+    ``PendingSave`` whose ``finish()`` (every rank, at one step) writes what is left and commits.
+
+    ``background``: the state is copied to host memory now (pinned, on a GPU) and written by a
+    thread while training goes on (``checkpoints.async_save``); the thread does no collective
+    (the commit's gather runs in ``finish``, on the calling thread). Everything of the step that
+    the commit records (RNG states, scheduler, learning rates, ``extra``) is captured here too.
+    """
     t0 = time.perf_counter()
     world = World(pc)
     root = Path(root)
@@ -97,32 +116,68 @@ def save_checkpoint(root: str | Path, step: int, model: Models, optimizer=None, 
         for k in p["keys"]:
             writer.setdefault(k, r)
     try:
-        report = _write_rank(tmp, world.rank, plan, writer, rank_state, granularity)
+        work = _select(world.rank, plan, writer, rank_state, background)
     except Exception:
-        report = {"error": f"rank {world.rank}: {traceback.format_exc()}"}
-    reports = world.gather(report)  # to rank 0, which commits (or reports every rank's error)
+        work = {"error": f"rank {world.rank}: {traceback.format_exc()}"}
+    try:
+        live = _live_state(optimizer, scheduler, extra) if world.rank == 0 else None
+    except Exception:  # reported by the commit, on every rank together
+        live = {"error": traceback.format_exc()}
+    commit = dict(root=root, final=final, tmp=tmp, step=step, cfg=cfg, pc=pc, keep_last=keep_last,
+                  run_id=run_id, granularity=granularity, live=live, t0=t0, topology=topology_of(pc, optimizer, cfg))
+    return PendingSave(world, commit, lambda: _write_rank(tmp, work, granularity), background)
 
-    result = None
-    if world.rank == 0:
-        errors = [r["error"] for r in reports if "error" in r]
-        if errors:
-            result = {"error": "\n".join(errors)}
+
+class PendingSave:
+    """The writing and the commit of one save (``begin_save``): ``done()`` says whether this
+    rank's files are written (no communication); ``finish()`` waits for them, then every rank
+    takes part in the commit (gather to rank 0, COMPLETE, rename, ``latest``, broadcast)."""
+
+    def __init__(self, world: World, commit: dict, write, background: bool):
+        self.world, self.commit, self.step, self.path = world, commit, commit["step"], commit["final"]
+        self._report: dict | None = None
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._write, args=(write,), daemon=True,
+                                            name="nanotrain-checkpoint-writer")
+            self._thread.start()
         else:
-            try:
-                meta = _meta(step, extra, cfg, pc, optimizer, scheduler, reports, granularity)
-                meta["run_id"] = run_id
-                meta["save_seconds_before_commit"] = round(time.perf_counter() - t0, 4)
-                _commit(root, tmp, final, meta, step, keep_last, run_id)
-                result = {"ok": True, "bytes": sum(f["bytes"] for f in meta["files"].values())}
-            except Exception:
-                result = {"error": traceback.format_exc()}
-    result = world.broadcast(result)
-    if "error" in result:
-        raise CheckpointError(f"saving {final} failed:\n{result['error']}")
-    if world.rank == 0:
-        log.info("saved %s: %.1f MB in %.2f s", final, result["bytes"] / 1e6, time.perf_counter() - t0)
-    return final
+            self._write(write)
 
+    def _write(self, write) -> None:
+        try:
+            self._report = write()
+        except Exception:
+            self._report = {"error": f"rank {self.world.rank}: {traceback.format_exc()}"}
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def finish(self) -> Path:
+        if self._thread is not None:
+            self._thread.join()
+        c, world = self.commit, self.world
+        reports = world.gather(self._report)  # to rank 0, which commits (or reports every rank's error)
+        result = None
+        if world.rank == 0:
+            errors = [r["error"] for r in [*reports, c["live"]] if "error" in r]
+            if errors:
+                result = {"error": "\n".join(errors)}
+            else:
+                try:
+                    meta = _meta(c["step"], c["cfg"], c["pc"], c["topology"], c["live"], reports, c["granularity"])
+                    meta["run_id"] = c["run_id"]
+                    meta["save_seconds_before_commit"] = round(time.perf_counter() - c["t0"], 4)
+                    _commit(c["root"], c["tmp"], c["final"], meta, c["step"], c["keep_last"], c["run_id"])
+                    result = {"ok": True, "bytes": sum(f["bytes"] for f in meta["files"].values())}
+                except Exception:
+                    result = {"error": traceback.format_exc()}
+        result = world.broadcast(result)
+        if "error" in result:
+            raise CheckpointError(f"saving {c['final']} failed:\n{result['error']}")
+        if world.rank == 0:
+            log.info("saved %s: %.1f MB in %.2f s", c["final"], result["bytes"] / 1e6, time.perf_counter() - c["t0"])
+        return c["final"]
 
 
 def _prepare(root: Path, name: str, tmp: Path) -> dict:
@@ -167,8 +222,21 @@ def _plan(params, optimizer, pc) -> dict:
     return {"params": params, "infos": infos, "opt": opt, "keys": keys, "pc": pc}
 
 
-def _write_rank(tmp: Path, rank: int, plan: dict, writer: dict, rank_state, granularity) -> dict:
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy that training cannot change under the writer: pinned host memory on a GPU (the
+    copy is asynchronous; ``_select`` syncs once at the end), a plain clone on the CPU."""
+    t = t.detach()
+    if t.device.type == "cuda":
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return out.copy_(t, non_blocking=True)
+    return t.clone()
+
+
+def _select(rank: int, plan: dict, writer: dict, rank_state, snapshot: bool) -> dict:
+    """What this rank writes, taken now: its assigned records (copied to the host when
+    ``snapshot``: an async save), its RNG states and per-rank state."""
     params, infos, opt, keys, pc = plan["params"], plan["infos"], plan["opt"], plan["keys"], plan["pc"]
+    keep = _host_copy if snapshot else (lambda t: t.detach())
     coords = coords_of(pc)
     ep = coords["ep"] if pc is not None and pc.ep_size > 1 else None
     # Parameters are written by dp/cp rank 0 (the lowest rank of a replica set): their file is
@@ -177,37 +245,44 @@ def _write_rank(tmp: Path, rank: int, plan: dict, writer: dict, rank_state, gran
                               cp=coords["cp"] or None)
     opt_tag = fmt.coord_tag(pp=coords["pp"], tp=coords["tp"], ep=ep, dp=coords["dp"],
                             cp=coords["cp"] if pc is not None and pc.cp_size > 1 else None)
-    model_items = [(n, ps[0].detach(), infos[n]) for n, ps in params.items()
+    model_items = [(n, keep(ps[0]), infos[n]) for n, ps in params.items()
                    if writer[keys[("model", n)]] == rank]
-    opt_items = [(n, infos[n], e.local_shape, e.start, e.stop, e.step, e.exp_avg.detach(), e.exp_avg_sq.detach())
+    opt_items = [(n, infos[n], e.local_shape, e.start, e.stop, e.step, keep(e.exp_avg), keep(e.exp_avg_sq))
                  for n, e in opt.items() if writer[keys[("optimizer", n)]] == rank]
+    if snapshot and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()  # the pinned copies have landed
+    return {"rank": rank, "coords": coords, "model_tag": model_tag, "opt_tag": opt_tag, "model_items": model_items,
+            "opt_items": opt_items, "rng": capture_rng(), "rank_state": rank_state}
 
+
+def _write_rank(tmp: Path, work: dict, granularity) -> dict:
+    if "error" in work:
+        return work
+    rank, coords = work["rank"], work["coords"]
     files, index = {}, {"model": {}, "optimizer": {}}
-    if model_items:
-        f, index["model"] = shard_files.write_model_shards(tmp, model_tag, model_items, granularity, coords["pp"])
+    if work["model_items"]:
+        f, index["model"] = shard_files.write_model_shards(tmp, work["model_tag"], work["model_items"], granularity,
+                                                           coords["pp"])
         files.update(f)
-    if opt_items:
-        f, index["optimizer"] = shard_files.write_optimizer_shards(tmp, opt_tag, opt_items, granularity, coords["pp"])
+    if work["opt_items"]:
+        f, index["optimizer"] = shard_files.write_optimizer_shards(tmp, work["opt_tag"], work["opt_items"],
+                                                                   granularity, coords["pp"])
         files.update(f)
     state_rel = f"state/rank-{rank:05d}.safetensors"
     files[state_rel] = fmt.write_safetensors(
-        tmp / state_rel, capture_rng(),
-        {"kind": "state", "rank": rank, "coords": coords, "rank_state": rank_state})
+        tmp / state_rel, work["rng"],
+        {"kind": "state", "rank": rank, "coords": coords, "rank_state": work["rank_state"]})
     return {"files": files, "index": index, "state": state_rel}
 
 
-def _meta(step, extra, cfg, pc, optimizer, scheduler, reports, granularity) -> dict:
-    files, model_index, opt_index, state_index = {}, {}, {}, {}
-    for rank, report in enumerate(reports):
-        files.update(report["files"])
-        shard_files.merge_index(model_index, report["index"]["model"])
-        shard_files.merge_index(opt_index, report["index"]["optimizer"])
-        state_index[str(rank)] = report["state"]
+def _live_state(optimizer, scheduler, extra) -> dict:
+    """What the commit records of the training state at the save's step (rank 0, taken at once:
+    an async commit happens steps later)."""
     sched = None
     if scheduler is not None:
         sched = scheduler.state_dict()
         try:
-            json.dumps(sched)
+            sched = json.loads(json.dumps(sched))
         except TypeError as e:
             raise fmt.CheckpointError(f"scheduler state is not plain data (JSON): {e}") from None
     groups = None
@@ -217,11 +292,21 @@ def _meta(step, extra, cfg, pc, optimizer, scheduler, reports, granularity) -> d
         extra_json = json.loads(json.dumps(extra or {}))
     except TypeError as e:
         raise fmt.CheckpointError(f"`extra` must be JSON-able: {e}") from None
+    return {"scheduler": sched, "param_groups": groups, "extra": extra_json}
+
+
+def _meta(step, cfg, pc, topology, live, reports, granularity) -> dict:
+    files, model_index, opt_index, state_index = {}, {}, {}, {}
+    for rank, report in enumerate(reports):
+        files.update(report["files"])
+        shard_files.merge_index(model_index, report["index"]["model"])
+        shard_files.merge_index(opt_index, report["index"]["optimizer"])
+        state_index[str(rank)] = report["state"]
     return {
-        "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "step": int(step), "extra": extra_json,
-        "topology": topology_of(pc, optimizer, cfg), "world_size": len(reports),
+        "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "step": int(step), "extra": live["extra"],
+        "topology": topology, "world_size": len(reports),
         "config_hash": hashlib.sha256(fmt.canonical(cfg).encode()).hexdigest() if cfg is not None else None,
-        "config": cfg, "scheduler": sched, "param_groups": groups,
+        "config": cfg, "scheduler": live["scheduler"], "param_groups": live["param_groups"],
         "granularity": granularity, "checksum": fmt.CHECKSUM,
         "created_unix": time.time(), "torch_version": torch.__version__,
         "files": dict(sorted(files.items())),

@@ -78,7 +78,10 @@ class TrainingArgs:
     eval_interval: int = bounded(0, 0, doc="validate every N steps and at the last step; 0 = off")
     eval_batches: int = bounded(1, 0, doc="global batches of data.validation per evaluation")
     collective_timeout_s: float = bounded(
-        600.0, 1.0, doc="timeout of every process group: a collective waiting longer fails the job")
+        600.0, 1.0, doc="timeout of every process group and of the hang watchdog: a rank whose step does "
+                        "not advance this long ends the job (exit 4) with reports in <run>/hang/")
+    profile: Optional[dict[str, int]] = doc(
+        None, "{start_step, num_steps}: torch.profiler traces of those steps in <run>/profile/; null = off")
 
 
 @dataclass
@@ -136,6 +139,8 @@ class CheckpointArgs:
     resume: bool = doc(True, "continue from the latest complete checkpoint in the run dir")
     save_on_preemption: bool = doc(True, "save when SLURM signals a preemption or time limit")
     allow_foreign: bool = doc(False, "resume from a checkpoint another run wrote (else refused)")
+    async_save: bool = doc(False, "copy the state to host memory at the step and write it from a background "
+                                  "thread while training goes on (committed at a later step)")
 
 
 @dataclass

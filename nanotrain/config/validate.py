@@ -255,9 +255,31 @@ def check_world_size(config: Config, world_size: int, where: str) -> None:
               f"or launch {config.parallelism.world_size} processes")
 
 
+PROFILE_KEYS = ("start_step", "num_steps")
+
+
+def validate_profile(config: Config) -> None:
+    """`training.profile`: exactly {start_step >= 1, num_steps >= 1}, inside the run."""
+    prof = config.training.profile
+    if prof is None:
+        return
+    for key in prof:
+        if key not in PROFILE_KEYS:
+            _fail(f"training.profile.{key}: unknown key; use training.profile: {{start_step: S, num_steps: N}}")
+    for key in PROFILE_KEYS:
+        if key not in prof:
+            _fail(f"training.profile.{key}: missing; use training.profile: {{start_step: S, num_steps: N}}")
+        if prof[key] < 1:
+            _fail(f"training.profile.{key}: {prof[key]} must be >= 1 (steps count from 1)")
+    if prof["start_step"] > config.training.train_steps:
+        _fail(f"training.profile.start_step: {prof['start_step']} is after the last step "
+              f"(training.train_steps = {config.training.train_steps}); profile an earlier step")
+
+
 def validate(config: Config, *, slurm: bool = False) -> SlurmLayout | None:
     """All pre-submission checks; returns the SLURM layout when `slurm` is true."""
     check_fields(config)
+    validate_profile(config)
     validate_model(config)
     validate_optimizer(config)
     validate_data(config)

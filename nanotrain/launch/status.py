@@ -22,6 +22,7 @@ from typing import Optional, TextIO
 
 from nanotrain.config import ConfigError
 from nanotrain.launch import rundir
+from nanotrain.launch.hang_status import hang_lines
 from nanotrain.launch.prepare import prepared_line
 from nanotrain.logging.metrics import PROGRESS_FILE, format_eta
 
@@ -227,4 +228,6 @@ def show_status(run_dir: str | Path, out: TextIO | None = None) -> int:
         print("state: local processes (no scheduler to ask)", file=out)
     prepared = prepared_line(run_dir)
     print(prepared if prepared is not None else progress_line(_read_progress(run_dir), run_dir), file=out)
+    for line in hang_lines(run_dir):  # a run that hung: the culprit, from the ranks' reports
+        print(line, file=out)
     return 0

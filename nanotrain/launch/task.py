@@ -8,6 +8,10 @@ not the trainer, decides what an ending means: exit codes, requeue or not, one-l
     2   a user error found inside a rank (data, a checkpoint of another model or run, a run
         directory in use): one `error:` line, from the rank that found it
     3   training diverged (non-finite loss or grad norm): nothing saved after the last finite step
+    4   the job hung: a rank's step did not advance for training.collective_timeout_s (or a
+        collective failed because a peer never answered); reports in <run>/hang/rank-R.json,
+        `submit.py --status` names the culprit. On SLURM it is requeued like a node failure
+        (from the last complete checkpoint, while slurm.max_requeues allows)
     75  stopped and saved, but not requeued (a user's scancel, or the requeue budget is spent)
 """
 from __future__ import annotations
@@ -25,7 +29,9 @@ from nanotrain.launch.preemption import (
 
 _EARLY = PreemptionHandler.early() if __name__ == "__main__" else None
 
+import os  # noqa: E402
 import sys  # noqa: E402
+import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import submitit.helpers  # noqa: E402
@@ -64,16 +70,24 @@ def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> d
     # Imported only now, with the stop handler installed (they import torch: seconds), and before
     # any process group exists: importing the model pulls in torch._dynamo, whose import takes
     # references to an existing default group that are only dropped at interpreter exit.
+    from nanotrain.launch.hang import EXIT_HUNG, HangWatchdog, is_comm_failure, is_timeout
     from nanotrain.launch.smoke import smoke_step
     from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.progress import PROGRESS
     from nanotrain.training.stop_vote import TrainingDiverged
     from nanotrain.training.trainer import DistributedTrainer
 
+    # NCCL's flight recorder (the hang reports' dump), as torchtitan enables it; unused on gloo.
+    # (TORCH_FR_BUFFER_SIZE is the name since torch 2.7; TORCH_NCCL_TRACE_BUFFER_SIZE before.)
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     p = config.parallelism
     pc = ParallelContext(tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp,
                          data_parallel_size=p.dp, context_parallel_size=p.cp,
                          expert_parallel_size=p.ep, timeout_s=config.training.collective_timeout_s)
     claim, finished = None, False
+    watchdog = HangWatchdog(run_dir, env.rank, env.world_size, config.training.collective_timeout_s,
+                            on_hang=lambda: _after_hang(config, env, run_dir)).start()
     try:
         checkpoint_dir = Path(config.checkpoints.path or run_dir / "checkpoints")
         claim = ownership.claim(run_dir, checkpoint_dir, env.rank == 0, World(pc).broadcast)
@@ -101,7 +115,19 @@ def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> d
             print(f"error: {exc}; {kept}; resume from it with other settings (e.g. a lower optimizer.lr): "
                   f"python submit.py --resume {run_dir} --set ...", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_DIVERGED) from None
+    except Exception as exc:
+        if not (PROGRESS.armed and is_comm_failure(exc)):
+            raise
+        # A peer never answered (or went away) during training: a hang, reported like the
+        # watchdog's (whichever comes first writes this rank's report).
+        watchdog.report_failure(exc)
+        if is_timeout(exc):  # a peer that went away (a crash: its own error) is not requeued here
+            _after_hang(config, env, run_dir)
+        traceback.clear_frames(exc.__traceback__)  # its frames hold process groups: let them go
+        raise SystemExit(EXIT_HUNG) from None
     finally:
+        watchdog.stop()
+        PROGRESS.disarm()
         if claim is not None:
             claim.release()
         # Groups go before the interpreter does (see ParallelContext.destroy); the barrier only
@@ -125,6 +151,25 @@ def _train(trainer) -> tuple[str, int, int]:
         return outcome, trainer.step, trainer.stop_code
     finally:
         trainer.close()
+
+
+def _after_hang(config, env, run_dir: Path) -> None:
+    """On SLURM a hang counts like a node failure: requeue (from the last complete checkpoint)
+    while ``slurm.max_requeues`` allows. Every hung rank gets here; the first to create the
+    incarnation's marker file (shared run directory) asks, so one request goes out per hang."""
+    if env.launcher != "slurm":
+        return
+    marker = Path(run_dir) / "hang" / f"requeue-{env.job_id}-{env.restart_count}"
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        print(f"hang: cannot create {marker} ({exc}); requeueing anyway", file=sys.stderr, flush=True)
+    else:
+        os.close(fd)
+    print(f"hang: rank {env.rank} requeues job {env.job_id} from its last complete checkpoint", flush=True)
+    request_requeue(config.slurm.max_requeues)
 
 
 def _requeue_during_startup(config) -> None:

@@ -36,6 +36,8 @@ TB_DIR = "tb"
 CONFIG_TEXT_TAG = "config"
 SCALAR_TAGS = ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec",
                "perf/tflops_per_gpu", "perf/mfu", "mem/peak_gb")
+# Scalars the trainer measures across ranks and hands to `log(extra=...)` (stragglers.py).
+CROSS_RANK_TAGS = ("perf/step_time_max_over_median",)
 GIB = 2 ** 30
 
 
@@ -125,7 +127,8 @@ class MetricsLogger:
         """Same answer on every rank: use it to skip the dp loss all-reduce on silent steps."""
         return step % self.log_interval == 0 or step == self.total_steps
 
-    def log(self, step: int, loss, lr: float, grad_norm, step_time_s: float) -> Optional[dict]:
+    def log(self, step: int, loss, lr: float, grad_norm, step_time_s: float,
+            extra: Optional[dict] = None) -> Optional[dict]:
         """Call after every optimizer step (1-based `step`), on every rank. On log steps of the
         logging rank writes everything and returns the metrics; otherwise returns None. `loss`
         and `grad_norm` may be 0-dim tensors; they are only read on log steps."""
@@ -135,7 +138,7 @@ class MetricsLogger:
         self._interval_time += float(step_time_s)
         if not self.should_log(step):
             return None
-        metrics = self._compute(step, loss, lr, grad_norm)
+        metrics = {**self._compute(step, loss, lr, grad_norm), **(extra or {})}
         self._interval_steps, self._interval_time = 0, 0.0
         self._write_tensorboard(step, metrics)
         self._write_console(step, metrics)
@@ -178,7 +181,7 @@ class MetricsLogger:
     def _write_tensorboard(self, step: int, metrics: dict) -> None:
         if self._writer is None:
             return
-        for tag in SCALAR_TAGS:
+        for tag in SCALAR_TAGS + CROSS_RANK_TAGS:
             if metrics.get(tag) is not None:
                 self._writer.add_scalar(tag, metrics[tag], global_step=step)
         self._writer.flush()  # a live `tensorboard --logdir` sees each point as it is logged

@@ -29,6 +29,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from nanotrain.parallel import collectives
 from nanotrain.parallel.pipeline_parallel.tied import is_tied_replica
 from nanotrain.parallel.sharding import get_shard_info
 
@@ -57,7 +58,7 @@ def global_grad_norm(params: Iterable[torch.Tensor], pc=None) -> torch.Tensor:
         sq += torch.stack(norms).double().pow(2).sum()
     group = getattr(pc, "mp_pg", None)
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+        collectives.all_reduce(sq, op=dist.ReduceOp.SUM, group=group, what="all_reduce grad norm")
     return sq.sqrt().float()
 
 

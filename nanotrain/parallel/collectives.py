@@ -6,6 +6,10 @@
   torch.distributed (the tests' device contract) sees every collective.
 * ``allreduce_flat_``: sum many small tensors over a group in ONE collective (on gloo and NCCL
   a collective's latency, not its size, dominates small messages), in place.
+* ``all_reduce``, ``broadcast``, ``all_gather``, ``gather``, ``batch_isend_irecv``: the plain
+  torch.distributed calls, each first telling the hang record (``progress.py``) which
+  collective on which group this rank enters. Every collective of training passes here, so a
+  hang report names the one a rank waits in; one attribute write each, no cost.
 """
 from __future__ import annotations
 
@@ -14,15 +18,19 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from nanotrain.parallel.progress import PROGRESS
+
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """``out`` = every rank's ``inp`` concatenated along dim 0, in rank order."""
+    PROGRESS.entering("all_gather", group)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """``out`` = this rank's dim-0 block of the sum of every rank's ``inp``."""
+    PROGRESS.entering("reduce_scatter", group)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
@@ -32,8 +40,39 @@ def allreduce_flat_(tensors: Sequence[torch.Tensor], group) -> None:
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
+    all_reduce(flat, group=group)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False,
+               what: str = "all_reduce"):
+    """``dist.all_reduce``; ``what`` names it in hang reports (e.g. "all_reduce grad bucket")."""
+    PROGRESS.entering(what, group)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, group_src: int | None = None,
+              what: str = "broadcast"):
+    PROGRESS.entering(what, group)
+    if group_src is not None:
+        return dist.broadcast(tensor, group_src=group_src, group=group)
+    return dist.broadcast(tensor, src=src, group=group)
+
+
+def all_gather(out: list, tensor: torch.Tensor, group=None, what: str = "all_gather"):
+    PROGRESS.entering(what, group)
+    return dist.all_gather(out, tensor, group=group)
+
+
+def gather(tensor: torch.Tensor, out, dst: int, group=None, what: str = "gather"):
+    PROGRESS.entering(what, group)
+    return dist.gather(tensor, out, dst=dst, group=group)
+
+
+def batch_isend_irecv(ops: list, what: str, group=None):
+    """``dist.batch_isend_irecv``; ``what`` says which sends/receives (pipeline messages)."""
+    PROGRESS.entering(what, group)
+    return dist.batch_isend_irecv(ops)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.parallel.grid import Coords, RankGrid
+from nanotrain.parallel.progress import PROGRESS
 
 # Group attributes created on every ParallelContext, in creation order: each rank creates its own
 # group of each, in this order (torch names locally synchronised groups by their ranks and the
@@ -204,6 +205,7 @@ class ParallelContext:
                 if pg is not None:
                     self._group_ranks[name] = ranks
                     setattr(self, f"{name}_pg", pg)
+                    PROGRESS.name_group(pg, name)  # hang reports say "dp", not "group"
             self.local_sync = fresh
 
     def _create_embedding_group(self) -> None:
@@ -217,7 +219,9 @@ class ParallelContext:
         self.embedding_pg = self._placeholder_pg = None
         for pp_ranks in self._groups("pp"):
             pg = self._new_group(tuple(sorted({pp_ranks[0], pp_ranks[-1]})))
-            self.embedding_pg = pg if pg is not None else self.embedding_pg
+            if pg is not None:
+                self.embedding_pg = pg
+                PROGRESS.name_group(pg, "embedding")
         if self.embedding_pg is None and self.local_sync:
             self._placeholder_pg = dist.new_group(ranks=[self.world_rank], timeout=self.timeout,
                                                   use_local_synchronization=True)
@@ -249,6 +253,7 @@ class ParallelContext:
             pg = dist.new_group(ranks=sorted(pair), timeout=self.timeout, use_local_synchronization=slotted)
             if self.world_rank in pair:
                 mine[(kind, src)] = pg
+                PROGRESS.name_group(pg, "pp flow")
         return mine
 
     # ------------------------------------------------------------------ queries

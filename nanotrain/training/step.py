@@ -14,10 +14,11 @@ from contextlib import nullcontext
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from nanotrain.optim import clip_grad_norm_
+from nanotrain.parallel import collectives
 from nanotrain.parallel.pipeline_parallel import MessageSpec, PipelineEngine, TensorPointer, allreduce_tied_grads_
+from nanotrain.parallel.progress import PROGRESS
 from nanotrain.parallel.tensor_parallel import allreduce_sequence_parallel_grads_
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], targets [B, S])
@@ -56,7 +57,9 @@ def forward_backward(model: torch.nn.Module, microbatches: Sequence[MicroBatch],
     for index, (ids, targets) in enumerate(microbatches):
         last = index == count - 1
         with nullcontext() if last else grad_sync.no_sync():
+            PROGRESS.mark("forward")  # the hang record (progress.py): plain attribute writes
             loss = model(ids, targets) / count
+            PROGRESS.mark("backward")
             loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total
@@ -65,7 +68,9 @@ def forward_backward(model: torch.nn.Module, microbatches: Sequence[MicroBatch],
 def optimizer_step(model: torch.nn.Module, grad_sync, optimizer, scheduler, pc,
                    clip_grad: float | None) -> tuple[torch.Tensor, float]:
     """Finish the gradient sync, clip, step; returns (grad norm before clipping, lr used)."""
+    PROGRESS.mark("optimizer (gradient sync)")
     grad_sync.finish_grad_sync()
+    PROGRESS.mark("optimizer (clip, step)")
     allreduce_sequence_parallel_grads_(model.sequence_parallel_params(), pc.tp_pg)
     if getattr(pc, "embedding_pg", None) is not None and pc.pp_size > 1:  # first and last stage
         allreduce_tied_grads_(model.parameters(), pc.embedding_pg)
@@ -81,7 +86,7 @@ def mean_over_replicas(loss: torch.Tensor, pc) -> torch.Tensor:
     """The per-replica loss averaged over dp (and cp) for logging: one tiny all-reduce."""
     loss = loss.detach().clone()
     if pc.dp_cp_pg.size() > 1:
-        dist.all_reduce(loss, group=pc.dp_cp_pg)
+        collectives.all_reduce(loss, group=pc.dp_cp_pg, what="all_reduce loss over dp")
         loss /= pc.dp_cp_pg.size()
     return loss
 
@@ -96,7 +101,7 @@ def reduce_loss(loss: torch.Tensor | TensorPointer, pc) -> torch.Tensor:
         value = torch.zeros((), dtype=torch.float64, device=pc.device)
     else:
         value = mean_over_replicas(loss, pc).to(torch.float64)
-    dist.broadcast(value, group_src=pc.pp_size - 1, group=pc.pp_pg)
+    collectives.broadcast(value, group_src=pc.pp_size - 1, group=pc.pp_pg, what="broadcast loss over pp")
     return value
 
 
@@ -114,4 +119,5 @@ def train_step(model, microbatches: Sequence[MicroBatch], grad_sync, optimizer, 
     else:
         loss = forward_backward(model, microbatches, grad_sync)
     grad_norm, lr = optimizer_step(model, grad_sync, optimizer, scheduler, pc, clip_grad)
+    PROGRESS.mark("loss reduction")
     return StepStats(reduce_loss(loss, pc), grad_norm, lr)

@@ -18,6 +18,12 @@ Why settle before every save: a step with a non-finite loss or gradient has alre
 the weights (AdamW applied the NaN), so a save after it would overwrite the last finite
 checkpoint with garbage every resume then loads (issue 17, item 4). A step that saves (interval,
 preemption, the end) reads its own vote first; saves are rare, so the sync is too.
+
+Why a third number: an asynchronous checkpoint (``checkpoints.async_save``) is committed with a
+collective once every rank's background write is durable, and all ranks must commit at the same
+step without a collective of their own per step to ask. Each rank adds "my write is still
+running" to its vote (MAX: anyone still writing); the first settled vote after the save began
+that says no one is tells every rank, at the same step, to commit.
 """
 from __future__ import annotations
 
@@ -25,6 +31,9 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from nanotrain.parallel import collectives
+from nanotrain.parallel.progress import PROGRESS
 
 
 class TrainingDiverged(RuntimeError):
@@ -42,15 +51,18 @@ class StopVote:
     def __init__(self, stop_code: Callable[[], int], device: torch.device, group=None):
         self.stop_code, self.device, self.group = stop_code, device, group
         self._pending: list[tuple[int, object, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.last_settled = (-1, False)  # (step, any rank still writing) of the latest vote read
 
-    def post(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """Start this step's vote (asynchronous; nothing waits for the device here)."""
-        code = torch.tensor(float(self.stop_code()), device=self.device)
+    def post(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, writing: bool = False) -> None:
+        """Start this step's vote (asynchronous; nothing waits for the device here). ``writing``:
+        this rank's background checkpoint write is still running (``checkpoints.async_save``)."""
+        code = torch.tensor([float(self.stop_code()), float(writing)], device=self.device)
         bad = ~(torch.isfinite(loss.detach().float()) & torch.isfinite(grad_norm.detach().float()))
-        flags = torch.stack([code, bad.to(code.dtype).reshape(())])
+        flags = torch.cat([code[:1], bad.to(code.dtype).reshape(1), code[1:]])
         work = None
         if dist.is_available() and dist.is_initialized():
-            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            work = collectives.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True,
+                                          what="all_reduce stop vote")
         self._pending.append((step, work, flags, loss, grad_norm))
 
     def settle(self, latest: bool) -> int:
@@ -62,8 +74,10 @@ class StopVote:
         code = 0
         for step, work, flags, loss, grad_norm in ready:
             if work is not None:
+                PROGRESS.entering("wait all_reduce stop vote", self.group)
                 work.wait()
-            stop, bad = flags.tolist()
+            stop, bad, writing = flags.tolist()
+            self.last_settled = (step, writing > 0)  # (its step, a rank still writing a checkpoint)
             if bad > 0:
                 self._pending = []
                 raise TrainingDiverged(step, float(loss), float(grad_norm))

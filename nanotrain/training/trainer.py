@@ -29,15 +29,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanotrain.checkpoint import load_checkpoint, save_checkpoint
+from nanotrain.checkpoint import begin_save, load_checkpoint, save_checkpoint
 from nanotrain.config import Config
 from nanotrain.data import BatchPrefetcher, build_samplers
 from nanotrain.logging import metrics_logger_for
+from nanotrain.logging.stragglers import step_time_max_over_median
 from nanotrain.optim import build_lr_scheduler, build_optimizer
 from nanotrain.parallel.context import ParallelContext
 from nanotrain.parallel.data_parallel import BucketedGradSync
+from nanotrain.parallel.progress import PROGRESS
 from nanotrain.training.builder import build_engine, build_model
 from nanotrain.training.evaluate import evaluate, perplexity
+from nanotrain.training.profile import StepProfiler
 from nanotrain.training.step import train_step
 from nanotrain.training.stop_vote import StopVote
 
@@ -81,6 +84,7 @@ class DistributedTrainer:
         self.val_batches = BatchPrefetcher(val_sampler, self.pc.dp_rank, self.device) if val_sampler else None
         self.step, self.consumed_samples = 0, 0
         self.saved_step: int | None = None  # the step whose state is on disk, verified
+        self.pending_save = None  # an async save being written (checkpoints.async_save), not committed
         self.stop_code = 0  # the stop request all ranks agreed on (launch.preemption codes)
         if config.checkpoints.resume:
             resumed = load_checkpoint(config.checkpoints.path, self.model, self.optimizer, self.scheduler,
@@ -96,43 +100,70 @@ class DistributedTrainer:
         self.metrics = metrics_logger_for(config, self.run_dir, self.pc, device=self.device,
                                           start_step=self.step)
         self.votes = StopVote(stop_code, self.device)
+        self.profiler = StepProfiler.from_config(t.profile, self.run_dir, self.pc.world_rank)  # None: off
+        self._interval_time, self._interval_steps = 0.0, 0  # this rank's, for the straggler ratio
 
     def train(self) -> str:
         """Run to `training.train_steps` ("completed"), or until the ranks agree to stop
         ("preempted", after saving when `checkpoints.save_on_preemption`; `self.stop_code` says
         which request). Raises TrainingDiverged (nothing saved after the last finite step)."""
+        PROGRESS.arm(self.step)  # the hang watchdog judges from here (launch/hang.py)
+        outcome = self._loop()
+        PROGRESS.disarm()  # not on an exception: the task tells a failed collective by it
+        return outcome
+
+    def _loop(self) -> str:
         t = self.config.training
         m = t.batch_accumulation_per_replica
         global_batch = self.config.parallelism.dp * t.micro_batch_size * m
         start = time.perf_counter()
         while self.step < t.train_steps:
             # Middle pipeline stages read no data: m placeholders.
+            PROGRESS.mark("data")
+            if self.profiler is not None:
+                self.profiler.before(self.step + 1)
             microbatches = self.batches.get(self.consumed_samples) if self.batches else [None] * m
             stats = train_step(self.model, microbatches, self.grad_sync, self.optimizer, self.scheduler, self.pc,
                                self.config.optimizer.clip_grad, engine=self.engine, message=self.message)
             self.step += 1
+            PROGRESS.advance(self.step)
             self.consumed_samples += global_batch
             if self.batches and self.step < t.train_steps:
                 self.batches.prefetch(self.consumed_samples)  # overlaps this step's GPU work
             # Host time of the step (data included, saves not); the stop vote keeps the host
             # within a step of the GPU, so over a logging interval it is the device's time.
-            self.metrics.log(self.step, stats.loss_tensor, stats.lr, stats.grad_norm_tensor,
-                             time.perf_counter() - start)
+            PROGRESS.mark("metrics")
+            step_s = time.perf_counter() - start
+            self._interval_time, self._interval_steps = self._interval_time + step_s, self._interval_steps + 1
+            extra = None
+            if self.metrics.should_log(self.step):  # the same steps on every rank: one tiny gather
+                ratio = step_time_max_over_median(self._interval_time / self._interval_steps, self.device)
+                extra = {"perf/step_time_max_over_median": ratio}
+                self._interval_time, self._interval_steps = 0.0, 0
+            self.metrics.log(self.step, stats.loss_tensor, stats.lr, stats.grad_norm_tensor, step_s, extra=extra)
             self.log_data(global_batch)
             if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.train_steps):
                 self.evaluate()
+            if self.profiler is not None:
+                self.profiler.after(self.step)
 
             # Every rank agrees on stopping and on the numbers being finite; a step that saves
             # reads its own vote first, the others the previous step's (stop_vote.py).
             interval = self.config.checkpoints.interval
             saves = bool(interval and self.step % interval == 0) or self.step == t.train_steps
-            self.votes.post(self.step, stats.loss_tensor, stats.grad_norm_tensor)
+            PROGRESS.mark("stop vote")
+            writing = self.pending_save is not None and not self.pending_save.done()
+            self.votes.post(self.step, stats.loss_tensor, stats.grad_norm_tensor, writing=writing)
             self.stop_code = self.votes.settle(latest=saves)
             if self.stop_code and not saves:  # about to save: this step must be finite too
                 self.stop_code = max(self.stop_code, self.votes.settle(latest=True))
+            voted_step, still_writing = self.votes.last_settled
+            if self.pending_save is not None and voted_step > self.pending_save.step and not still_writing:
+                self.finish_save()  # every rank's files are durable: commit, at the same step everywhere
             if interval and self.step % interval == 0:
-                self.save()
+                self.save(wait=not self.config.checkpoints.async_save)
             if self.stop_code:
+                self.finish_save()  # the in-flight save first (it may be this very step's)
                 if self.config.checkpoints.save_on_preemption:
                     self.save()
                 return "preempted"
@@ -161,6 +192,7 @@ class DistributedTrainer:
         """Forward-only loss on `training.eval_batches` validation batches (training/evaluate.py)."""
         t = self.config.training
         m = t.batch_accumulation_per_replica
+        PROGRESS.mark("eval")
         started = time.perf_counter()
         loss = float(evaluate(self.model, self.val_batches, self.pc, t.eval_batches,
                               self.config.parallelism.dp * t.micro_batch_size * m, m,
@@ -170,15 +202,38 @@ class DistributedTrainer:
                                  console=f"step {self.step}/{t.train_steps} | val/loss {loss:.4f} | "
                                          f"val/ppl {perplexity(loss):.2f} | eval {took:.2f}s")
 
-    def save(self) -> None:
+    def save(self, wait: bool = True) -> None:
+        """Save this step; ``wait=False`` (async_save) returns once the state is copied to the
+        host, and a later step boundary commits it (``finish_save``). At most one save is in
+        flight: a new one first commits the previous."""
+        self.finish_save()
         if self.saved_step == self.step:
             return  # written (or loaded and verified) by this process: not hashed again
+        PROGRESS.mark("checkpoint")
         t = self.config.training
         extra = {"consumed_samples": self.consumed_samples,
                  "consumed_tokens": self.consumed_samples * t.sequence_length}
-        save_checkpoint(self.config.checkpoints.path, self.step, self.model, self.optimizer, self.scheduler,
-                        self.pc, extra=extra, config=self.config, run_id=self.run_id)
-        self.saved_step = self.step
+        args = (self.config.checkpoints.path, self.step, self.model, self.optimizer, self.scheduler, self.pc)
+        if wait:
+            save_checkpoint(*args, extra=extra, config=self.config, run_id=self.run_id)
+            self.saved_step = self.step
+            return
+        pending = begin_save(*args, extra=extra, config=self.config, run_id=self.run_id, background=True)
+        if isinstance(pending, Path):  # already saved and verified
+            self.saved_step = self.step
+        else:
+            self.pending_save = pending
+
+    def finish_save(self) -> None:
+        """Wait for the in-flight async save's files (every rank) and commit it; a no-op without one."""
+        if self.pending_save is None:
+            return
+        PROGRESS.mark("checkpoint (async commit)")
+        pending, self.pending_save = self.pending_save, None
+        pending.finish()
+        self.saved_step = pending.step
 
     def close(self) -> None:
+        if self.profiler is not None:
+            self.profiler.close()  # training ended inside the window: the trace so far
         self.metrics.close()

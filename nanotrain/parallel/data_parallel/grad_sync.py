@@ -49,6 +49,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanotrain.parallel.collectives import all_reduce
+from nanotrain.parallel.progress import PROGRESS
+
 
 @dataclass
 class Bucket:
@@ -190,8 +193,8 @@ class BucketedGradSync:
     def _launch(self, b: Bucket, from_hook: bool) -> None:
         if self.world_size > 1:
             b.buffer.div_(self.world_size)
-            b.handle = dist.all_reduce(b.buffer, op=dist.ReduceOp.SUM, group=self.group,
-                                       async_op=True)
+            b.handle = all_reduce(b.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True,
+                                  what=f"all_reduce gradient bucket {b.index}")
         b.launched = True
         self.launch_log.append((b.index, self._hooks_fired, from_hook))
 
@@ -233,6 +236,7 @@ class BucketedGradSync:
     def _wait_and_reset(self) -> None:
         for b in self.buckets:
             if b.handle is not None:
+                PROGRESS.entering(f"wait all_reduce gradient bucket {b.index}", self.group)
                 b.handle.wait()
             b.handle, b.launched = None, False
             b.ready.clear()

@@ -33,6 +33,7 @@ import torch
 from nanotrain.parallel.pipeline_parallel.p2p import ACTIVATION, GRADIENT, P2P, MessageSpec, Recv, Send, check_message
 from nanotrain.parallel.pipeline_parallel.schedules import Action, get_schedule
 from nanotrain.parallel.pipeline_parallel.tensor_pointer import TensorPointer
+from nanotrain.parallel.progress import PROGRESS
 from nanotrain.parallel.timing import IntervalTimer
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], targets [B, S])
@@ -116,6 +117,7 @@ class PipelineEngine:
         self.p2p = p2p if p2p is not None else P2P.over(pp_pg, device, flow_groups)
         self.pp_size, self.pp_rank = self.p2p.transport.size, self.p2p.transport.rank
         self.device = self.p2p.device
+        self._group = getattr(self.p2p.transport, "pg", None)  # for hang reports
         self._timers: Optional[tuple[IntervalTimer, IntervalTimer, IntervalTimer]] = None
         self._peaks = (0, 0)
 
@@ -173,6 +175,9 @@ class PipelineEngine:
         for action in actions:
             chunk = chunks[action.chunk]
             stage, mb = chunk.virtual_stage, action.microbatch
+            # The hang record (progress.py): which pp action this rank is in; one string a step.
+            PROGRESS.mark(f"{'forward' if action.op == 'F' else 'backward'} (pp {action.op} micro-batch {mb}"
+                          f"{f', chunk {action.chunk}' if v > 1 else ''})")
             received = self._communicate(pending, needs(action), waiting)
             pending = []
 
@@ -211,6 +216,7 @@ class PipelineEngine:
             compute.stop()
 
         self._communicate(pending, [], waiting)
+        PROGRESS.entering("wait for pipeline sends", self._group)
         waiting.start()
         self.p2p.wait_sends()
         waiting.stop()
@@ -273,6 +279,9 @@ class PipelineEngine:
     def _communicate(self, sends: list[Send], recvs: list[Recv], timer: "IntervalTimer") -> list[torch.Tensor]:
         if not sends and not recvs:
             return []
+        what = " ".join([*(f"send to pp rank {s.dst}" for s in sends),
+                         *(f"recv from pp rank {r.src}" for r in recvs)])
+        PROGRESS.entering(f"pipeline {what}", self._group)
         timer.start()
         received = self.p2p.communicate(sends, recvs)
         timer.stop()

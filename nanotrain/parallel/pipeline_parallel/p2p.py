@@ -36,6 +36,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from nanotrain.parallel.collectives import batch_isend_irecv
+
 # What NCCL can carry (it has no complex or bool types); gloo carries these too.
 WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                torch.int8, torch.uint8)
@@ -104,7 +106,7 @@ class TorchP2PTransport:
             p2p_ops = [dist.P2POp(dist.isend if ops[i].is_send else dist.irecv, ops[i].tensor, group=group,
                                   group_peer=self._group_peer(group, ops[i].peer), tag=ops[i].tag)
                        for i in indices]
-            handles = dist.batch_isend_irecv(p2p_ops)
+            handles = batch_isend_irecv(p2p_ops, "pipeline send/recv", group)
             for n, i in enumerate(indices):
                 works[i] = handles[n] if len(handles) == len(indices) else handles[0]
         return works

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nanotrain.parallel import collectives
 from nanotrain.parallel.tensor_parallel.functional import group_rank, group_size
 
 
@@ -36,7 +37,7 @@ class _ShardedCrossEntropy(torch.autograd.Function):
 
         local_max = x.max(dim=-1).values
         if tp > 1:
-            dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+            collectives.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group, what="tp all_reduce logits max")
         x.sub_(local_max.unsqueeze(-1))  # every real logit <= 0 now: exp cannot overflow
 
         ignored = targets == ignore_index
@@ -49,7 +50,7 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         x.exp_()
         stats = torch.stack([x.sum(dim=-1), target_logit])
         if tp > 1:
-            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+            collectives.all_reduce(stats, op=dist.ReduceOp.SUM, group=group, what="tp all_reduce loss")
         sum_exp, target_logit = stats[0], stats[1]
 
         loss = torch.log(sum_exp) - target_logit

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nanotrain.parallel import collectives
 from nanotrain.parallel.collectives import all_gather_into, reduce_scatter_into
 
 
@@ -116,7 +117,8 @@ def _reduce_scatter_dim0(x: torch.Tensor, group, async_op: bool = False):
 def _all_reduce(x: torch.Tensor, group, async_op: bool = False):
     """Sum over the group into a fresh tensor (never in place on an autograd input)."""
     out = x.clone(memory_format=torch.contiguous_format)
-    return out, dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return out, collectives.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=async_op,
+                                      what="tp all_reduce")
 
 
 # ----------------------------------------------------------------------------- primitives
@@ -244,7 +246,8 @@ class _ColumnLinearAsync(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             partial = grad.matmul(weight)  # this rank's contribution to the full input grad
             if ctx.mode is TensorParallelLinearMode.ALL_REDUCE:
-                grad_x, work = partial, dist.all_reduce(partial, group=ctx.group, async_op=True)
+                grad_x, work = partial, collectives.all_reduce(partial, group=ctx.group, async_op=True,
+                                                                what="tp all_reduce (backward)")
             else:
                 grad_x, work = _reduce_scatter_dim0(partial, ctx.group, async_op=True)
         g2 = _mm2d(grad)

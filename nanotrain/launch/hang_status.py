@@ -1,0 +1,95 @@
+"""Read the hang reports of a run (``<run>/hang/rank-R.json``, ``launch/hang.py``) and name the culprit.
+
+The rank that causes a hang is the one that writes least: a stopped process (SIGSTOP, a frozen
+node) writes nothing at all, and its peers all wait in a collective it never entered. So the
+culprit is, in order: a rank with no report (its peers' collective is the one it did not reach);
+else a rank that was itself frozen (its watchdog saw the whole process not run: a SIGSTOPped
+task that SLURM continues with SIGCONT before killing it writes its report late); else a rank
+that is not waiting in communication (stuck in its own code, e.g. asleep inside a pipeline
+step); else the rank at the earliest step. Only the reports of the latest incarnation
+count (a requeued job's earlier hang is history, counted separately).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+HANG_DIR = "hang"  # <run>/hang/: the reports; standard library only here (`--status` loads no torch)
+
+
+def read_reports(run_dir: Path) -> list[dict]:
+    """The latest incarnation's reports (same job id and restart as the newest one), by rank."""
+    reports = []
+    for path in sorted((Path(run_dir) / HANG_DIR).glob("rank-*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # a report cut short by the kill: the others still tell the story
+        if isinstance(data, dict) and isinstance(data.get("rank"), int):
+            reports.append(data)
+    if not reports:
+        return []
+    newest = max(reports, key=lambda r: r.get("time") or 0)
+    key = (newest.get("job_id"), newest.get("restart"))
+    return sorted((r for r in reports if (r.get("job_id"), r.get("restart")) == key), key=lambda r: r["rank"])
+
+
+def requeues_after_hang(run_dir: Path) -> int:
+    """How many times a hang requeued the job (one marker file per requeued incarnation)."""
+    return len(list((Path(run_dir) / HANG_DIR).glob("requeue-*")))
+
+
+def _group_text(collective: Optional[dict]) -> tuple[str, str]:
+    if not collective:
+        return "a collective", "its group"
+    group = collective.get("group") or {}
+    ranks = ", ".join(str(r) for r in group.get("ranks", []))
+    return collective.get("name", "a collective"), f"{group.get('name', 'group')} (ranks {ranks})"
+
+
+def culprit(reports: list[dict]) -> Optional[str]:
+    """"hung at step S in PHASE; rank R did not reach COLLECTIVE on GROUP (ranks ...)", or None."""
+    if not reports:
+        return None
+    world = max(int(r.get("world_size") or 0) for r in reports)
+    present = {r["rank"] for r in reports}
+    missing = sorted(set(range(world)) - present)
+    if missing:
+        # A silent rank that a reporting rank waits for (its last collective's group holds it).
+        waited = [m for m in missing if any(r.get("collective") and m in r["collective"]["group"].get("ranks", [])
+                                            for r in reports)]
+        rank = (waited or missing)[0]
+        waiters = [r for r in reports if r.get("collective") and rank in r["collective"]["group"].get("ranks", [])]
+        witness = min(waiters or reports, key=lambda r: (r.get("step", 0), r["rank"]))
+        name, group = _group_text(witness.get("collective"))
+        others = f" (also silent: {', '.join(map(str, missing[1:]))})" if len(missing) > 1 else ""
+        return (f"hung at step {witness.get('step')} in {witness.get('phase')}; rank {rank} did not reach "
+                f"{name} on {group}{others}; rank {rank} wrote no report (stopped or dead)")
+    frozen = [r for r in reports if (r.get("frozen_s") or 0) > 0]
+    stuck = [r for r in reports if not r.get("waiting_in_communication")]
+    if frozen:
+        target = max(frozen, key=lambda r: (r["frozen_s"], -r["rank"]))
+    else:
+        target = min(stuck or reports, key=lambda r: (r.get("step", 0), r["rank"]))
+    rank = target["rank"]
+    waiters = [r for r in reports if r is not target and r.get("collective")
+               and rank in r["collective"]["group"].get("ranks", [])]
+    name, group = _group_text((waiters[0] if waiters else target).get("collective"))
+    why = f"; rank {rank} was frozen for {target['frozen_s']:.0f} s (stopped)" if frozen else ""
+    return (f"hung at step {target.get('step')} in {target.get('phase')}; rank {rank} did not reach "
+            f"{name} on {group}{why}")
+
+
+def hang_lines(run_dir: Path) -> list[str]:
+    """The lines `--status` adds for a run that hung (none for one that never did)."""
+    reports = read_reports(run_dir)
+    lines = []
+    found = culprit(reports)
+    if found:
+        files = ", ".join(f"rank-{r['rank']}.json" for r in reports)
+        lines.append(f"hang: {found} (reports: {Path(run_dir) / HANG_DIR}/ {files})")
+    requeued = requeues_after_hang(run_dir)
+    if requeued:
+        lines.append(f"hangs requeued: {requeued}")
+    return lines

@@ -1,0 +1,111 @@
+"""Asynchronous checkpoints (issue 16, item 2): `checkpoints.async_save: true` trains exactly like
+a synchronous run, resumes bit-exactly from a checkpoint written in the background, keeps the
+previous checkpoint as `latest` when a rank is killed during a background write, and a
+preemption during an in-flight save commits it, saves the stop step once and exits 0. The slow
+writes come from a test-only hook (tests/hooks/sitecustomize.py)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_failures import rank_pid, step_of
+
+from nanotrain.checkpoint import read_latest
+from nanotrain.checkpoint.format import update_latest, verify_checkpoint
+
+from helpers.runs import SETTINGS, TINY, cli, final_weights, tb_losses
+from helpers.slurm import wait_until
+
+HOOKS = Path(__file__).resolve().parent / "hooks"
+ASYNC = ["checkpoints.async_save=true", "checkpoints.interval=5", "checkpoints.keep_last=5"]
+
+
+def sets(items: list[str]) -> list[str]:
+    return [arg for item in items for arg in ("--set", item)]
+
+
+def hooked(**variables: str) -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOKS), os.environ.get("PYTHONPATH", "")]),
+            **variables}
+
+
+@pytest.mark.timeout(600)
+def test_async_run_and_resume_are_bit_exact(tmp_path, shared_runs):
+    straight = shared_runs.straight("2-2-2")  # synchronous saves (at the end only)
+    run_dir = tmp_path / "async"
+    proc = subprocess.run(cli(str(TINY), "--local", *sets([f"logging.dir={tmp_path}", "logging.run_name=async",
+                                                           *SETTINGS, *ASYNC])),
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert tb_losses(run_dir) == tb_losses(straight)
+    root = run_dir / "checkpoints"
+    assert read_latest(root) == "step_000015"
+    for step in (5, 10, 15):
+        assert verify_checkpoint(root / f"step_{step:06d}") == []
+    a, b = final_weights(straight), final_weights(run_dir)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+    # Resume from step 10, written by the background thread while steps 11.. trained.
+    shutil.rmtree(root / "step_000015")
+    update_latest(root, "step_000010")
+    resumed = subprocess.run(cli("--resume", str(run_dir), "--local"), capture_output=True, text=True, timeout=400)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "at step 10 (same topology, bit-exact)" in resumed.stdout
+    assert tb_losses(run_dir) == tb_losses(straight)
+    b = final_weights(run_dir)
+    assert all((a[k] == b[k]).all() for k in a)
+
+
+@pytest.mark.timeout(400)
+def test_kill_9_during_background_write_keeps_previous_checkpoint(tmp_path):
+    run_dir = tmp_path / "killed"
+    items = [f"logging.dir={tmp_path}", "logging.run_name=killed", "training.train_steps=400",
+             "logging.log_interval=1", *ASYNC]
+    env = hooked(NANOTRAIN_TEST_SLOW_WRITE="step_000010:120")
+    proc = subprocess.Popen(cli(str(TINY), "--local", *sets(items)), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        # Training goes on while step 10's files are being written (the writer sleeps).
+        wait_until(lambda: step_of(run_dir) >= 12 or proc.poll() is not None, 300, "step 12")
+        assert proc.poll() is None
+        assert read_latest(run_dir / "checkpoints") == "step_000005"
+        os.kill(rank_pid(run_dir, 2), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and "rank 2 exited with status 137" in out, out[-2000:]
+    root = run_dir / "checkpoints"
+    assert read_latest(root) == "step_000005" and verify_checkpoint(root / "step_000005") == []
+    assert not (root / "step_000010").exists()
+
+
+@pytest.mark.timeout(300)
+def test_preemption_during_an_in_flight_save(tmp_path):
+    run_dir = tmp_path / "preempted"
+    items = [f"logging.dir={tmp_path}", "logging.run_name=preempted", "training.train_steps=400",
+             "logging.log_interval=1", "parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=2", *ASYNC]
+    env = hooked(NANOTRAIN_TEST_SLOW_WRITE="step_000005:8")
+    proc = subprocess.Popen(cli(str(TINY), "--local", *sets(items)), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: step_of(run_dir) >= 6 or proc.poll() is not None, 200, "step 6")
+        assert not (run_dir / "checkpoints" / "step_000005").exists()  # still being written
+        proc.send_signal(signal.SIGUSR2)  # what SLURM sends before a preemption
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    stopped = json.loads((run_dir / "progress.json").read_text())["step"]
+    assert f"preempted at step {stopped}" in out, out[-2000:]
+    root = run_dir / "checkpoints"
+    assert read_latest(root) == f"step_{stopped:06d}"
+    saved = sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
+    assert saved == ["step_000005", f"step_{stopped:06d}"], saved  # the in-flight one, then the stop: once each
+    assert all(verify_checkpoint(root / name) == [] for name in saved)

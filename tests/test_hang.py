@@ -1,0 +1,151 @@
+"""Hangs end loudly, with a culprit (issue 16, item 1): one of 8 local ranks SIGSTOPped, and one
+rank asleep inside a pipeline step (a test-only hook, tests/hooks/sitecustomize.py). The job
+exits non-zero (4: hung) within collective_timeout_s + 60 s, the other ranks' reports
+(`<run>/hang/rank-R.json`) name the phase and the collective, the last checkpoint is intact,
+and `submit.py --status` names the culprit rank."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from test_failures import assert_latest_intact, rank_pid, step_of
+
+from nanotrain.config import load_config
+from nanotrain.data.build import prepare_dataset
+from nanotrain.launch.hang import EXIT_HUNG, is_comm_failure, is_timeout
+from nanotrain.launch.hang_status import culprit
+
+from helpers.runs import TINY, cli
+from helpers.slurm import wait_until
+
+HOOKS = Path(__file__).resolve().parent / "hooks"
+TIMEOUT_S = 8  # training.collective_timeout_s of these runs
+
+
+def overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
+    items = [f"logging.dir={tmp_path}", f"logging.run_name={name}", "training.train_steps=400",
+             "logging.log_interval=1", "checkpoints.interval=5", f"training.collective_timeout_s={TIMEOUT_S}",
+             *extra]
+    return [arg for item in items for arg in ("--set", item)]
+
+
+def warm_data_cache(logs: Path) -> None:
+    """Tokenise the tiny config's data into the run's cache now (the product's own builder):
+    with a collective timeout of seconds, rank 0 tokenising at start-up on a loaded machine
+    would otherwise time out the others' start-up barrier before training begins."""
+    t = load_config(str(TINY)).training
+    prepare_dataset(load_config(str(TINY)).data, seq_len=t.sequence_length, cache_dir=str(logs / ".cache" / "data"),
+                    vocab_size=256)
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> Path:
+    """One logging.dir for this module's runs, its data cache filled once."""
+    path = tmp_path_factory.mktemp("hang-logs")
+    warm_data_cache(path)
+    return path
+
+
+def reports(run_dir: Path) -> dict[int, dict]:
+    return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in (run_dir / "hang").glob("rank-*.json")}
+
+
+def status_of(run_dir: Path) -> str:
+    proc = subprocess.run(cli("--status", str(run_dir)), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.timeout(400)
+def test_sigstop_of_one_of_8_local_ranks(logs):
+    tmp_path = logs
+    run_dir = tmp_path / "stopped"
+    proc = subprocess.Popen(cli(str(TINY), "--local", *overrides(tmp_path, "stopped")),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: step_of(run_dir) >= 7 or proc.poll() is not None, 300, "step 7")
+        pid = rank_pid(run_dir, 3)
+        assert pid is not None, "rank 3 not found"
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        out, _ = proc.communicate(timeout=TIMEOUT_S + 60)
+        took = time.monotonic() - stopped_at
+        print(f"SIGSTOP -> job exit: {took:.1f} s (collective_timeout_s {TIMEOUT_S})")
+        assert took < TIMEOUT_S + 60
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_HUNG, out[-3000:]
+    found = reports(run_dir)
+    assert 3 not in found and len(found) >= 1, sorted(found)
+    for rank, report in found.items():
+        assert report["rank"] == rank and report["phase"] and report["stacks"], report
+        assert any("MainThread" in name for name in report["stacks"])
+    # The ranks that wait for rank 3 name a collective whose group holds it.
+    assert any(3 in r["collective"]["group"]["ranks"] for r in found.values() if r["collective"])
+    assert assert_latest_intact(run_dir) >= 5
+    status = status_of(run_dir)
+    assert "rank 3 did not reach" in status and "hung at step" in status, status
+    for rank in range(8):
+        assert rank_pid(run_dir, rank) is None, f"rank {rank} survived"
+
+
+@pytest.mark.timeout(300)
+def test_rank_asleep_inside_a_pipeline_step(logs):
+    tmp_path = logs
+    run_dir = tmp_path / "asleep"
+    layout = ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=2"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOKS), os.environ.get("PYTHONPATH", "")]),
+           "NANOTRAIN_TEST_SLEEP_IN_PP": "1:4"}
+    started = time.monotonic()
+    proc = subprocess.run(cli(str(TINY), "--local", *overrides(tmp_path, "asleep", *layout)), env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == EXIT_HUNG, proc.stdout[-2000:] + proc.stderr[-2000:]
+    found = reports(run_dir)
+    asleep = found[1]
+    assert asleep["step"] == 3 and asleep["phase"].startswith("forward (pp F micro-batch"), asleep
+    assert not asleep["waiting_in_communication"] and "watchdog" in asleep["reason"]
+    main = next(stack for name, stack in asleep["stacks"].items() if "MainThread" in name)
+    assert "time.sleep(3600)" in main[-1], main[-1]
+    if 0 in found:  # its peer waits for a pipeline message from it (or timed out already)
+        assert found[0]["collective"]["group"]["ranks"] == [0, 1]
+    status = status_of(run_dir)
+    assert "hung at step 3 in forward (pp F micro-batch" in status and "rank 1 did not reach" in status, status
+    assert time.monotonic() - started < 240
+
+
+def _report(rank, step, phase, coll, ranks, waiting=True, world=4):
+    return {"rank": rank, "world_size": world, "step": step, "phase": phase, "waiting_in_communication": waiting,
+            "collective": {"name": coll, "group": {"name": "dp", "ranks": ranks}}}
+
+
+@pytest.mark.parametrize("reports_, expected", [
+    ([_report(0, 7, "backward", "all_reduce gradient bucket 0", [0, 2]),
+      _report(1, 7, "forward", "tp all_reduce", [0, 1]), _report(3, 7, "forward", "tp all_reduce", [2, 3])],
+     "hung at step 7 in backward; rank 2 did not reach all_reduce gradient bucket 0 on dp (ranks 0, 2)"),
+    ([_report(0, 7, "backward", "all_reduce gradient bucket 0", [0, 1], world=2),
+      _report(1, 7, "forward (pp F micro-batch 2)", "pipeline send", [0, 1], waiting=False, world=2)],
+     "hung at step 7 in forward (pp F micro-batch 2); rank 1 did not reach all_reduce gradient bucket 0 "
+     "on dp (ranks 0, 1)"),
+    # SLURM continues a stopped task (SIGCONT) before it kills it: it reports late, frozen.
+    ([_report(0, 7, "backward", "tp all_reduce", [0, 1], world=2),
+      {**_report(1, 7, "backward", "tp all_reduce", [0, 1], world=2), "frozen_s": 9.5}],
+     "hung at step 7 in backward; rank 1 did not reach tp all_reduce on dp (ranks 0, 1); rank 1 was frozen"),
+])
+def test_culprit_from_reports(reports_, expected):
+    assert culprit(reports_).startswith(expected)
+
+
+@pytest.mark.parametrize("exc, comm, timeout", [
+    (RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv"), True, True),
+    (RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:23252"), True, False),
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"), False, False),
+    (ValueError("timed out"), False, True),
+])
+def test_which_errors_count_as_a_hang(exc, comm, timeout):
+    assert is_comm_failure(exc) is comm and is_timeout(exc) is timeout
