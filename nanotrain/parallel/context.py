@@ -324,6 +324,7 @@ class ParallelContext:
             return
         if synchronize:
             dist.barrier()
+        PROGRESS.forget_groups()  # the hang record holds the last collective's group
         mine = [pg for ranks, pg in self._pg_by_ranks.items() if self.world_rank in ranks]
         # The per-flow P2P groups (NCCL), each once, after the grid's (created after them).
         mine += list({id(g): g for g in (self.pipeline_flow_groups or {}).values()}.values())

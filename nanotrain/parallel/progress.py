@@ -63,6 +63,11 @@ class Progress:
         old = self.names.get(id(group))
         self.names[id(group)] = name if old is None or name in old.split("/") else f"{old}/{name}"
 
+    def forget_groups(self) -> None:
+        """Drop every reference to a process group (``ParallelContext.destroy``): a group still
+        referenced is not freed, and its threads then outlive the interpreter's teardown."""
+        self.group, self.names = None, {}
+
     def describe_group(self, group) -> dict:
         """Name and global ranks of ``group`` (for reports; no communication)."""
         if not (dist.is_available() and dist.is_initialized()):
