@@ -60,6 +60,8 @@ def _parse_value(where: str, hint: Any, value: Any) -> Any:
         return _parse_value(where, inner[0], value)
     if value is None:
         raise ConfigError(f"{where}: must be set (null is not allowed here)")
+    if dataclasses.is_dataclass(hint):  # a sub-section such as model.moe
+        return _build_section(where, hint, value)
     if origin is Literal:
         for option in args:
             if value == option and type(value) is type(option):
@@ -179,14 +181,20 @@ def check_fields(config: Config) -> None:
     """The per-field checks again, on a `Config` that may not come from YAML (built in code, or
     changed after loading): every float finite, every number in its range."""
     for name in sections():
-        section = getattr(config, name)
-        for f in dataclasses.fields(section):
-            where, value = f"{name}.{f.name}", getattr(section, f.name)
-            for i, item in enumerate(value if isinstance(value, tuple) else (value,)):
-                if isinstance(item, float) and not math.isfinite(item):
-                    at = f"{where}[{i}]" if isinstance(value, tuple) else where
-                    raise ConfigError(f"{at}: {item} is not a finite number: give a real value such as the default")
-            _check_range(where, f.metadata, value)
+        _check_section(name, getattr(config, name))
+
+
+def _check_section(name: str, section) -> None:
+    for f in dataclasses.fields(section):
+        where, value = f"{name}.{f.name}", getattr(section, f.name)
+        if dataclasses.is_dataclass(value):  # a sub-section (model.moe)
+            _check_section(where, value)
+            continue
+        for i, item in enumerate(value if isinstance(value, tuple) else (value,)):
+            if isinstance(item, float) and not math.isfinite(item):
+                at = f"{where}[{i}]" if isinstance(value, tuple) else where
+                raise ConfigError(f"{at}: {item} is not a finite number: give a real value such as the default")
+        _check_range(where, f.metadata, value)
 
 
 def sections() -> dict[str, type]:
@@ -234,8 +242,13 @@ def apply_override(raw: dict, assignment: str) -> None:
     field_names = [f.name for f in dataclasses.fields(known[keys[0]])]
     if keys[1] not in field_names:
         raise ConfigError(f"--set {path}: unknown key in section '{keys[0]}'{_closest(keys[1], field_names)}")
-    if len(keys) > 3 or (len(keys) == 3 and typing.get_origin(
-            typing.get_type_hints(known[keys[0]])[keys[1]]) is not dict):
+    hint = typing.get_type_hints(known[keys[0]])[keys[1]]
+    sub = next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), None)  # model.moe
+    if sub is not None and len(keys) == 3:
+        sub_names = [f.name for f in dataclasses.fields(sub)]
+        if keys[2] not in sub_names:
+            raise ConfigError(f"--set {path}: unknown key in '{keys[0]}.{keys[1]}'{_closest(keys[2], sub_names)}")
+    elif len(keys) > 3 or (len(keys) == 3 and typing.get_origin(hint) is not dict):
         raise ConfigError(f"--set {path}: '{keys[0]}.{keys[1]}' has no sub-keys")
     try:
         value = strict_yaml.load(text) if text.strip() else None
