@@ -48,6 +48,12 @@ class ParallelismArgs:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp * self.ep
 
+    @property
+    def batch_replicas(self) -> int:
+        """Ranks that read different samples: dp x ep (ep ranks are data replicas of the dense
+        layers; only the experts are split among them)."""
+        return self.dp * self.ep
+
 
 @dataclass
 class MoEArgs:

@@ -55,7 +55,7 @@ def build_sampler(config, *, dp: Optional[int] = None, cache_dir: Optional[str] 
                   max_documents: Optional[int] = None) -> Optional[GlobalSampler]:
     """The trainer's one call: config -> this rank's `GlobalSampler` (None without data).
 
-    `dp` defaults to `parallelism.dp`; `cache_dir` to `default_cache_dir(config)`.
+    `dp` defaults to `parallelism.batch_replicas` (dp x ep); `cache_dir` to `default_cache_dir(config)`.
     """
     t = config.training
     dataset = prepare_dataset(config.data, seq_len=t.sequence_length,
@@ -64,6 +64,6 @@ def build_sampler(config, *, dp: Optional[int] = None, cache_dir: Optional[str] 
                               needs_data=needs_data, barrier=barrier, max_documents=max_documents)
     if dataset is None:
         return None
-    return GlobalSampler(dataset, seed=t.seed, dp=dp or config.parallelism.dp,
+    return GlobalSampler(dataset, seed=t.seed, dp=dp or config.parallelism.batch_replicas,
                          micro_batch_size=t.micro_batch_size,
                          batch_accumulation=t.batch_accumulation_per_replica)

@@ -78,11 +78,13 @@ def optimizer_step(model: torch.nn.Module, grad_sync, optimizer, scheduler, pc,
 
 
 def mean_over_replicas(loss: torch.Tensor, pc) -> torch.Tensor:
-    """The per-replica loss averaged over dp (and cp) for logging: one tiny all-reduce."""
+    """The per-replica loss averaged over dp (and cp, and ep: its ranks read different samples)
+    for logging: one tiny all-reduce."""
     loss = loss.detach().clone()
-    if pc.dp_cp_pg.size() > 1:
-        dist.all_reduce(loss, group=pc.dp_cp_pg)
-        loss /= pc.dp_cp_pg.size()
+    group = getattr(pc, "dp_cp_ep_pg", pc.dp_cp_pg)
+    if group.size() > 1:
+        dist.all_reduce(loss, group=group)
+        loss /= group.size()
     return loss
 
 

@@ -35,7 +35,7 @@ from nanotrain.data import BatchPrefetcher, build_sampler
 from nanotrain.logging import metrics_logger_for
 from nanotrain.optim import build_lr_scheduler, build_optimizer
 from nanotrain.parallel.context import ParallelContext
-from nanotrain.parallel.data_parallel import BucketedGradSync
+from nanotrain.parallel.data_parallel import build_grad_sync
 from nanotrain.training.builder import build_engine, build_model
 from nanotrain.training.step import train_step
 from nanotrain.training.stop_vote import StopVote
@@ -69,14 +69,14 @@ class DistributedTrainer:
         self.engine = build_engine(config, self.pc)  # None when pp = 1
         # What crosses a pipeline stage boundary (the middle stages read no data to derive it).
         self.message = self.model.pipeline_message(t.micro_batch_size, t.sequence_length)
-        self.grad_sync = BucketedGradSync(list(self.model.parameters()), self.pc.dp_cp_pg)
+        self.grad_sync = build_grad_sync(list(self.model.parameters()), self.pc)
         self.optimizer = build_optimizer(self.model.named_parameters(), config.optimizer, self.pc.dp_cp_pg)
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, t.train_steps)
 
         stage_needs_data = self.pc.is_pipeline_first_stage or self.pc.is_pipeline_last_stage
         self.sampler = build_sampler(config, builder=self.pc.world_rank == 0, needs_data=stage_needs_data,
                                      barrier=dist.barrier)
-        self.batches = BatchPrefetcher(self.sampler, self.pc.dp_rank, self.device) if self.sampler else None
+        self.batches = BatchPrefetcher(self.sampler, self.pc.data_rank, self.device) if self.sampler else None
         self.step, self.consumed_samples = 0, 0
         self.saved_step: int | None = None  # the step whose state is on disk, verified
         self.stop_code = 0  # the stop request all ranks agreed on (launch.preemption codes)
@@ -101,7 +101,7 @@ class DistributedTrainer:
         which request). Raises TrainingDiverged (nothing saved after the last finite step)."""
         t = self.config.training
         m = t.batch_accumulation_per_replica
-        global_batch = self.config.parallelism.dp * t.micro_batch_size * m
+        global_batch = self.config.parallelism.batch_replicas * t.micro_batch_size * m
         start = time.perf_counter()
         while self.step < t.train_steps:
             # Middle pipeline stages read no data: m placeholders.
