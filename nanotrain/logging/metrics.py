@@ -142,6 +142,14 @@ class MetricsLogger:
         atomic_write_json(self.run_dir / PROGRESS_FILE, self._progress(step, metrics))
         return metrics
 
+    def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        """Extra TensorBoard scalars of one step (e.g. ``moe/*``), on the logging rank."""
+        if not self.enabled or self._closed or self._writer is None:
+            return
+        for tag, value in scalars.items():
+            self._writer.add_scalar(tag, value, global_step=step)
+        self._writer.flush()
+
     def _compute(self, step: int, loss, lr, grad_norm) -> dict[str, Any]:
         step_time = self._interval_time / max(self._interval_steps, 1)
         tokens_per_sec = self.tokens_per_step / step_time if step_time > 0 else 0.0

@@ -38,6 +38,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as _dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -206,3 +207,29 @@ class MoEFeedForward(nn.Module):
         if torch.is_grad_enabled() and loss.requires_grad:
             out = _AddAuxLoss.apply(out, loss, self.state.loss_scale)
         return out
+
+
+def step_scalars(state: MoEState, pp_pg=None, capacity: bool = False) -> dict[str, float]:
+    """TensorBoard scalars of one step's routing, over every MoE layer of the pipeline (summed
+    over ``pp_pg``: each stage holds some layers) for this rank's tokens (its dp/ep replica; its
+    sequence shard under cp or REDUCE_SCATTER). ``moe/aux_loss`` and ``moe/z_loss``: means over
+    (micro-batch, layer); ``moe/load_max_over_mean``: per layer the busiest expert's assignments
+    over the mean (1 = balanced), summed over the step's micro-batches, max over layers;
+    ``moe/dropped_tokens`` (capacity set): assignments dropped in the step. Every rank of
+    ``pp_pg`` must call it (one all-reduce of 4 values, one of 1)."""
+    loads: dict[int, torch.Tensor] = {}
+    sums = torch.zeros(4, dtype=torch.float64)
+    for st in state.stats:
+        sums += torch.tensor([float(st["aux"]), float(st["z"]), 1.0, float(st["dropped"])], dtype=torch.float64)
+        loads[st["layer"]] = loads.get(st["layer"], 0) + st["load"].double().cpu()
+    worst = max((float(v.max() / v.mean()) for v in loads.values() if v.sum() > 0), default=0.0)
+    peak = torch.tensor([worst], dtype=torch.float64)
+    if pp_pg is not None and _dist.is_initialized() and _dist.get_world_size(pp_pg) > 1:
+        _dist.all_reduce(sums, group=pp_pg)
+        _dist.all_reduce(peak, op=_dist.ReduceOp.MAX, group=pp_pg)
+    count = max(float(sums[2]), 1.0)
+    out = {"moe/aux_loss": float(sums[0]) / count, "moe/z_loss": float(sums[1]) / count,
+           "moe/load_max_over_mean": float(peak[0])}
+    if capacity:
+        out["moe/dropped_tokens"] = float(sums[3])
+    return out

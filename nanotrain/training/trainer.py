@@ -33,6 +33,7 @@ from nanotrain.checkpoint import load_checkpoint, save_checkpoint
 from nanotrain.config import Config
 from nanotrain.data import BatchPrefetcher, build_sampler
 from nanotrain.logging import metrics_logger_for
+from nanotrain.models.moe import step_scalars
 from nanotrain.optim import build_lr_scheduler, build_optimizer
 from nanotrain.parallel.context import ParallelContext
 from nanotrain.parallel.data_parallel import build_grad_sync
@@ -116,6 +117,10 @@ class DistributedTrainer:
             # within a step of the GPU, so over a logging interval it is the device's time.
             self.metrics.log(self.step, stats.loss_tensor, stats.lr, stats.grad_norm_tensor,
                              time.perf_counter() - start)
+            moe = self.config.model.moe
+            if moe is not None and self.metrics.should_log(self.step):  # every pp rank joins
+                self.metrics.log_scalars(self.step, step_scalars(self.model.moe_state, self.pc.pp_pg,
+                                                                 capacity=moe.capacity_factor is not None))
 
             # Every rank agrees on stopping and on the numbers being finite; a step that saves
             # reads its own vote first, the others the previous step's (stop_vote.py).
