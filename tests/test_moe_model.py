@@ -159,3 +159,26 @@ def test_capacity_drops_exactly_the_documented_assignments():
     assert [g for _, g in got] == pytest.approx(expected, rel=1e-6)
     # dropless keeps all
     assert route(logits, 2, None).dropped == 0
+
+
+def test_dry_run_of_the_16gpu_moe_config_counts_total_and_active_parameters(capsys):
+    from pathlib import Path
+
+    from nanotrain.config import load_config
+    from nanotrain.launch.cli import main
+    from nanotrain.launch.memory_estimate import stage_parameters
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "moe_16gpu.yaml"
+    assert main([str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    config = load_config(path)
+    count = llama_arch.parameter_count(config.model)
+    assert f"total {count.total:,}, active per token {count.active:,}" in out
+    assert "each ep rank holds 2 experts per MoE layer" in out and "dp2 x tp1 x pp2 x cp1 x ep4" in out
+    # the busiest rank holds 1/ep of its layers' experts
+    held, layers = stage_parameters(config)
+    m = config.model
+    experts = m.moe.num_experts * 3 * m.hidden_size * m.moe.expert_intermediate_size
+    last_stage = [f"layers.{i}" for i in range(8, 16)] + ["final_norm", "lm_head"]
+    assert layers == 8 and held == sum(llama_arch.block_parameters(m, n, 1, 4) for n in last_stage)
+    assert llama_arch.layer_parameters(m, 1, 0, ep=1) - llama_arch.layer_parameters(m, 1, 0, ep=4) == experts * 3 // 4

@@ -271,6 +271,24 @@ def activation_bytes_per_layer(args: ModelArgs, sequence_length: int, micro_batc
     return 2 * values
 
 
+def moe_extra_activation_bytes(args: ModelArgs, sequence_length: int, micro_batch_size: int, *, tp: int = 1,
+                               tp_mode: str = "ALL_REDUCE", cp: int = 1) -> float:
+    """What an MoE layer keeps for backward beyond a dense layer's count, per micro-batch, 2 bytes
+    a value (an estimate in Megatron's spirit): each of the k copies of a token holds its row
+    before and after the all-to-all (2 * h) and its expert's gate, up and activation (3 * F_e),
+    instead of the dense MLP's 3 * F / tp; the router's fp32 logits and probabilities (2 * E,
+    4 bytes). Routed tokens are this rank's s/cp, divided by tp under REDUCE_SCATTER only (the
+    routed experts are not split over tp)."""
+    if args.moe is None:
+        return 0.0
+    m = args.moe
+    s, b, h = sequence_length // cp, micro_batch_size, args.hidden_size
+    routed = s * b // (tp if tp_mode == "REDUCE_SCATTER" else 1)
+    values = routed * m.top_k * (2 * h + 3 * expert_ffn(args)) - s * b * 3 * args.intermediate_size / tp
+    values += s * b * 3 * m.num_shared_experts * expert_ffn(args) / tp
+    return 2 * values + routed * 2 * m.num_experts * 4
+
+
 def logits_bytes(args: ModelArgs, local_tokens: int, micro_batch_size: int, tp: int = 1) -> int:
     """The last stage's fp32 logits and their gradient for ``local_tokens`` per sequence, over
     this tp rank's (padded) vocabulary rows."""
