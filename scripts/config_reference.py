@@ -39,21 +39,39 @@ def default_of(f: dataclasses.Field) -> str:
     return f"`{list(value) if isinstance(value, tuple) else value}`"
 
 
+def _sub_section(hint):
+    """The dataclass of a sub-section field (``model.moe: Optional[MoEArgs]``), else None."""
+    return next((a for a in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(a)), None)
+
+
+def _table(name: str, cls) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    lines = [f"**`{name}`**", "", "| field | type | default | meaning |", "|---|---|---|---|"]
+    subs = []
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        bounds = []
+        if meta.get("min") is not None:
+            bounds.append(f"{'>' if meta.get('min_exclusive') else '>='} {meta['min']}")
+        if meta.get("max") is not None:
+            bounds.append(f"<= {meta['max']}")
+        meaning = "; ".join(filter(None, [meta.get("doc", ""), ", ".join(bounds)]))
+        sub = _sub_section(hints[f.name])
+        kind = f"section `{name}.{f.name}`" + (" or null" if sub is not hints[f.name] else "") if sub else \
+            type_name(hints[f.name])
+        lines.append(f"| `{f.name}` | {kind} | {default_of(f)} | {meaning} |")
+        if sub is not None:
+            subs.append((f"{name}.{f.name}", sub))
+    lines.append("")
+    for sub_name, sub in subs:
+        lines += _table(sub_name, sub)
+    return lines
+
+
 def reference() -> str:
     lines = []
     for name, cls in sections().items():
-        hints = typing.get_type_hints(cls)
-        lines += [f"**`{name}`**", "", "| field | type | default | meaning |", "|---|---|---|---|"]
-        for f in dataclasses.fields(cls):
-            meta = f.metadata
-            bounds = []
-            if meta.get("min") is not None:
-                bounds.append(f"{'>' if meta.get('min_exclusive') else '>='} {meta['min']}")
-            if meta.get("max") is not None:
-                bounds.append(f"<= {meta['max']}")
-            meaning = "; ".join(filter(None, [meta.get("doc", ""), ", ".join(bounds)]))
-            lines.append(f"| `{f.name}` | {type_name(hints[f.name])} | {default_of(f)} | {meaning} |")
-        lines.append("")
+        lines += _table(name, cls)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -93,7 +93,7 @@ class ModelArgs:
         "bfloat16", "compute dtype (autocast, on GPU and CPU); weights, grads and optimizer stay "
         "float32; float16 is refused (no loss scaler)")
     init_std: float = bounded(0.02, 0.0, 1.0, doc="std of the normal init of weights")
-    moe: Optional[MoEArgs] = doc(None, "mixture of experts (absent = dense); see MoEArgs")
+    moe: Optional[MoEArgs] = doc(None, "mixture of experts (absent = dense): the model.moe fields")
 
 
 @dataclass
