@@ -1,6 +1,6 @@
 """Dropless MoE under expert parallelism equals one process on the same global batch.
 
-ep2, ep4, ep2·tp2, ep2·pp2 and dp2·ep2·pp2 (8 ranks): the first step's loss, logits and every
+ep2, ep4, ep2·tp2, ep2·pp2, dp2·ep2·pp2 (8 ranks) and cp2·tp2(REDUCE_SCATTER)·ep2 (8): the first step's loss, logits and every
 gradient (after the data-parallel sync: dense over dp x cp x ep, experts over dp x cp divided by
 dp x cp x ep), then 10 training steps (loss, grad norm with clipping, final weights), fp32,
 rel 1e-5. The auxiliary losses are on (coefficients large enough to matter) and the model has a
@@ -11,6 +11,7 @@ the same function of the same tokens in both.
 One launch per topology; one 1-process launch computes the reference."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -26,8 +27,13 @@ MODEL = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_layer
                   num_key_value_heads=2, max_position_embeddings=32, dtype="float32", moe=MOE)
 OPTIM = OptimizerArgs(lr=3e-3, weight_decay=0.1, warmup_steps=2, min_lr=3e-4, clip_grad=0.3)
 STEPS, SEQ, MICRO_BATCH, GLOBAL_BATCH = 10, 16, 2, 8
-# (dp, tp, pp, ep)
-TOPOLOGIES = [(1, 1, 1, 2), (1, 1, 1, 4), (1, 2, 1, 2), (1, 1, 2, 2), (2, 1, 2, 2)]
+# (dp, tp, pp, ep, cp, tp_mode)
+TOPOLOGIES = [(1, 1, 1, 2, 1, "ALL_REDUCE"), (1, 1, 1, 4, 1, "ALL_REDUCE"), (1, 2, 1, 2, 1, "ALL_REDUCE"),
+              (1, 1, 2, 2, 1, "ALL_REDUCE"), (2, 1, 2, 2, 1, "ALL_REDUCE"),
+              # context parallel and sequence-parallel tp: the router sees this rank's tokens, so the
+              # load-balancing loss (a product of two means over tokens) would differ: it is off
+              # here; the z-loss (a mean over tokens) stays exact and on.
+              (1, 2, 1, 2, 2, "REDUCE_SCATTER")]
 
 
 def global_batch(step: int) -> torch.Tensor:
@@ -46,7 +52,11 @@ def _full(tensor, param, pc):
     return gather_full(tensor.detach(), info, group)
 
 
-def train(dp: int, tp: int, pp: int, ep: int) -> dict:
+def _model(aux: bool) -> ModelArgs:
+    return MODEL if aux else dataclasses.replace(MODEL, moe=dataclasses.replace(MOE, aux_loss_coef=0.0))
+
+
+def train(dp: int, tp: int, pp: int, ep: int, cp: int = 1, mode: str = "ALL_REDUCE", aux: bool = True) -> dict:
     import torch.distributed as dist
 
     from nanotrain.models.llama import LlamaModel
@@ -58,9 +68,10 @@ def train(dp: int, tp: int, pp: int, ep: int) -> dict:
     from nanotrain.training.step import forward_backward, train_step
 
     pc = ParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-                         expert_parallel_size=ep)
+                         expert_parallel_size=ep, context_parallel_size=cp)
     per_rank = GLOBAL_BATCH // (dp * ep)
-    model = LlamaModel(MODEL, pc.tp_pg, pp_rank=pc.pp_rank, pp_size=pp, seed=11, ep_pg=pc.ep_pg)
+    model = LlamaModel(_model(aux), pc.tp_pg, mode=mode, pp_rank=pc.pp_rank, pp_size=pp, seed=11, ep_pg=pc.ep_pg,
+                       cp_pg=pc.cp_pg)
     grad_sync = build_grad_sync(list(model.parameters()), pc, bucket_cap_mb=0.01)
     optimizer = build_optimizer(model.named_parameters(), OPTIM, pc.dp_cp_pg)
     scheduler = build_lr_scheduler(optimizer, OPTIM, STEPS)
@@ -84,7 +95,9 @@ def train(dp: int, tp: int, pp: int, ep: int) -> dict:
     # logits of the first micro-batch on the last stage (vocab shards gathered over tp)
     logits = None
     with torch.no_grad():
-        if pp == 1:
+        if cp > 1:
+            pass  # a rank's logits are those of its tokens: loss, gradients and weights are compared
+        elif pp == 1:
             logits = model(micro[0][0])
         else:  # run the stages by hand: first stage sends its hidden state
             if pc.is_pipeline_first_stage:
@@ -103,20 +116,20 @@ def train(dp: int, tp: int, pp: int, ep: int) -> dict:
     weights = {n: _full(p, p, pc) for n, p in model.named_parameters()}
     out = {"loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats], "grads": grads,
            "weights": weights, "logits": logits}
-    keep = pc.dp_rank == 0 and pc.tp_rank == 0 and pc.ep_rank == 0
+    keep = pc.dp_rank == 0 and pc.tp_rank == 0 and pc.ep_rank == 0 and pc.cp_rank == 0
     pc.destroy()
     return out if keep else {}
 
 
 @functools.lru_cache(maxsize=None)
-def reference() -> dict:
-    return run_distributed(train, 1, 1, 1, 1, 1, timeout=300)[0]
+def reference(aux: bool) -> dict:
+    return run_distributed(train, 1, 1, 1, 1, 1, 1, "ALL_REDUCE", aux, timeout=300)[0]
 
 
 @functools.lru_cache(maxsize=None)
-def parallel(topology) -> list[dict]:
-    dp, tp, pp, ep = topology
-    return run_distributed(train, dp * tp * pp * ep, *topology, timeout=400)
+def parallel(topology, aux: bool) -> list[dict]:
+    dp, tp, pp, ep, cp, _ = topology
+    return run_distributed(train, dp * tp * pp * ep * cp, *topology, aux, timeout=400)
 
 
 def _merged(per_rank: list[dict], key: str) -> dict:
@@ -128,17 +141,20 @@ def _merged(per_rank: list[dict], key: str) -> dict:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("topology", TOPOLOGIES, ids=[f"dp{a}-tp{b}-pp{c}-ep{d}" for a, b, c, d in TOPOLOGIES])
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=[f"dp{a}-tp{b}-pp{c}-ep{d}-cp{e}-{m[0]}"
+                                                    for a, b, c, d, e, m in TOPOLOGIES])
 def test_expert_parallel_equals_single_process(topology):
-    ref = reference()
+    aux = topology[-1] == "ALL_REDUCE" and topology[4] == 1
+    ref = reference(aux)
     assert ref["loss"][-1] < ref["loss"][0]
     assert any(n > OPTIM.clip_grad for n in ref["grad_norm"]), "clipping never triggered"
-    per_rank = [r for r in parallel(topology) if r]
+    per_rank = [r for r in parallel(topology, aux) if r]
     got = per_rank[-1]  # the last stage's keeper holds the loss like every rank
     torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"]), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"]), rtol=1e-5, atol=0)
-    logits = next(r["logits"] for r in per_rank if r["logits"] is not None)
-    torch.testing.assert_close(logits, ref["logits"], rtol=1e-5, atol=1e-6)
+    if topology[4] == 1:
+        logits = next(r["logits"] for r in per_rank if r["logits"] is not None)
+        torch.testing.assert_close(logits, ref["logits"], rtol=1e-5, atol=1e-6)
     grads, weights = _merged(per_rank, "grads"), _merged(per_rank, "weights")
     assert grads.keys() == ref["grads"].keys()
     for name, g in ref["grads"].items():

@@ -27,7 +27,9 @@ Auxiliary losses, per MoE layer on this rank's tokens T (Switch/Mixtral; ST-MoE 
 ``aux = E * sum_e (n_e / T) * mean_t p_te`` (n_e: assignments to e, over all k slots: exactly
 ``transformers``' ``load_balancing_loss_func`` of this layer's router logits), and
 ``z = mean_t logsumexp(logits_t)^2``. The model adds ``aux_loss_coef * aux + z_loss_coef * z``
-averaged over its MoE layers to each micro-batch's loss, by injecting the gradient in backward
+averaged over its MoE layers to each micro-batch's loss (under cp and REDUCE_SCATTER, where a
+rank routes only its share of the tokens, the mean over the shares of the shards' losses: exact for
+the z-loss, a mean of per-shard balancing losses for ``aux``), by injecting the gradient in backward
 (``_AddAuxLoss``, Megatron's MoEAuxLossAutoScaler): this works on every pipeline stage, where
 the loss itself only exists on the last one. The reported loss stays the language-model loss;
 the auxiliary values go to TensorBoard (``moe/aux_loss``, ``moe/z_loss``).
@@ -184,6 +186,9 @@ class MoEFeedForward(nn.Module):
             args.hidden_size, moe.num_shared_experts * ffn, tp_pg, mode, async_comm)
         self.loss_weight = 1.0 / len(llama_arch.moe_layer_indices(args))
         if mode is TensorParallelLinearMode.REDUCE_SCATTER and group_size(tp_pg) > 1:
+            # Each tp rank's losses are means over its sequence shard, and these gradients are
+            # summed over tp (not averaged, as dp x cp are): weigh each shard 1/tp.
+            self.loss_weight /= group_size(tp_pg)
             for p in (self.router.weight, self.experts.gate_up.weight, self.experts.down.weight):
                 mark_sequence_parallel_partial_grad_(p)
 
