@@ -1,7 +1,8 @@
 """Dropless MoE under expert parallelism equals one process on the same global batch.
 
 ep2, ep4, ep2·tp2, ep2·pp2, dp2·ep2·pp2 (8 ranks) and cp2·tp2(REDUCE_SCATTER)·ep2 (8): the first
-step's loss, logits (not under cp: a rank has its tokens' only) and every gradient (after the data-parallel sync: dense over dp x cp x ep, experts over dp x cp divided by
+step's loss, logits (not under cp: a rank has its tokens' only) and every gradient (after the
+data-parallel sync: dense over dp x cp x ep, experts over dp x cp divided by
 dp x cp x ep), then 10 training steps (loss, grad norm with clipping, final weights), fp32,
 rel 1e-5. The auxiliary losses are on (coefficients large enough to matter) and the model has a
 dense first layer and a shared expert. Every data rank's micro-batches are micro-batches of the
