@@ -4,6 +4,7 @@ capacity drop rule drops exactly the documented assignments; MoE config errors."
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -182,3 +183,25 @@ def test_dry_run_of_the_16gpu_moe_config_counts_total_and_active_parameters(caps
     last_stage = [f"layers.{i}" for i in range(8, 16)] + ["final_norm", "lm_head"]
     assert layers == 8 and held == sum(llama_arch.block_parameters(m, n, 1, 4) for n in last_stage)
     assert llama_arch.layer_parameters(m, 1, 0, ep=1) - llama_arch.layer_parameters(m, 1, 0, ep=4) == experts * 3 // 4
+
+
+def test_capacity_in_the_model_drops_what_the_load_exceeds():
+    """A capacity no expert reaches gives the dropless model's logits exactly; a small one drops
+    sum_e max(0, load_e - C) assignments per layer, reported as moe/dropped_tokens."""
+    from nanotrain.models.moe import step_scalars
+
+    ids = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for factor in (None, 100.0, 0.5):
+        model = LlamaModel(dataclasses.replace(ARGS, moe=dataclasses.replace(MOE, capacity_factor=factor)), None,
+                           seed=3)
+        model.begin_step(1)
+        with torch.no_grad():
+            runs[factor] = (model(ids), model.moe_state)
+    assert torch.equal(runs[None][0], runs[100.0][0])
+    logits, state = runs[0.5]
+    cap = math.ceil(0.5 * 32 * MOE.top_k / MOE.num_experts)
+    expected = sum(max(0, int(n) - cap) for st in state.stats for n in st["load"])
+    assert expected > 0 and sum(st["dropped"] for st in state.stats) == expected
+    assert step_scalars(state, capacity=True)["moe/dropped_tokens"] == expected
+    assert not torch.equal(logits, runs[None][0])
