@@ -109,7 +109,9 @@ def train_step(model, microbatches: Sequence[MicroBatch], grad_sync, optimizer, 
     pc.pp_pg)``); every pp rank passes the same micro-batches (the first stage reads the ids,
     the last the targets), or None on middle stages with ``message`` (see ``PipelineEngine``).
     No host sync happens here: read the returned stats when they are needed."""
-    model.begin_step(len(microbatches))  # MoE: the auxiliary losses' share of each micro-batch
+    begin_step = getattr(model, "begin_step", None)  # LlamaModel: the MoE auxiliary losses' share
+    if begin_step is not None:                        # of each micro-batch; other models have none
+        begin_step(len(microbatches))
     if pc.pp_size > 1:
         if engine is None:
             raise ValueError("train_step: pp > 1 needs engine=PipelineEngine(pp_engine, pc.pp_pg)")
