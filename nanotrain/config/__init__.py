@@ -6,6 +6,7 @@ from nanotrain.config.schema import (
                                      DataArgs,
                                      LoggingArgs,
                                      ModelArgs,
+                                     MoEArgs,
                                      OptimizerArgs,
                                      ParallelismArgs,
                                      SlurmArgs,
@@ -14,7 +15,7 @@ from nanotrain.config.schema import (
 from nanotrain.config.validate import SlurmLayout, check_world_size, slurm_layout, validate
 
 __all__ = [
-    "CheckpointArgs", "Config", "ConfigError", "DataArgs", "LoggingArgs", "ModelArgs",
+    "CheckpointArgs", "Config", "ConfigError", "DataArgs", "LoggingArgs", "ModelArgs", "MoEArgs",
     "OptimizerArgs", "ParallelismArgs", "SlurmArgs", "SlurmLayout", "TrainingArgs",
     "check_world_size", "config_from_dict", "config_to_dict", "dump_config", "load_config",
     "slurm_layout", "validate",

@@ -60,6 +60,8 @@ def _parse_value(where: str, hint: Any, value: Any) -> Any:
         return _parse_value(where, inner[0], value)
     if value is None:
         raise ConfigError(f"{where}: must be set (null is not allowed here)")
+    if dataclasses.is_dataclass(hint):  # a sub-section such as model.moe
+        return _build_section(where, hint, value)
     if origin is Literal:
         for option in args:
             if value == option and type(value) is type(option):
@@ -248,7 +250,12 @@ def apply_override(raw: dict, assignment: str) -> None:
     if keys[1] not in field_names:
         raise ConfigError(f"--set {path}: unknown key in section '{keys[0]}'{_closest(keys[1], field_names)}")
     hint = typing.get_type_hints(known[keys[0]])[keys[1]]
-    nested = typing.get_origin(hint) is dict or any(dataclasses.is_dataclass(a) for a in (hint, *typing.get_args(hint)))
+    sub = next((a for a in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(a)), None)  # model.moe
+    if sub is not None and len(keys) == 3:
+        sub_names = [f.name for f in dataclasses.fields(sub)]
+        if keys[2] not in sub_names:
+            raise ConfigError(f"--set {path}: unknown key in '{keys[0]}.{keys[1]}'{_closest(keys[2], sub_names)}")
+    nested = typing.get_origin(hint) is dict or sub is not None
     if len(keys) > 3 or (len(keys) == 3 and not nested):
         raise ConfigError(f"--set {path}: '{keys[0]}.{keys[1]}' has no sub-keys")
     try:

@@ -37,7 +37,7 @@ class ParallelismArgs:
     pp: int = bounded(1, 1, MAX_WORLD, doc="pipeline stages")
     cp: int = bounded(1, 1, MAX_WORLD,
                       doc="context-parallel ranks: each holds 2 of 2*cp zig-zag chunks of every sequence")
-    ep: int = bounded(1, 1, MAX_WORLD, doc="expert-parallel groups (reserved: only 1 until the model has experts)")
+    ep: int = bounded(1, 1, MAX_WORLD, doc="expert-parallel ranks: each holds model.moe.num_experts / ep experts")
     pp_engine: Literal["afab", "1f1b", "interleaved_1f1b"] = doc("1f1b", "pipeline schedule")
     pp_virtual_stages: int = bounded(1, 1, 1024, doc="model chunks per pp rank (interleaved_1f1b)")
     tp_mode: Literal["ALL_REDUCE", "REDUCE_SCATTER"] = doc(
@@ -47,6 +47,34 @@ class ParallelismArgs:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp * self.ep
+
+    @property
+    def batch_replicas(self) -> int:
+        """Ranks that read different samples: dp x ep (ep ranks are data replicas of the dense
+        layers; only the experts are split among them)."""
+        return self.dp * self.ep
+
+
+@dataclass
+class MoEArgs:
+    """``model.moe``: which decoder layers replace their SwiGLU MLP by routed SwiGLU experts.
+
+    Router: softmax over all experts, top-k, weights renormalised over the k (Mixtral). Layer i is
+    MoE when ``i >= first_dense_layers`` and ``(i - first_dense_layers) % layer_frequency == 0``."""
+
+    num_experts: int = bounded(8, 1, 65536, doc="routed experts per MoE layer")
+    top_k: int = bounded(2, 1, 65536, doc="experts each token is sent to (<= num_experts)")
+    expert_intermediate_size: Optional[int] = bounded(
+        None, 1, doc="SwiGLU width of one expert; null = model.intermediate_size")
+    num_shared_experts: int = bounded(
+        0, 0, 1024, doc="0 = Mixtral; >= 1 = DeepSeek/Qwen: an always-on SwiGLU of this many experts' width")
+    layer_frequency: int = bounded(1, 1, doc="every k-th layer (after first_dense_layers) is MoE")
+    first_dense_layers: int = bounded(0, 0, doc="leading decoder layers that stay dense")
+    aux_loss_coef: float = bounded(0.01, 0.0, 1e3, doc="Switch/Mixtral load-balancing loss weight")
+    z_loss_coef: float = bounded(0.0, 0.0, 1e3, doc="router z-loss weight (ST-MoE)")
+    capacity_factor: Optional[float] = bounded(
+        None, 0.0, 1e3, doc="null = dropless; else tokens per expert capped at "
+        "ceil(factor * tokens * top_k / num_experts)", above=True)
 
 
 @dataclass
@@ -65,6 +93,7 @@ class ModelArgs:
         "bfloat16", "compute dtype (autocast, on GPU and CPU); weights, grads and optimizer stay "
         "float32; float16 is refused (no loss scaler)")
     init_std: float = bounded(0.02, 0.0, 1.0, doc="std of the normal init of weights")
+    moe: Optional[MoEArgs] = doc(None, "mixture of experts (absent = dense): the model.moe fields")
 
 
 @dataclass

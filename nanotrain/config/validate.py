@@ -57,11 +57,12 @@ def validate_model(config: Config) -> None:
     if p.world_size > MAX_WORLD:
         _fail(f"parallelism: {parallel_product(config)} ranks; at most {MAX_WORLD:,} are supported: "
               "lower dp, tp, pp or cp")
-    # The grid and its groups support ep (ParallelContext), but the model is dense: such ranks
-    # would silently train as data replicas.
-    if p.ep > 1:
-        _fail(f"parallelism.ep ({p.ep}): the Llama model is dense (no experts to shard); "
-              f"set parallelism.ep: 1 and give the ranks to dp (dp: {p.dp * p.ep})")
+    # Without experts, ep ranks would silently train as data replicas.
+    if p.ep > 1 and m.moe is None:
+        _fail(f"parallelism.ep ({p.ep}): the model is dense (no model.moe, no experts to shard); "
+              f"add a model.moe section or set parallelism.ep: 1 and give the ranks to dp (dp: {p.dp * p.ep})")
+    if m.moe is not None:
+        validate_moe(config)
     if m.dtype == "float16":
         _fail("model.dtype: float16 needs loss scaling, which nanotrain does not do (its 5-bit exponent "
               "underflows small gradients); use bfloat16 (same memory and speed, fp32's range) or float32")
@@ -109,6 +110,26 @@ def validate_model(config: Config) -> None:
     if p.pp_engine == "interleaved_1f1b" and m_micro % p.pp:
         _fail(f"training.batch_accumulation_per_replica ({m_micro}) must be a multiple of parallelism.pp "
               f"({p.pp}) for pp_engine interleaved_1f1b")
+
+
+def validate_moe(config: Config) -> None:
+    """``model.moe`` against the model and ``parallelism.ep``."""
+    moe, m, p = config.model.moe, config.model, config.parallelism
+    if moe.top_k > moe.num_experts:
+        _fail(f"model.moe.top_k ({moe.top_k}) must not exceed model.moe.num_experts ({moe.num_experts})")
+    if moe.num_experts % p.ep:
+        _fail(f"model.moe.num_experts ({moe.num_experts}) must be divisible by parallelism.ep ({p.ep}): "
+              "every ep rank holds num_experts / ep experts")
+    if moe.first_dense_layers >= m.num_layers:
+        _fail(f"model.moe.first_dense_layers ({moe.first_dense_layers}) leaves no MoE layer among "
+              f"model.num_layers ({m.num_layers}): lower it, or drop model.moe")
+    ffn = moe.expert_intermediate_size or m.intermediate_size
+    if (moe.num_shared_experts * ffn) % p.tp:
+        _fail(f"model.moe.num_shared_experts * expert width ({moe.num_shared_experts * ffn}) must be divisible "
+              f"by parallelism.tp ({p.tp}): the shared experts are split over tp")
+    if p.ep > 1 and config.optimizer.zero_stage == 1:
+        _fail("optimizer.zero_stage: 1 is not supported with parallelism.ep > 1 yet (expert and dense "
+              "parameters need ZeRO shards over different groups): use zero_stage: 0")
 
 
 def validate_optimizer(config: Config) -> None:

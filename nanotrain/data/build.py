@@ -71,7 +71,7 @@ def build_samplers(config, *, dp: Optional[int] = None, cache_dir: Optional[str]
     `data.validation.fraction` holds out the tail of every source's window range (contiguous,
     so no held-out window shares more than its first token with a training one), read in order
     in the same mixture; `data.validation.source` is a corpus of its own. `dp` defaults to
-    `parallelism.dp`; `cache_dir` to `default_cache_dir(config)`.
+    `parallelism.batch_replicas` (dp x ep); `cache_dir` to `default_cache_dir(config)`.
     """
     t, d = config.training, config.data
     kwargs = dict(seq_len=t.sequence_length, cache_dir=cache_dir or default_cache_dir(config),
@@ -83,7 +83,7 @@ def build_samplers(config, *, dp: Optional[int] = None, cache_dir: Optional[str]
         val_ds = prepare_dataset(dataclasses.replace(d, source=d.validation.source, sources=[]), **kwargs)
     if not needs_data:
         return None, None
-    sizes = dict(seed=t.seed, dp=dp or config.parallelism.dp, micro_batch_size=t.micro_batch_size,
+    sizes = dict(seed=t.seed, dp=dp or config.parallelism.batch_replicas, micro_batch_size=t.micro_batch_size,
                  batch_accumulation=t.batch_accumulation_per_replica)
     fraction = d.validation.fraction if d.validation is not None else None
     if fraction is None:

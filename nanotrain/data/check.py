@@ -87,7 +87,7 @@ def check_source(data_args, vocab_size: Optional[int] = None, config=None) -> So
     bound = check_sample(source, data_args.text_column)
     if config is not None:
         t = config.training
-        global_batch = config.parallelism.dp * t.micro_batch_size * t.batch_accumulation_per_replica
+        global_batch = config.parallelism.batch_replicas * t.micro_batch_size * t.batch_accumulation_per_replica
         check_volume(bound, source, seq_len=t.sequence_length, global_batch=global_batch,
                      detail=f"parallelism.dp={config.parallelism.dp} x training.batch_accumulation_per_replica="
                             f"{t.batch_accumulation_per_replica} x training.micro_batch_size={t.micro_batch_size}")

@@ -6,6 +6,8 @@ LM head and its logits (last stage).
 - weights: fp32 master copy (bf16 compute copies are transient under autocast);
 - gradients: fp32 (accumulated in fp32 across micro-batches);
 - optimizer: AdamW exp_avg + exp_avg_sq in fp32, divided by dp*cp under ZeRO-1;
+- MoE (``model.moe``): a rank holds num_experts/ep experts of each MoE layer; its extra activations
+  (k routed copies of each token, the experts' intermediates) are ``llama_arch.moe_extra_activation_bytes``;
 - activations: Megatron's per-layer count (``llama_arch.activation_bytes_per_layer``: s*b*h*(10 + 24/t)
   values with TP, s*b*h*34/t with sequence parallelism, 2 bytes each; context parallelism adds the
   gathered keys and values), times the micro-batches a stage holds at once: all m for afab, pp for
@@ -54,7 +56,7 @@ def stage_parameters(config: Config) -> tuple[int, int]:
     names = [f"layers.{i}" for i in range(m.num_layers - layers, m.num_layers)] + ["final_norm"]
     names += ["embed"] if (m.tie_word_embeddings or p.pp == 1) else []
     names += [] if m.tie_word_embeddings else ["lm_head"]
-    return sum(llama_arch.block_parameters(m, name, p.tp) for name in names), layers
+    return sum(llama_arch.block_parameters(m, name, p.tp, p.ep) for name in names), layers
 
 
 def micro_batches_in_flight(config: Config) -> float:
@@ -75,8 +77,11 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     optimizer = 8 * params / (p.dp * p.cp if config.optimizer.zero_stage == 1 else 1)
     per_layer = llama_arch.activation_bytes_per_layer(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
                                                       tp_mode=p.tp_mode, cp=p.cp)
+    moe_layers = sum(llama_arch.is_moe_layer(mdl, i) for i in range(mdl.num_layers - layers, mdl.num_layers))
+    per_layer_moe = llama_arch.moe_extra_activation_bytes(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
+                                                          tp_mode=p.tp_mode, cp=p.cp)
     in_flight = micro_batches_in_flight(config)
-    activation_bytes = per_layer * layers * in_flight
+    activation_bytes = (per_layer * layers + per_layer_moe * moe_layers) * in_flight
     logits = llama_arch.logits_bytes(mdl, t.sequence_length // p.cp, t.micro_batch_size, p.tp)
     return MemoryEstimate(weights / GB, grads / GB, optimizer / GB, (activation_bytes + logits) / GB,
                           in_flight, layers)
@@ -91,6 +96,12 @@ def describe(config: Config) -> list[str]:
     lines = [f"memory per GPU (estimate, busiest rank): weights {_gb(est.weights)} GB + grads {_gb(est.grads)} GB"
              f" + optimizer {_gb(est.optimizer)} GB{zero} + activations {_gb(est.activations)} GB "
              f"({est.in_flight:g} micro-batch(es) in flight x {est.layers_per_stage} layers) = {_gb(est.total)} GB"]
+    if config.model.moe is not None:
+        count, moe = llama_arch.parameter_count(config.model), config.model.moe
+        lines.append(f"parameters: total {count.total:,}, active per token {count.active:,} "
+                     f"(top_k {moe.top_k} of {moe.num_experts} experts in {count.moe_layers} MoE layers); "
+                     f"each ep rank holds {moe.num_experts // p.ep} experts per MoE layer; gradients: dense "
+                     f"averaged over dp*cp*ep = {p.dp * p.cp * p.ep}, experts over dp*cp = {p.dp * p.cp}")
     limit = config.slurm.gpu_memory_gb
     if est.total > ABSURD_GB:
         lines.append(f"warning: the estimate {_gb(est.total)} GB per GPU is more than any accelerator holds "

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from nanotrain.launch.env import DistEnv
 from nanotrain.parallel.context import ParallelContext
 
-AXES = ("tp", "cp", "dp", "pp", "ep", "dp_cp", "world")
+AXES = ("tp", "cp", "dp", "pp", "ep", "dp_cp", "dp_cp_ep", "world")
 
 
 def smoke_step(pc: ParallelContext, env: DistEnv, run_dir: Path) -> dict:

@@ -263,7 +263,7 @@ def metrics_logger_for(config, run_dir, parallel_context=None, *, device=None,
     enabled = True if parallel_context is None else is_logging_rank(parallel_context)
     return MetricsLogger(
         run_dir, config_to_dict(config), enabled, total_steps=t.train_steps,
-        tokens_per_step=p.dp * t.micro_batch_size * t.batch_accumulation_per_replica * t.sequence_length,
+        tokens_per_step=p.batch_replicas * t.micro_batch_size * t.batch_accumulation_per_replica * t.sequence_length,
         flops_per_token=training_flops_per_token(config.model, t.sequence_length), device=device,
         world_size=p.world_size, log_interval=config.logging.log_interval,
         tensorboard=config.logging.tensorboard, start_step=start_step)

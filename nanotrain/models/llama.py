@@ -24,6 +24,7 @@ from torch import nn
 
 from nanotrain.config import ModelArgs
 from nanotrain.models import llama_arch
+from nanotrain.models.moe import MoEFeedForward, MoEState
 from nanotrain.parallel.context_parallel import SDPA_GQA, ContextParallel, sdpa
 from nanotrain.parallel.pipeline_parallel import MessageSpec, PipelineBlock, mark_tied_, place_blocks
 from nanotrain.parallel.tensor_parallel import (
@@ -137,13 +138,19 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention then a feed-forward: the dense ``MLP``, or ``MoEFeedForward`` when layer ``index``
+    is an MoE layer (``llama_arch.is_moe_layer``; its experts sharded over ``ep_pg``)."""
+
     def __init__(self, args: ModelArgs, tp_pg, mode: TensorParallelLinearMode, async_comm: bool,
-                 cp: ContextParallel):
+                 cp: ContextParallel, index: int = 0, ep_pg=None, moe_state: MoEState | None = None):
         super().__init__()
         self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.attn = Attention(args, tp_pg, mode, async_comm, cp)
         self.post_attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args, tp_pg, mode, async_comm)
+        if llama_arch.is_moe_layer(args, index):
+            self.mlp = MoEFeedForward(args, tp_pg, mode, async_comm, ep_pg, moe_state)
+        else:
+            self.mlp = MLP(args, tp_pg, mode, async_comm)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), cos, sin)
@@ -169,9 +176,10 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, tp_pg, *, mode: str | TensorParallelLinearMode = "ALL_REDUCE",
                  async_communication: bool = False, pp_rank: int = 0, pp_size: int = 1,
                  virtual_stages: int = 1, seed: int = 0, device=None,
-                 compute_dtype: torch.dtype | str | None = None, cp_pg=None):
+                 compute_dtype: torch.dtype | str | None = None, cp_pg=None, ep_pg=None):
         super().__init__()
-        self.args, self.tp_pg = args, tp_pg
+        self.args, self.tp_pg, self.ep_pg = args, tp_pg, ep_pg
+        self.moe_state = MoEState()  # aux-loss scale and routing statistics of the MoE layers
         self.cp = cp = ContextParallel(cp_pg)
         # bf16 on GPU: the forward runs under autocast; weights, grads and optimizer stay fp32.
         # A name ("bfloat16", config.model.dtype) is accepted so that llama_arch.model_kwargs,
@@ -186,7 +194,8 @@ class LlamaModel(nn.Module):
         self.embed = _declare(spec["embed"], lambda: TensorParallelEmbedding(args.vocab_size, args.hidden_size,
                                                                              tp_pg, mode))
         self.layers = nn.ModuleDict({str(i): _declare(spec[f"layers.{i}"],
-                                                      lambda: DecoderLayer(args, tp_pg, mode, async_communication, cp))
+                                                      lambda i=i: DecoderLayer(args, tp_pg, mode, async_communication,
+                                                                               cp, i, ep_pg, self.moe_state))
                                      for i in range(args.num_layers)})
         self.final_norm = _declare(spec["final_norm"], lambda: RMSNorm(args.hidden_size, args.rms_norm_eps))
         self.lm_head = None if "lm_head" not in spec else _declare(
@@ -218,6 +227,11 @@ class LlamaModel(nn.Module):
             std = scaled_std if name.endswith(("o_proj.weight", "down.weight")) else self.args.init_std
             generator = torch.Generator().manual_seed(param_seed(seed, name))
             init_from_full_(param, lambda full: full.normal_(0.0, std, generator=generator))
+
+    def begin_step(self, microbatches: int) -> None:
+        """Before a step's micro-batches: the MoE auxiliary losses' gradient scale (the engines
+        divide each micro-batch's loss by their count) and fresh routing statistics."""
+        self.moe_state.begin_step(microbatches)
 
     def sequence_parallel_params(self) -> list[nn.Parameter]:
         """Params replicated over tp whose gradients are partial sums under REDUCE_SCATTER."""

@@ -28,6 +28,12 @@ torchtitan's ``get_num_flop_per_token``:
   layer per token, times 3 for forward + backward, over the full S x S matrix (no halving for the
   causal mask, as in PaLM/torchtitan; this is "model FLOPs", not "hardware FLOPs"). GQA does not
   change it: scores are computed for every query head, H = heads * head_dim.
+
+Mixture of experts (``model.moe``): an MoE layer's feed-forward is a router (E * H), E routed
+SwiGLU experts (3 * H * F_e each, split over ep, not over tp) and optional shared experts
+(3 * H * n_shared * F_e, split over tp). Its *active* weights, the ones a token multiplies, are the
+router, top_k experts and the shared experts: FLOPs/MFU and the stage split's costs use those,
+the parameter counts (memory, checkpoints) use all of them.
 """
 from __future__ import annotations
 
@@ -52,6 +58,22 @@ def vocab_rows_per_rank(args: ModelArgs, tp: int) -> int:
     """Rows of the embedding / LM head on one tp rank: the vocabulary padded up to a multiple of
     tp (the padding rows are never saved and never predicted, but they are parameters)."""
     return -(-args.vocab_size // tp)
+
+
+def expert_ffn(args: ModelArgs) -> int:
+    """SwiGLU width of one expert: ``moe.expert_intermediate_size``, default the dense width."""
+    return (args.moe.expert_intermediate_size or args.intermediate_size) if args.moe else args.intermediate_size
+
+
+def is_moe_layer(args: ModelArgs, index: int) -> bool:
+    """Layer ``index`` is MoE: past ``first_dense_layers``, every ``layer_frequency``-th."""
+    moe = args.moe
+    return moe is not None and index >= moe.first_dense_layers and \
+        (index - moe.first_dense_layers) % moe.layer_frequency == 0
+
+
+def moe_layer_indices(args: ModelArgs) -> list[int]:
+    return [i for i in range(args.num_layers) if is_moe_layer(args, i)]
 
 
 def _per_rank(features: int, tp: int, what: str) -> int:
@@ -82,11 +104,14 @@ class Block:
 
 def block_costs(args: ModelArgs) -> dict[str, int]:
     """Forward FLOPs per token of each pipeline block (backward scales them all alike), for the
-    stage split: a decoder layer's projections and attention (full-length sequences assumed),
-    the LM head's vocab projection, the embedding's lookup (a copy of H values)."""
+    stage split: a decoder layer's projections and attention (full-length sequences assumed; an
+    MoE layer's active weights only), the LM head's vocab projection, the embedding's lookup (a
+    copy of H values). ``layer`` is a dense layer, ``moe_layer`` an MoE one."""
     h = args.hidden_size
-    layer = 2 * layer_matmul_parameters(args) + 4 * args.max_position_embeddings * h
-    return {"embed": h, "layer": layer, "head": 2 * h * args.vocab_size}
+    attention = 4 * args.max_position_embeddings * h
+    layer = 2 * layer_matmul_parameters(args) + attention
+    moe_layer = 2 * layer_matmul_parameters(args, moe=True) + attention if args.moe else layer
+    return {"embed": h, "layer": layer, "moe_layer": moe_layer, "head": 2 * h * args.vocab_size}
 
 
 def pipeline_blocks(args: ModelArgs) -> list[Block]:
@@ -95,7 +120,8 @@ def pipeline_blocks(args: ModelArgs) -> list[Block]:
     not, so a tied and an untied model split alike."""
     cost = block_costs(args)
     blocks = [Block("embed", cost["embed"], attach="next")]
-    blocks += [Block(f"layers.{i}", cost["layer"]) for i in range(args.num_layers)]
+    blocks += [Block(f"layers.{i}", cost["moe_layer" if is_moe_layer(args, i) else "layer"])
+               for i in range(args.num_layers)]
     blocks.append(Block("final_norm", cost["head"], attach="prev"))
     if not args.tie_word_embeddings:
         blocks.append(Block("lm_head", 0, attach="prev"))
@@ -121,38 +147,52 @@ def rank_blocks(args: ModelArgs, pp: int = 1, pp_rank: int = 0, virtual_stages: 
 
 
 # ----------------------------------------------------------------------------- parameters
-def layer_matmul_parameters(args: ModelArgs) -> int:
-    """Weights of one unsharded decoder layer that multiply every token: qkv, o_proj, gate/up/down."""
-    return layer_parameters(args) - 2 * args.hidden_size
+def layer_matmul_parameters(args: ModelArgs, moe: bool = False) -> int:
+    """Weights of one unsharded decoder layer that multiply every token: qkv, o_proj and the
+    dense gate/up/down, or (``moe``) the router, top_k experts and the shared experts."""
+    h = args.hidden_size
+    q_out, kv_out = args.num_attention_heads * head_dim(args), kv_heads(args) * head_dim(args)
+    attention = h * (q_out + 2 * kv_out) + q_out * h
+    if not moe:
+        return attention + 3 * h * args.intermediate_size
+    m, ffn = args.moe, expert_ffn(args)
+    return attention + m.num_experts * h + (m.top_k + m.num_shared_experts) * 3 * h * ffn
 
 
-def layer_parameters(args: ModelArgs, tp: int = 1) -> int:
-    """One decoder layer on one tp rank: fused qkv and gate/up (column), o_proj and down (row),
-    each 1/tp; the two RMSNorm weights replicated."""
+def layer_parameters(args: ModelArgs, tp: int = 1, index: int | None = None, ep: int = 1) -> int:
+    """One decoder layer on one (tp, ep) rank: fused qkv and gate/up (column), o_proj and down
+    (row), each 1/tp; the two RMSNorm weights replicated. Layer ``index`` MoE: the router
+    (replicated), E/ep routed experts (not split over tp) and the shared experts (1/tp)."""
     h, ffn = args.hidden_size, args.intermediate_size
     q_out, kv_out = args.num_attention_heads * head_dim(args), kv_heads(args) * head_dim(args)
     qkv = h * (_per_rank(q_out, tp, "query features") + 2 * _per_rank(kv_out, tp, "key/value features"))
     o_proj = _per_rank(q_out, tp, "query features") * h
+    if index is not None and is_moe_layer(args, index):
+        m, effn = args.moe, expert_ffn(args)
+        experts = _per_rank(m.num_experts, ep, "model.moe.num_experts") * 3 * h * effn
+        shared = 3 * h * _per_rank(m.num_shared_experts * effn, tp, "shared expert features")
+        return qkv + o_proj + m.num_experts * h + experts + shared + 2 * h
     mlp = 3 * h * _per_rank(ffn, tp, "model.intermediate_size")  # gate and up (fused), down
     return qkv + o_proj + mlp + 2 * h
 
 
-def block_parameters(args: ModelArgs, name: str, tp: int = 1) -> int:
-    """Parameters of the block ``name`` (a ``Block.name``) on one tp rank (no bias anywhere)."""
+def block_parameters(args: ModelArgs, name: str, tp: int = 1, ep: int = 1) -> int:
+    """Parameters of the block ``name`` (a ``Block.name``) on one (tp, ep) rank (no bias anywhere)."""
     kind = name.split(".", 1)[0]
     if kind in ("embed", "lm_head"):  # vocab-parallel rows, padded
         return vocab_rows_per_rank(args, tp) * args.hidden_size
     if kind == "layers":
-        return layer_parameters(args, tp)
+        return layer_parameters(args, tp, int(name.split(".")[1]), ep)
     if kind == "final_norm":
         return args.hidden_size
     raise ValueError(f"unknown block {name!r}")
 
 
-def stage_parameters(args: ModelArgs, tp: int = 1, pp: int = 1, pp_rank: int = 0, virtual_stages: int = 1) -> int:
-    """``sum(p.numel() for p in model.parameters())`` of the model on one (tp rank, pp rank),
+def stage_parameters(args: ModelArgs, tp: int = 1, pp: int = 1, pp_rank: int = 0, virtual_stages: int = 1,
+                     ep: int = 1) -> int:
+    """``sum(p.numel() for p in model.parameters())`` of the model on one (tp, pp, ep) rank,
     tied replica included; every tp rank of a stage holds the same count (padding is even)."""
-    return sum(block_parameters(args, name, tp) for name in rank_blocks(args, pp, pp_rank, virtual_stages))
+    return sum(block_parameters(args, name, tp, ep) for name in rank_blocks(args, pp, pp_rank, virtual_stages))
 
 
 @dataclass(frozen=True)
@@ -160,33 +200,47 @@ class ParamCount:
     """Parameters of the unsharded model, split the way the FLOP count needs them."""
 
     embedding: int
-    per_layer_matmul: int   # qkv + o_proj + gate/up/down of one decoder layer
+    per_layer_matmul: int   # qkv + o_proj + gate/up/down of one dense decoder layer
     per_layer_norm: int     # the two RMSNorm weights of one decoder layer
     num_layers: int
     final_norm: int
     lm_head: int            # 0 when tied to the embedding
+    moe_layers: int = 0           # how many of num_layers are MoE
+    moe_layer_matmul: int = 0     # an MoE layer's weights: attention, router, all experts, shared
+    moe_layer_active: int = 0     # an MoE layer's weights a token multiplies (top_k experts)
 
     @property
     def total(self) -> int:
         """What `sum(p.numel() for p in model.parameters())` gives at tp=1 (tied weights once)."""
-        return (self.embedding + self.num_layers * (self.per_layer_matmul + self.per_layer_norm)
-                + self.final_norm + self.lm_head)
+        dense = self.num_layers - self.moe_layers
+        return (self.embedding + dense * self.per_layer_matmul + self.moe_layers * self.moe_layer_matmul
+                + self.num_layers * self.per_layer_norm + self.final_norm + self.lm_head)
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses: ``total`` with only top_k of the routed experts."""
+        return self.total - self.moe_layers * (self.moe_layer_matmul - self.moe_layer_active)
 
     @property
     def matmul(self) -> int:
-        """N_matmul of the module docstring: layer matmuls plus the (possibly tied) head."""
+        """N_matmul of the module docstring: layer matmuls (MoE: active) plus the (possibly tied) head."""
         head = self.lm_head or self.embedding
-        return self.num_layers * self.per_layer_matmul + head
+        dense = self.num_layers - self.moe_layers
+        return dense * self.per_layer_matmul + self.moe_layers * self.moe_layer_active + head
 
 
 def parameter_count(args: ModelArgs) -> ParamCount:
-    """The unsharded model (tp = pp = 1), from the same per-block counts as every stage."""
+    """The unsharded model (tp = pp = ep = 1), from the same per-block counts as every stage."""
     norms = 2 * args.hidden_size
     embedding = block_parameters(args, "embed")
+    moe = moe_layer_indices(args)
     return ParamCount(embedding=embedding, per_layer_matmul=layer_matmul_parameters(args),
                       per_layer_norm=norms, num_layers=args.num_layers,
                       final_norm=block_parameters(args, "final_norm"),
-                      lm_head=0 if args.tie_word_embeddings else block_parameters(args, "lm_head"))
+                      lm_head=0 if args.tie_word_embeddings else block_parameters(args, "lm_head"),
+                      moe_layers=len(moe),
+                      moe_layer_matmul=layer_parameters(args, 1, moe[0]) - norms if moe else 0,
+                      moe_layer_active=layer_matmul_parameters(args, moe=True) if moe else 0)
 
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -217,6 +271,24 @@ def activation_bytes_per_layer(args: ModelArgs, sequence_length: int, micro_batc
     return 2 * values
 
 
+def moe_extra_activation_bytes(args: ModelArgs, sequence_length: int, micro_batch_size: int, *, tp: int = 1,
+                               tp_mode: str = "ALL_REDUCE", cp: int = 1) -> float:
+    """What an MoE layer keeps for backward beyond a dense layer's count, per micro-batch, 2 bytes
+    a value (an estimate in Megatron's spirit): each of the k copies of a token holds its row
+    before and after the all-to-all (2 * h) and its expert's gate, up and activation (3 * F_e),
+    instead of the dense MLP's 3 * F / tp; the router's fp32 logits and probabilities (2 * E,
+    4 bytes). Routed tokens are this rank's s/cp, divided by tp under REDUCE_SCATTER only (the
+    routed experts are not split over tp)."""
+    if args.moe is None:
+        return 0.0
+    m = args.moe
+    s, b, h = sequence_length // cp, micro_batch_size, args.hidden_size
+    routed = s * b // (tp if tp_mode == "REDUCE_SCATTER" else 1)
+    values = routed * m.top_k * (2 * h + 3 * expert_ffn(args)) - s * b * 3 * args.intermediate_size / tp
+    values += s * b * 3 * m.num_shared_experts * expert_ffn(args) / tp
+    return 2 * values + routed * 2 * m.num_experts * 4
+
+
 def logits_bytes(args: ModelArgs, local_tokens: int, micro_batch_size: int, tp: int = 1) -> int:
     """The last stage's fp32 logits and their gradient for ``local_tokens`` per sequence, over
     this tp rank's (padded) vocabulary rows."""
@@ -238,4 +310,5 @@ def model_kwargs(config: Config, pc: Optional[Any] = None) -> dict[str, Any]:
                 async_communication=p.tp_linear_async_communication,
                 pp_rank=pc.pp_rank if pc is not None else 0, pp_size=pc.pp_size if pc is not None else 1,
                 virtual_stages=p.pp_virtual_stages, seed=config.training.seed,
-                compute_dtype=config.model.dtype, cp_pg=pc.cp_pg if pc is not None else None)
+                compute_dtype=config.model.dtype, cp_pg=pc.cp_pg if pc is not None else None,
+                ep_pg=getattr(pc, "ep_pg", None) if pc is not None else None)

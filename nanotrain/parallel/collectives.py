@@ -4,6 +4,9 @@
   and reduce_scatter_tensor (a FutureWarning on every call) for the ``*_single`` names, which
   older torch lacks: take whichever exists, looked up per call so a wrapper around
   torch.distributed (the tests' device contract) sees every collective.
+* ``all_to_all``: differentiable ``all_to_all_single`` with variable splits (expert parallelism);
+  its backward is the reverse exchange. gloo on torch 2.13 implements it (checked), as NCCL does,
+  so no fallback is needed.
 * ``allreduce_flat_``: sum many small tensors over a group in ONE collective (on gloo and NCCL
   a collective's latency, not its size, dominates small messages), in place.
 * ``all_reduce``, ``broadcast``, ``all_gather``, ``gather``, ``batch_isend_irecv``: the plain
@@ -76,3 +79,25 @@ def batch_isend_irecv(ops: list, what: str, group=None):
     """``dist.batch_isend_irecv``; ``what`` says which sends/receives (pipeline messages)."""
     PROGRESS.entering(what, group)
     return dist.batch_isend_irecv(ops)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        x = x.contiguous()
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        PROGRESS.entering("all_to_all experts", group)
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return _AllToAll.apply(grad.contiguous(), in_splits, out_splits, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Rows ``x`` [sum(in_splits), ...]: ``in_splits[r]`` go to rank r of ``group``; returns
+    [sum(out_splits), ...], ``out_splits[r]`` rows from rank r, in rank order. Differentiable."""
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)

@@ -33,7 +33,7 @@ from nanotrain.parallel.progress import PROGRESS
 # Group attributes created on every ParallelContext, in creation order: each rank creates its own
 # group of each, in this order (torch names locally synchronised groups by their ranks and the
 # number of groups the process created before, so the members' orders must agree).
-GROUP_NAMES = ("world", "tp", "cp", "dp", "pp", "ep", "dp_cp", "mp")
+GROUP_NAMES = ("world", "tp", "cp", "dp", "pp", "ep", "dp_cp", "dp_cp_ep", "mp")
 
 
 def _process_group_ranks(self) -> list[int]:
@@ -294,6 +294,17 @@ class ParallelContext:
     def pp_next_rank(self) -> Optional[int]:
         """Global rank of the next pipeline stage (same ep/dp/cp/tp), None on the last."""
         return self._pp_neighbour(+1)
+
+    @property
+    def data_rank(self) -> int:
+        """Which slice of the global batch this rank reads: ep ranks read different samples (ep
+        is part of the data-parallel degree of the dense layers), so ``ep_rank * dp + dp_rank``."""
+        return self.ep_rank * self.dp_size + self.dp_rank
+
+    @property
+    def data_size(self) -> int:
+        """Ranks reading different samples (``dp * ep``); cp ranks share theirs."""
+        return self.ep_size * self.dp_size
 
     @property
     def is_pipeline_first_stage(self) -> bool:

@@ -83,11 +83,13 @@ def optimizer_step(model: torch.nn.Module, grad_sync, optimizer, scheduler, pc,
 
 
 def mean_over_replicas(loss: torch.Tensor, pc) -> torch.Tensor:
-    """The per-replica loss averaged over dp (and cp) for logging: one tiny all-reduce."""
+    """The per-replica loss averaged over dp (and cp, and ep: its ranks read different samples)
+    for logging: one tiny all-reduce."""
     loss = loss.detach().clone()
-    if pc.dp_cp_pg.size() > 1:
-        collectives.all_reduce(loss, group=pc.dp_cp_pg, what="all_reduce loss over dp")
-        loss /= pc.dp_cp_pg.size()
+    group = getattr(pc, "dp_cp_ep_pg", pc.dp_cp_pg)
+    if group.size() > 1:
+        collectives.all_reduce(loss, group=group, what="all_reduce loss over dp")
+        loss /= group.size()
     return loss
 
 
@@ -112,6 +114,9 @@ def train_step(model, microbatches: Sequence[MicroBatch], grad_sync, optimizer, 
     pc.pp_pg)``); every pp rank passes the same micro-batches (the first stage reads the ids,
     the last the targets), or None on middle stages with ``message`` (see ``PipelineEngine``).
     No host sync happens here: read the returned stats when they are needed."""
+    begin_step = getattr(model, "begin_step", None)  # LlamaModel: the MoE auxiliary losses' share
+    if begin_step is not None:                        # of each micro-batch; other models have none
+        begin_step(len(microbatches))
     if pc.pp_size > 1:
         if engine is None:
             raise ValueError("train_step: pp > 1 needs engine=PipelineEngine(pp_engine, pc.pp_pg)")

@@ -34,9 +34,10 @@ from nanotrain.config import Config
 from nanotrain.data import BatchPrefetcher, build_samplers
 from nanotrain.logging import metrics_logger_for
 from nanotrain.logging.stragglers import step_time_max_over_median
+from nanotrain.models.moe import step_scalars
 from nanotrain.optim import build_lr_scheduler, build_optimizer
 from nanotrain.parallel.context import ParallelContext
-from nanotrain.parallel.data_parallel import BucketedGradSync
+from nanotrain.parallel.data_parallel import build_grad_sync
 from nanotrain.parallel.progress import PROGRESS
 from nanotrain.training.builder import build_engine, build_model
 from nanotrain.training.evaluate import evaluate, perplexity
@@ -73,15 +74,15 @@ class DistributedTrainer:
         self.engine = build_engine(config, self.pc)  # None when pp = 1
         # What crosses a pipeline stage boundary (the middle stages read no data to derive it).
         self.message = self.model.pipeline_message(t.micro_batch_size, t.sequence_length)
-        self.grad_sync = BucketedGradSync(list(self.model.parameters()), self.pc.dp_cp_pg)
+        self.grad_sync = build_grad_sync(list(self.model.parameters()), self.pc)
         self.optimizer = build_optimizer(self.model.named_parameters(), config.optimizer, self.pc.dp_cp_pg)
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, t.train_steps)
 
         stage_needs_data = self.pc.is_pipeline_first_stage or self.pc.is_pipeline_last_stage
         self.sampler, val_sampler = build_samplers(config, builder=self.pc.world_rank == 0,
                                                    needs_data=stage_needs_data, barrier=dist.barrier)
-        self.batches = BatchPrefetcher(self.sampler, self.pc.dp_rank, self.device) if self.sampler else None
-        self.val_batches = BatchPrefetcher(val_sampler, self.pc.dp_rank, self.device) if val_sampler else None
+        self.batches = BatchPrefetcher(self.sampler, self.pc.data_rank, self.device) if self.sampler else None
+        self.val_batches = BatchPrefetcher(val_sampler, self.pc.data_rank, self.device) if val_sampler else None
         self.step, self.consumed_samples = 0, 0
         self.saved_step: int | None = None  # the step whose state is on disk, verified
         self.pending_save = None  # an async save being written (checkpoints.async_save), not committed
@@ -115,7 +116,7 @@ class DistributedTrainer:
     def _loop(self) -> str:
         t = self.config.training
         m = t.batch_accumulation_per_replica
-        global_batch = self.config.parallelism.dp * t.micro_batch_size * m
+        global_batch = self.config.parallelism.batch_replicas * t.micro_batch_size * m
         start = time.perf_counter()
         while self.step < t.train_steps:
             # Middle pipeline stages read no data: m placeholders.
@@ -141,6 +142,10 @@ class DistributedTrainer:
                 extra = {"perf/step_time_max_over_median": ratio}
                 self._interval_time, self._interval_steps = 0.0, 0
             self.metrics.log(self.step, stats.loss_tensor, stats.lr, stats.grad_norm_tensor, step_s, extra=extra)
+            moe = self.config.model.moe
+            if moe is not None and self.metrics.should_log(self.step):  # every pp rank joins
+                self.metrics.log_scalars(self.step, step_scalars(self.model.moe_state, self.pc.pp_pg,
+                                                                 capacity=moe.capacity_factor is not None))
             self.log_data(global_batch)
             if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.train_steps):
                 self.evaluate()
@@ -195,7 +200,7 @@ class DistributedTrainer:
         PROGRESS.mark("eval")
         started = time.perf_counter()
         loss = float(evaluate(self.model, self.val_batches, self.pc, t.eval_batches,
-                              self.config.parallelism.dp * t.micro_batch_size * m, m,
+                              self.config.parallelism.batch_replicas * t.micro_batch_size * m, m,
                               engine=self.engine, message=self.message))
         took = time.perf_counter() - started
         self.metrics.log_scalars(self.step, {"val/loss": loss, "val/ppl": perplexity(loss)},

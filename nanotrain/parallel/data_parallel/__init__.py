@@ -1,5 +1,8 @@
-"""Data parallelism: bucketed gradient all-reduce overlapped with backward, and ZeRO-1."""
+"""Data parallelism: bucketed gradient all-reduce overlapped with backward, ZeRO-1, and the
+expert-aware sync (dense over dp x cp x ep, experts over dp x cp)."""
+from nanotrain.parallel.data_parallel.expert_sync import GradSyncSet, build_grad_sync, is_expert_param
 from nanotrain.parallel.data_parallel.grad_sync import Bucket, BucketedGradSync
 from nanotrain.parallel.data_parallel.zero import ShardPiece, ZeroOneOptimizer, zero_partition
 
-__all__ = ["Bucket", "BucketedGradSync", "ShardPiece", "ZeroOneOptimizer", "zero_partition"]
+__all__ = ["Bucket", "BucketedGradSync", "GradSyncSet", "ShardPiece", "ZeroOneOptimizer", "build_grad_sync",
+           "is_expert_param", "zero_partition"]

@@ -86,7 +86,7 @@ class BucketedGradSync:
     """
 
     def __init__(self, params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup] = None,
-                 bucket_cap_mb: float = 25.0):
+                 bucket_cap_mb: float = 25.0, divisor: Optional[int] = None):
         seen: set[int] = set()
         self.params: list[nn.Parameter] = []
         for p in params:
@@ -96,6 +96,9 @@ class BucketedGradSync:
         self.group = group
         initialised = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if initialised else 1
+        # The sum is divided by ``divisor`` (default the group size): expert parameters sum over
+        # dp x cp but average over dp x cp x ep, the ranks whose tokens reached them.
+        self.divisor = divisor or self.world_size
         self.bucket_cap_bytes = max(1, int(bucket_cap_mb * 1024 * 1024))
         self.buckets: list[Bucket] = self._build_buckets()
         self._bucket_of: dict[int, Bucket] = {}
@@ -191,8 +194,9 @@ class BucketedGradSync:
             self._next_launch += 1
 
     def _launch(self, b: Bucket, from_hook: bool) -> None:
+        if self.divisor > 1:
+            b.buffer.div_(self.divisor)
         if self.world_size > 1:
-            b.buffer.div_(self.world_size)
             b.handle = all_reduce(b.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True,
                                   what=f"all_reduce gradient bucket {b.index}")
         b.launched = True

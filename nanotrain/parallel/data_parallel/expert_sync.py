@@ -1,0 +1,71 @@
+"""Gradient sync with experts: dense parameters and expert shards average over different groups.
+
+Dense parameters are replicated over ep and each ep rank reads different samples, so their
+gradients average over dp x cp x ep (``pc.dp_cp_ep_pg``). An expert shard exists once per
+(dp, cp) coordinate; the all-to-all's backward already summed, on its owner, the gradients of
+the tokens of every ep rank, so it sums over dp x cp (``pc.dp_cp_pg``) and divides by
+dp x cp x ep: the average over every rank whose tokens could reach it, the same gradient as one
+process training on the whole global batch (Megatron's expert gradient scaling).
+
+``build_grad_sync`` returns one ``BucketedGradSync`` when there is nothing to split (ep = 1),
+else a ``GradSyncSet`` of two with the same interface.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from torch import nn
+
+from nanotrain.parallel.data_parallel.grad_sync import BucketedGradSync
+from nanotrain.parallel.sharding import get_shard_info
+
+
+def is_expert_param(p: nn.Parameter) -> bool:
+    """Sharded over the expert axis (``ShardInfo.axis`` contains "ep")."""
+    axis = get_shard_info(p).axis
+    return axis is not None and "ep" in axis.split("_")
+
+
+class GradSyncSet:
+    """Several ``BucketedGradSync`` driven as one (each over its own group)."""
+
+    def __init__(self, syncs: list[BucketedGradSync]):
+        self.syncs = syncs
+        self.params = [p for s in syncs for p in s.params]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for s in self.syncs:
+                stack.enter_context(s.no_sync())
+            yield
+
+    def finish_grad_sync(self) -> None:
+        for s in self.syncs:
+            s.finish_grad_sync()
+
+    wait = finish_grad_sync
+
+    def zero_grad(self) -> None:
+        for s in self.syncs:
+            s.zero_grad()
+
+    def grad_view(self, p: nn.Parameter):
+        for s in self.syncs:
+            if any(q is p for q in s.params):
+                return s.grad_view(p)
+        raise KeyError("parameter not synced here")
+
+
+def build_grad_sync(params: list[nn.Parameter], pc, bucket_cap_mb: float = 25.0):
+    """The gradient sync of this rank's ``params`` (see the module docstring)."""
+    if getattr(pc, "ep_size", 1) == 1:
+        return BucketedGradSync(params, pc.dp_cp_pg, bucket_cap_mb=bucket_cap_mb)
+    dense = [p for p in params if not is_expert_param(p)]
+    experts = [p for p in params if is_expert_param(p)]
+    syncs = [BucketedGradSync(dense, pc.dp_cp_ep_pg, bucket_cap_mb=bucket_cap_mb)]
+    if experts:
+        syncs.append(BucketedGradSync(experts, pc.dp_cp_pg, bucket_cap_mb=bucket_cap_mb,
+                                      divisor=pc.dp_cp_ep_pg.size()))
+    return GradSyncSet(syncs)

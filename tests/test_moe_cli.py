@@ -1,0 +1,82 @@
+"""MoE through the CLI (`submit.py --local`): an ep2 run equals the one-process run (10 steps, the
+same losses within rel. 1e-5), writes the moe/* scalars and one model file per expert-shard
+owner; resuming at ep2 is bit-exact; resuming at ep1, ep4 and ep2·tp2 (resharding the expert
+axis and tp) continues within rel. 1e-5. Every layout keeps the global batch of 8 samples."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from helpers.runs import TINY, cli, tb_losses
+
+STEPS = 10
+BASE = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "model.num_attention_heads=4",
+        "model.num_key_value_heads=2", "training.sequence_length=32", "training.micro_batch_size=2",
+        f"training.train_steps={STEPS}", "logging.log_interval=1", "checkpoints.interval=5",
+        "optimizer.warmup_steps=2", "parallelism.tp=1", "parallelism.pp=1", "parallelism.dp=1",
+        "model.moe={num_experts: 4, top_k: 2, num_shared_experts: 1, aux_loss_coef: 0.05, z_loss_coef: 0.001}"]
+LAYOUTS = {
+    "ep1": ["parallelism.ep=1", "training.batch_accumulation_per_replica=4"],
+    "ep2": ["parallelism.ep=2", "training.batch_accumulation_per_replica=2"],
+    "ep4": ["parallelism.ep=4", "training.batch_accumulation_per_replica=1"],
+    "ep2-tp2": ["parallelism.ep=2", "parallelism.tp=2", "training.batch_accumulation_per_replica=2"],
+}
+
+
+def _sets(items):
+    return [arg for item in items for arg in ("--set", item)]
+
+
+def _train(logs, name: str, layout: str):
+    args = _sets([f"logging.dir={logs}", f"logging.run_name={name}", *BASE, *LAYOUTS[layout]])
+    proc = subprocess.run(cli(str(TINY), "--local", *args), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return logs / name
+
+
+def _resume_from_step5(source, dest, layout: str) -> str:
+    """A copy of ``source`` without its step-10 checkpoint, resumed at ``layout``."""
+    shutil.copytree(source, dest)
+    shutil.rmtree(dest / "checkpoints" / "step_000010")
+    (dest / "checkpoints" / "latest").write_text("step_000005")
+    proc = subprocess.run(cli("--resume", str(dest), "--local", *_sets(LAYOUTS[layout])),
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.timeout(1500)
+def test_moe_cli_ep2_equals_one_process_and_resumes_across_ep(tmp_path):
+    ep2 = _train(tmp_path, "ep2", "ep2")
+    ep1 = _train(tmp_path, "ep1", "ep1")
+    expected = dict(tb_losses(ep1))
+    got = dict(tb_losses(ep2))
+    assert sorted(got) == list(range(1, STEPS + 1)) and expected[STEPS] < expected[1]
+    for step in got:
+        assert abs(got[step] - expected[step]) <= 1e-5 * abs(expected[step]), (step, got[step], expected[step])
+
+    events = EventAccumulator(str(ep2 / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"moe/aux_loss", "moe/z_loss", "moe/load_max_over_mean"} <= tags and "moe/dropped_tokens" not in tags
+    assert all(e.value >= 1.0 for e in events.Scalars("moe/load_max_over_mean"))
+    assert all(0.9 < e.value < 4.0 for e in events.Scalars("moe/aux_loss"))  # E * sum f p: 1 when balanced
+    files = sorted(p.name for p in (ep2 / "checkpoints" / "step_000010" / "model").iterdir())
+    assert files == ["pp-00_tp-00_ep-00.safetensors", "pp-00_tp-00_ep-01.safetensors"]
+
+    # resume at the same topology: bit-exact
+    out = _resume_from_step5(ep2, tmp_path / "again-ep2", "ep2")
+    assert "at step 5 (same topology, bit-exact)" in out, out[-2000:]
+    again = dict(tb_losses(tmp_path / "again-ep2"))
+    assert [again[s] for s in range(6, STEPS + 1)] == [got[s] for s in range(6, STEPS + 1)]
+
+    # resharded: the expert axis (ep1, ep4) and tp
+    for layout in ("ep1", "ep4", "ep2-tp2"):
+        out = _resume_from_step5(ep2, tmp_path / f"re-{layout}", layout)
+        assert "at step 5 (resharded from another topology)" in out, out[-2000:]
+        resumed = dict(tb_losses(tmp_path / f"re-{layout}"))
+        for step in range(6, STEPS + 1):
+            assert abs(resumed[step] - got[step]) <= 1e-5 * abs(got[step]), (layout, step, resumed[step], got[step])
