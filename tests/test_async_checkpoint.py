@@ -13,11 +13,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_failures import rank_pid, step_of
 
 from nanotrain.checkpoint import read_latest
 from nanotrain.checkpoint.format import update_latest, verify_checkpoint
 
+from helpers.processes import rank_pid, step_of
 from helpers.runs import SETTINGS, TINY, cli, final_weights, tb_losses
 from helpers.slurm import wait_until
 

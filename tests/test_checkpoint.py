@@ -39,6 +39,7 @@ from nanotrain.checkpoint.reshard import read_full_state
 from nanotrain.config import Config, ParallelismArgs
 from nanotrain.parallel.sharding import gather_full, get_shard_info
 
+from helpers.checkpoints import damage, tiny, tiny_step
 from helpers.dist import run_distributed
 from helpers.models import GLOBAL_BATCH, MICRO_BATCH, MODEL, OPTIM, global_batch
 
@@ -211,19 +212,6 @@ def captured_warnings():
         yield records
     finally:
         logger.removeHandler(handler)
-
-
-def damage(path: Path, how: str) -> None:
-    data = bytearray(path.read_bytes())
-    if how == "truncate":
-        path.write_bytes(bytes(data[: len(data) // 2]))
-    elif how == "header":  # a digit of the header's JSON (a shape or an offset): same size
-        at = data.index(b'"shape":[') + len(b'"shape":[')
-        data[at] = ord("9") if data[at] != ord("9") else ord("8")
-        path.write_bytes(bytes(data))
-    else:  # flip a byte in the tensor data (past the header): the file still parses
-        data[-5] ^= 0xFF
-        path.write_bytes(bytes(data))
 
 
 # ----------------------------------------------------------------------------- launch bodies
@@ -478,29 +466,12 @@ def test_rank_killed_while_saving_leaves_previous_checkpoint(tmp_path):
         run_distributed(launch_killed_while_saving, 2, str(root), timeout=120)
     assert (root / "latest").read_text().strip() == "step_000001"
     assert (root / "step_000002.tmp").is_dir() and not (root / "step_000002").exists()
-    model, opt, sched = _tiny()
+    model, opt, sched = tiny()
     with forbid_pickle():
         res = load_checkpoint(root, model, opt, sched)  # one process: reshards the tp2 checkpoint
     assert res.step == 1 and res.resharded
     save_checkpoint(root, 2, model, opt, sched)  # the next save cleans the leftover up
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001", "step_000002"]
-
-
-def _tiny(seed: int = 0):
-    from nanotrain.models.llama import LlamaModel
-    from nanotrain.optim import build_lr_scheduler, build_optimizer
-    model = LlamaModel(MODEL, None, seed=seed)
-    opt = build_optimizer(model.named_parameters(), OPTIM, zero_stage=0)
-    return model, opt, build_lr_scheduler(opt, OPTIM, 100)
-
-
-def _tiny_step(objs, step: int) -> None:
-    model, opt, sched = objs
-    batch = global_batch(step)
-    model(batch[:, :-1], batch[:, 1:]).backward()
-    opt.step()
-    sched.step()
-    opt.zero_grad()
 
 
 def _save_and_die(root: str, stage: str) -> None:
@@ -517,16 +488,16 @@ def _save_and_die(root: str, stage: str) -> None:
             return original(*a, **k)  # one shard is on disk, the rest is not
         os.kill(os.getpid(), signal.SIGKILL)
     setattr(fmt, target, die)
-    objs = _tiny(1)
-    _tiny_step(objs, 0)
+    objs = tiny(1)
+    tiny_step(objs, 0)
     save_checkpoint(root, 2, *objs)
 
 
 @pytest.mark.parametrize("stage", ["shards", "meta", "rename", "latest"])
 def test_kill_during_save_keeps_previous_latest(tmp_path, stage):
     root = tmp_path / "ck"
-    objs = _tiny()
-    _tiny_step(objs, 0)
+    objs = tiny()
+    tiny_step(objs, 0)
     save_checkpoint(root, 1, *objs)
     expected = {n: p.detach().clone() for n, p in objs[0].named_parameters()}
     child = multiprocessing.get_context("fork").Process(target=_save_and_die, args=(str(root), stage))
@@ -538,41 +509,41 @@ def test_kill_during_save_keeps_previous_latest(tmp_path, stage):
         assert (root / "step_000002" / "COMPLETE").is_file()
     else:
         assert not (root / "step_000002").exists() and (root / "step_000002.tmp").is_dir()
-    fresh = _tiny(7)
+    fresh = tiny(7)
     res = load_checkpoint(root, *fresh)
     assert res.step == 1 and not res.resharded
     for n, p in fresh[0].named_parameters():
         assert torch.equal(p, expected[n]), n
-    _tiny_step(fresh, 1)
+    tiny_step(fresh, 1)
     save_checkpoint(root, 2, *fresh)  # replaces the stale step_000002 / removes the .tmp
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001", "step_000002"]
-    assert load_checkpoint(root, *_tiny(3)).step == 2
+    assert load_checkpoint(root, *tiny(3)).step == 2
 
 
 def test_incomplete_and_tmp_directories_are_ignored(tmp_path):
     root = tmp_path / "ck"
-    objs = _tiny()
+    objs = tiny()
     save_checkpoint(root, 1, *objs)
     shutil.copytree(root / "step_000001", root / "step_000005.tmp")  # complete-looking, but .tmp
     shutil.copytree(root / "step_000001", root / "step_000004")
     (root / "step_000004" / "COMPLETE").unlink()
-    assert load_checkpoint(root, *_tiny(2)).step == 1
+    assert load_checkpoint(root, *tiny(2)).step == 1
     (root / "latest").unlink()  # without `latest`: the newest COMPLETE one, still step 1
-    assert load_checkpoint(root, *_tiny(2)).step == 1
-    assert load_checkpoint(tmp_path / "nothing", *_tiny(2)) is None
+    assert load_checkpoint(root, *tiny(2)).step == 1
+    assert load_checkpoint(tmp_path / "nothing", *tiny(2)) is None
 
 
 def test_corrupt_newest_falls_back_with_warning_naming_file(tmp_path, caplog):
     root = tmp_path / "ck"
-    objs = _tiny()
+    objs = tiny()
     for step in (1, 2, 3, 4):
-        _tiny_step(objs, step)
+        tiny_step(objs, step)
         save_checkpoint(root, step, *objs, extra={"consumed_samples": step})
     damage(root / "step_000004" / "model" / "pp-00_tp-00.safetensors", "header")
     damage(root / "step_000003" / "optimizer" / "pp-00_tp-00_dp-00.safetensors", "flip")
     damage(root / "step_000002" / "model" / "pp-00_tp-00.safetensors", "truncate")
     with caplog.at_level(logging.WARNING, logger="nanotrain.checkpoint"):
-        res = load_checkpoint(root, *_tiny(5))
+        res = load_checkpoint(root, *tiny(5))
     assert res.step == 1 and res.extra == {"consumed_samples": 1} and len(res.skipped) == 3
     text = caplog.text
     assert "step_000004/model/pp-00_tp-00.safetensors: header sha256 mismatch" in text
@@ -580,19 +551,19 @@ def test_corrupt_newest_falls_back_with_warning_naming_file(tmp_path, caplog):
     assert "step_000002/model/pp-00_tp-00.safetensors: size" in text and "truncated" in text
     (root / "step_000001" / "meta.json").write_text("{}")  # meta.json is checked against COMPLETE
     with pytest.raises(CheckpointError, match="no intact complete checkpoint") as err:
-        load_checkpoint(root, *_tiny(5))
+        load_checkpoint(root, *tiny(5))
     assert "step_000001/meta.json: checksum mismatch" in str(err.value)
     # every damaged one was moved aside (issue 17 item 1): kept for inspection, never counted
     assert sorted(p.name for p in root.iterdir()) == ["latest"] + [f"step_00000{s}.damaged" for s in (1, 2, 3, 4)]
     with pytest.raises(CheckpointError, match="sha256 mismatch"):  # an explicit path never falls back
-        load_checkpoint(root, *_tiny(5), path=root / "step_000003.damaged")
+        load_checkpoint(root, *tiny(5), path=root / "step_000003.damaged")
     from nanotrain.checkpoint.format import verify_checkpoint
     assert len(verify_checkpoint(root / "step_000003.damaged")) == 1
 
 
 def test_keep_last_prunes_older_complete_checkpoints(tmp_path):
     root = tmp_path / "ck"
-    objs = _tiny()
+    objs = tiny()
     for step in range(1, 6):
         save_checkpoint(root, step, *objs, keep_last=2)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000004", "step_000005"]
@@ -602,7 +573,7 @@ def test_keep_last_prunes_older_complete_checkpoints(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000005", "step_000006"]
     # a resumed run that went back to step 5 keeps the abandoned step 6 out of its way
     (root / "latest").write_text("step_000005\n")
-    assert load_checkpoint(root, *_tiny(1)).step == 5
+    assert load_checkpoint(root, *tiny(1)).step == 5
     save_checkpoint(root, 6, *objs, keep_last=1)  # replaces the stale step 6, prunes 5
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000006"]
 
@@ -612,7 +583,7 @@ def test_wrong_model_is_an_error_not_a_fallback(tmp_path):
 
     from nanotrain.models.llama import LlamaModel
     root = tmp_path / "ck"
-    save_checkpoint(root, 1, *_tiny(), config=config_for())
+    save_checkpoint(root, 1, *tiny(), config=config_for())
     wider = LlamaModel(replace(MODEL, intermediate_size=2 * MODEL.intermediate_size), None)
     with pytest.raises(CheckpointError, match="shape mismatch.*mlp"):
         load_checkpoint(root, wider)
@@ -623,7 +594,7 @@ def test_wrong_model_is_an_error_not_a_fallback(tmp_path):
     with pytest.raises(CheckpointError, match="no rank of this model has"):
         load_checkpoint(root, shallower)
     with pytest.raises(CheckpointError, match="model config differs.*rope_theta"):
-        load_checkpoint(root, _tiny()[0], config=config_for(model=replace(MODEL, rope_theta=500.0)))
+        load_checkpoint(root, tiny()[0], config=config_for(model=replace(MODEL, rope_theta=500.0)))
 
 
 def test_offline_reshard_through_pp_tp_dp_and_back_is_exact(tmp_path):
@@ -665,13 +636,13 @@ def test_offline_reshard_through_pp_tp_dp_and_back_is_exact(tmp_path):
 
 def test_per_parameter_files_and_rank_state(tmp_path):
     root = tmp_path / "ck"
-    objs = _tiny()
-    _tiny_step(objs, 0)
+    objs = tiny()
+    tiny_step(objs, 0)
     save_checkpoint(root, 1, *objs, granularity="param", rank_state={"data_position": [3, 7]})
     names = {p.relative_to(root / "step_000001").as_posix() for p in (root / "step_000001").rglob("*.safetensors")}
     assert "model/layers.0.attn.qkv.weight/pp-00_tp-00.safetensors" in names
     assert "optimizer/layers.0.attn.qkv.weight/pp-00_tp-00_dp-00.safetensors" in names
-    fresh = _tiny(4)
+    fresh = tiny(4)
     res = load_checkpoint(root, *fresh)
     assert res.rank_state == {"data_position": [3, 7]} and not res.resharded
     for (n, p), q in zip(objs[0].named_parameters(), fresh[0].parameters()):

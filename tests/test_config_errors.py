@@ -13,16 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nanotrain.launch.cli import main
+from helpers.cli import run_cli
+from helpers.runs import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny_cpu.yaml"
-
-
-def run_cli(argv, capsys):
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def write_config(tmp_path: Path, mutate) -> Path:

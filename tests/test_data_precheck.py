@@ -7,7 +7,9 @@ import json
 import os
 
 import pytest
-from test_config_errors import TINY, run_cli
+
+from helpers.cli import run_cli
+from helpers.runs import TINY
 
 
 def jsonl(rows) -> bytes:

@@ -3,7 +3,6 @@ last complete checkpoint intact (locally and on real SLURM), and a cancelled SLU
 with `submit.py --resume` from its latest complete checkpoint."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,48 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from nanotrain.checkpoint import read_latest
-from nanotrain.checkpoint.format import verify_checkpoint
 from nanotrain.launch.ownership import LIVE_JOB_STATES
 from nanotrain.launch.ownership import job_state as job_state_in_queue
 
+from helpers.processes import assert_latest_intact, rank_pid, step_of
 from helpers.runs import TINY, cli, tb_losses
 from helpers.slurm import submitted_job_id, wait_for_job, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def step_of(run_dir: Path) -> int:
-    path = run_dir / "progress.json"
-    return json.loads(path.read_text())["step"] if path.is_file() else 0
-
-
-def rank_pid(run_dir: Path, rank: int) -> int | None:
-    """The process of `rank` of the run in `run_dir`: a local rank (its command line names the
-    config) or a SLURM task (submitit's runner, its command line names the job folder)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if str(run_dir) not in cmdline:
-            continue
-        local = "nanotrain.launch.task" in cmdline and f"RANK={rank}".encode() in environ
-        slurm = "submitit.core._submit" in cmdline and f"SLURM_PROCID={rank}".encode() in environ
-        if local or slurm:
-            return int(entry.name)
-    return None
-
-
-def assert_latest_intact(run_dir: Path) -> int:
-    root = run_dir / "checkpoints"
-    latest = read_latest(root)
-    assert latest is not None, "no complete checkpoint"
-    assert verify_checkpoint(root / latest) == [], f"{latest} is damaged"
-    return int(latest.split("_")[1])
 
 
 def common(tmp_path: Path, name: str, steps: int) -> list[str]:

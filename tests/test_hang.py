@@ -13,14 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-from test_failures import assert_latest_intact, rank_pid, step_of
 
-from nanotrain.config import load_config
-from nanotrain.data.build import prepare_dataset
 from nanotrain.launch.hang import EXIT_HUNG, is_comm_failure, is_timeout
 from nanotrain.launch.hang_status import culprit
 
-from helpers.runs import TINY, cli
+from helpers.processes import assert_latest_intact, rank_pid, step_of
+from helpers.runs import TINY, cli, warm_data_cache
 from helpers.slurm import wait_until
 
 HOOKS = Path(__file__).resolve().parent / "hooks"
@@ -32,15 +30,6 @@ def overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
              "logging.log_interval=1", "checkpoints.interval=5", f"training.collective_timeout_s={TIMEOUT_S}",
              *extra]
     return [arg for item in items for arg in ("--set", item)]
-
-
-def warm_data_cache(logs: Path) -> None:
-    """Tokenise the tiny config's data into the run's cache now (the product's own builder):
-    with a collective timeout of seconds, rank 0 tokenising at start-up on a loaded machine
-    would otherwise time out the others' start-up barrier before training begins."""
-    t = load_config(str(TINY)).training
-    prepare_dataset(load_config(str(TINY)).data, seq_len=t.sequence_length, cache_dir=str(logs / ".cache" / "data"),
-                    vocab_size=256)
 
 
 @pytest.fixture(scope="module")

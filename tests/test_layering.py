@@ -8,6 +8,9 @@ the modules may import each other, but never in a circle: a package's ``__init__
 its modules is the one edge that may point back (``from pkg import X`` inside ``pkg.mod`` reads
 ``pkg/__init__.py`` only once ``pkg.mod`` is done, which Python resolves), so ``__init__``
 modules are left out of the circle search.
+
+The tests follow one rule of their own: shared test helpers live in the package ``tests/helpers``
+(imported as ``helpers.xxx``), and no test module imports another test module.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "nanotrain"
+TESTS = ROOT / "tests"
 ORDER = ("config", "parallel", "models", "data", "optim", "checkpoint", "logging", "training", "launch")
 
 
@@ -86,3 +90,23 @@ def test_no_import_closes_a_circle():
         if module not in state:
             visit(module, [])
     assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_no_test_module_imports_another():
+    """Importing a test module runs its module-level code and makes its internals a hidden
+    dependency of another file (rename one and an unrelated test breaks): what test modules
+    share belongs in tests/helpers/."""
+    offenders = []
+    for path in sorted(TESTS.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0].startswith("test_"):
+                    offenders.append(f"tests/{path.name}:{node.lineno} imports {name}")
+    assert not offenders, ("test modules that import another test module (move what they share into "
+                           "tests/helpers/):\n" + "\n".join(offenders))

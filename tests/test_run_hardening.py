@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_failures import rank_pid
 
 from nanotrain.checkpoint import read_latest
 
+from helpers.processes import rank_pid, step_of
 from helpers.slurm import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,13 +51,6 @@ def one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> str:
     errors.sort(key=lambda line: line.startswith("error: rank "))
     assert errors and all(f in errors[0] for f in fragments), text[-3000:]
     return errors[0]
-
-
-def step_of(run_dir: Path) -> int:
-    try:
-        return json.loads((run_dir / "progress.json").read_text())["step"]
-    except (OSError, ValueError, KeyError):
-        return 0
 
 
 def kill_group(proc: subprocess.Popen) -> None:

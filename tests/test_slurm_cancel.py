@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_failures import assert_latest_intact, rank_pid, step_of
 
 from nanotrain.launch import ownership, preemption
 
+from helpers.processes import assert_latest_intact, rank_pid, step_of
 from helpers.slurm import restart_count, submitted_job_id, wait_for_job, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]

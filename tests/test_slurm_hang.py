@@ -12,10 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from test_failures import rank_pid, step_of
-from test_hang import warm_data_cache
 
-from helpers.runs import TINY, cli, tb_losses
+from helpers.processes import rank_pid, step_of
+from helpers.runs import TINY, cli, tb_losses, warm_data_cache
 from helpers.slurm import job_state, restart_count, start_now_if_requeued, submitted_job_id, wait_for_job, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]

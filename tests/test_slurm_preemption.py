@@ -7,7 +7,6 @@ and its TensorBoard loss sequence equals an uninterrupted run's, with no step lo
 A second job with a 1-minute time limit saves, requeues and finishes the same way."""
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from helpers.processes import step_of
 from helpers.slurm import (
     TERMINAL,
     job_state,
@@ -38,11 +38,6 @@ def submit(tmp_path: Path, name: str, steps: int, *extra: str, local: bool = Fal
     for item in items:
         args += ["--set", item]
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-
-def step_of(run_dir: Path) -> int:
-    path = run_dir / "progress.json"
-    return json.loads(path.read_text())["step"] if path.is_file() else 0
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:

@@ -5,5 +5,8 @@
 * ``nccl_sim`` — a P2P transport with NCCL's semantics on threads (pipeline deadlock proofs);
 * ``contract`` — the device contract of every tensor handed to torch.distributed;
 * ``models`` — the tiny models, batches and gradient gathering the parallel tests share;
-* ``runs`` — CLI runs of the tiny config, and the reference runs shared by several test files.
+* ``runs`` — CLI runs of the tiny config, and the reference runs shared by several test files;
+* ``cli`` — ``run_cli``: submit.py's command line called in-process, its output captured;
+* ``processes`` — a running job seen from outside: its step, a rank's pid, its latest checkpoint;
+* ``checkpoints`` — the one-process tiny model, a training step of it, damage to a saved file.
 """

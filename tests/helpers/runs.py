@@ -21,6 +21,9 @@ from pathlib import Path
 from safetensors.numpy import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from nanotrain.config import load_config
+from nanotrain.data.build import prepare_dataset
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
 STEPS = 15
@@ -42,6 +45,15 @@ def cli(*args: str) -> list[str]:
 def overrides(logs: Path, name: str, topology: str) -> list[str]:
     items = [f"logging.dir={logs}", f"logging.run_name={name}", *SETTINGS, *TOPOLOGIES[topology]]
     return [arg for item in items for arg in ("--set", item)]
+
+
+def warm_data_cache(logs: Path) -> None:
+    """Tokenise the tiny config's data into the run's cache now (the product's own builder):
+    with a collective timeout of seconds, rank 0 tokenising at start-up on a loaded machine
+    would otherwise time out the others' start-up barrier before training begins."""
+    t = load_config(str(TINY)).training
+    prepare_dataset(load_config(str(TINY)).data, seq_len=t.sequence_length, cache_dir=str(logs / ".cache" / "data"),
+                    vocab_size=256)
 
 
 def tb_losses(run_dir: Path) -> list[tuple[int, float]]:

@@ -1,0 +1,46 @@
+"""The processes and state of a running job, read from outside it: the step it has logged, the pid
+of one of its ranks (local or a SLURM task), and its latest checkpoint, checked complete and intact."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from nanotrain.checkpoint import read_latest
+from nanotrain.checkpoint.format import verify_checkpoint
+
+
+def step_of(run_dir: Path) -> int:
+    """The step in the run's progress.json; 0 while there is none (or it cannot be read)."""
+    try:
+        return json.loads((run_dir / "progress.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The process of `rank` of the run in `run_dir`: a local rank (its command line names the
+    config) or a SLURM task (submitit's runner, its command line names the job folder)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(run_dir) not in cmdline:
+            continue
+        local = "nanotrain.launch.task" in cmdline and f"RANK={rank}".encode() in environ
+        slurm = "submitit.core._submit" in cmdline and f"SLURM_PROCID={rank}".encode() in environ
+        if local or slurm:
+            return int(entry.name)
+    return None
+
+
+def assert_latest_intact(run_dir: Path) -> int:
+    """The step of the run's latest checkpoint, after asserting it exists and verifies."""
+    root = run_dir / "checkpoints"
+    latest = read_latest(root)
+    assert latest is not None, "no complete checkpoint"
+    assert verify_checkpoint(root / latest) == [], f"{latest} is damaged"
+    return int(latest.split("_")[1])
