@@ -76,6 +76,8 @@ class TrainingArgs:
     seed: int = bounded(42, 0, 2**63 - 1, doc="init, data order and dropout-free RNG")
     collective_timeout_s: float = bounded(
         600.0, 1.0, doc="timeout of every process group: a collective waiting longer fails the job")
+    recompute: Literal["none", "selective", "full"] = doc("none", "selective: SDPA + SwiGLU act; full: whole layers")
+    compile: bool = doc(False, "torch.compile each decoder layer (GPU, or CPU with a C++ compiler)")
 
 
 @dataclass

@@ -6,10 +6,12 @@ LM head and its logits (last stage).
 - weights: fp32 master copy (bf16 compute copies are transient under autocast);
 - gradients: fp32 (accumulated in fp32 across micro-batches);
 - optimizer: AdamW exp_avg + exp_avg_sq in fp32, divided by dp*cp under ZeRO-1;
-- activations: Megatron's per-layer count (``llama_arch.activation_bytes_per_layer``: s*b*h*(10 + 24/t)
-  values with TP, s*b*h*34/t with sequence parallelism, 2 bytes each; context parallelism adds the
-  gathered keys and values), times the micro-batches a stage holds at once: all m for afab, pp for
-  1f1b (first stage), pp*(1 + (pp-1)/(pp*v)) interleaved; plus the fp32 logits and their gradient.
+- activations: what autograd keeps per layer in this implementation, for ``training.recompute``
+  (``llama_arch.activation_bytes_per_layer``, measured by ``benchmarks/memory.py``), times the
+  micro-batches a stage holds at once: all m for afab, pp for 1f1b (first stage),
+  pp*(1 + (pp-1)/(pp*v)) interleaved; plus the head's saved tensors (final norm, fp32 logits) and
+  the logits' gradient; plus, under recompute, the one layer (one micro-batch) whose dropped
+  tensors backward recomputes at a time.
 It ignores allocator fragmentation, communication buffers and the CUDA context (~1-3 GB).
 """
 from __future__ import annotations
@@ -37,6 +39,7 @@ class MemoryEstimate:
     activations: float
     in_flight: float
     layers_per_stage: int
+    saved_activations: float = 0.0  # the part of `activations` autograd keeps (benchmarks/memory.py)
 
     @property
     def total(self) -> float:
@@ -73,13 +76,18 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     params, layers = stage_parameters(config)
     weights = grads = 4 * params
     optimizer = 8 * params / (p.dp * p.cp if config.optimizer.zero_stage == 1 else 1)
-    per_layer = llama_arch.activation_bytes_per_layer(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
-                                                      tp_mode=p.tp_mode, cp=p.cp)
+    def per_layer(recompute: str) -> float:
+        return llama_arch.activation_bytes_per_layer(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
+                                                     tp_mode=p.tp_mode, cp=p.cp, recompute=recompute)
+
     in_flight = micro_batches_in_flight(config)
-    activation_bytes = per_layer * layers * in_flight
-    logits = llama_arch.logits_bytes(mdl, t.sequence_length // p.cp, t.micro_batch_size, p.tp)
-    return MemoryEstimate(weights / GB, grads / GB, optimizer / GB, (activation_bytes + logits) / GB,
-                          in_flight, layers)
+    local = t.sequence_length // p.cp
+    saved = (per_layer(t.recompute) * layers * in_flight
+             + llama_arch.head_saved_bytes(mdl, local, t.micro_batch_size, p.tp, p.tp_mode))
+    logits_grad = llama_arch.logits_bytes(mdl, local, t.micro_batch_size, p.tp) / 2
+    recomputing = per_layer("none") - per_layer(t.recompute)  # one layer's dropped tensors, in backward
+    return MemoryEstimate(weights / GB, grads / GB, optimizer / GB, (saved + logits_grad + recomputing) / GB,
+                          in_flight, layers, saved / GB)
 
 
 def describe(config: Config) -> list[str]:

@@ -1,0 +1,74 @@
+"""Activation recomputation (``training.recompute``) and compiled layers (``training.compile``).
+
+``none``       every op saves what its backward needs (the default).
+``selective``  two regions are recomputed in backward from tensors that are saved anyway: the
+               attention core (scaled dot-product attention of the rotated q, k, v: its output
+               and log-sum-exp are not kept) and the SwiGLU activation ``silu(gate) * up`` (its
+               ``silu(gate)`` product is not kept). The projections, norms and RoPE are not
+               recomputed: their saved tensors are the linears' inputs, which stay.
+``full``       each decoder layer keeps only its input (and the shared RoPE tables) and runs its
+               forward again in backward (one extra forward of the layers: HFU > MFU).
+
+Both use ``torch.utils.checkpoint`` non-reentrant, which (a) works with the pipeline engines'
+``torch.autograd.backward(outputs, grads)`` on stage inputs, (b) replays the forward's autocast
+state (bf16) and (c) restores the CPU/CUDA RNG state before recomputing (``preserve_rng_state``),
+so a recomputed region draws the same numbers (the model draws none today; dropout would).
+The recomputed forward runs the same ops on the same inputs, so losses and gradients are
+bit-identical to ``none`` on CPU; its tp/cp collectives run again in backward, in the same order
+on every rank of a group (the schedule decides the order, and it is the same on all of them).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+MODES = ("none", "selective", "full")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"recompute must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def recomputed(fn: Callable, *args: torch.Tensor, enabled: bool = True):
+    """``fn(*args)``, whose saved tensors are dropped and recomputed in backward when ``enabled``
+    and autograd is recording (evaluation under no_grad runs it plainly)."""
+    if not enabled or not torch.is_grad_enabled():
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+# ----------------------------------------------------------------------------- compile
+def compile_backend_problem(device_type: str) -> str | None:
+    """Why ``torch.compile`` (inductor) cannot build kernels for this device, or None when it can:
+    on CPU it needs a C++ compiler (``$CXX`` when set, else g++/c++/clang++ on PATH), on CUDA
+    it needs Triton. Checked before the first step so that a missing compiler is one clear error,
+    not a traceback from deep inside the first forward."""
+    if device_type == "cpu":
+        cxx = os.environ.get("CXX")
+        if cxx:
+            return None if shutil.which(cxx) else f"$CXX={cxx} is not an executable C++ compiler"
+        if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+            return "no C++ compiler (g++, c++ or clang++) on PATH, which inductor needs on CPU"
+        return None
+    if device_type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            return "Triton is not installed, which inductor needs on CUDA"
+        return None
+    return f"inductor has no backend for device type {device_type!r}"
+
+
+def compile_layers_(layers, device_type: str) -> None:
+    """``torch.compile`` each built decoder layer in place (``nn.Module.compile``: parameter names
+    and state dicts are unchanged). Raises RuntimeError naming the field when it cannot."""
+    problem = compile_backend_problem(device_type)
+    if problem is not None:
+        raise RuntimeError(f"training.compile: {problem}; install one or set training.compile: false")
+    for layer in layers:
+        layer.compile()
