@@ -96,9 +96,11 @@ def describe(config: Config) -> list[str]:
     p = config.parallelism
     over = f"dp{p.dp} x cp{p.cp}" if p.cp > 1 else f"dp{p.dp}"
     zero = f", ZeRO-1 over {over}" if config.optimizer.zero_stage == 1 else ""
+    recompute = f", recompute {config.training.recompute}" if config.training.recompute != "none" else ""
     lines = [f"memory per GPU (estimate, busiest rank): weights {_gb(est.weights)} GB + grads {_gb(est.grads)} GB"
              f" + optimizer {_gb(est.optimizer)} GB{zero} + activations {_gb(est.activations)} GB "
-             f"({est.in_flight:g} micro-batch(es) in flight x {est.layers_per_stage} layers) = {_gb(est.total)} GB"]
+             f"({est.in_flight:g} micro-batch(es) in flight x {est.layers_per_stage} layers{recompute})"
+             f" = {_gb(est.total)} GB"]
     limit = config.slurm.gpu_memory_gb
     if est.total > ABSURD_GB:
         lines.append(f"warning: the estimate {_gb(est.total)} GB per GPU is more than any accelerator holds "

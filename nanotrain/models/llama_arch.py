@@ -11,8 +11,9 @@ Pure Python on the config (no torch): the memory estimate of a 4096-rank plan ru
 microseconds, before torch is imported. ``tests/test_llama_arch.py`` holds these numbers against
 the real ``LlamaModel`` on every stage for several (tp, pp, tied, padded vocabulary) layouts.
 
-FLOPs (``training_flops_per_token``). MFU is only comparable across codebases when the FLOP count
-is a property of the *model* (not of what this implementation happens to execute), so activation
+FLOPs (``training_flops_per_token``; ``hardware_flops_per_token`` adds recompute, for HFU).
+MFU is only comparable across codebases when the FLOP count is a property of the *model* (not of
+what this implementation happens to execute), so activation
 recomputation, padding of the vocabulary to a multiple of tp and the causal mask are deliberately
 not counted. We use the PaLM convention (Chowdhery et al. 2022, appendix B), which is also
 torchtitan's ``get_num_flop_per_token``:
@@ -198,6 +199,20 @@ def attention_flops_per_token(args: ModelArgs, seq_len: int) -> int:
 def training_flops_per_token(args: ModelArgs, seq_len: int) -> int:
     """Model FLOPs of one training token (forward + backward), PaLM convention; see module doc."""
     return 6 * parameter_count(args).matmul + attention_flops_per_token(args, seq_len)
+
+
+def hardware_flops_per_token(args: ModelArgs, seq_len: int, recompute: str = "none") -> int:
+    """FLOPs the hardware executes per training token, for HFU: the model FLOPs plus what
+    ``training.recompute`` runs again in backward — ``full`` one more forward of every decoder
+    layer (its matmuls ``2 * L * N_layer`` and attention ``4 * L * H * S``), ``selective`` the
+    attention core's forward (``4 * L * H * S``; the SwiGLU activation is elementwise, not counted)."""
+    model = training_flops_per_token(args, seq_len)
+    attention_forward = attention_flops_per_token(args, seq_len) // 3
+    if recompute == "full":
+        return model + 2 * args.num_layers * layer_matmul_parameters(args) + attention_forward
+    if recompute == "selective":
+        return model + attention_forward
+    return model
 
 
 # ----------------------------------------------------------------------------- activations
