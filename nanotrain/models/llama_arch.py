@@ -241,12 +241,14 @@ def activation_bytes_per_layer(args: ModelArgs, sequence_length: int, micro_batc
     * attention, ``/t``: the qkv output ``c (h + 2 kv)`` (its v part is SDPA's input), rotated q
       ``c h`` and k ``c kv``, the SDPA output (the o_proj input) ``c h``, its log-sum-exp
       ``4 heads``. Under cp the local k and v are not kept but the gathered ones of the whole
-      sequence are (``2 c kv * cp``), and the two causal chunks' outputs are concatenated into
-      a copy (another ``c h``);
+      sequence are (``2 c kv * cp``), the two causal chunks' outputs are concatenated into a
+      copy (another ``c h``), and each chunk's fp32 mask ``[s/2cp, visible keys]`` is kept
+      (per micro-batch, not per token: ``4 (s/2cp)^2 (2cp + 1)``);
     * SwiGLU, ``/t``: gate/up output ``2 c F``, ``silu(gate)`` ``c F``, the down input ``c F``;
     * autocast (bf16): every linear saves the bf16 copy of its weight, per micro-batch: 2 bytes
       per matmul parameter of the rank's layer.
-    ``selective`` drops the log-sum-exp and ``silu(gate)`` (recomputed from tensors kept anyway);
+    ``selective`` drops the log-sum-exp and ``silu(gate)`` (recomputed from tensors kept anyway;
+    under cp also the chunks' outputs and masks);
     ``full`` keeps the layer's input only (``c h``, ``/t`` under REDUCE_SCATTER)."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
@@ -257,15 +259,20 @@ def activation_bytes_per_layer(args: ModelArgs, sequence_length: int, micro_batc
     if recompute == "full":
         return c * h * n / replicated
     norms = 2 * (8 * h + 4) / replicated + 2 * c * h
+    masks = 0.0
     if cp > 1:
         attention = c * (3 * h + 2 * kv * cp) + 4 * heads
+        chunk = sequence_length // (2 * cp)  # the two causal chunks' fp32 masks, [chunk, visible keys]
+        masks = 4 * chunk * chunk * (2 * cp + 1)
     else:
         attention = c * (3 * h + 3 * kv) + 4 * heads
     mlp = 4 * c * ffn
-    if recompute == "selective":
-        attention, mlp = attention - 4 * heads, mlp - c * ffn
+    if recompute == "selective":  # cp: the chunks' outputs and masks live inside the region too
+        attention -= 4 * heads + (c * h if cp > 1 else 0)
+        mlp -= c * ffn
+        masks = 0.0
     weights = 2 * layer_matmul_parameters(args) / tp if c == 2 else 0
-    return n * (norms + (attention + mlp) / tp) + weights
+    return n * (norms + (attention + mlp) / tp) + masks + weights
 
 
 def head_saved_bytes(args: ModelArgs, local_tokens: int, micro_batch_size: int, tp: int = 1,
