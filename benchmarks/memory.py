@@ -8,8 +8,10 @@ For each layout (tp, tp_mode, pp and engine, cp, micro-batch, dtype) and each
 with overrides -> ``build_model`` / ``build_engine`` -> ``train_step``) runs one full optimizer
 step on gloo ranks, and every rank measures:
 * the peak bytes that autograd saves for backward over the step (``saved_tensors_hooks``: each
-  storage counted once while any saved tensor holds it, parameters left out), so pipeline
-  engines' micro-batches in flight are in it;
+  storage counted once while any saved tensor holds it, parameters left out); under pp the
+  engine's own meter (``PipelineEngine.last_stats.peak_activation_bytes``: the same hooks on
+  each micro-batch's forward, summed over the micro-batches in flight), since the engine's
+  hooks are the innermost and would hide its forwards from ours;
 * its parameter, gradient and optimizer-state bytes.
 The busiest rank's numbers (max over ranks) are printed beside ``estimate_memory(config)``'s,
 with the ratio estimate / measured (target: within 15%). Then the time per step of each mode on
@@ -157,7 +159,11 @@ def _measure(config, pc, steps: int) -> dict:
                           engine, model.pipeline_message(t.micro_batch_size, t.sequence_length))
 
     step()  # warm-up: optimizer states exist, caches are built
-    saved = peak_saved_bytes(model, step)
+    if engine is None:
+        saved = peak_saved_bytes(model, step)
+    else:  # the engine meters its micro-batches in flight with saved-tensor hooks of its own
+        step()
+        saved = engine.last_stats.peak_activation_bytes
     params, grads, states = state_bytes(model, optimizer)
     times = []
     for _ in range(steps):
