@@ -87,7 +87,8 @@ def estimate_memory(config: Config) -> MemoryEstimate:
 
     def per_layer(recompute: str) -> float:
         return llama_arch.activation_bytes_per_layer(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
-                                                     tp_mode=p.tp_mode, cp=p.cp, recompute=recompute)
+                                                     tp_mode=p.tp_mode, cp=p.cp, recompute=recompute,
+                                                     cpu=config.slurm.gpus_per_node == 0)
 
     local = t.sequence_length // p.cp
     head = llama_arch.head_saved_bytes(mdl, local, t.micro_batch_size, p.tp, p.tp_mode)

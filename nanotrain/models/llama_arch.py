@@ -229,7 +229,8 @@ def compute_bytes(args: ModelArgs) -> int:
 
 
 def activation_bytes_per_layer(args: ModelArgs, sequence_length: int, micro_batch_size: int, *, tp: int = 1,
-                               tp_mode: str = "ALL_REDUCE", cp: int = 1, recompute: str = "none") -> float:
+                               tp_mode: str = "ALL_REDUCE", cp: int = 1, recompute: str = "none",
+                               cpu: bool = False) -> float:
     """Bytes one decoder layer keeps for backward, per micro-batch in flight, on one rank.
 
     Per token of this rank's ``n = s/cp * b`` (``c`` = compute-dtype bytes, t = tp, sequence
@@ -242,8 +243,10 @@ def activation_bytes_per_layer(args: ModelArgs, sequence_length: int, micro_batc
       ``c h`` and k ``c kv``, the SDPA output (the o_proj input) ``c h``, its log-sum-exp
       ``4 heads``. Under cp the local k and v are not kept but the gathered ones of the whole
       sequence are (``2 c kv * cp``), the two causal chunks' outputs are concatenated into a
-      copy (another ``c h``), and each chunk's fp32 mask ``[s/2cp, visible keys]`` is kept
-      (per micro-batch, not per token: ``4 (s/2cp)^2 (2cp + 1)``);
+      copy (another ``c h``); on CPU (``cpu``) each chunk's lower-right causal mask is
+      materialized (torch's CausalBias has no CPU kernel) and kept, fp32 ``[s/2cp, visible
+      keys]``: ``4 (s/2cp)^2 (2cp + 1)`` per micro-batch (on GPU the efficient-attention
+      kernel takes the causal variant without a mask);
     * SwiGLU, ``/t``: gate/up output ``2 c F``, ``silu(gate)`` ``c F``, the down input ``c F``;
     * autocast (bf16): every linear saves the bf16 copy of its weight, per micro-batch: 2 bytes
       per matmul parameter of the rank's layer.
@@ -263,7 +266,7 @@ def activation_bytes_per_layer(args: ModelArgs, sequence_length: int, micro_batc
     if cp > 1:
         attention = c * (3 * h + 2 * kv * cp) + 4 * heads
         chunk = sequence_length // (2 * cp)  # the two causal chunks' fp32 masks, [chunk, visible keys]
-        masks = 4 * chunk * chunk * (2 * cp + 1)
+        masks = 4 * chunk * chunk * (2 * cp + 1) if cpu else 0.0
     else:
         attention = c * (3 * h + 3 * kv) + 4 * heads
     mlp = 4 * c * ffn
