@@ -19,13 +19,12 @@ on every rank of a group (the schedule decides the order, and it is the same on 
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
 from typing import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from nanotrain.models.compile_check import compile_backend_problem
 
 MODES = ("none", "selective", "full")
 
@@ -45,25 +44,6 @@ def recomputed(fn: Callable, *args: torch.Tensor, enabled: bool = True):
 
 
 # ----------------------------------------------------------------------------- compile
-def compile_backend_problem(device_type: str) -> str | None:
-    """Why ``torch.compile`` (inductor) cannot build kernels for this device, or None when it can:
-    on CPU it needs a C++ compiler (``$CXX`` when set, else g++/c++/clang++ on PATH), on CUDA
-    it needs Triton. Checked before the first step so that a missing compiler is one clear error,
-    not a traceback from deep inside the first forward."""
-    if device_type == "cpu":
-        cxx = os.environ.get("CXX")
-        if cxx:
-            return None if shutil.which(cxx) else f"$CXX={cxx} is not an executable C++ compiler"
-        if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
-            return "no C++ compiler (g++, c++ or clang++) on PATH, which inductor needs on CPU"
-        return None
-    if device_type == "cuda":
-        if importlib.util.find_spec("triton") is None:
-            return "Triton is not installed, which inductor needs on CUDA"
-        return None
-    return f"inductor has no backend for device type {device_type!r}"
-
-
 def compile_layers_(layers, device_type: str) -> None:
     """``torch.compile`` each built decoder layer in place (``nn.Module.compile``: parameter names
     and state dicts are unchanged). Raises RuntimeError naming the field when it cannot."""
