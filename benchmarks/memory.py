@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/memory.py            # every layout x recompute mode, then timing
     .venv/bin/python benchmarks/memory.py --quick    # fewer layouts, fewer timed steps
+    .venv/bin/python benchmarks/memory.py --timing-only
 
 For each layout (tp, tp_mode, pp and engine, cp, micro-batch, dtype) and each
 ``training.recompute`` mode, the product's own path (``load_config`` of configs/tiny_cpu.yaml
@@ -203,8 +204,9 @@ def run_layout(layout: str, steps: int, extra=()) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}; 2 timed steps")
+    parser.add_argument("--timing-only", action="store_true", help="skip the memory table")
     opts = parser.parse_args()
-    layouts = QUICK if opts.quick else tuple(LAYOUTS)
+    layouts = () if opts.timing_only else QUICK if opts.quick else tuple(LAYOUTS)
     t0 = time.perf_counter()
     worst = 0.0
     print("| layout | recompute | saved MB measured | estimate | ratio | params+grads+optimizer MB measured | "
