@@ -25,8 +25,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from nanotrain.models.compile_check import compile_backend_problem
-
-MODES = ("none", "selective", "full")
+from nanotrain.models.llama_arch import RECOMPUTE_MODES as MODES
 
 
 def check_mode(mode: str) -> str:
