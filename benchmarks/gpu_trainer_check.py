@@ -5,8 +5,9 @@
 
 1. ``python -m nanotrain.launch.task CONFIG`` at world size 1: bf16, async TP on, N steps of a
    ~0.4B Llama on the stdlib corpus — data from the sampler, batches moved by the trainer, the
-   trainer's own metrics (tokens/s, MFU, peak memory from ``progress.json``) — beside the
-   ``--dry-run`` memory estimate of the same config;
+   trainer's own metrics (tokens/s, MFU, peak CUDA memory = ``max_memory_allocated`` from
+   ``progress.json``) — beside the ``--dry-run`` memory estimate of the same config and their
+   ratio; once with ``training.recompute: none`` and once with ``full`` (memory saved, HFU);
 2. with 2 or more GPUs, the same config through ``submit.py --local`` at tp2 (async, sequence
    parallel) and at pp2 (1f1b): NCCL collectives and pipeline P2P for real.
 Run directories (with their checkpoints) live in a temporary folder; only the summary
@@ -91,15 +92,18 @@ def main() -> int:
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         single = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(29600 + os.getpid() % 300))
-        name = "task-world1"
-        cfg = Path(tmp) / f"{name}.yaml"
-        raw = yaml.safe_load(config.read_text())
-        raw["logging"]["run_name"] = name
-        cfg.write_text(yaml.safe_dump(raw))
-        task = [sys.executable, "-m", "nanotrain.launch.task", str(cfg)]
-        result = run(name, task, single, logs, opts.out, opts.timeout)
-        result["dry_run_estimate_gb"] = dry_run_memory_gb(cfg, [])
-        results.append(result)
+        variants = [("task-world1", "none")] + ([] if opts.cpu_smoke else [("task-world1-recompute-full", "full")])
+        for name, recompute in variants:
+            cfg = Path(tmp) / f"{name}.yaml"
+            raw = yaml.safe_load(config.read_text())
+            raw["logging"]["run_name"] = name
+            raw["training"]["recompute"] = recompute
+            cfg.write_text(yaml.safe_dump(raw))
+            task = [sys.executable, "-m", "nanotrain.launch.task", str(cfg)]
+            single["MASTER_PORT"] = str(int(single["MASTER_PORT"]) + 1)
+            result = run(name, task, single, logs, opts.out, opts.timeout)
+            result["dry_run_estimate_gb"] = dry_run_memory_gb(cfg, [])
+            results.append(result)
         layouts = {"cli-tp2": ["parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
                    "cli-pp2-1f1b": ["parallelism.pp=2", "parallelism.pp_engine=1f1b"]}
         for name, items in layouts.items() if gpus >= 2 else ():
@@ -111,11 +115,16 @@ def main() -> int:
     summary = {"gpus": gpus, "device": torch.cuda.get_device_name(0) if gpus else "cpu", "torch": torch.__version__,
                "runs": results}
     (opts.out / "gpu_trainer.json").write_text(json.dumps(summary, indent=1) + "\n")
+    for r in results:  # peak: torch.cuda.max_memory_allocated of the rank (peak RSS on CPU)
+        if r.get("peak_mem_gb"):
+            r["estimate_over_peak"] = round(r["dry_run_estimate_gb"] / r["peak_mem_gb"], 3)
+    (opts.out / "gpu_trainer.json").write_text(json.dumps(summary, indent=1) + "\n")
     for r in results:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
         print(f"{r['name']}: rc {r['rc']}, step {r.get('step')}, loss {r.get('loss')}, "
               f"tokens/s {r.get('tokens_per_sec') or 0:,.0f}, MFU {mfu}, peak {r.get('peak_mem_gb')} GB "
-              f"(dry-run estimate {r['dry_run_estimate_gb']} GB), {r['wall_s']} s")
+              f"(dry-run estimate {r['dry_run_estimate_gb']} GB, estimate/peak {r.get('estimate_over_peak')}), "
+              f"{r['wall_s']} s")
     return 0 if all(r["rc"] == 0 and r.get("step") == opts.steps for r in results) else 1
 
 

@@ -19,14 +19,19 @@ import pytest
 
 from nanotrain.config import ModelArgs, load_config
 from nanotrain.logging import SCALAR_TAGS, MetricsLogger, metrics_logger_for, peak_bf16_tflops
-from nanotrain.models.llama_arch import attention_flops_per_token, parameter_count, training_flops_per_token
+from nanotrain.models.llama_arch import (
+    attention_flops_per_token,
+    hardware_flops_per_token,
+    parameter_count,
+    training_flops_per_token,
+)
 
 TOKENS_PER_STEP = 4 * 2 * 3 * 64      # dp 4 x micro-batch 2 x accumulation 3 x seq 64
 FLOPS_PER_TOKEN = 3.0e9
 WORLD = 8
 STEP_TIME = 0.25
 LOSSES = {1: 5.5, 2: 5.0, 3: 4.6, 4: 4.1, 5: 3.9}
-CPU_TAGS = set(SCALAR_TAGS) - {"perf/mfu"}
+CPU_TAGS = set(SCALAR_TAGS) - {"perf/mfu", "perf/hfu"}
 
 
 def write_steps(run_dir, stream=None, **kwargs) -> list:
@@ -86,9 +91,27 @@ def test_tensorboard_tags_on_cpu(tmp_path):
 def test_mfu_present_for_a_known_gpu(tmp_path):
     write_steps(tmp_path, device_name="NVIDIA H100 80GB HBM3")
     acc = read_events(tmp_path / "tb")
-    assert set(acc.Tags()["scalars"]) == set(SCALAR_TAGS)
+    assert set(acc.Tags()["scalars"]) == set(SCALAR_TAGS) - {"perf/hfu"}  # no recompute: HFU = MFU, not logged
     tflops = acc.Scalars("perf/tflops_per_gpu")[0].value
     assert acc.Scalars("perf/mfu")[0].value == pytest.approx(tflops / 989.0)
+
+
+def test_hfu_beside_mfu_when_recompute_adds_flops(tmp_path):
+    """recompute: full runs one more forward of the layers: HFU counts it, MFU does not."""
+    args = ModelArgs(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_attention_heads=4)
+    model = training_flops_per_token(args, 64)
+    full = hardware_flops_per_token(args, 64, "full")
+    head = 6 * parameter_count(args).embedding  # untied head: 6 V H, not recomputed
+    assert full - model == (model - head) // 3  # the layers' forward: a third of their training FLOPs
+    assert model < hardware_flops_per_token(args, 64, "selective") < full
+    assert hardware_flops_per_token(args, 64, "none") == model
+    out = io.StringIO()
+    write_steps(tmp_path, stream=out, device_name="NVIDIA H100 80GB HBM3",
+                hardware_flops_per_token=FLOPS_PER_TOKEN * 1.3)
+    acc = read_events(tmp_path / "tb")
+    assert set(acc.Tags()["scalars"]) == set(SCALAR_TAGS)
+    assert acc.Scalars("perf/hfu")[0].value == pytest.approx(1.3 * acc.Scalars("perf/mfu")[0].value)
+    assert "| hfu " in out.getvalue()
 
 
 def test_progress_bar_when_interactive(tmp_path):

@@ -102,7 +102,6 @@ class TrainingArgs:
     sequence_length: int = bounded(256, 1, doc="tokens per sample")
     micro_batch_size: int = bounded(1, 1, doc="samples per micro-batch per dp rank")
     batch_accumulation_per_replica: int = bounded(1, 1, doc="micro-batches per step = pipeline m")
-    recompute: Literal["none", "selective", "full"] = doc("none", "activation recomputation: none, selective (attention core + SwiGLU activation), full (each decoder layer)")  # noqa: E501
     seed: int = bounded(42, 0, 2**63 - 1, doc="init, data order and dropout-free RNG")
     eval_interval: int = bounded(0, 0, doc="validate every N steps and at the last step; 0 = off")
     eval_batches: int = bounded(1, 0, doc="global batches of data.validation per evaluation")
@@ -111,6 +110,9 @@ class TrainingArgs:
                         "not advance this long ends the job (exit 4) with reports in <run>/hang/")
     profile: Optional[dict[str, int]] = doc(
         None, "{start_step, num_steps}: torch.profiler traces of those steps in <run>/profile/; null = off")
+    recompute: Literal["none", "selective", "full"] = doc(
+        "none", "activation recomputation: selective (attention core + SwiGLU activation), full (each decoder layer)")
+    compile: bool = doc(False, "torch.compile each decoder layer (GPU, or CPU with a C++ compiler)")
 
 
 @dataclass

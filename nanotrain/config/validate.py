@@ -130,6 +130,9 @@ def validate_moe(config: Config) -> None:
     if p.ep > 1 and config.optimizer.zero_stage == 1:
         _fail("optimizer.zero_stage: 1 is not supported with parallelism.ep > 1 yet (expert and dense "
               "parameters need ZeRO shards over different groups): use zero_stage: 0")
+    if config.training.recompute != "none":
+        _fail(f"training.recompute: {config.training.recompute} is not supported with model.moe yet (recomputing "
+              "an MoE layer would repeat its expert all-to-all and routing statistics): use recompute: none")
 
 
 def validate_optimizer(config: Config) -> None:

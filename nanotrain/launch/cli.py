@@ -19,6 +19,7 @@ from pathlib import Path
 from nanotrain.config import Config, ConfigError, SlurmLayout, load_config, validate
 from nanotrain.config.validate import validate_names
 from nanotrain.launch import rundir, sbatch
+from nanotrain.models.compile_check import compile_backend_problem
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -306,6 +307,9 @@ def _main(argv: list[str] | None) -> int:
             from nanotrain.launch.local import check_process_count
 
             check_process_count(config.parallelism.world_size)
+            problem = config.training.compile and compile_backend_problem("cpu")
+            if problem:  # local ranks compile here (on a GPU node each rank checks its device again)
+                raise ConfigError(f"training.compile: {problem}; install one or set training.compile: false")
         elif not (args.emit or args.dry_run) and sbatch.partition_problem(config):
             raise ConfigError(sbatch.partition_problem(config))  # plans may target another cluster
         from nanotrain.data import check_data_config

@@ -3,15 +3,20 @@
 Pure arithmetic on the config (a 512-node plan takes microseconds). The estimate is for the
 busiest rank: the pipeline stage with the most layers plus the embedding (first stage) or the
 LM head and its logits (last stage).
-- weights: fp32 master copy (bf16 compute copies are transient under autocast);
+- weights: fp32 master copy (the bf16 copies autocast makes are saved for backward: they are
+  counted in the activations, per micro-batch in flight);
 - gradients: fp32 (accumulated in fp32 across micro-batches);
 - optimizer: AdamW exp_avg + exp_avg_sq in fp32, divided by dp*cp under ZeRO-1;
+- activations: what autograd keeps per layer in this implementation, for ``training.recompute``
+  (``llama_arch.activation_bytes_per_layer``, measured by ``benchmarks/memory.py``), times the
+  micro-batches a stage holds at once (``micro_batches_in_flight``: all m for afab, pp - rank for
+  1f1b, ((v+1)pp - 2 rank - 1)/v interleaved), on the first stage or the last, whichever holds
+  more; the last adds the head's saved tensors (final norm, fp32 logits): once (its virtual
+  stage runs each backward right after the forward) or m times (afab); plus the logits'
+  gradient; plus, under recompute, the one layer (one micro-batch) whose dropped tensors
+  backward recomputes at a time.
 - MoE (``model.moe``): a rank holds num_experts/ep experts of each MoE layer; its extra activations
-  (k routed copies of each token, the experts' intermediates) are ``llama_arch.moe_extra_activation_bytes``;
-- activations: Megatron's per-layer count (``llama_arch.activation_bytes_per_layer``: s*b*h*(10 + 24/t)
-  values with TP, s*b*h*34/t with sequence parallelism, 2 bytes each; context parallelism adds the
-  gathered keys and values), times the micro-batches a stage holds at once: all m for afab, pp for
-  1f1b (first stage), pp*(1 + (pp-1)/(pp*v)) interleaved; plus the fp32 logits and their gradient.
+  (k routed copies of each token, the experts' intermediates) are ``llama_arch.moe_extra_activation_bytes``.
 It ignores allocator fragmentation, communication buffers and the CUDA context (~1-3 GB).
 """
 from __future__ import annotations
@@ -39,6 +44,7 @@ class MemoryEstimate:
     activations: float
     in_flight: float
     layers_per_stage: int
+    saved_activations: float = 0.0  # the part of `activations` autograd keeps (benchmarks/memory.py)
 
     @property
     def total(self) -> float:
@@ -59,15 +65,20 @@ def stage_parameters(config: Config) -> tuple[int, int]:
     return sum(llama_arch.block_parameters(m, name, p.tp, p.ep) for name in names), layers
 
 
-def micro_batches_in_flight(config: Config) -> float:
+def micro_batches_in_flight(config: Config, pp_rank: int = 0) -> float:
+    """Micro-batches whose activations pipeline rank ``pp_rank`` holds at its peak, in units of
+    its whole share of layers: afab all m; 1f1b ``pp - rank`` (the first stage the most);
+    interleaved (v chunks) ``((v + 1) pp - 2 rank - 1) / v`` chunk-forwards (Megatron's warm-up
+    plus the one in steady state). Capped at m."""
     p, m = config.parallelism, config.training.batch_accumulation_per_replica
     if p.pp == 1:
         return 1.0
     if p.pp_engine == "afab":
         return float(m)
     if p.pp_engine == "interleaved_1f1b":
-        return min(float(m), p.pp * (1 + (p.pp - 1) / (p.pp * p.pp_virtual_stages)))
-    return float(min(m, p.pp))
+        v = p.pp_virtual_stages
+        return min(float(m), ((v + 1) * p.pp - 2 * pp_rank - 1) / v)
+    return float(min(m, p.pp - pp_rank))
 
 
 def estimate_memory(config: Config) -> MemoryEstimate:
@@ -75,16 +86,32 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     params, layers = stage_parameters(config)
     weights = grads = 4 * params
     optimizer = 8 * params / (p.dp * p.cp if config.optimizer.zero_stage == 1 else 1)
-    per_layer = llama_arch.activation_bytes_per_layer(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
-                                                      tp_mode=p.tp_mode, cp=p.cp)
+
+    def per_layer(recompute: str) -> float:
+        return llama_arch.activation_bytes_per_layer(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
+                                                     tp_mode=p.tp_mode, cp=p.cp, recompute=recompute,
+                                                     cpu=config.slurm.gpus_per_node == 0)
+
+    # MoE layers (model.moe) add the routed token copies and the experts' intermediates.
     moe_layers = sum(llama_arch.is_moe_layer(mdl, i) for i in range(mdl.num_layers - layers, mdl.num_layers))
     per_layer_moe = llama_arch.moe_extra_activation_bytes(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
                                                           tp_mode=p.tp_mode, cp=p.cp)
-    in_flight = micro_batches_in_flight(config)
-    activation_bytes = (per_layer * layers + per_layer_moe * moe_layers) * in_flight
-    logits = llama_arch.logits_bytes(mdl, t.sequence_length // p.cp, t.micro_batch_size, p.tp)
-    return MemoryEstimate(weights / GB, grads / GB, optimizer / GB, (activation_bytes + logits) / GB,
-                          in_flight, layers)
+    stack = layers * per_layer(t.recompute) + moe_layers * per_layer_moe
+    local = t.sequence_length // p.cp
+    head = llama_arch.head_saved_bytes(mdl, local, t.micro_batch_size, p.tp, p.tp_mode)
+    # The busiest of the first stage (most micro-batches in flight) and the last (plus the head),
+    # each given the most layers a stage holds.
+    first, last = micro_batches_in_flight(config, 0), micro_batches_in_flight(config, p.pp - 1)
+    # The head sits in the last virtual stage, which runs each micro-batch's backward right after
+    # its forward (1f1b, interleaved): one in flight; afab holds all m.
+    heads = float(config.training.batch_accumulation_per_replica) if p.pp > 1 and p.pp_engine == "afab" else 1.0
+    candidates = [(first * stack + (head if p.pp == 1 else 0), first),
+                  (last * stack + heads * head, last)]
+    saved, in_flight = max(candidates)
+    logits_grad = llama_arch.logits_bytes(mdl, local, t.micro_batch_size, p.tp) / 2
+    recomputing = per_layer("none") - per_layer(t.recompute)  # one layer's dropped tensors, in backward
+    return MemoryEstimate(weights / GB, grads / GB, optimizer / GB, (saved + logits_grad + recomputing) / GB,
+                          in_flight, layers, saved / GB)
 
 
 def describe(config: Config) -> list[str]:
@@ -93,9 +120,11 @@ def describe(config: Config) -> list[str]:
     p = config.parallelism
     over = f"dp{p.dp} x cp{p.cp}" if p.cp > 1 else f"dp{p.dp}"
     zero = f", ZeRO-1 over {over}" if config.optimizer.zero_stage == 1 else ""
+    recompute = f", recompute {config.training.recompute}" if config.training.recompute != "none" else ""
     lines = [f"memory per GPU (estimate, busiest rank): weights {_gb(est.weights)} GB + grads {_gb(est.grads)} GB"
              f" + optimizer {_gb(est.optimizer)} GB{zero} + activations {_gb(est.activations)} GB "
-             f"({est.in_flight:g} micro-batch(es) in flight x {est.layers_per_stage} layers) = {_gb(est.total)} GB"]
+             f"({est.in_flight:g} micro-batch(es) in flight x {est.layers_per_stage} layers{recompute})"
+             f" = {_gb(est.total)} GB"]
     if config.model.moe is not None:
         count, moe = llama_arch.parameter_count(config.model), config.model.moe
         lines.append(f"parameters: total {count.total:,}, active per token {count.active:,} "

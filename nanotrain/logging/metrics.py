@@ -29,13 +29,13 @@ from typing import Any, Optional, TextIO
 from nanotrain.config import config_to_dict
 from nanotrain.config.files import atomic_write_json
 from nanotrain.logging.flops import peak_bf16_tflops
-from nanotrain.models.llama_arch import training_flops_per_token
+from nanotrain.models.llama_arch import hardware_flops_per_token, training_flops_per_token
 
 PROGRESS_FILE = "progress.json"
 TB_DIR = "tb"
 CONFIG_TEXT_TAG = "config"
 SCALAR_TAGS = ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec",
-               "perf/tflops_per_gpu", "perf/mfu", "mem/peak_gb")
+               "perf/tflops_per_gpu", "perf/mfu", "perf/hfu", "mem/peak_gb")
 # Scalars the trainer measures across ranks and hands to `log(extra=...)` (stragglers.py).
 CROSS_RANK_TAGS = ("perf/step_time_max_over_median",)
 GIB = 2 ** 30
@@ -72,7 +72,9 @@ class MetricsLogger:
     enabled          True on exactly one rank: last pp stage, tp 0, dp 0 (cp 0, ep 0)
     total_steps      training.train_steps (for the progress bar and the ETA)
     tokens_per_step  global tokens per optimizer step: dp * micro_batch * accumulation * seq_len
-    flops_per_token  `llama_arch.training_flops_per_token(model_args, seq_len)`
+    flops_per_token  `llama_arch.training_flops_per_token(model_args, seq_len)`: model FLOPs (MFU)
+    hardware_flops_per_token  what the hardware runs (recompute adds FLOPs): `perf/hfu` is logged
+                     beside `perf/mfu` when it differs from flops_per_token; None = the same
     device           torch device of this rank: selects CUDA memory stats and the GPU's name
     world_size       GPUs (processes) sharing the work: tflops_per_gpu divides by it
     device_name      overrides the detected GPU name for the MFU peak (tests; unusual GPUs)
@@ -84,12 +86,13 @@ class MetricsLogger:
                  tokens_per_step: int, flops_per_token: float, device=None, *, world_size: int = 1,
                  log_interval: int = 1, tensorboard: bool = True, device_name: Optional[str] = None,
                  start_step: int = 0, progress_bar: Optional[bool] = None,
-                 stream: Optional[TextIO] = None):
+                 stream: Optional[TextIO] = None, hardware_flops_per_token: Optional[float] = None):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
+        self.hardware_flops_per_token = hardware_flops_per_token
         self.device = device
         self.world_size = world_size
         self.log_interval = max(1, log_interval)
@@ -174,6 +177,9 @@ class MetricsLogger:
         }
         if self.peak_tflops:
             metrics["perf/mfu"] = tflops / self.peak_tflops
+            hardware = self.hardware_flops_per_token
+            if hardware is not None and hardware != self.flops_per_token:
+                metrics["perf/hfu"] = metrics["perf/mfu"] * hardware / self.flops_per_token
         metrics["step_time_s"] = step_time
         metrics["eta_s"] = (self.total_steps - step) * step_time
         return metrics
@@ -193,6 +199,8 @@ class MetricsLogger:
         fields.append(f"tokens/s {metrics['perf/tokens_per_sec']:,.0f}")
         if "perf/mfu" in metrics:
             fields.append(f"mfu {100 * metrics['perf/mfu']:.1f}%")
+        if "perf/hfu" in metrics:
+            fields.append(f"hfu {100 * metrics['perf/hfu']:.1f}%")
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
             self._bar.set_postfix_str(" | ".join(fields), refresh=True)
@@ -211,6 +219,7 @@ class MetricsLogger:
             "tokens_per_sec": metrics["perf/tokens_per_sec"],
             "tflops_per_gpu": metrics["perf/tflops_per_gpu"],
             "mfu": metrics.get("perf/mfu"),
+            "hfu": metrics.get("perf/hfu"),
             "peak_mem_gb": metrics["mem/peak_gb"],
             "step_time_s": metrics["step_time_s"],
             "eta_s": metrics["eta_s"],
@@ -265,5 +274,6 @@ def metrics_logger_for(config, run_dir, parallel_context=None, *, device=None,
         run_dir, config_to_dict(config), enabled, total_steps=t.train_steps,
         tokens_per_step=p.batch_replicas * t.micro_batch_size * t.batch_accumulation_per_replica * t.sequence_length,
         flops_per_token=training_flops_per_token(config.model, t.sequence_length), device=device,
+        hardware_flops_per_token=hardware_flops_per_token(config.model, t.sequence_length, t.recompute),
         world_size=p.world_size, log_interval=config.logging.log_interval,
         tensorboard=config.logging.tensorboard, start_step=start_step)

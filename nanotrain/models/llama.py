@@ -25,6 +25,7 @@ from torch import nn
 from nanotrain.config import ModelArgs
 from nanotrain.models import llama_arch
 from nanotrain.models.moe import MoEFeedForward, MoEState
+from nanotrain.models.recompute import check_mode, compile_layers_, recomputed
 from nanotrain.parallel.context_parallel import SDPA_GQA, ContextParallel, sdpa
 from nanotrain.parallel.pipeline_parallel import MessageSpec, PipelineBlock, mark_tied_, place_blocks
 from nanotrain.parallel.tensor_parallel import (
@@ -85,9 +86,9 @@ class Attention(nn.Module):
     (see ``parallel/context_parallel.py``)."""
 
     def __init__(self, args: ModelArgs, tp_pg, mode: TensorParallelLinearMode, async_comm: bool,
-                 cp: ContextParallel):
+                 cp: ContextParallel, selective: bool = False):
         super().__init__()
-        self.cp = cp
+        self.cp, self.selective = cp, selective
         tp = group_size(tp_pg)
         self.head_dim = args.hidden_size // args.num_attention_heads
         kv_heads = args.num_key_value_heads or args.num_attention_heads
@@ -114,19 +115,22 @@ class Attention(nn.Module):
         if self.local_kv_heads != self.local_heads and not SDPA_GQA:
             repeat = self.local_heads // self.local_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        if self.cp.enabled:
-            out = self.cp.attention(q, k, v)
-        else:
-            out = sdpa(q, k, v, is_causal=True)
+        out = recomputed(self._core, q, k, v, enabled=self.selective)  # selective: not kept for backward
         out = out.permute(2, 0, 1, 3).reshape(seq, batch, self.local_heads * d)
         return self.o_proj(out)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of ``[B, heads, S, d]``: what ``recompute: selective`` recomputes."""
+        return self.cp.attention(q, k, v) if self.cp.enabled else sdpa(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):
     """SwiGLU with gate and up fused into one column linear (one collective instead of two)."""
 
-    def __init__(self, args: ModelArgs, tp_pg, mode: TensorParallelLinearMode, async_comm: bool):
+    def __init__(self, args: ModelArgs, tp_pg, mode: TensorParallelLinearMode, async_comm: bool,
+                 selective: bool = False):
         super().__init__()
+        self.selective = selective
         ffn = args.intermediate_size
         self.gate_up = TensorParallelColumnLinear(args.hidden_size, 2 * ffn, tp_pg, mode,
                                                   async_communication=async_comm, contiguous_chunks=(ffn, ffn))
@@ -134,7 +138,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(recomputed(swiglu, gate, up, enabled=self.selective))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU activation: what ``recompute: selective`` recomputes (silu(gate) is not kept)."""
+    return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -142,15 +151,16 @@ class DecoderLayer(nn.Module):
     is an MoE layer (``llama_arch.is_moe_layer``; its experts sharded over ``ep_pg``)."""
 
     def __init__(self, args: ModelArgs, tp_pg, mode: TensorParallelLinearMode, async_comm: bool,
-                 cp: ContextParallel, index: int = 0, ep_pg=None, moe_state: MoEState | None = None):
+                 cp: ContextParallel, index: int = 0, ep_pg=None, moe_state: MoEState | None = None,
+                 selective: bool = False):
         super().__init__()
         self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attn = Attention(args, tp_pg, mode, async_comm, cp)
+        self.attn = Attention(args, tp_pg, mode, async_comm, cp, selective)
         self.post_attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if llama_arch.is_moe_layer(args, index):
             self.mlp = MoEFeedForward(args, tp_pg, mode, async_comm, ep_pg, moe_state)
         else:
-            self.mlp = MLP(args, tp_pg, mode, async_comm)
+            self.mlp = MLP(args, tp_pg, mode, async_comm, selective)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), cos, sin)
@@ -176,10 +186,14 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, tp_pg, *, mode: str | TensorParallelLinearMode = "ALL_REDUCE",
                  async_communication: bool = False, pp_rank: int = 0, pp_size: int = 1,
                  virtual_stages: int = 1, seed: int = 0, device=None,
-                 compute_dtype: torch.dtype | str | None = None, cp_pg=None, ep_pg=None):
+                 compute_dtype: torch.dtype | str | None = None, cp_pg=None, ep_pg=None, recompute: str = "none",
+                 compile_layers: bool = False):
         super().__init__()
         self.args, self.tp_pg, self.ep_pg = args, tp_pg, ep_pg
         self.moe_state = MoEState()  # aux-loss scale and routing statistics of the MoE layers
+        # training.recompute (see models/recompute.py); "full" wraps whole layers in _forward.
+        self.recompute = check_mode(recompute)
+        selective = recompute == "selective"
         self.cp = cp = ContextParallel(cp_pg)
         # bf16 on GPU: the forward runs under autocast; weights, grads and optimizer stay fp32.
         # A name ("bfloat16", config.model.dtype) is accepted so that llama_arch.model_kwargs,
@@ -195,7 +209,8 @@ class LlamaModel(nn.Module):
                                                                              tp_pg, mode))
         self.layers = nn.ModuleDict({str(i): _declare(spec[f"layers.{i}"],
                                                       lambda i=i: DecoderLayer(args, tp_pg, mode, async_communication,
-                                                                               cp, i, ep_pg, self.moe_state))
+                                                                               cp, i, ep_pg, self.moe_state,
+                                                                               selective))
                                      for i in range(args.num_layers)})
         self.final_norm = _declare(spec["final_norm"], lambda: RMSNorm(args.hidden_size, args.rms_norm_eps))
         self.lm_head = None if "lm_head" not in spec else _declare(
@@ -215,6 +230,8 @@ class LlamaModel(nn.Module):
         if device is not None:
             self.to(device)
         self.init_weights(seed)
+        if compile_layers:  # after init: compiling wraps the call, names and weights are unchanged
+            compile_layers_([layer.module for layer in self.layers.values() if layer.is_built], self.device.type)
 
     # ------------------------------------------------------------------ init
     def init_weights(self, seed: int) -> None:
@@ -275,9 +292,10 @@ class LlamaModel(nn.Module):
         if self.embed in part:
             hidden = self.embed(self.cp.local(input_ids).transpose(0, 1).contiguous()).to(self.residual_dtype)
         cos, sin = self._rope(self._full_seq_len(hidden), hidden)
+        full = self.recompute == "full"
         for layer in self.layers.values():
-            if layer in part:
-                hidden = layer(hidden, cos, sin)
+            if layer in part:  # full: only the layer's input is kept, its forward reruns in backward
+                hidden = recomputed(layer, hidden, cos, sin, enabled=full)
         if not part.is_last:
             return hidden
         hidden = self.final_norm(hidden)

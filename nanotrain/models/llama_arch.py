@@ -11,8 +11,9 @@ Pure Python on the config (no torch): the memory estimate of a 4096-rank plan ru
 microseconds, before torch is imported. ``tests/test_llama_arch.py`` holds these numbers against
 the real ``LlamaModel`` on every stage for several (tp, pp, tied, padded vocabulary) layouts.
 
-FLOPs (``training_flops_per_token``). MFU is only comparable across codebases when the FLOP count
-is a property of the *model* (not of what this implementation happens to execute), so activation
+FLOPs (``training_flops_per_token``; ``hardware_flops_per_token`` adds recompute, for HFU).
+MFU is only comparable across codebases when the FLOP count is a property of the *model* (not of
+what this implementation happens to execute), so activation
 recomputation, padding of the vocabulary to a multiple of tp and the causal mask are deliberately
 not counted. We use the PaLM convention (Chowdhery et al. 2022, appendix B), which is also
 torchtitan's ``get_num_flop_per_token``:
@@ -254,21 +255,90 @@ def training_flops_per_token(args: ModelArgs, seq_len: int) -> int:
     return 6 * parameter_count(args).matmul + attention_flops_per_token(args, seq_len)
 
 
+def hardware_flops_per_token(args: ModelArgs, seq_len: int, recompute: str = "none") -> int:
+    """FLOPs the hardware executes per training token, for HFU: the model FLOPs plus what
+    ``training.recompute`` runs again in backward — ``full`` one more forward of every decoder
+    layer (its matmuls ``2 * L * N_layer`` and attention ``4 * L * H * S``), ``selective`` the
+    attention core's forward (``4 * L * H * S``; the SwiGLU activation is elementwise, not counted)."""
+    model = training_flops_per_token(args, seq_len)
+    attention_forward = attention_flops_per_token(args, seq_len) // 3
+    if recompute == "full":
+        return model + 2 * args.num_layers * layer_matmul_parameters(args) + attention_forward
+    if recompute == "selective":
+        return model + attention_forward
+    return model
+
+
 # ----------------------------------------------------------------------------- activations
+# What THIS implementation's autograd keeps (measured by benchmarks/memory.py with saved-tensor
+# hooks, unique storages; tests/test_memory_measured.py holds it within 15%), not Megatron's
+# paper count: its fp32 RMSNorm internals, fused qkv / gate-up outputs, RoPE copies, the SDPA
+# output and log-sum-exp, and, under autocast, the bf16 weight copies each linear saves.
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def compute_bytes(args: ModelArgs) -> int:
+    """Bytes of one activation value in the compute dtype (bf16/fp16 under autocast, else fp32)."""
+    return 2 if args.dtype in ("bfloat16", "float16") else 4
+
+
 def activation_bytes_per_layer(args: ModelArgs, sequence_length: int, micro_batch_size: int, *, tp: int = 1,
-                               tp_mode: str = "ALL_REDUCE", cp: int = 1) -> float:
+                               tp_mode: str = "ALL_REDUCE", cp: int = 1, recompute: str = "none",
+                               cpu: bool = False) -> float:
     """Bytes one decoder layer keeps for backward, per micro-batch in flight, on one rank.
 
-    Megatron's count (Korthikanti et al. 2022, "Reducing Activation Recomputation"):
-    s*b*h*(10 + 24/t) values with TP, s*b*h*34/t with sequence parallelism (REDUCE_SCATTER), at
-    2 bytes per value, attention scores not stored (flash/SDPA). Under context parallelism s is
-    this rank's s/cp tokens, plus the whole sequence's keys and values that attention gathers and
-    saves (2*s*b*kv_dim/t values)."""
-    s, b, h = sequence_length // cp, micro_batch_size, args.hidden_size
-    values = s * b * h * (34 / tp if tp_mode == "REDUCE_SCATTER" else 10 + 24 / tp)
+    Per token of this rank's ``n = s/cp * b`` (``c`` = compute-dtype bytes, t = tp, sequence
+    parallelism divides the replicated part by t):
+    * two RMSNorms: the fp32 input (a copy under autocast), ``x * rsqrt`` (fp32), rsqrt (one
+      fp32 per token), replicated (``/t`` under REDUCE_SCATTER): ``2 * (8h + 4)``;
+    * the two column linears' inputs (the norm outputs; gathered over the whole sequence under
+      REDUCE_SCATTER): ``2 * c * h``;
+    * attention, ``/t``: the qkv output ``c (h + 2 kv)`` (its v part is SDPA's input), rotated q
+      ``c h`` and k ``c kv``, the SDPA output (the o_proj input) ``c h``, its log-sum-exp
+      ``4 heads``. Under cp the local k and v are not kept but the gathered ones of the whole
+      sequence are (``2 c kv * cp``), the two causal chunks' outputs are concatenated into a
+      copy (another ``c h``); on CPU (``cpu``) each chunk's lower-right causal mask is
+      materialized (torch's CausalBias has no CPU kernel) and kept, fp32 ``[s/2cp, visible
+      keys]``: ``4 (s/2cp)^2 (2cp + 1)`` per micro-batch (on GPU the efficient-attention
+      kernel takes the causal variant without a mask);
+    * SwiGLU, ``/t``: gate/up output ``2 c F``, ``silu(gate)`` ``c F``, the down input ``c F``;
+    * autocast (bf16): every linear saves the bf16 copy of its weight, per micro-batch: 2 bytes
+      per matmul parameter of the rank's layer.
+    ``selective`` drops the log-sum-exp and ``silu(gate)`` (recomputed from tensors kept anyway;
+    under cp also the chunks' outputs and masks);
+    ``full`` keeps the layer's input only (``c h``, ``/t`` under REDUCE_SCATTER)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
+    c, h, ffn = compute_bytes(args), args.hidden_size, args.intermediate_size
+    kv, heads = kv_heads(args) * head_dim(args), args.num_attention_heads
+    n = sequence_length // cp * micro_batch_size
+    replicated = tp if tp_mode == "REDUCE_SCATTER" else 1
+    if recompute == "full":
+        return c * h * n / replicated
+    norms = 2 * (8 * h + 4) / replicated + 2 * c * h
+    masks = 0.0
     if cp > 1:
-        values += 2 * sequence_length * b * (kv_heads(args) * head_dim(args)) / tp
-    return 2 * values
+        attention = c * (3 * h + 2 * kv * cp) + 4 * heads
+        chunk = sequence_length // (2 * cp)  # the two causal chunks' fp32 masks, [chunk, visible keys]
+        masks = 4 * chunk * chunk * (2 * cp + 1) if cpu else 0.0
+    else:
+        attention = c * (3 * h + 3 * kv) + 4 * heads
+    mlp = 4 * c * ffn
+    if recompute == "selective":  # cp: the chunks' outputs and masks live inside the region too
+        attention -= 4 * heads + (c * h if cp > 1 else 0)
+        mlp -= c * ffn
+        masks = 0.0
+    weights = 2 * layer_matmul_parameters(args) / tp if c == 2 else 0
+    return n * (norms + (attention + mlp) / tp) + masks + weights
+
+
+def head_saved_bytes(args: ModelArgs, local_tokens: int, micro_batch_size: int, tp: int = 1,
+                     tp_mode: str = "ALL_REDUCE") -> float:
+    """What the last stage's head keeps per micro-batch: the final RMSNorm (as a layer's) and
+    its output, the logits (fp32) over this tp rank's padded vocabulary rows."""
+    n, h = local_tokens * micro_batch_size, args.hidden_size
+    replicated = tp if tp_mode == "REDUCE_SCATTER" else 1
+    return n * ((8 * h + 4) / replicated + compute_bytes(args) * h + 4 * vocab_rows_per_rank(args, tp))
 
 
 def moe_extra_activation_bytes(args: ModelArgs, sequence_length: int, micro_batch_size: int, *, tp: int = 1,
@@ -311,4 +381,5 @@ def model_kwargs(config: Config, pc: Optional[Any] = None) -> dict[str, Any]:
                 pp_rank=pc.pp_rank if pc is not None else 0, pp_size=pc.pp_size if pc is not None else 1,
                 virtual_stages=p.pp_virtual_stages, seed=config.training.seed,
                 compute_dtype=config.model.dtype, cp_pg=pc.cp_pg if pc is not None else None,
-                ep_pg=getattr(pc, "ep_pg", None) if pc is not None else None)
+                ep_pg=getattr(pc, "ep_pg", None) if pc is not None else None,
+                recompute=config.training.recompute, compile_layers=config.training.compile)

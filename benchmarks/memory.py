@@ -1,0 +1,285 @@
+"""Measured, not guessed: the memory estimate of ``--dry-run`` against what a step really holds.
+
+    .venv/bin/python benchmarks/memory.py            # every layout x recompute mode, then timing
+    .venv/bin/python benchmarks/memory.py --quick    # fewer layouts, fewer timed steps
+    .venv/bin/python benchmarks/memory.py --timing-only
+
+For each layout (tp, tp_mode, pp and engine, cp, micro-batch, dtype) and each
+``training.recompute`` mode, the product's own path (``load_config`` of configs/tiny_cpu.yaml
+with overrides -> ``build_model`` / ``build_engine`` -> ``train_step``) runs one full optimizer
+step on gloo ranks, and every rank measures:
+* the peak bytes that autograd saves for backward over the step (``saved_tensors_hooks``: each
+  storage counted once while any saved tensor holds it, parameters left out); under pp the
+  engine's own meter (``PipelineEngine.last_stats.peak_activation_bytes``: the same hooks on
+  each micro-batch's forward, summed over the micro-batches in flight), since the engine's
+  hooks are the innermost and would hide its forwards from ours;
+* its parameter, gradient and optimizer-state bytes.
+The busiest rank's numbers (max over ranks) are printed beside ``estimate_memory(config)``'s,
+with the ratio estimate / measured (target: within 15%). Then the time per step of each mode on
+one process (CPU seconds, median of timed steps, modes interleaved), as a ratio to ``none``
+(targets: full <= 1.40, selective <= 1.15).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench_launch import run_workers, worker_main  # noqa: E402
+
+from nanotrain.config import load_config  # noqa: E402
+from nanotrain.launch.memory_estimate import GB, estimate_memory  # noqa: E402
+from nanotrain.optim import build_lr_scheduler, build_optimizer  # noqa: E402
+from nanotrain.parallel.context import ParallelContext, destroy_process_groups  # noqa: E402
+from nanotrain.parallel.data_parallel import BucketedGradSync  # noqa: E402
+from nanotrain.training.builder import build_engine, build_model  # noqa: E402
+from nanotrain.training.step import train_step  # noqa: E402
+
+TINY = ROOT / "configs" / "tiny_cpu.yaml"
+MODES = ("none", "selective", "full")
+# A model whose layers, not its head, hold most of the activations (as in real models).
+BASE = ["model.hidden_size=64", "model.intermediate_size=256", "model.num_layers=4", "model.vocab_size=256",
+        "training.sequence_length=128", "model.max_position_embeddings=128", "parallelism.dp=1",
+        "training.micro_batch_size=2", "training.batch_accumulation_per_replica=4"]
+LAYOUTS = {
+    "1 proc": ["parallelism.tp=1", "parallelism.pp=1"],
+    "1 proc mb4 bf16": ["parallelism.tp=1", "parallelism.pp=1", "training.micro_batch_size=4", "model.dtype=bfloat16"],
+    "tp2": ["parallelism.tp=2", "parallelism.pp=1"],
+    "tp2 seq-par": ["parallelism.tp=2", "parallelism.pp=1", "parallelism.tp_mode=REDUCE_SCATTER"],
+    "pp2 1f1b": ["parallelism.tp=1", "parallelism.pp=2"],
+    "pp2 afab": ["parallelism.tp=1", "parallelism.pp=2", "parallelism.pp_engine=afab"],
+    "pp2 interleaved v2": ["parallelism.tp=1", "parallelism.pp=2", "parallelism.pp_engine=interleaved_1f1b",
+                           "parallelism.pp_virtual_stages=2"],
+    "cp2": ["parallelism.tp=1", "parallelism.pp=1", "parallelism.cp=2"],
+    "cp2 tp2 seq-par zero1": ["parallelism.tp=2", "parallelism.pp=1", "parallelism.cp=2",
+                              "parallelism.tp_mode=REDUCE_SCATTER", "optimizer.zero_stage=1"],
+    "tp2 pp2 bf16": ["parallelism.tp=2", "parallelism.pp=2", "model.dtype=bfloat16"],
+}
+QUICK = ("1 proc", "tp2 seq-par", "pp2 1f1b", "cp2")
+
+
+class SavedTracker:
+    """Peak bytes held by autograd's saved tensors: each saved tensor is packed into a holder
+    whose lifetime is the saved tensor's; a storage counts while any holder of it lives."""
+
+    def __init__(self, excluded: set[int]):
+        self.excluded, self.refs, self.sizes = excluded, {}, {}
+        self.live = self.peak = 0
+
+    def pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        alias = t.detach()  # never the tensor itself: a node saving its own output would form a cycle
+        if ptr in self.excluded or nbytes == 0:
+            return alias
+        return _Held(self, ptr, nbytes, alias)
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+    def acquire(self, ptr: int, nbytes: int) -> None:
+        if self.refs.get(ptr, 0) == 0:
+            self.sizes[ptr] = nbytes
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self.refs[ptr] = self.refs.get(ptr, 0) + 1
+
+    def release(self, ptr: int) -> None:
+        self.refs[ptr] -= 1
+        if self.refs[ptr] == 0:
+            self.live -= self.sizes.pop(ptr)
+
+
+class _Held:
+    __slots__ = ("tracker", "ptr", "tensor")
+
+    def __init__(self, tracker: SavedTracker, ptr: int, nbytes: int, tensor: torch.Tensor):
+        self.tracker, self.ptr, self.tensor = tracker, ptr, tensor
+        tracker.acquire(ptr, nbytes)
+
+    def __del__(self):
+        self.tracker.release(self.ptr)
+
+
+def peak_saved_bytes(model, step) -> int:
+    """Peak bytes of autograd's saved tensors while ``step()`` runs (forward and backward)."""
+    tracker = SavedTracker({p.untyped_storage().data_ptr() for p in model.parameters()})
+    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+        step()
+    return tracker.peak
+
+
+def state_bytes(model, optimizer) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes of this rank, each storage once."""
+    def unique(tensors) -> int:
+        seen = {}
+        for t in tensors:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    params = list(model.parameters())
+    states = [v for s in optimizer.state.values() for k, v in s.items() if torch.is_tensor(v) and k != "step"]
+    return unique(params), unique(p.grad for p in params if p.grad is not None), unique(states)
+
+
+def measure(config, steps: int) -> dict:
+    """One rank's numbers for one config: peak saved bytes of a step, state bytes, step time."""
+    p = config.parallelism
+    pc = ParallelContext(tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp, data_parallel_size=p.dp,
+                         context_parallel_size=p.cp)
+    try:
+        return _measure(config, pc, steps)  # its model, optimizer and sync are freed on return
+    finally:
+        pc.destroy()
+
+
+def _measure(config, pc, steps: int) -> dict:
+    t = config.training
+    model = build_model(config, pc)
+    engine = build_engine(config, pc)
+    grad_sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg)
+    optimizer = build_optimizer(model.named_parameters(), config.optimizer, pc.dp_cp_pg)
+    scheduler = build_lr_scheduler(optimizer, config.optimizer, steps + 2)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.model.vocab_size, (t.micro_batch_size * t.batch_accumulation_per_replica,
+                                                        t.sequence_length + 1), generator=gen)
+    micro = [(mb[:, :-1], mb[:, 1:]) for mb in tokens.split(t.micro_batch_size)]
+
+    def step():
+        return train_step(model, micro, grad_sync, optimizer, scheduler, pc, config.optimizer.clip_grad,
+                          engine, model.pipeline_message(t.micro_batch_size, t.sequence_length))
+
+    step()  # warm-up: optimizer states exist, caches are built
+    if engine is None:
+        saved = peak_saved_bytes(model, step)
+    else:  # the engine meters its micro-batches in flight with saved-tensor hooks of its own
+        step()
+        saved = engine.last_stats.peak_activation_bytes
+    params, grads, states = state_bytes(model, optimizer)
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step().loss
+        times.append(time.perf_counter() - t0)
+    numbers = torch.tensor([saved, params, grads, states, statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(numbers, op=dist.ReduceOp.MAX)  # the busiest rank, the slowest rank
+    return dict(zip(("saved", "params", "grads", "optimizer", "step_s"), numbers.tolist()))
+
+
+def config_for(layout: str, mode: str, extra=()):
+    return load_config(TINY, [*BASE, *LAYOUTS.get(layout, []), *extra, f"training.recompute={mode}"])
+
+
+def worker(payload: dict) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    results = {mode: measure(config_for(payload["layout"], mode, payload.get("extra", ())), payload["steps"])
+               for mode in MODES}
+    destroy_process_groups()
+    return results
+
+
+TIMING = ["model.hidden_size=256", "model.intermediate_size=1024", "training.sequence_length=256",
+          "model.max_position_embeddings=256", "model.num_attention_heads=8", "model.num_key_value_heads=4"]
+
+
+def time_modes(extra: list[str], steps: int) -> dict:
+    """CPU seconds per optimizer step of each mode in this process (one thread), the modes
+    interleaved step by step so that a neighbour's load hits all of them alike; and the peak
+    saved bytes of one step."""
+    torch.set_num_threads(1)
+    runs = {}
+    for mode in MODES:
+        config = config_for("1 proc", mode, extra)
+        t = config.training
+        model = build_model(config, None)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, config.model.vocab_size, (t.micro_batch_size * t.batch_accumulation_per_replica,
+                                                            t.sequence_length + 1), generator=gen)
+        micro = [(mb[:, :-1], mb[:, 1:]) for mb in tokens.split(t.micro_batch_size)]
+
+        def step(model=model, optimizer=optimizer, micro=micro):
+            for ids, targets in micro:
+                (model(ids, targets) / len(micro)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+
+        step()  # warm-up
+        runs[mode] = {"step": step, "saved": peak_saved_bytes(model, step), "times": []}
+    for _ in range(steps):
+        for mode in MODES:
+            t0 = time.process_time()
+            runs[mode]["step"]()
+            runs[mode]["times"].append(time.process_time() - t0)
+    return {mode: {"step_s": statistics.median(r["times"]), "saved": r["saved"]} for mode, r in runs.items()}
+
+
+def estimate_row(config) -> dict:
+    est = estimate_memory(config)
+    return {"saved": est.saved_activations * GB, "params": est.weights * GB, "grads": est.grads * GB,
+            "optimizer": est.optimizer * GB}
+
+
+def run_layout(layout: str, steps: int, extra=()) -> dict:
+    world = config_for(layout, "none", extra).parallelism.world_size
+    return run_workers(__file__, world, {"layout": layout, "steps": steps, "extra": list(extra)}, 1800)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}; 2 timed steps")
+    parser.add_argument("--timing-only", action="store_true", help="skip the memory table")
+    opts = parser.parse_args()
+    layouts = () if opts.timing_only else QUICK if opts.quick else tuple(LAYOUTS)
+    t0 = time.perf_counter()
+    worst = 0.0
+    print("| layout | recompute | saved MB measured | estimate | ratio | params+grads+optimizer MB measured | "
+          "estimate | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for layout in layouts:
+        measured = run_layout(layout, 1)
+        for mode in MODES:
+            m, e = measured[mode], estimate_row(config_for(layout, mode))
+            state_m = m["params"] + m["grads"] + m["optimizer"]
+            state_e = e["params"] + e["grads"] + e["optimizer"]
+            worst = max(worst, abs(e["saved"] / m["saved"] - 1), abs(state_e / state_m - 1))
+            print(f"| {layout} | {mode} | {m['saved'] / 2**20:.2f} | {e['saved'] / 2**20:.2f} | "
+                  f"{e['saved'] / m['saved']:.3f} | {state_m / 2**20:.2f} | {state_e / 2**20:.2f} | "
+                  f"{state_e / state_m:.3f} |")
+    # Time per step on one process, a model whose matmuls dominate (hidden 256, seq 256).
+    steps = 3 if opts.quick else 8
+    timing = time_modes(TIMING, steps)
+    print(f"\nTime per step, one process, hidden 256, 4 layers, seq 256, 4 micro-batches of 2: CPU seconds of "
+          f"this process (not wall: the machine is shared), median of {steps}, the modes interleaved step by step:\n")
+    print("| recompute | CPU s/step | vs none | saved MB | vs none | target |")
+    print("|---|---|---|---|---|---|")
+    targets = {"none": 1.0, "selective": 1.15, "full": 1.40}
+    met = worst <= 0.15
+    for mode in MODES:
+        r, base = timing[mode], timing["none"]
+        ratio = r["step_s"] / base["step_s"]
+        met &= ratio <= targets[mode]
+        print(f"| {mode} | {r['step_s']:.3f} | {ratio:.2f} | {r['saved'] / 2**20:.1f} | "
+              f"{r['saved'] / base['saved']:.2f} | <= {targets[mode]:.2f} |")
+    print(f"\nworst estimate error {100 * worst:.1f}% (target 15%); {os.cpu_count()} CPU cores, gloo, 1 thread per "
+          f"rank; {time.perf_counter() - t0:.0f} s")
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker_main(worker)
+    else:
+        sys.exit(main())

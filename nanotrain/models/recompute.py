@@ -1,0 +1,53 @@
+"""Activation recomputation (``training.recompute``) and compiled layers (``training.compile``).
+
+``none``       every op saves what its backward needs (the default).
+``selective``  two regions are recomputed in backward from tensors that are saved anyway: the
+               attention core (scaled dot-product attention of the rotated q, k, v: its output
+               and log-sum-exp are not kept) and the SwiGLU activation ``silu(gate) * up`` (its
+               ``silu(gate)`` product is not kept). The projections, norms and RoPE are not
+               recomputed: their saved tensors are the linears' inputs, which stay.
+``full``       each decoder layer keeps only its input (and the shared RoPE tables) and runs its
+               forward again in backward (one extra forward of the layers: HFU > MFU).
+
+Both use ``torch.utils.checkpoint`` non-reentrant, which (a) works with the pipeline engines'
+``torch.autograd.backward(outputs, grads)`` on stage inputs, (b) replays the forward's autocast
+state (bf16) and (c) restores the CPU/CUDA RNG state before recomputing (``preserve_rng_state``),
+so a recomputed region draws the same numbers (the model draws none today; dropout would).
+The recomputed forward runs the same ops on the same inputs, so losses and gradients are
+bit-identical to ``none`` on CPU; its tp/cp collectives run again in backward, in the same order
+on every rank of a group (the schedule decides the order, and it is the same on all of them).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from nanotrain.models.compile_check import compile_backend_problem
+from nanotrain.models.llama_arch import RECOMPUTE_MODES as MODES
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"recompute must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def recomputed(fn: Callable, *args: torch.Tensor, enabled: bool = True):
+    """``fn(*args)``, whose saved tensors are dropped and recomputed in backward when ``enabled``
+    and autograd is recording (evaluation under no_grad runs it plainly)."""
+    if not enabled or not torch.is_grad_enabled():
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+# ----------------------------------------------------------------------------- compile
+def compile_layers_(layers, device_type: str) -> None:
+    """``torch.compile`` each built decoder layer in place (``nn.Module.compile``: parameter names
+    and state dicts are unchanged). Raises RuntimeError naming the field when it cannot."""
+    problem = compile_backend_problem(device_type)
+    if problem is not None:
+        raise RuntimeError(f"training.compile: {problem}; install one or set training.compile: false")
+    for layer in layers:
+        layer.compile()

@@ -1,0 +1,63 @@
+"""The memory estimate against what autograd really saves, in-process (one model, CPU): for each
+recompute mode, fp32 and bf16 autocast, a whole model and a pipeline stage, the bytes of saved
+tensors (``benchmarks/memory.py``'s hooks: each storage once, parameters excluded) are within
+15% of ``estimate_memory`` / ``llama_arch.activation_bytes_per_layer``. The multi-rank layouts
+(tp, cp, pp engines) are in the benchmark's table (README)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanotrain.config import load_config
+from nanotrain.launch.memory_estimate import GB, estimate_memory
+from nanotrain.models import llama_arch
+from nanotrain.models.llama import LlamaModel
+from nanotrain.training.builder import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from memory import peak_saved_bytes  # noqa: E402
+
+TINY = ROOT / "configs" / "tiny_cpu.yaml"
+BASE = ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "model.hidden_size=64",
+        "model.intermediate_size=256", "training.sequence_length=64", "model.max_position_embeddings=64"]
+
+
+def batch(config) -> torch.Tensor:
+    t = config.training
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, config.model.vocab_size, (t.micro_batch_size, t.sequence_length), generator=gen)
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("extra", [["training.micro_batch_size=2"], ["model.dtype=bfloat16"]], ids=["fp32", "bf16"])
+def test_whole_model_within_15_percent(mode, extra):
+    config = load_config(TINY, [*BASE, *extra, f"training.recompute={mode}"])
+    model = build_model(config, None)
+    ids = batch(config)
+    measured = peak_saved_bytes(model, lambda: model(ids, ids).backward())
+    estimate = estimate_memory(config).saved_activations * GB
+    assert estimate == pytest.approx(measured, rel=0.15), (estimate, measured)
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_first_pipeline_stage_layers_within_15_percent(mode):
+    """The first of two stages (two layers, no head): one micro-batch forward and backward."""
+    config = load_config(TINY, [*BASE, f"training.recompute={mode}"])
+    m, t = config.model, config.training
+    model = LlamaModel(m, None, pp_rank=0, pp_size=2, seed=0, recompute=mode)
+    ids = batch(config)
+
+    def step():
+        hidden = model(ids)
+        hidden.backward(torch.ones_like(hidden))
+
+    measured = peak_saved_bytes(model, step)
+    layers = sum(name.startswith("layers.") for name in llama_arch.rank_blocks(m, 2, 0))
+    estimate = layers * llama_arch.activation_bytes_per_layer(m, t.sequence_length, t.micro_batch_size,
+                                                               recompute=mode, cpu=True)
+    assert estimate == pytest.approx(measured, rel=0.15), (estimate, measured)
