@@ -15,6 +15,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nanotrain.checkpoint.layout import CheckpointMismatch
 from nanotrain.config import ModelArgs
 from nanotrain.models import hf_llama
 
@@ -23,8 +24,9 @@ INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}
 
 
-class HFError(ValueError):
-    """A user error about the HF directory (a ValueError: the CLI prints it as ``error:`` lines)."""
+class HFError(CheckpointMismatch, ValueError):
+    """A user error about the HF directory: ``submit.py`` prints a ValueError as ``error:`` lines
+    (exit 2) before a launch, a rank a CheckpointMismatch (exit 2) if it gets that far."""
 
 
 @dataclass

@@ -107,6 +107,8 @@ class CheckpointArgs:
     resume: bool = doc(True, "continue from the latest complete checkpoint in the run dir")
     save_on_preemption: bool = doc(True, "save when SLURM signals a preemption or time limit")
     allow_foreign: bool = doc(False, "resume from a checkpoint another run wrote (else refused)")
+    init_from_hf: Optional[str] = doc(None, "local Hugging Face Llama directory the weights start from when the "
+                                      "run has no checkpoint yet (optimizer and step start fresh)")
 
 
 @dataclass

@@ -128,7 +128,8 @@ def validate_names(config: Config) -> None:
         if value is not None and not _SLURM_NAME.match(value):
             _fail(f"slurm.{name}: {value!r} contains characters SLURM names never use "
                   "(letters, digits and _.,:|&*[]@+- only)")
-    for where, path in (("logging.dir", config.logging.dir), ("checkpoints.path", config.checkpoints.path)):
+    for where, path in (("logging.dir", config.logging.dir), ("checkpoints.path", config.checkpoints.path),
+                        ("checkpoints.init_from_hf", config.checkpoints.init_from_hf)):
         if path is not None and _CONTROL.search(path):
             _fail(f"{where}: a path without newlines or control characters, please")
     run = config.logging.run_name
