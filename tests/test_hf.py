@@ -179,6 +179,9 @@ def test_submit_init_from_hf_lr0_round_trip_is_bit_identical(hf_dirs, tmp_path):
     sets += ["parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=2", "training.sequence_length=32",
              "training.batch_accumulation_per_replica=2", "optimizer.lr=0", "optimizer.min_lr=0",
              "optimizer.warmup_steps=0", "checkpoints.interval=0", f"checkpoints.init_from_hf={hf_copy}"]
+    data = tmp_path / "data.txt"  # a small local text: no tokenising of the standard library per run
+    data.write_text((ROOT / "README.md").read_text()[:20000])
+    sets.append(f"data.source={data}")
     run = tmp_path / "logs" / "rt"
     out = _submit(run, *sets, "training.train_steps=2")
     assert "initialised from Hugging Face" in out, out

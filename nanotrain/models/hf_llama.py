@@ -216,6 +216,7 @@ def model_yaml(cfg: dict) -> str:
 def _yaml(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, float):
-        return repr(value)
+    if isinstance(value, float):  # YAML 1.1 (PyYAML) reads 1e-06 as a string: write 1.0e-06
+        mantissa, e, exponent = repr(value).partition("e")
+        return f"{mantissa}{'' if '.' in mantissa or not e else '.0'}{e}{exponent}"
     return str(value)
