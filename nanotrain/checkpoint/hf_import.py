@@ -34,16 +34,14 @@ def load_hf_weights(path: str | Path, model: Models, args: ModelArgs) -> dict:
     ValueError) when the directory does not fit ``args`` (checked as before a launch)."""
     t0 = time.perf_counter()
     hf = check_hf_dir(path, args)
-    handles: dict[str, object] = {}
     reads, nbytes = 0, 0
-    try:
-        with torch.no_grad():
-            for name, params in named_params(model).items():
-                for p in params:
-                    n, b = _fill(p, name, args, hf, handles)
-                    reads, nbytes = reads + n, nbytes + b
-    finally:
-        handles.clear()
+    with torch.no_grad():
+        for name, params in named_params(model).items():
+            handles: dict[str, object] = {}  # closed after each parameter: its mapped pages leave
+            for p in params:                 # this process's RSS instead of piling up to the file size
+                n, b = _fill(p, name, args, hf, handles)
+                reads, nbytes = reads + n, nbytes + b
+            handles.clear()
     return {"tensors": reads, "bytes": nbytes, "seconds": time.perf_counter() - t0}
 
 
