@@ -135,3 +135,13 @@ def test_index_sharded_dir_is_read(tmp_path):
     hf = check_hf_dir(sharded, TINY_MODEL)
     assert {r["file"] for r in hf.tensors.values()} == {"model-00001-of-00002.safetensors",
                                                          "model-00002-of-00002.safetensors"}
+
+
+def test_product_never_imports_transformers():
+    """Export and import use safetensors and JSON only (transformers is a dev dependency)."""
+    code = ("import sys; import nanotrain.checkpoint.hf_export, nanotrain.checkpoint.hf_import, "
+            "nanotrain.launch.cli; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
