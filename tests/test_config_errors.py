@@ -81,6 +81,8 @@ BAD_CONFIGS = [
      ["optimizer.zero_stage", "parallelism.ep"]),
     ("moe-recompute", lambda c: (c["training"].update(recompute="full"), c["model"].update(moe={"num_experts": 4})),
      [], ["training.recompute: full", "model.moe"]),
+    ("moe-init-from-hf", lambda c: (c["checkpoints"].update(init_from_hf="/tmp"), c["model"].update(moe={})),
+     [], ["checkpoints.init_from_hf", "model.moe"]),
     ("hidden-vs-heads", lambda c: c["model"].update(hidden_size=66), [], ["model.hidden_size", "num_attention_heads"]),
     ("intermediate-vs-tp", lambda c: c["model"].update(intermediate_size=255), [],
      ["model.intermediate_size", "parallelism.tp"]),

@@ -130,6 +130,9 @@ def validate_moe(config: Config) -> None:
     if p.ep > 1 and config.optimizer.zero_stage == 1:
         _fail("optimizer.zero_stage: 1 is not supported with parallelism.ep > 1 yet (expert and dense "
               "parameters need ZeRO shards over different groups): use zero_stage: 0")
+    if config.checkpoints.init_from_hf:
+        _fail("checkpoints.init_from_hf: a Hugging Face Llama checkpoint has no experts to initialise model.moe "
+              "from: drop one of them")
     if config.training.recompute != "none":
         _fail(f"training.recompute: {config.training.recompute} is not supported with model.moe yet (recomputing "
               "an MoE layer would repeat its expert all-to-all and routing statistics): use recompute: none")
@@ -199,7 +202,8 @@ def validate_names(config: Config) -> None:
         if value is not None and not _SLURM_NAME.match(value):
             _fail(f"slurm.{name}: {value!r} contains characters SLURM names never use "
                   "(letters, digits and _.,:|&*[]@+- only)")
-    for where, path in (("logging.dir", config.logging.dir), ("checkpoints.path", config.checkpoints.path)):
+    for where, path in (("logging.dir", config.logging.dir), ("checkpoints.path", config.checkpoints.path),
+                        ("checkpoints.init_from_hf", config.checkpoints.init_from_hf)):
         if path is not None and _CONTROL.search(path):
             _fail(f"{where}: a path without newlines or control characters, please")
     run = config.logging.run_name

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from nanotrain.checkpoint import layout
+from nanotrain.checkpoint.hf_dir import check_hf_dir
 from nanotrain.checkpoint.layout import model_differences
 from nanotrain.config import Config, ConfigError, config_to_dict
 from nanotrain.launch import ownership, rundir
@@ -56,6 +57,16 @@ def check_resume_target(config: Config, run_dir: Path) -> None:
         return
 
 
+def check_init_from_hf(config: Config) -> None:
+    """``checkpoints.init_from_hf`` on a first start: the HF directory must fit the ``model``
+    section (config.json and the safetensors headers; one ``error:`` line per problem). A run
+    that already has a complete checkpoint resumes from it and does not read the HF directory."""
+    path = config.checkpoints.init_from_hf
+    if path is None or (config.checkpoints.resume and layout.load_candidates(Path(config.checkpoints.path))):
+        return
+    check_hf_dir(path, config.model)
+
+
 def before_launch(config: Config, run_dir: Path, launching: bool) -> list[str]:
     """Raise ConfigError / OwnershipError (ValueErrors: one `error:` line, exit 2); return notes
     worth a warning (a stale lock the task will take over)."""
@@ -63,4 +74,5 @@ def before_launch(config: Config, run_dir: Path, launching: bool) -> list[str]:
     if launching:
         notes = ownership.check_before_launch(run_dir, Path(config.checkpoints.path), _recorded_job(run_dir))
     check_resume_target(config, run_dir)
+    check_init_from_hf(config)
     return notes

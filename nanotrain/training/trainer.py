@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.checkpoint import begin_save, load_checkpoint, save_checkpoint
+from nanotrain.checkpoint.hf_import import load_hf_weights
 from nanotrain.config import Config
 from nanotrain.data import BatchPrefetcher, build_samplers
 from nanotrain.logging import metrics_logger_for
@@ -97,6 +98,12 @@ class DistributedTrainer:
                 if self.pc.world_rank == 0:
                     how = "resharded from another topology" if resumed.resharded else "same topology, bit-exact"
                     print(f"resumed from {resumed.path} at step {self.step} ({how})", flush=True)
+        if self.saved_step is None and config.checkpoints.init_from_hf:  # first start: HF weights
+            loaded = load_hf_weights(config.checkpoints.init_from_hf, self.model, config.model)
+            if self.pc.world_rank == 0:
+                print(f"initialised from Hugging Face {config.checkpoints.init_from_hf}: rank 0 read "
+                      f"{loaded['tensors']} slices, {loaded['bytes'] / 1e6:.1f} MB in {loaded['seconds']:.2f} s; "
+                      "optimizer and step start fresh", flush=True)
 
         self.metrics = metrics_logger_for(config, self.run_dir, self.pc, device=self.device,
                                           start_step=self.step)

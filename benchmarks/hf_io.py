@@ -1,0 +1,121 @@
+"""Time and peak memory of the Hugging Face export and import, for a ~100M and a ~1B-shaped model.
+
+    .venv/bin/python benchmarks/hf_io.py [--sizes 100m,1b] [--dtype float32|bfloat16] [--workdir DIR]
+
+For each size: a random nanotrain model (one process) is saved as a checkpoint, then — each in a
+fresh process, so that its peak RSS (``ru_maxrss``) is its own — ``export_hf`` writes the HF
+directory, and ``load_hf_weights`` fills a freshly built (1,1,1) model from it. The import's
+peak includes the model itself (fp32 parameters), so the table shows both. No PyTorch-native
+equivalent exists (transformers' ``save_pretrained`` needs the whole model in memory, which is
+the thing export avoids), so there is no ratio column.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SIZES = {  # (hidden, intermediate, layers, heads, kv heads, vocab)
+    "100m": dict(hidden_size=768, intermediate_size=2048, num_layers=12, num_attention_heads=12,
+                 num_key_value_heads=4, vocab_size=32000),
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_layers=22, num_attention_heads=32,  # TinyLlama
+               num_key_value_heads=4, vocab_size=32000),
+}
+
+
+def _args(size: str):
+    from nanotrain.config import ModelArgs
+    return ModelArgs(**SIZES[size], max_position_embeddings=2048, dtype="float32")
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def prepare(size: str, ckpt_root: str) -> dict:
+    import torch
+
+    from nanotrain.checkpoint import save_checkpoint
+    from nanotrain.config import Config
+    from nanotrain.models.llama import LlamaModel
+
+    torch.manual_seed(0)
+    config = Config()
+    config.model = _args(size)
+    t0 = time.perf_counter()
+    model = LlamaModel(config.model, None)
+    save_checkpoint(ckpt_root, 1, model, None, None, None, extra={"consumed_samples": 0}, config=config)
+    params = sum(p.numel() for p in model.parameters())
+    return {"params": params, "seconds": time.perf_counter() - t0}
+
+
+def export(ckpt_root: str, out: str, dtype: str) -> dict:
+    from nanotrain.checkpoint.hf_export import export_hf
+    result = export_hf(ckpt_root, out, dtype)
+    return {"seconds": result["seconds"], "bytes": result["bytes"], "peak_mb": _peak_mb()}
+
+
+def import_(size: str, hf_dir: str) -> dict:
+    from nanotrain.checkpoint.hf_import import load_hf_weights
+    from nanotrain.models.llama import LlamaModel
+
+    args = _args(size)
+    model = LlamaModel(args, None)
+    before = _peak_mb()
+    result = load_hf_weights(hf_dir, model, args)
+    model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    return {"seconds": result["seconds"], "bytes": result["bytes"], "peak_mb": _peak_mb(),
+            "peak_before_load_mb": before, "model_mb": model_mb}
+
+
+def _child(*argv: str) -> dict:
+    proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{argv[0]} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1].startswith("_"):
+        fn = {"_prepare": prepare, "_export": export, "_import": import_}[sys.argv[1]]
+        print(json.dumps(fn(*sys.argv[2:])))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="100m,1b")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--workdir", default=None, help="scratch directory (default: a temporary one)")
+    args = parser.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="hf_io-"))
+    rows = []
+    try:
+        for size in args.sizes.split(","):
+            ckpt, out = work / f"{size}-ckpt", work / f"{size}-hf"
+            made = _child("_prepare", size, str(ckpt))
+            exp = _child("_export", str(ckpt), str(out), args.dtype)
+            imp = _child("_import", size, str(out))
+            rows.append((size, made["params"], exp, imp))
+            shutil.rmtree(ckpt, ignore_errors=True)
+            shutil.rmtree(out, ignore_errors=True)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"| model | params | export {args.dtype} s | export MB written | export peak RSS MB | import s | "
+          "import peak RSS MB | of which the model's fp32 parameters MB | RSS before the load MB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for size, params, exp, imp in rows:
+        print(f"| {size} | {params / 1e6:.1f} M | {exp['seconds']:.1f} | {exp['bytes'] / 1e6:.0f} | "
+              f"{exp['peak_mb']:.0f} | {imp['seconds']:.1f} | {imp['peak_mb']:.0f} | {imp['model_mb']:.0f} | "
+              f"{imp['peak_before_load_mb']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

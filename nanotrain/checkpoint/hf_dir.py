@@ -1,0 +1,129 @@
+"""A local Hugging Face Llama directory, read and checked without torch.
+
+``submit.py`` calls ``check_hf_dir`` before anything is submitted (``checkpoints.init_from_hf``),
+so every problem a rank would otherwise meet minutes later in the queue — a missing directory,
+another architecture, a ``model`` section that differs from config.json, a tensor missing or of
+another shape, bias terms — is one ``error:`` line each, exit 2. Only config.json and the
+safetensors headers are read (a few KB), never the weights. Single-file (``model.safetensors``)
+and index-sharded (``model.safetensors.index.json`` + ``model-0000k-of-0000n.safetensors``)
+directories are both understood.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nanotrain.checkpoint.layout import CheckpointMismatch
+from nanotrain.config import ModelArgs
+from nanotrain.models import hf_llama
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}
+
+
+class HFError(CheckpointMismatch, ValueError):
+    """A user error about the HF directory: ``submit.py`` prints a ValueError as ``error:`` lines
+    (exit 2) before a launch, a rank a CheckpointMismatch (exit 2) if it gets that far."""
+
+
+@dataclass
+class HFDir:
+    path: Path
+    config: dict
+    tensors: dict[str, dict] = field(default_factory=dict)  # name -> {"file", "dtype", "shape"}
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+
+def _where(path: Path) -> str:
+    return f"checkpoints.init_from_hf: {path}"
+
+
+def read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (the 8-byte length, then the header)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise HFError(f"{path}: shorter than a safetensors header")
+        (size,) = struct.unpack("<Q", raw)
+        if size > 100 << 20:
+            raise HFError(f"{path}: implausible safetensors header size {size}")
+        head = f.read(size)
+    try:
+        return json.loads(head)
+    except ValueError:
+        raise HFError(f"{path}: not a safetensors file (unreadable header)") from None
+
+
+def open_hf_dir(path: str | Path) -> HFDir:
+    """config.json and the tensor directory of the safetensors files (headers only)."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise HFError(f"{_where(path)} is not a directory: point it at a local Hugging Face model "
+                      "directory (config.json + *.safetensors)")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except OSError:
+        raise HFError(f"{_where(path)} has no readable config.json: not a Hugging Face model directory") from None
+    except ValueError as e:
+        raise HFError(f"{_where(path)}/config.json is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise HFError(f"{_where(path)}/config.json is not a JSON object")
+    out = HFDir(path, config)
+    if (path / INDEX).is_file():
+        try:
+            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError):
+            raise HFError(f"{_where(path)}/{INDEX} has no weight_map") from None
+        files = sorted(set(weight_map.values()))
+    elif (path / SINGLE).is_file():
+        files = [SINGLE]
+    else:
+        found = sorted(p.name for p in path.glob("*.bin"))
+        hint = " (it has PyTorch .bin files: re-save with safe_serialization=True)" if found else ""
+        raise HFError(f"{_where(path)} has neither {SINGLE} nor {INDEX}{hint}")
+    for rel in files:
+        if not (path / rel).is_file():
+            raise HFError(f"{_where(path)}: {INDEX} names {rel}, which is missing")
+        for name, rec in read_header(path / rel).items():
+            if name != "__metadata__":
+                out.tensors[name] = {"file": rel, "dtype": rec["dtype"], "shape": tuple(rec["shape"])}
+    return out
+
+
+def check_hf_dir(path: str | Path, args: ModelArgs) -> HFDir:
+    """The directory, if nanotrain's model ``args`` can start from it; else HFError whose message
+    has one line per problem (the CLI prefixes each with ``error:``)."""
+    hf = open_hf_dir(path)
+    where = _where(hf.path)
+    problems = [f"{where}: {p}" for p in hf_llama.unsupported(hf.config)]
+    if problems:  # another architecture: its fields and tensors mean something else
+        raise HFError("\nerror: ".join(problems))
+    problems += hf_llama.mismatches(args, hf.config)
+    if problems:
+        raise HFError("\nerror: ".join(problems))
+    biases = sorted(n for n in hf.tensors if n.endswith(".bias"))
+    if biases:
+        problems.append(f"{where}: bias tensors present ({', '.join(biases[:3])}{', ...' if len(biases) > 3 else ''}): "
+                        "nanotrain's Llama has no bias terms")
+    expected = hf_llama.hf_shapes(args, hf.vocab_size)
+    missing = [n for n in expected if n not in hf.tensors]
+    if missing:
+        problems.append(f"{where}: tensor{'s' if len(missing) > 1 else ''} missing: "
+                        f"{', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}")
+    for name, shape in expected.items():
+        rec = hf.tensors.get(name)
+        if rec is None:
+            continue
+        if tuple(rec["shape"]) != shape:
+            problems.append(f"{where}: {name} has shape {list(rec['shape'])}, the model needs {list(shape)}")
+        elif rec["dtype"] not in FLOAT_DTYPES:
+            problems.append(f"{where}: {name} is {rec['dtype']} (quantized?); only float tensors can be imported")
+    if problems:
+        raise HFError("\nerror: ".join(problems))
+    return hf

@@ -1,0 +1,168 @@
+"""Export a nanotrain checkpoint, at whatever topology it was saved, as a Hugging Face Llama directory.
+
+    python scripts/export_hf.py logs/<run> OUT_DIR [--dtype bfloat16|float32] [--max-shard-size 5GB]
+
+OUT_DIR gets what ``LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``
+read: config.json, generation_config.json, model.safetensors (or, above ``max_shard_size``,
+``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``), tokenizer.json and
+tokenizer_config.json. Nothing of transformers is imported: safetensors and JSON only.
+
+Streaming: the output files' headers are computed from the checkpoint's index first (every
+shape is known), then one nanotrain tensor at a time is merged from its tp/pp shards by the
+slice metadata (``assemble.assemble_full``, as resharding does), split into its HF tensors
+(``hf_llama.pieces``), cast and appended to the open file. The source files are opened per
+tensor and closed after it, so peak memory is about one full tensor (the embedding), not the
+model (benchmarks/hf_io.py measures it). Only the model files are read: the optimizer states
+are left alone, and every byte read is checked against the checkpoint's sha256s first.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from nanotrain.checkpoint import format as fmt
+from nanotrain.checkpoint.assemble import ShardReader, assemble_full
+from nanotrain.checkpoint.format import CheckpointError
+from nanotrain.checkpoint.hf_dir import INDEX, SINGLE
+from nanotrain.checkpoint.reshard import resolve_checkpoint
+from nanotrain.config import ModelArgs
+from nanotrain.data.hf_tokenizer import export_tokenizer
+from nanotrain.models import hf_llama
+
+DTYPES = {"float32": (torch.float32, "F32"), "bfloat16": (torch.bfloat16, "BF16")}
+DEFAULT_MAX_SHARD = 5 * 10**9
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``20KB``, ``123`` (bytes) -> bytes (decimal units, as transformers)."""
+    t = text.strip().upper()
+    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * mult)
+    return int(t)
+
+
+def source_checkpoint(src: str | Path) -> Path:
+    """A checkpoint directory, a checkpoints root, or a run directory (its ``checkpoints.path``)
+    -> the checkpoint to export (the newest complete one)."""
+    src = Path(src)
+    if not src.exists():
+        raise CheckpointError(f"{src}: no such run or checkpoint directory")
+    if (src / fmt.COMPLETE).is_file() or fmt.complete_checkpoints(src):
+        return resolve_checkpoint(src)
+    root = src / "checkpoints"
+    if (src / "config.yaml").is_file():
+        path = ((yaml.safe_load((src / "config.yaml").read_text()) or {}).get("checkpoints") or {}).get("path")
+        root = Path(path) if path else root
+    if fmt.complete_checkpoints(root):
+        return resolve_checkpoint(root)
+    raise CheckpointError(f"{src}: no complete checkpoint in it (looked in {root})")
+
+
+def _plan(args: ModelArgs, max_shard: int, itemsize: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """HF tensors in order, packed greedily into files of at most ``max_shard`` bytes."""
+    files, size = [[]], 0
+    for name, shape in hf_llama.hf_shapes(args).items():
+        nbytes = itemsize * int(torch.Size(shape).numel())
+        if files[-1] and size + nbytes > max_shard:
+            files.append([])
+            size = 0
+        files[-1].append((name, shape))
+        size += nbytes
+    return files
+
+
+def _tensors(ckpt: Path, meta: dict, args: ModelArgs, dtype: torch.dtype):
+    """(HF name, tensor) in ``hf_llama.hf_shapes`` order, one nanotrain tensor in memory at a time."""
+    index = meta["index"]["model"]
+    for name in hf_llama.nanotrain_names(args):
+        if name not in index:
+            raise CheckpointError(f"{ckpt}: no parameter {name!r} in the checkpoint")
+        reader = ShardReader(ckpt)
+        full = assemble_full(reader, name, index[name])
+        reader.close()
+        for piece in hf_llama.pieces(name, args):
+            yield piece.hf_name, full[piece.start:piece.stop].to(dtype).contiguous()
+        del full
+
+
+def _write_file(path: Path, entries: list[tuple[str, tuple[int, ...]]], st_dtype: str, itemsize: int,
+                stream) -> int:
+    """One safetensors file: the header from the planned shapes, then each tensor's bytes as the
+    stream yields it (checked against the plan). Returns the bytes of tensor data written."""
+    head, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in entries:
+        n = itemsize * int(torch.Size(shape).numel())
+        head[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, shape in entries:
+            got, tensor = next(stream)
+            if got != name or tuple(tensor.shape) != tuple(shape):
+                raise CheckpointError(f"export: expected {name} {list(shape)}, got {got} {list(tensor.shape)}")
+            f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return offset
+
+
+def export_hf(src: str | Path, out_dir: str | Path, dtype: str = "float32",
+              max_shard_size: int = DEFAULT_MAX_SHARD) -> dict:
+    """Write the HF directory; returns ``{"checkpoint", "files", "bytes", "seconds"}``."""
+    t0 = time.perf_counter()
+    if dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r}: choose one of {sorted(DTYPES)}")
+    ckpt = source_checkpoint(src)
+    meta = fmt.read_meta(ckpt)
+    config = meta.get("config") or {}
+    if not config.get("model"):
+        raise CheckpointError(f"{ckpt}: meta.json holds no config, so the model's shape is unknown")
+    if config["model"].get("moe"):
+        raise CheckpointError(f"{ckpt}: a model.moe checkpoint has no LlamaForCausalLM layout (export is for dense "
+                              "Llama models; a Mixtral mapping is not implemented)")
+    args = ModelArgs(**config["model"])
+    bad = [p for rel, rec in meta["files"].items() if rel.startswith("model/")
+           and (p := fmt.verify_file(ckpt, rel, rec))]
+    if bad:
+        raise CheckpointError(f"{ckpt} is damaged: " + "; ".join(bad))
+    torch_dtype, st_dtype = DTYPES[dtype]
+    itemsize = torch.tensor([], dtype=torch_dtype).element_size()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = _plan(args, max_shard_size, itemsize)
+    stream = _tensors(ckpt, meta, args, torch_dtype)
+    total, names = 0, []
+    for k, entries in enumerate(plan):
+        name = SINGLE if len(plan) == 1 else f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors"
+        total += _write_file(out / name, entries, st_dtype, itemsize, stream)
+        names.append(name)
+    if len(plan) > 1:
+        weight_map = {t: f for f, entries in zip(names, plan) for t, _ in entries}
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                            indent=2) + "\n")
+    keep = set(names) | ({INDEX} if len(plan) > 1 else set())
+    for stale in [out / SINGLE, out / INDEX, *out.glob("model-*-of-*.safetensors")]:
+        if stale.name not in keep:
+            stale.unlink(missing_ok=True)  # an earlier export's files in the same directory
+    tokenizer = (config.get("data") or {}).get("tokenizer", "byte")
+    special = export_tokenizer(tokenizer, out, args.max_position_embeddings)
+    hf_cfg = hf_llama.hf_config(args, dtype=dtype, **special)
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    generation = {"bos_token_id": special["bos_token_id"], "eos_token_id": special["eos_token_id"],
+                  "pad_token_id": special["eos_token_id"], "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    (out / "nanotrain_export.json").write_text(json.dumps(
+        {"checkpoint": str(ckpt), "step": meta.get("step"), "run_id": meta.get("run_id"),
+         "topology": meta.get("topology"), "dtype": dtype}, indent=2) + "\n")
+    return {"checkpoint": str(ckpt), "files": names, "bytes": total, "seconds": time.perf_counter() - t0}
