@@ -38,6 +38,7 @@ def _group_of(item) -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     groups = {id(item): _group_of(item) for item in items}
     for item in items:
