@@ -31,6 +31,7 @@ from nanotrain.checkpoint.layout import (  # noqa: F401 (re-exported)
     parse_step,
     read_latest,
     read_meta,
+    read_safetensors_header,
     stale_entries,
     step_dir_name,
 )
@@ -221,17 +222,7 @@ def remove_dir(path: Path) -> None:
 # ----------------------------------------------------------------------------- discovery
 def read_header(path: Path) -> tuple[bytes, dict]:
     """(the raw 8-byte length + header, the parsed header) of a safetensors file."""
-    with open(path, "rb") as f:
-        size_bytes = f.read(8)
-        if len(size_bytes) != 8:
-            raise CheckpointError(f"{path}: shorter than a safetensors header")
-        (size,) = struct.unpack("<Q", size_bytes)
-        if size > 100 << 20:
-            raise CheckpointError(f"{path}: implausible header size {size}")
-        raw = f.read(size)
-    if len(raw) != size:
-        raise CheckpointError(f"{path}: header truncated")
-    return size_bytes + raw, json.loads(raw)
+    return read_safetensors_header(path)
 
 
 def verify_file(ckpt_dir: Path, rel: str, record: dict | None, keys: Iterable[str] | None = None) -> str | None:

@@ -11,11 +11,10 @@ directories are both understood.
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nanotrain.checkpoint.layout import CheckpointMismatch
+from nanotrain.checkpoint.layout import CheckpointMismatch, read_safetensors_header
 from nanotrain.config import ModelArgs
 from nanotrain.models import hf_llama
 
@@ -45,19 +44,8 @@ def _where(path: Path) -> str:
 
 
 def read_header(path: Path) -> dict:
-    """The JSON header of a safetensors file (the 8-byte length, then the header)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise HFError(f"{path}: shorter than a safetensors header")
-        (size,) = struct.unpack("<Q", raw)
-        if size > 100 << 20:
-            raise HFError(f"{path}: implausible safetensors header size {size}")
-        head = f.read(size)
-    try:
-        return json.loads(head)
-    except ValueError:
-        raise HFError(f"{path}: not a safetensors file (unreadable header)") from None
+    """The JSON header of a safetensors file of a Hugging Face directory."""
+    return read_safetensors_header(path, HFError)[1]
 
 
 def open_hf_dir(path: str | Path) -> HFDir:

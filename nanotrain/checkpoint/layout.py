@@ -1,4 +1,5 @@
-"""The checkpoint directory's names and how to find and read a checkpoint's meta.json.
+"""The checkpoint directory's names, how to find and read a checkpoint's meta.json, and the
+header of a safetensors file.
 
 Standard library only (no torch), so `submit.py` can look at a run's checkpoints before it
 launches anything (which checkpoint a resume would load, whose it is, which model it holds)
@@ -9,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import struct
 from pathlib import Path
 from typing import Iterable
 
@@ -96,6 +98,25 @@ def stale_entries(root: Path) -> Iterable[Path]:
         if is_tmp_name(p.name) or (parse_step(p.name) is not None and not (p / COMPLETE).is_file()):
             out.append(p)
     return out
+
+
+def read_safetensors_header(path: Path, error: type[CheckpointError] = CheckpointError) -> tuple[bytes, dict]:
+    """(the raw 8-byte length + header, the parsed header) of a safetensors file, read without
+    torch (checkpoint files and Hugging Face directories alike); a bad file raises ``error``."""
+    with open(path, "rb") as f:
+        size_bytes = f.read(8)
+        if len(size_bytes) != 8:
+            raise error(f"{path}: shorter than a safetensors header")
+        (size,) = struct.unpack("<Q", size_bytes)
+        if size > 100 << 20:
+            raise error(f"{path}: implausible header size {size}")
+        raw = f.read(size)
+    if len(raw) != size:
+        raise error(f"{path}: header truncated")
+    try:
+        return size_bytes + raw, json.loads(raw)
+    except ValueError:
+        raise error(f"{path}: not a safetensors file (unreadable header)") from None
 
 
 def read_meta(ckpt_dir: Path) -> dict:
