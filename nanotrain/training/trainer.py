@@ -138,22 +138,7 @@ class DistributedTrainer:
             self.consumed_samples += global_batch
             if self.batches and self.step < t.train_steps:
                 self.batches.prefetch(self.consumed_samples)  # overlaps this step's GPU work
-            # Host time of the step (data included, saves not); the stop vote keeps the host
-            # within a step of the GPU, so over a logging interval it is the device's time.
-            PROGRESS.mark("metrics")
-            step_s = time.perf_counter() - start
-            self._interval_time, self._interval_steps = self._interval_time + step_s, self._interval_steps + 1
-            extra = None
-            if self.metrics.should_log(self.step):  # the same steps on every rank: one tiny gather
-                ratio = step_time_max_over_median(self._interval_time / self._interval_steps, self.device)
-                extra = {"perf/step_time_max_over_median": ratio}
-                self._interval_time, self._interval_steps = 0.0, 0
-            self.metrics.log(self.step, stats.loss_tensor, stats.lr, stats.grad_norm_tensor, step_s, extra=extra)
-            moe = self.config.model.moe
-            if moe is not None and self.metrics.should_log(self.step):  # every pp rank joins
-                self.metrics.log_scalars(self.step, step_scalars(self.model.moe_state, self.pc.pp_pg,
-                                                                 capacity=moe.capacity_factor is not None))
-            self.log_data(global_batch)
+            self.log_step(stats, time.perf_counter() - start, global_batch)
             if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.train_steps):
                 self.evaluate()
             if self.profiler is not None:
@@ -182,6 +167,26 @@ class DistributedTrainer:
             start = time.perf_counter()
         self.save()  # the final state (a no-op when the interval just wrote it)
         return "completed"
+
+    def log_step(self, stats, step_s: float, global_batch: int) -> None:
+        """The step's metrics. ``step_s``: host time of the step (data included, saves not); the
+        stop vote keeps the host within a step of the GPU, so over a logging interval it is the
+        device's time. On logging steps (the same on every rank) all ranks join one tiny gather
+        for the straggler ratio and, with MoE, every pp rank one for the routing statistics."""
+        PROGRESS.mark("metrics")
+        self._interval_time, self._interval_steps = self._interval_time + step_s, self._interval_steps + 1
+        extra = None
+        logs = self.metrics.should_log(self.step)
+        if logs:
+            ratio = step_time_max_over_median(self._interval_time / self._interval_steps, self.device)
+            extra = {"perf/step_time_max_over_median": ratio}
+            self._interval_time, self._interval_steps = 0.0, 0
+        self.metrics.log(self.step, stats.loss_tensor, stats.lr, stats.grad_norm_tensor, step_s, extra=extra)
+        moe = self.config.model.moe
+        if moe is not None and logs:
+            self.metrics.log_scalars(self.step, step_scalars(self.model.moe_state, self.pc.pp_pg,
+                                                             capacity=moe.capacity_factor is not None))
+        self.log_data(global_batch)
 
     def log_data(self, global_batch: int) -> None:
         """`data/tokens/<source>` and `data/epoch/<source>` on log steps, and one line when a
