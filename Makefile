@@ -34,11 +34,11 @@ lint: venv
 
 # Two pytest-xdist workers, one per core: most tests keep one core busy (in-process checks, one
 # CLI process at a time) or wait on SLURM, so two at once use the machine (tests/conftest.py keeps
-# the SLURM tests, and the tests of the shared reference runs, each on one worker).
+# the SLURM tests, and the tests of the shared reference runs, each on one worker: GroupScheduling).
 # PYTEST_WORKERS=0 runs the suite in this process, serially.
 PYTEST_WORKERS ?= 2
 test: venv lint cluster-up
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --no-loadscope-reorder $(PYTEST_ARGS)
 
 # nanotrain vs PyTorch-native parallelism, side by side (< 20 min on 2 cores; QUICK=1: < 4 min).
 # Writes benchmarks/results/latest.json and latest.md and prints the table.

@@ -1,8 +1,11 @@
 """Shared pytest fixtures for nanotrain."""
 
+import json
 import os
 import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -22,12 +25,19 @@ def _unavailable(reason: str) -> None:
     pytest.skip(f"no usable SLURM cluster: {reason}{hint}")
 
 
-# Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`) a group runs whole on one
-# worker, in order. The tests that share the local SLURM cluster form one group: the preemption test
-# needs both nodes to itself, so they never run beside each other. The tests that read the session's
+# Under pytest-xdist (`make test` runs two workers) a group of tests runs whole on one worker, in
+# order. The tests that share the local SLURM cluster form one group: the preemption test needs
+# both nodes to itself, so they never run beside each other. The tests that read the session's
 # shared reference runs form another, so each run is still made once. Both groups come first, so
 # the two workers start on them and share out the rest as they free up.
+#
+# How: the workers collect and name each test's group; one of them writes {nodeid: group} to a
+# file the controller named (NANOTRAIN_TEST_GROUPS), and the controller's scheduler
+# (``GroupScheduling``, a LoadScopeScheduling whose scope is the group) reads it once every
+# worker has collected. xdist's own ``--dist loadgroup`` cannot be used: it renames items
+# through ``item._nodeid``, which pytest 9 no longer reads, so its groups are silently ignored.
 GROUPS = ("slurm", "shared-runs")
+GROUPS_ENV = "NANOTRAIN_TEST_GROUPS"
 
 
 def _group_of(item) -> str | None:
@@ -38,14 +48,36 @@ def _group_of(item) -> str | None:
     return None
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
+def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        os.environ[GROUPS_ENV] = str(Path(tempfile.mkdtemp(prefix="nanotrain-test-groups-")) / "groups.json")
+
+
 def pytest_collection_modifyitems(config, items):
-    groups = {id(item): _group_of(item) for item in items}
-    for item in items:
-        if groups[id(item)]:
-            item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
+    groups = {item.nodeid: _group_of(item) for item in items}
     rank = {name: i for i, name in enumerate(GROUPS)}
-    items.sort(key=lambda item: rank.get(groups[id(item)], len(GROUPS)))  # stable: the rest keep their order
+    items.sort(key=lambda item: rank.get(groups[item.nodeid], len(GROUPS)))  # stable: the rest keep their order
+    if os.environ.get("PYTEST_XDIST_WORKER") == "gw0" and os.environ.get(GROUPS_ENV):
+        path = Path(os.environ[GROUPS_ENV])
+        path.with_suffix(".tmp").write_text(json.dumps({k: v for k, v in groups.items() if v}))
+        path.with_suffix(".tmp").replace(path)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling  # only under xdist (a dev dependency)
+
+    class GroupScheduling(LoadScopeScheduling):
+        """LoadScopeScheduling with a test's group (``_group_of``) as its scope, else the test."""
+
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                path = Path(os.environ[GROUPS_ENV])
+                self.groups = json.loads(path.read_text()) if path.is_file() else {}
+            return self.groups.get(nodeid, nodeid)
+
+    return GroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
