@@ -90,13 +90,15 @@ def test_preemption_during_an_in_flight_save(tmp_path):
     run_dir = tmp_path / "preempted"
     items = [f"logging.dir={tmp_path}", "logging.run_name=preempted", "training.train_steps=400",
              "logging.log_interval=1", "parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=2", *ASYNC]
-    env = hooked(NANOTRAIN_TEST_SLOW_WRITE="step_000005:8")
+    release = tmp_path / "release"  # step 5's background write waits for it (tests/hooks)
+    env = hooked(NANOTRAIN_TEST_SLOW_WRITE=f"step_000005:until={release}")
     proc = subprocess.Popen(cli(str(TINY), "--local", *sets(items)), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until(lambda: step_of(run_dir) >= 6 or proc.poll() is not None, 200, "step 6")
         assert not (run_dir / "checkpoints" / "step_000005").exists()  # still being written
         proc.send_signal(signal.SIGUSR2)  # what SLURM sends before a preemption
+        release.touch()  # step 5's files may now be written: the stop waits for them, then saves its own
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

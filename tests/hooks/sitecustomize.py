@@ -25,7 +25,9 @@ if _spec and os.environ.get("RANK") == _spec.split(":")[0] and os.environ.get("N
 
 # ``NANOTRAIN_TEST_SLOW_WRITE=step_000010:SECONDS``: every rank's background checkpoint writer
 # (checkpoints.async_save) sleeps that long before writing each file of that checkpoint, so a
-# test can act while the write is in flight (kill -9 a rank, preempt the job).
+# test can act while the write is in flight (kill -9 a rank, preempt the job);
+# ``step_000010:until=PATH``: it waits until the test creates PATH instead (at most 10 minutes),
+# so the write is in flight for as long as the test needs, however loaded the machine is.
 _slow = os.environ.get("NANOTRAIN_TEST_SLOW_WRITE")
 if _slow and os.environ.get("NANOTRAIN_LAUNCHER") and os.environ.get("RANK"):
     import threading
@@ -33,12 +35,20 @@ if _slow and os.environ.get("NANOTRAIN_LAUNCHER") and os.environ.get("RANK"):
 
     from nanotrain.checkpoint import format as _fmt
 
-    _dir, _seconds = _slow.split(":")
+    _dir, _how = _slow.split(":", 1)
     _write = _fmt.write_safetensors
+
+    def _hold():
+        if not _how.startswith("until="):
+            time.sleep(float(_how))
+            return
+        deadline = time.monotonic() + 600
+        while not os.path.exists(_how[len("until="):]) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _slow_write(path, tensors, header):
         if f"{_dir}.tmp" in str(path) and threading.current_thread() is not threading.main_thread():
-            time.sleep(float(_seconds))
+            _hold()
         return _write(path, tensors, header)
 
     _fmt.write_safetensors = _slow_write
