@@ -374,6 +374,7 @@ def destroy_process_groups(synchronize: bool = True) -> None:
         return
     if synchronize:
         dist.barrier()
+    PROGRESS.forget_groups()  # the hang record holds the last collective's group
     # Every registered group (ours, DeviceMesh's, ...); a private map, so read defensively.
     registered = list(getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", {}))
     refs = [weakref.ref(pg) for pg in registered]
