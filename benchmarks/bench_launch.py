@@ -4,7 +4,8 @@ The ranks are started by ``nanotrain.launch.ranks``, the launcher behind ``submi
 (the same env:// variables, sessions, fail-fast and deadline), not by ``torch.multiprocessing``:
 one launcher for the product, the benchmarks and the tests. A benchmark script calls
 ``run_workers(__file__, world, payload, timeout_s)``; the ranks run ``SCRIPT --worker PAYLOAD
-OUT``, where the script's ``--worker`` branch calls ``worker_main(fn)``.
+OUT``: the script ends with ``entry(main, worker)``, which runs ``worker`` on such a rank and
+``main`` otherwise.
 """
 from __future__ import annotations
 
@@ -39,3 +40,17 @@ def worker_main(fn) -> None:
     result = fn(payload)
     if os.environ["RANK"] == "0":
         Path(out).write_text(json.dumps(result))
+
+
+def entry(main, worker) -> None:
+    """A benchmark script's ``__main__``: ``worker`` on a rank (``--worker``), else ``main()``,
+    whose return value (None or an int) is the exit status."""
+    if sys.argv[1:2] == ["--worker"]:
+        worker_main(worker)
+    else:
+        sys.exit(main())
+
+
+def same_loss(value: float, reference: float, rtol: float = 1e-5) -> bool:
+    """Two layouts of one model and data agree: the first loss within ``rtol`` of the reference."""
+    return abs(value - reference) <= rtol * abs(reference)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_launch import run_workers, worker_main  # noqa: E402
+from bench_launch import entry, run_workers, same_loss  # noqa: E402
 
 # Imported before any process group exists (the model pulls in torch._dynamo, whose import takes
 # references to an existing default group that live until interpreter exit).
@@ -141,7 +141,7 @@ def main() -> int:
         ref = results["1 process"][seq]
         for layout in ("1 process", "cp2", "dp2"):
             r = results[layout][seq]
-            same = abs(r["first_loss"] - ref["first_loss"]) <= 1e-5 * abs(ref["first_loss"])
+            same = same_loss(r["first_loss"], ref["first_loss"])
             same_everywhere &= same
             print(f"| {seq} | {layout} | {r['tokens_per_s']:,.0f} | {r['activation_bytes'] / 2**20:.1f} | "
                   f"{r['activation_bytes'] / ref['activation_bytes']:.2f} | {r['first_loss']:.6f} | "
@@ -150,7 +150,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        worker_main(worker)
-    else:
-        sys.exit(main())
+    entry(main, worker)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_launch import run_workers, worker_main  # noqa: E402
+from bench_launch import entry, run_workers  # noqa: E402
 
 from nanotrain.config import load_config  # noqa: E402
 from nanotrain.launch.memory_estimate import GB, estimate_memory  # noqa: E402
@@ -279,7 +279,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        worker_main(worker)
-    else:
-        sys.exit(main())
+    entry(main, worker)

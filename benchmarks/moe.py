@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_launch import run_workers, worker_main  # noqa: E402
+from bench_launch import entry, run_workers, same_loss  # noqa: E402
 
 from nanotrain.config import ModelArgs, MoEArgs, OptimizerArgs  # noqa: E402
 from nanotrain.models.llama import LlamaModel  # noqa: E402
@@ -161,7 +161,7 @@ def main() -> int:
     ref, dp2 = results["ep1"], results["dp2"]
     same_everywhere = True
     for name, r in results.items():
-        same = abs(r["first_loss"] - ref["first_loss"]) <= 1e-5 * abs(ref["first_loss"])
+        same = same_loss(r["first_loss"], ref["first_loss"])
         same_everywhere &= same
         print(f"| {name} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / dp2['tokens_per_s']:.2f} | "
               f"{r['a2a_share']:.1%} | {r['imbalance']:.2f} | {r['param_bytes'] / 2**20:.2f} | "
@@ -170,7 +170,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        worker_main(worker)
-    else:
-        sys.exit(main())
+    entry(main, worker)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_launch import run_workers, worker_main  # noqa: E402
+from bench_launch import entry, run_workers  # noqa: E402
 
 MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=8, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=64)
@@ -130,7 +130,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        worker_main(worker)
-    else:
-        main()
+    entry(main, worker)
