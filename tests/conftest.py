@@ -9,20 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from helpers.platform import unavailable
 from helpers.runs import SharedRuns
 
 
 def _unavailable(reason: str) -> None:
-    """Fail under CI, skip elsewhere.
-
-    CI runs `make test` as root, which starts the cluster first
-    (slurm/local-cluster.sh up), so a missing cluster there is a real breakage that
-    must not hide behind a skip. On a developer box SLURM is optional.
-    """
-    hint = " (start it with: sudo slurm/local-cluster.sh up)"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"SLURM cluster required under CI: {reason}{hint}", pytrace=False)
-    pytest.skip(f"no usable SLURM cluster: {reason}{hint}")
+    """No usable SLURM cluster: a failure under CI (`make test` as root starts it first), a skip on
+    a developer box, where SLURM is optional."""
+    unavailable("SLURM cluster", reason, " (start it with: sudo slurm/local-cluster.sh up)")
 
 
 # Under pytest-xdist (`make test` runs two workers) a group of tests runs whole on one worker, in
