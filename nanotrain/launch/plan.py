@@ -56,7 +56,6 @@ MAX_PLAN_GPUS = 262144  # the largest count "what would help" searches
 # Matmuls of few rows reach less of the peak: efficiency x rows / (rows + this), rows = tokens of
 # one micro-batch on one rank (micro_batch_size x sequence_length / cp).
 SMALL_MATMUL_TOKENS = 256
-RECOMPUTE = ("none", "selective", "full")
 SHOWN = 5
 
 
@@ -126,14 +125,12 @@ def step_time(config: Config, memory, hw: Hardware) -> tuple[float, float, dict]
     m, p, t = config.model, config.parallelism, config.training
     n = p.world_size
     seq, b, acc = t.sequence_length, t.micro_batch_size, t.batch_accumulation_per_replica
-    tokens = seq * b * acc * p.dp
+    tokens = seq * global_batch(config)
     model_flops = llama_arch.training_flops_per_token(m, seq) * tokens
-    attention_forward = llama_arch.attention_flops_per_token(m, seq) / 3
-    extra = {"none": 0.0, "selective": attention_forward,
-             "full": 2 * m.num_layers * llama_arch.layer_matmul_parameters(m) + attention_forward}[t.recompute]
+    hardware_flops = llama_arch.hardware_flops_per_token(m, seq, t.recompute) * tokens  # with recompute
     local = b * (seq // p.cp)  # tokens of one micro-batch on one rank: the matmuls' rows
     efficiency = hw.efficiency * local / (local + SMALL_MATMUL_TOKENS)
-    compute = (model_flops + extra * tokens) / (n * hw.peak_tflops * 1e12 * efficiency)
+    compute = hardware_flops / (n * hw.peak_tflops * 1e12 * efficiency)
     parts = {"compute": compute, "bubble": compute * (p.pp - 1) / (p.pp_virtual_stages * acc)}
     layers = -(-m.num_layers // p.pp)
     activation = local * m.hidden_size * 2  # bf16, one micro-batch on one rank
@@ -195,7 +192,7 @@ def candidates(config: Config, gpus: int, hw: Hardware):
             acc = batch // (dp * mbs)
             for engine, v in _engines(config, pp, acc):
                 for mode in ("ALL_REDUCE", "REDUCE_SCATTER") if tp > 1 else (config.parallelism.tp_mode,):
-                    for recompute in RECOMPUTE:
+                    for recompute in llama_arch.RECOMPUTE_MODES:
                         for zero in (0, 1):
                             yield _layout(config, tp, cp, pp, dp, engine, v, mode, mbs, acc, recompute, zero)
 
@@ -268,7 +265,7 @@ def make_plan(config: Config, gpus: int, gpu_memory_gb: float, hw: Hardware, sho
             rejected = rejected or problem
             continue
         seen[key] = mem
-        tokens = t.sequence_length * t.micro_batch_size * t.batch_accumulation_per_replica * cand.parallelism.dp
+        tokens = t.sequence_length * global_batch(cand)
         proposals.append(Proposal(cand, mem, seconds, tokens / seconds,
                                   flops / (seconds * gpus * hw.peak_tflops * 1e12), parts))
         if len(proposals) == shown:
@@ -349,8 +346,6 @@ def explain_none(plan: Plan, config: Config) -> str:
                 "GPUs with more memory (--gpu-memory-gb), a shorter training.sequence_length or a smaller model")
     if plan.rejected is not None:
         return f"no layout of {plan.gpus} GPUs passes validation; the first refusal: {plan.rejected}"
-    t = config.training
-    batch = t.micro_batch_size * t.batch_accumulation_per_replica * config.parallelism.dp
-    return (f"no layout of {plan.gpus} GPUs keeps the global batch of {batch} samples (dp must divide it, "
-            "tp*cp*pp the rest): change --gpus or the batch (training.micro_batch_size, "
+    return (f"no layout of {plan.gpus} GPUs keeps the global batch of {global_batch(config)} samples "
+            "(dp must divide it, tp*cp*pp the rest): change --gpus or the batch (training.micro_batch_size, "
             "batch_accumulation_per_replica, parallelism.dp)")
