@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # a dev dependency: the reference implementation
 
 from nanotrain.config import ModelArgs
 
@@ -28,7 +29,6 @@ from helpers.dist import run_distributed
 from helpers.hf_ranks import GQA, LAYOUT8, LAYOUTS4, MHA, batch, first_step_losses
 from helpers.runs import ROOT, TINY, cli
 
-transformers = pytest.importorskip("transformers")
 
 def hf_config(model: dict):
     keys = dict(model)

@@ -19,6 +19,8 @@ from nanotrain.launch import cli
 from nanotrain.launch.cli import main
 from nanotrain.launch.rundir import write_launch_record
 
+from helpers.platform import unavailable
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
 SUBMIT = [sys.executable, str(ROOT / "submit.py")]
@@ -76,7 +78,7 @@ def read_only_dir(tmp_path):
     target = tmp_path / "ro"
     target.mkdir()
     if shutil.which("unshare") is None or os.geteuid() != 0:
-        pytest.skip("needs root and unshare for a private read-only mount")
+        unavailable("private read-only mount", "needs root and unshare")
 
     def run(argv: list[str]) -> subprocess.CompletedProcess:
         script = f"mount -t tmpfs -o ro none {target} && exec \"$@\""
@@ -84,7 +86,7 @@ def read_only_dir(tmp_path):
                               capture_output=True, text=True, timeout=60)
     probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=30)
     if probe.returncode != 0:
-        pytest.skip("unshare -m is not permitted here")
+        unavailable("private read-only mount", "unshare -m is not permitted here")
     return target, run
 
 

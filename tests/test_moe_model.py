@@ -22,7 +22,7 @@ ARGS = ModelArgs(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers
 
 def _mixtral(args: ModelArgs, ours: LlamaModel):
     """A tiny random MixtralForCausalLM loaded with our model's weights (mapped here)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a dev dependency, imported when used (seconds: not at collection)
     kv = args.num_key_value_heads
     hf_config = transformers.MixtralConfig(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=llama_arch.expert_ffn(args),
