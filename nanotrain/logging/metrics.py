@@ -24,7 +24,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, TextIO
+from typing import Any, Callable, Optional, TextIO
 
 from nanotrain.config import config_to_dict
 from nanotrain.config.files import atomic_write_json
@@ -36,7 +36,7 @@ TB_DIR = "tb"
 CONFIG_TEXT_TAG = "config"
 SCALAR_TAGS = ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec",
                "perf/tflops_per_gpu", "perf/mfu", "perf/hfu", "mem/peak_gb")
-# Scalars the trainer measures across ranks and hands to `log(extra=...)` (stragglers.py).
+# Scalars measured across ranks on log steps (`step_time_ratio`, stragglers.py).
 CROSS_RANK_TAGS = ("perf/step_time_max_over_median",)
 GIB = 2 ** 30
 
@@ -86,8 +86,12 @@ class MetricsLogger:
                  tokens_per_step: int, flops_per_token: float, device=None, *, world_size: int = 1,
                  log_interval: int = 1, tensorboard: bool = True, device_name: Optional[str] = None,
                  start_step: int = 0, progress_bar: Optional[bool] = None,
-                 stream: Optional[TextIO] = None, hardware_flops_per_token: Optional[float] = None):
+                 stream: Optional[TextIO] = None, hardware_flops_per_token: Optional[float] = None,
+                 step_time_ratio: Optional[Callable[[float], float]] = None):
         self.run_dir = Path(run_dir)
+        # Every rank's mean step time of the interval -> max / median over ranks, a collective
+        # that every rank joins on log steps (stragglers.py); None in one process.
+        self.step_time_ratio = step_time_ratio
         self.enabled = enabled
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
@@ -134,12 +138,19 @@ class MetricsLogger:
             extra: Optional[dict] = None) -> Optional[dict]:
         """Call after every optimizer step (1-based `step`), on every rank. On log steps of the
         logging rank writes everything and returns the metrics; otherwise returns None. `loss`
-        and `grad_norm` may be 0-dim tensors; they are only read on log steps."""
-        if not self.enabled or self._closed:
+        and `grad_norm` may be 0-dim tensors; they are only read on log steps. Every rank keeps
+        its interval's step times: on log steps they all join ``step_time_ratio``."""
+        if self._closed:
             return None
         self._interval_steps += 1
         self._interval_time += float(step_time_s)
         if not self.should_log(step):
+            return None
+        if self.step_time_ratio is not None:
+            ratio = self.step_time_ratio(self._interval_time / self._interval_steps)
+            extra = {**(extra or {}), "perf/step_time_max_over_median": ratio}
+        if not self.enabled:
+            self._interval_steps, self._interval_time = 0, 0.0
             return None
         metrics = {**self._compute(step, loss, lr, grad_norm), **(extra or {})}
         self._interval_steps, self._interval_time = 0, 0.0
@@ -270,10 +281,16 @@ def metrics_logger_for(config, run_dir, parallel_context=None, *, device=None,
     `parallel_context=None` means a single process (always the logging rank)."""
     t, p = config.training, config.parallelism
     enabled = True if parallel_context is None else is_logging_rank(parallel_context)
+    ratio = None
+    if parallel_context is not None:
+        from nanotrain.logging.stragglers import step_time_max_over_median  # torch: not for the CLI's imports
+
+        def ratio(mean_step_s: float) -> float:
+            return step_time_max_over_median(mean_step_s, device)
     return MetricsLogger(
         run_dir, config_to_dict(config), enabled, total_steps=t.train_steps,
         tokens_per_step=p.batch_replicas * t.micro_batch_size * t.batch_accumulation_per_replica * t.sequence_length,
         flops_per_token=training_flops_per_token(config.model, t.sequence_length), device=device,
         hardware_flops_per_token=hardware_flops_per_token(config.model, t.sequence_length, t.recompute),
         world_size=p.world_size, log_interval=config.logging.log_interval,
-        tensorboard=config.logging.tensorboard, start_step=start_step)
+        tensorboard=config.logging.tensorboard, start_step=start_step, step_time_ratio=ratio)

@@ -34,7 +34,6 @@ from nanotrain.checkpoint.hf_import import load_hf_weights
 from nanotrain.config import Config
 from nanotrain.data import BatchPrefetcher, build_samplers
 from nanotrain.logging import metrics_logger_for
-from nanotrain.logging.stragglers import step_time_max_over_median
 from nanotrain.models.moe import step_scalars
 from nanotrain.optim import build_lr_scheduler, build_optimizer
 from nanotrain.parallel.context import ParallelContext
@@ -85,6 +84,9 @@ class DistributedTrainer:
         self.batches = BatchPrefetcher(self.sampler, self.pc.data_rank, self.device) if self.sampler else None
         self.val_batches = BatchPrefetcher(val_sampler, self.pc.data_rank, self.device) if val_sampler else None
         self.step, self.consumed_samples = 0, 0
+        # Samples one step consumes: every data replica (dp x ep) reads its micro-batches.
+        self.global_batch = config.parallelism.batch_replicas * t.micro_batch_size * t.batch_accumulation_per_replica
+        self._source_epochs = None  # data epochs per source at the last step (log_data)
         self.saved_step: int | None = None  # the step whose state is on disk, verified
         self.pending_save = None  # an async save being written (checkpoints.async_save), not committed
         self.stop_code = 0  # the stop request all ranks agreed on (launch.preemption codes)
@@ -109,7 +111,6 @@ class DistributedTrainer:
                                           start_step=self.step)
         self.votes = StopVote(stop_code, self.device)
         self.profiler = StepProfiler.from_config(t.profile, self.run_dir, self.pc.world_rank)  # None: off
-        self._interval_time, self._interval_steps = 0.0, 0  # this rank's, for the straggler ratio
 
     def train(self) -> str:
         """Run to `training.train_steps` ("completed"), or until the ranks agree to stop
@@ -123,7 +124,6 @@ class DistributedTrainer:
     def _loop(self) -> str:
         t = self.config.training
         m = t.batch_accumulation_per_replica
-        global_batch = self.config.parallelism.batch_replicas * t.micro_batch_size * m
         start = time.perf_counter()
         while self.step < t.train_steps:
             # Middle pipeline stages read no data: m placeholders.
@@ -135,10 +135,10 @@ class DistributedTrainer:
                                self.config.optimizer.clip_grad, engine=self.engine, message=self.message)
             self.step += 1
             PROGRESS.advance(self.step)
-            self.consumed_samples += global_batch
+            self.consumed_samples += self.global_batch
             if self.batches and self.step < t.train_steps:
                 self.batches.prefetch(self.consumed_samples)  # overlaps this step's GPU work
-            self.log_step(stats, time.perf_counter() - start, global_batch)
+            self.log_step(stats, time.perf_counter() - start)
             if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.train_steps):
                 self.evaluate()
             if self.profiler is not None:
@@ -168,38 +168,36 @@ class DistributedTrainer:
         self.save()  # the final state (a no-op when the interval just wrote it)
         return "completed"
 
-    def log_step(self, stats, step_s: float, global_batch: int) -> None:
+    def log_step(self, stats, step_s: float) -> None:
         """The step's metrics. ``step_s``: host time of the step (data included, saves not); the
         stop vote keeps the host within a step of the GPU, so over a logging interval it is the
         device's time. On logging steps (the same on every rank) all ranks join one tiny gather
-        for the straggler ratio and, with MoE, every pp rank one for the routing statistics."""
+        for the straggler ratio (in the logger) and, with MoE, every pp rank one for the routing
+        statistics."""
         PROGRESS.mark("metrics")
-        self._interval_time, self._interval_steps = self._interval_time + step_s, self._interval_steps + 1
-        extra = None
+        self.metrics.log(self.step, stats.loss_tensor, stats.lr, stats.grad_norm_tensor, step_s)
         logs = self.metrics.should_log(self.step)
-        if logs:
-            ratio = step_time_max_over_median(self._interval_time / self._interval_steps, self.device)
-            extra = {"perf/step_time_max_over_median": ratio}
-            self._interval_time, self._interval_steps = 0.0, 0
-        self.metrics.log(self.step, stats.loss_tensor, stats.lr, stats.grad_norm_tensor, step_s, extra=extra)
         moe = self.config.model.moe
         if moe is not None and logs:
             self.metrics.log_scalars(self.step, step_scalars(self.model.moe_state, self.pc.pp_pg,
                                                              capacity=moe.capacity_factor is not None))
-        self.log_data(global_batch)
+        self.log_data(logs)
 
-    def log_data(self, global_batch: int) -> None:
-        """`data/tokens/<source>` and `data/epoch/<source>` on log steps, and one line when a
-        source starts a new epoch (a new shuffle of its windows), from the logging rank."""
+    def log_data(self, logs: bool) -> None:
+        """`data/tokens/<source>` and `data/epoch/<source>` on log steps (``logs``), and one line
+        when a source starts a new epoch (a new shuffle of its windows), from the logging rank."""
         if not (self.metrics.enabled and self.sampler is not None):
             return
         now = self.sampler.source_epochs(self.consumed_samples)
-        before = self.sampler.source_epochs(self.consumed_samples - global_batch)
+        before = self._source_epochs  # the previous step's, or derived on the first step of this process
+        if before is None:
+            before = self.sampler.source_epochs(self.consumed_samples - self.global_batch)
+        self._source_epochs = now
         for part in self.sampler.parts:
             if int(now[part.name]) > int(before[part.name]):
                 print(f"data: source {part.name!r} read all its {part.num_windows} windows; epoch "
                       f"{int(now[part.name]) + 1} reads them in a new shuffled order", flush=True)
-        if self.metrics.should_log(self.step):
+        if logs:
             tokens = self.sampler.source_tokens(self.consumed_samples)
             scalars = {f"data/tokens/{name}": float(n) for name, n in tokens.items()}
             scalars.update({f"data/epoch/{name}": e for name, e in now.items()})
@@ -212,7 +210,7 @@ class DistributedTrainer:
         PROGRESS.mark("eval")
         started = time.perf_counter()
         loss = float(evaluate(self.model, self.val_batches, self.pc, t.eval_batches,
-                              self.config.parallelism.batch_replicas * t.micro_batch_size * m, m,
+                              self.global_batch, m,
                               engine=self.engine, message=self.message))
         took = time.perf_counter() - started
         self.metrics.log_scalars(self.step, {"val/loss": loss, "val/ppl": perplexity(loss)},
