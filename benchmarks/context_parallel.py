@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_common import max_over_ranks, saved_bytes  # noqa: E402
 from bench_launch import entry, run_workers, same_loss  # noqa: E402
 
 # Imported before any process group exists (the model pulls in torch._dynamo, whose import takes
@@ -43,30 +44,6 @@ from nanotrain.training.step import train_step  # noqa: E402
 MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=4096)
 SEQUENCES = 4  # per step, global: one process takes all, dp2 two each, cp2 all (halves of each)
-
-
-def saved_bytes(model, ids, targets) -> int:
-    """Bytes autograd saves in one forward (each storage once, parameters excluded).
-
-    ``pack`` returns a detached alias, never the tensor itself: a node that saves its own output
-    would otherwise hold it with its ``grad_fn``, a cycle through C++ that no collector frees, and
-    this forward (never run backward) would keep the model and its process groups alive until
-    interpreter shutdown."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen, total = set(), 0
-
-    def pack(t):
-        nonlocal total
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in seen:
-            seen.add(ptr)
-            total += t.untyped_storage().nbytes()
-        return t.detach()
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(ids, targets)
-    del loss
-    return total
 
 
 def run_layout(layout: str, seq: int, steps: int, warmup: int) -> dict:
@@ -94,14 +71,11 @@ def measure(pc, seq: int, steps: int, warmup: int) -> dict:
         dist.barrier()
         t0 = time.perf_counter()
         stats = train_step(model, micro, grad_sync, optimizer, scheduler, pc, optim_args.clip_grad)
-        elapsed = torch.tensor(time.perf_counter() - t0)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        elapsed = max_over_ranks(time.perf_counter() - t0)
         first_loss = stats.loss if first_loss is None else first_loss
         if step >= warmup:
-            times.append(float(elapsed))
-    peak = torch.tensor(float(activation))
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return {"tokens_per_s": SEQUENCES * seq / statistics.median(times), "activation_bytes": float(peak),
+            times.append(elapsed)
+    return {"tokens_per_s": SEQUENCES * seq / statistics.median(times), "activation_bytes": max_over_ranks(activation),
             "first_loss": first_loss}
 
 

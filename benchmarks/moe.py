@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_common import max_over_ranks, saved_bytes  # noqa: E402
 from bench_launch import entry, run_workers, same_loss  # noqa: E402
 
 from nanotrain.config import ModelArgs, MoEArgs, OptimizerArgs  # noqa: E402
@@ -65,27 +66,6 @@ class A2ATimer:
         dist.all_to_all_single = self._orig
 
 
-def saved_bytes(model, ids, targets) -> int:
-    """Bytes autograd saves in one forward (each storage once, parameters excluded); see
-    benchmarks/context_parallel.py for why ``pack`` returns a detached alias."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen, total = set(), 0
-
-    def pack(t):
-        nonlocal total
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in seen:
-            seen.add(ptr)
-            total += t.untyped_storage().nbytes()
-        return t.detach()
-
-    model.begin_step(1)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(ids, targets)
-    del loss
-    return total
-
-
 def measure(layout: str, seq: int, steps: int, warmup: int) -> dict:
     world = dist.get_world_size()
     pc = ParallelContext(expert_parallel_size=world if layout == "ep2" else 1,
@@ -94,12 +74,6 @@ def measure(layout: str, seq: int, steps: int, warmup: int) -> dict:
         return _measure(pc, seq, steps, warmup)
     finally:
         pc.destroy()
-
-
-def _max(value: float) -> float:
-    t = torch.tensor(float(value))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
 
 
 def _measure(pc, seq: int, steps: int, warmup: int) -> dict:
@@ -112,6 +86,7 @@ def _measure(pc, seq: int, steps: int, warmup: int) -> dict:
     tokens = torch.randint(0, MODEL["vocab_size"], (SEQUENCES, seq + 1), generator=torch.Generator().manual_seed(0))
     mine = tokens.chunk(pc.data_size)[pc.data_rank]
     micro = [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(SEQUENCES // 2)]  # 2 sequences per micro-batch
+    model.begin_step(1)  # the MoE auxiliary losses' share of one micro-batch
     activation = saved_bytes(model, *micro[0])
     times, shares, first_loss, imbalance = [], [], None, None
     for step in range(warmup + steps):
@@ -125,11 +100,12 @@ def _measure(pc, seq: int, steps: int, warmup: int) -> dict:
             first_loss = loss
             imbalance = step_scalars(model.moe_state)["moe/load_max_over_mean"]
         if step >= warmup:
-            times.append(_max(elapsed))
-            shares.append(_max(a2a.seconds / elapsed))
+            times.append(max_over_ranks(elapsed))
+            shares.append(max_over_ranks(a2a.seconds / elapsed))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"tokens_per_s": SEQUENCES * seq / statistics.median(times), "a2a_share": statistics.median(shares),
-            "imbalance": _max(imbalance), "param_bytes": _max(params), "activation_bytes": _max(activation),
+            "imbalance": max_over_ranks(imbalance), "param_bytes": max_over_ranks(params),
+            "activation_bytes": max_over_ranks(activation),
             "first_loss": first_loss}
 
 
