@@ -114,7 +114,6 @@ def main() -> int:
             results.append(result)
     summary = {"gpus": gpus, "device": torch.cuda.get_device_name(0) if gpus else "cpu", "torch": torch.__version__,
                "runs": results}
-    (opts.out / "gpu_trainer.json").write_text(json.dumps(summary, indent=1) + "\n")
     for r in results:  # peak: torch.cuda.max_memory_allocated of the rank (peak RSS on CPU)
         if r.get("peak_mem_gb"):
             r["estimate_over_peak"] = round(r["dry_run_estimate_gb"] / r["peak_mem_gb"], 3)

@@ -39,9 +39,9 @@ from bench_launch import entry, run_workers  # noqa: E402
 from nanotrain.config import load_config  # noqa: E402
 from nanotrain.launch.memory_estimate import GB, estimate_memory  # noqa: E402
 from nanotrain.optim import build_lr_scheduler, build_optimizer  # noqa: E402
-from nanotrain.parallel.context import ParallelContext, destroy_process_groups  # noqa: E402
-from nanotrain.parallel.data_parallel import BucketedGradSync  # noqa: E402
-from nanotrain.training.builder import build_engine, build_model  # noqa: E402
+from nanotrain.parallel.context import destroy_process_groups  # noqa: E402
+from nanotrain.parallel.data_parallel import build_grad_sync  # noqa: E402
+from nanotrain.training.builder import build_engine, build_model, build_parallel_context  # noqa: E402
 from nanotrain.training.step import train_step  # noqa: E402
 
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
@@ -132,11 +132,17 @@ def state_bytes(model, optimizer) -> tuple[int, int, int]:
     return unique(params), unique(p.grad for p in params if p.grad is not None), unique(states)
 
 
+def micro_batches(config) -> list[tuple]:
+    """One step's (ids, targets) micro-batches of the config's shape, the same in every run."""
+    t = config.training
+    shape = (t.micro_batch_size * t.batch_accumulation_per_replica, t.sequence_length + 1)
+    tokens = torch.randint(0, config.model.vocab_size, shape, generator=torch.Generator().manual_seed(0))
+    return [(mb[:, :-1], mb[:, 1:]) for mb in tokens.split(t.micro_batch_size)]
+
+
 def measure(config, steps: int) -> dict:
     """One rank's numbers for one config: peak saved bytes of a step, state bytes, step time."""
-    p = config.parallelism
-    pc = ParallelContext(tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp, data_parallel_size=p.dp,
-                         context_parallel_size=p.cp)
+    pc = build_parallel_context(config)
     try:
         return _measure(config, pc, steps)  # its model, optimizer and sync are freed on return
     finally:
@@ -147,13 +153,10 @@ def _measure(config, pc, steps: int) -> dict:
     t = config.training
     model = build_model(config, pc)
     engine = build_engine(config, pc)
-    grad_sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg)
+    grad_sync = build_grad_sync(list(model.parameters()), pc)
     optimizer = build_optimizer(model.named_parameters(), config.optimizer, pc.dp_cp_pg)
     scheduler = build_lr_scheduler(optimizer, config.optimizer, steps + 2)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, config.model.vocab_size, (t.micro_batch_size * t.batch_accumulation_per_replica,
-                                                        t.sequence_length + 1), generator=gen)
-    micro = [(mb[:, :-1], mb[:, 1:]) for mb in tokens.split(t.micro_batch_size)]
+    micro = micro_batches(config)
 
     def step():
         return train_step(model, micro, grad_sync, optimizer, scheduler, pc, config.optimizer.clip_grad,
@@ -202,13 +205,9 @@ def time_modes(extra: list[str], steps: int) -> dict:
     runs = {}
     for mode in MODES:
         config = config_for("1 proc", mode, extra)
-        t = config.training
         model = build_model(config, None)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, config.model.vocab_size, (t.micro_batch_size * t.batch_accumulation_per_replica,
-                                                            t.sequence_length + 1), generator=gen)
-        micro = [(mb[:, :-1], mb[:, 1:]) for mb in tokens.split(t.micro_batch_size)]
+        micro = micro_batches(config)
 
         def step(model=model, optimizer=optimizer, micro=micro):
             for ids, targets in micro:

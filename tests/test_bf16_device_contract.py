@@ -48,16 +48,14 @@ VARIANTS = (("float32", True), ("bfloat16", True), ("bfloat16", False))  # (dtyp
 def _train(layout: str, tmp: str) -> dict:
     """One rank: the contract installed, then the real trainer for every variant of the layout."""
     from nanotrain.config import load_config
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.training.builder import build_parallel_context
     from nanotrain.training.trainer import DistributedTrainer
 
     base = [f"logging.dir={tmp}", f"training.train_steps={STEPS}", "logging.log_interval=1",
             "checkpoints.interval=0", "checkpoints.resume=false", "logging.tensorboard=false",
             f"data.source={ROOT}/nanotrain/**/*.py", "training.sequence_length=32", *LAYOUTS[layout]]
     config = load_config(ROOT / "configs" / "tiny_cpu.yaml", base)
-    p = config.parallelism
-    pc = ParallelContext(tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp, data_parallel_size=p.dp,
-                         context_parallel_size=p.cp, timeout_s=60)
+    pc = build_parallel_context(config, timeout_s=60)
     contract = install(pc.device)
     out = {"losses": {}, "wire": {}}
     for dtype, async_tp in VARIANTS:

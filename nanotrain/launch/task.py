@@ -72,8 +72,8 @@ def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> d
     # references to an existing default group that are only dropped at interpreter exit.
     from nanotrain.launch.hang import EXIT_HUNG, HangWatchdog, is_comm_failure, is_timeout
     from nanotrain.launch.smoke import smoke_step
-    from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.progress import PROGRESS
+    from nanotrain.training.builder import build_parallel_context
     from nanotrain.training.stop_vote import TrainingDiverged
     from nanotrain.training.trainer import DistributedTrainer
 
@@ -81,10 +81,7 @@ def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> d
     # (TORCH_FR_BUFFER_SIZE is the name since torch 2.7; TORCH_NCCL_TRACE_BUFFER_SIZE before.)
     if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
-    p = config.parallelism
-    pc = ParallelContext(tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp,
-                         data_parallel_size=p.dp, context_parallel_size=p.cp,
-                         expert_parallel_size=p.ep, timeout_s=config.training.collective_timeout_s)
+    pc = build_parallel_context(config)
     claim, finished = None, False
     watchdog = HangWatchdog(run_dir, env.rank, env.world_size, config.training.collective_timeout_s,
                             on_hang=lambda: _after_hang(config, env, run_dir)).start()

@@ -1,10 +1,11 @@
-"""Config -> this rank's part of the model and its pipeline engine.
+"""Config -> this rank's process groups, its part of the model and its pipeline engine.
 
+    pc = build_parallel_context(config)                  # the five axes' groups of this rank
     model = build_model(config, pc, device=pc.device)   # its pp stage(s) and tp shards
     engine = build_engine(config, pc)                    # None when pp = 1
 
-The only place where the config meets the model's and the engine's constructors, so the trainer,
-the checkpoint tools and the tests build exactly the same thing.
+The only place where the config meets the ParallelContext's, the model's and the engine's
+constructors, so the task, the benchmarks and the tests build exactly the same thing.
 """
 from __future__ import annotations
 
@@ -12,7 +13,17 @@ from typing import Optional
 
 from nanotrain.models import llama_arch
 from nanotrain.models.llama import LlamaModel
+from nanotrain.parallel.context import ParallelContext
 from nanotrain.parallel.pipeline_parallel import PipelineEngine
+
+
+def build_parallel_context(config, timeout_s: Optional[float] = None) -> ParallelContext:
+    """This process's ``ParallelContext`` for ``config.parallelism`` (dp, tp, pp, cp, ep); its
+    groups time out after ``training.collective_timeout_s`` unless ``timeout_s`` says otherwise."""
+    p = config.parallelism
+    return ParallelContext(tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp, data_parallel_size=p.dp,
+                           context_parallel_size=p.cp, expert_parallel_size=p.ep,
+                           timeout_s=config.training.collective_timeout_s if timeout_s is None else timeout_s)
 
 
 def build_model(config, pc, device=None) -> LlamaModel:

@@ -9,9 +9,8 @@ from nanotrain.checkpoint import save_checkpoint
 from nanotrain.checkpoint.hf_import import load_hf_weights
 from nanotrain.config import Config, ModelArgs, OptimizerArgs, ParallelismArgs
 from nanotrain.optim import build_lr_scheduler, build_optimizer
-from nanotrain.parallel.context import ParallelContext
-from nanotrain.parallel.data_parallel import BucketedGradSync
-from nanotrain.training.builder import build_engine, build_model
+from nanotrain.parallel.data_parallel import build_grad_sync
+from nanotrain.training.builder import build_engine, build_model, build_parallel_context
 from nanotrain.training.step import train_step
 
 # GQA + untied: the shape of configs/tiny_cpu.yaml, with a rope_theta and eps that are not the
@@ -43,13 +42,11 @@ def first_step_losses(hf_dirs: dict, layouts: list[dict], train_dir: str | None)
             training = train_dir is not None and name == "gqa"
             config.optimizer = OptimizerArgs(lr=1e-2 if training else 0.0, min_lr=0.0, weight_decay=0.0,
                                              zero_stage=1 if training else 0)
-            par = config.parallelism
-            pc = ParallelContext(tensor_parallel_size=par.tp, pipeline_parallel_size=par.pp,
-                                 data_parallel_size=par.dp, context_parallel_size=par.cp)
+            pc = build_parallel_context(config)
             m = build_model(config, pc)
             load_hf_weights(hf_dirs[name], m, config.model)
             engine = build_engine(config, pc)
-            sync = BucketedGradSync(list(m.parameters()), pc.dp_cp_pg)
+            sync = build_grad_sync(list(m.parameters()), pc)
             opt = build_optimizer(m.named_parameters(), config.optimizer, pc.dp_cp_pg)
             sched = build_lr_scheduler(opt, config.optimizer, 10)
             ids = batch()
