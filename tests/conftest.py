@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.platform import unavailable
+from helpers.needs import unavailable
 from helpers.runs import SharedRuns
 
 

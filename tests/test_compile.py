@@ -14,7 +14,7 @@ from nanotrain.models.compile_check import compile_backend_problem
 from nanotrain.models.llama import LlamaModel
 from nanotrain.models.recompute import compile_layers_
 
-from helpers.platform import unavailable
+from helpers.needs import unavailable
 from helpers.runs import TINY, cli
 
 ARGS = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_attention_heads=4,

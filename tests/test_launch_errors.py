@@ -19,7 +19,7 @@ from nanotrain.launch import cli
 from nanotrain.launch.cli import main
 from nanotrain.launch.rundir import write_launch_record
 
-from helpers.platform import unavailable
+from helpers.needs import unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
