@@ -17,8 +17,8 @@ import pytest
 from nanotrain.checkpoint import read_latest
 from nanotrain.checkpoint.format import update_latest, verify_checkpoint
 
-from helpers.processes import rank_pid, step_of
-from helpers.runs import SETTINGS, TINY, cli, final_weights, tb_losses
+from helpers.processes import signal_rank, step_of
+from helpers.runs import SETTINGS, TINY, cli, final_weights, set_args, tb_losses
 from helpers.slurm import wait_until
 
 HOOKS = Path(__file__).resolve().parent / "hooks"
@@ -26,7 +26,7 @@ ASYNC = ["checkpoints.async_save=true", "checkpoints.interval=5", "checkpoints.k
 
 
 def sets(items: list[str]) -> list[str]:
-    return [arg for item in items for arg in ("--set", item)]
+    return set_args(items)
 
 
 def hooked(**variables: str) -> dict:
@@ -74,7 +74,7 @@ def test_kill_9_during_background_write_keeps_previous_checkpoint(tmp_path):
         wait_until(lambda: step_of(run_dir) >= 12 or proc.poll() is not None, 300, "step 12")
         assert proc.poll() is None
         assert read_latest(run_dir / "checkpoints") == "step_000005"
-        os.kill(rank_pid(run_dir, 2), signal.SIGKILL)
+        signal_rank(run_dir, 2, signal.SIGKILL)
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

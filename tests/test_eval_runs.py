@@ -14,7 +14,7 @@ import subprocess
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers.runs import ROOT, STEPS, TINY, cli, overrides, tb_losses
+from helpers.runs import ROOT, STEPS, TINY, cli, overrides, set_args, tb_losses
 
 EVAL_INTERVAL = 5
 WEIGHTS = {"web": 0.6, "code": 0.3, "books": 0.1}
@@ -27,7 +27,7 @@ def scalars(run_dir, tag) -> list[tuple[int, float]]:
 
 
 def run(logs, name, topology, extra) -> tuple:
-    args = overrides(logs, name, topology) + [a for item in extra for a in ("--set", item)]
+    args = overrides(logs, name, topology) + set_args(extra)
     proc = subprocess.run(cli(str(TINY), "--local", *args), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return logs / name, proc.stdout

@@ -3,7 +3,6 @@ last complete checkpoint intact (locally and on real SLURM), and a cancelled SLU
 with `submit.py --resume` from its latest complete checkpoint."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -15,8 +14,8 @@ import pytest
 from nanotrain.launch.ownership import LIVE_JOB_STATES
 from nanotrain.launch.ownership import job_state as job_state_in_queue
 
-from helpers.processes import assert_latest_intact, rank_pid, step_of
-from helpers.runs import TINY, cli, tb_losses
+from helpers.processes import assert_latest_intact, rank_pid, signal_rank, step_of
+from helpers.runs import TINY, cli, set_args, tb_losses
 from helpers.slurm import submitted_job_id, wait_for_job, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def common(tmp_path: Path, name: str, steps: int) -> list[str]:
     items = [f"logging.dir={tmp_path}", f"logging.run_name={name}", f"training.train_steps={steps}",
              "logging.log_interval=1", "checkpoints.interval=5"]
-    return [arg for item in items for arg in ("--set", item)]
+    return set_args(items)
 
 
 @pytest.mark.timeout(400)
@@ -35,10 +34,7 @@ def test_sigkill_of_one_local_rank_ends_the_job(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until(lambda: step_of(run_dir) >= 7 or proc.poll() is not None, 300, "step 7")
-        pid = rank_pid(run_dir, 3)
-        assert pid is not None, "rank 3 not found"
-        os.kill(pid, signal.SIGKILL)
-        killed_at = time.monotonic()
+        _, killed_at = signal_rank(run_dir, 3, signal.SIGKILL)
         out, _ = proc.communicate(timeout=60)
         assert time.monotonic() - killed_at < 60
     finally:
@@ -62,10 +58,7 @@ def slurm_submit(tmp_path: Path, name: str, steps: int) -> tuple[str, Path]:
 def test_sigkill_on_slurm_ends_the_job(slurm_cluster, tmp_path):
     job_id, run_dir = slurm_submit(tmp_path, "slurm-killed", 400)
     wait_until(lambda: step_of(run_dir) >= 7, 300, "step 7", job_id)
-    pid = rank_pid(run_dir, 5)  # a task on the second node
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
-    killed_at = time.monotonic()
+    _, killed_at = signal_rank(run_dir, 5, signal.SIGKILL)  # a task on the second node
     state = wait_for_job(job_id, timeout=120)
     assert time.monotonic() - killed_at < 60 and state == "FAILED", state
     assert assert_latest_intact(run_dir) >= 5

@@ -17,8 +17,8 @@ import pytest
 from nanotrain.launch.hang import EXIT_HUNG, is_comm_failure, is_timeout
 from nanotrain.launch.hang_status import culprit
 
-from helpers.processes import assert_latest_intact, rank_pid, step_of
-from helpers.runs import TINY, cli, warm_data_cache
+from helpers.processes import assert_latest_intact, rank_pid, signal_rank, step_of
+from helpers.runs import TINY, cli, set_args, warm_data_cache
 from helpers.slurm import wait_until
 
 HOOKS = Path(__file__).resolve().parent / "hooks"
@@ -29,7 +29,7 @@ def overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
     items = [f"logging.dir={tmp_path}", f"logging.run_name={name}", "training.train_steps=400",
              "logging.log_interval=1", "checkpoints.interval=5", f"training.collective_timeout_s={TIMEOUT_S}",
              *extra]
-    return [arg for item in items for arg in ("--set", item)]
+    return set_args(items)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +58,7 @@ def test_sigstop_of_one_of_8_local_ranks(logs):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until(lambda: step_of(run_dir) >= 7 or proc.poll() is not None, 300, "step 7")
-        pid = rank_pid(run_dir, 3)
-        assert pid is not None, "rank 3 not found"
-        os.kill(pid, signal.SIGSTOP)
-        stopped_at = time.monotonic()
+        _, stopped_at = signal_rank(run_dir, 3, signal.SIGSTOP)
         out, _ = proc.communicate(timeout=TIMEOUT_S + 60)
         took = time.monotonic() - stopped_at
         print(f"SIGSTOP -> job exit: {took:.1f} s (collective_timeout_s {TIMEOUT_S})")

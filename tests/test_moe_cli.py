@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers.runs import TINY, cli, tb_losses
+from helpers.runs import TINY, cli, set_args, tb_losses
 
 STEPS = 10
 BASE = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "model.num_attention_heads=4",
@@ -27,7 +27,7 @@ LAYOUTS = {
 
 
 def _sets(items):
-    return [arg for item in items for arg in ("--set", item)]
+    return set_args(items)
 
 
 def _train(logs, name: str, layout: str):

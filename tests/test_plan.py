@@ -19,6 +19,8 @@ from nanotrain.launch import plan as planner
 from nanotrain.launch.cli import main
 from nanotrain.launch.memory_estimate import estimate_memory
 
+from helpers.runs import set_args
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "3d_16gpu.yaml"
 LLAMA_8B = ["model.hidden_size=4096", "model.num_layers=32", "model.num_attention_heads=32",
@@ -33,7 +35,7 @@ def run_cli(argv, capsys):
 
 
 def _sets(extra):
-    return [a for s in extra for a in ("--set", s)]
+    return set_args(extra)
 
 
 def _proposals(out: str, config=CONFIG) -> list[tuple[str, list[str]]]:

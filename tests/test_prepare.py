@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers.runs import set_args
 from helpers.slurm import submitted_job_id, wait_for_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ def submit(*args, timeout=300) -> subprocess.CompletedProcess:
 
 def sets(tmp_path: Path, source: Path, *extra: str) -> list[str]:
     items = [f"logging.dir={tmp_path / 'logs'}", f"data.source={source}", *extra]
-    return [a for item in items for a in ("--set", item)]
+    return set_args(items)
 
 
 def caches(tmp_path: Path) -> list[Path]:

@@ -10,14 +10,14 @@ import subprocess
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers.runs import TINY, cli
+from helpers.runs import TINY, cli, set_args
 
 LAYOUT = ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=1", "training.train_steps=6",
           "logging.log_interval=2", "checkpoints.interval=0"]
 
 
 def sets(items):
-    return [arg for item in items for arg in ("--set", item)]
+    return set_args(items)
 
 
 @pytest.mark.timeout(300)

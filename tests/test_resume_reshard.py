@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from helpers.runs import STEPS, cli, tb_losses
+from helpers.runs import STEPS, cli, set_args, tb_losses
 
 # Every layout keeps the global batch: dp * batch_accumulation_per_replica * micro_batch = 16.
 RESUME_AT = {
@@ -30,7 +30,7 @@ def test_resume_at_other_topologies(tmp_path, shared_runs):
     for name, layout in RESUME_AT.items():
         run_dir = tmp_path / name
         subprocess.run(["cp", "-r", str(saved), str(run_dir)], check=True)
-        args = [arg for item in layout for arg in ("--set", item)]
+        args = set_args(layout)
         resumed = subprocess.run(cli("--resume", str(run_dir), "--local", *args), capture_output=True,
                                  text=True, timeout=400)
         assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]

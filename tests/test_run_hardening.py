@@ -18,6 +18,7 @@ import yaml
 from nanotrain.checkpoint import read_latest
 
 from helpers.processes import rank_pid, step_of
+from helpers.runs import set_args
 from helpers.slurm import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +28,7 @@ TWO = ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=1", "logging.log_
 
 
 def sets(*items: str) -> list[str]:
-    return [arg for item in items for arg in ("--set", item)]
+    return set_args(items)
 
 
 def submit(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -15,6 +15,7 @@ import pytest
 from nanotrain.launch import ownership, preemption
 
 from helpers.processes import assert_latest_intact, rank_pid, step_of
+from helpers.runs import set_args
 from helpers.slurm import restart_count, submitted_job_id, wait_for_job, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ def test_scancel_saves_and_ends_cancelled_without_requeue(slurm_cluster, tmp_pat
     items = ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=1", "slurm.tasks_per_node=1",
              f"logging.dir={tmp_path}", "logging.run_name=c", "training.train_steps=100000",
              "logging.log_interval=1", "checkpoints.interval=0", "slurm.max_requeues=3"]
-    proc = submit(str(TINY), *[a for item in items for a in ("--set", item)])
+    proc = submit(str(TINY), *set_args(items))
     assert proc.returncode == 0, proc.stderr
     job_id, run_dir = submitted_job_id(proc.stdout), tmp_path / "c"
     wait_until(lambda: step_of(run_dir) >= 3, 300, "step 3", job_id)

@@ -4,7 +4,6 @@ collective_timeout_s + 60 s, one of them requeues it, the next incarnation resum
 complete checkpoint and completes; `--status` counts the requeue and names the culprit."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.processes import rank_pid, step_of
-from helpers.runs import TINY, cli, tb_losses, warm_data_cache
+from helpers.processes import rank_pid, signal_rank, step_of
+from helpers.runs import TINY, cli, set_args, tb_losses, warm_data_cache
 from helpers.slurm import job_state, restart_count, start_now_if_requeued, submitted_job_id, wait_for_job, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,17 +29,14 @@ def test_sigstop_on_slurm_requeues_and_completes(slurm_cluster, tmp_path):
              "logging.log_interval=1", "checkpoints.interval=5", f"training.collective_timeout_s={TIMEOUT_S}",
              "slurm.max_requeues=2"]
     proc = subprocess.run([sys.executable, str(ROOT / "submit.py"), str(TINY),
-                           *[a for item in items for a in ("--set", item)]],
+                           *set_args(items)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     job_id, run_dir = submitted_job_id(proc.stdout), tmp_path / "slurm-hang"
     submitted = time.monotonic()
     wait_until(lambda: step_of(run_dir) >= 7, 300, "step 7", job_id)
     print(f"submit -> step 7: {time.monotonic() - submitted:.1f} s")
-    pid = rank_pid(run_dir, 5)  # a task on the second node
-    assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
-    stopped_at = time.monotonic()
+    pid, stopped_at = signal_rank(run_dir, 5, signal.SIGSTOP)  # a task on the second node
     wait_until(lambda: restart_count(job_id) >= 1, TIMEOUT_S + 60, "the requeue after the hang", job_id)
     print(f"SIGSTOP -> requeued: {time.monotonic() - stopped_at:.1f} s")
     wait_until(lambda: rank_pid(run_dir, 5) != pid, 60, "the stopped task to go", job_id)

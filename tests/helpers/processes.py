@@ -3,6 +3,8 @@ of one of its ranks (local or a SLURM task), and its latest checkpoint, checked 
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 from nanotrain.checkpoint import read_latest
@@ -35,6 +37,15 @@ def rank_pid(run_dir: Path, rank: int) -> int | None:
         if local or slurm:
             return int(entry.name)
     return None
+
+
+def signal_rank(run_dir: Path, rank: int, sig: int) -> tuple[int, float]:
+    """Send ``sig`` to ``rank`` of the run in ``run_dir`` (local rank or SLURM task), which must
+    exist; returns (its pid, the monotonic time the signal went)."""
+    pid = rank_pid(run_dir, rank)
+    assert pid is not None, f"rank {rank} not found"
+    os.kill(pid, sig)
+    return pid, time.monotonic()
 
 
 def assert_latest_intact(run_dir: Path) -> int:

@@ -42,9 +42,14 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, str(ROOT / "submit.py"), *args]
 
 
+def set_args(items) -> list[str]:
+    """``--set ITEM`` for each ``section.field=value`` item."""
+    return [arg for item in items for arg in ("--set", item)]
+
+
 def overrides(logs: Path, name: str, topology: str) -> list[str]:
     items = [f"logging.dir={logs}", f"logging.run_name={name}", *SETTINGS, *TOPOLOGIES[topology]]
-    return [arg for item in items for arg in ("--set", item)]
+    return set_args(items)
 
 
 def warm_data_cache(logs: Path) -> None:
