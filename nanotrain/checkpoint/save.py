@@ -222,21 +222,38 @@ def _plan(params, optimizer, pc) -> dict:
     return {"params": params, "infos": infos, "opt": opt, "keys": keys, "pc": pc}
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy that training cannot change under the writer: pinned host memory on a GPU (the
-    copy is asynchronous; ``_select`` syncs once at the end), a plain clone on the CPU."""
-    t = t.detach()
-    if t.device.type == "cuda":
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return out.copy_(t, non_blocking=True)
-    return t.clone()
+class _HostSnapshot:
+    """Copies that training cannot change under the writer: pinned host memory on a GPU (the
+    copies are asynchronous; ``_select`` syncs once at the end), plain clones on the CPU.
+
+    The pinned buffers are kept for the next async save of this process and reused by shape and
+    dtype: page-locking gigabytes at every save would cost more than the copy itself, on the
+    training thread. Reuse is safe because at most one save is in flight: the trainer commits
+    (joins) the previous one before it snapshots again."""
+
+    _pinned: dict[tuple, list[torch.Tensor]] = {}  # (shape, dtype) -> buffers of this process
+
+    def __init__(self) -> None:
+        self._taken: dict[tuple, int] = {}
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.device.type != "cuda":
+            return t.clone()
+        key = (tuple(t.shape), t.dtype)
+        n = self._taken.get(key, 0)
+        self._taken[key] = n + 1
+        buffers = self._pinned.setdefault(key, [])
+        if n == len(buffers):
+            buffers.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
+        return buffers[n].copy_(t, non_blocking=True)
 
 
 def _select(rank: int, plan: dict, writer: dict, rank_state, snapshot: bool) -> dict:
     """What this rank writes, taken now: its assigned records (copied to the host when
     ``snapshot``: an async save), its RNG states and per-rank state."""
     params, infos, opt, keys, pc = plan["params"], plan["infos"], plan["opt"], plan["keys"], plan["pc"]
-    keep = _host_copy if snapshot else (lambda t: t.detach())
+    keep = _HostSnapshot() if snapshot else (lambda t: t.detach())
     coords = coords_of(pc)
     ep = coords["ep"] if pc is not None and pc.ep_size > 1 else None
     # Parameters are written by dp/cp rank 0 (the lowest rank of a replica set): their file is
