@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -135,6 +135,20 @@ def default_cache_dir(config) -> str:
     """`<logging.dir>/.cache/data`: shared by every run under the same logs folder, so a second
     run (or a resumed one) finds the tokens the first one made."""
     return os.path.join(config.logging.dir, ".cache", "data")
+
+
+def per_source_args(data_args) -> list:
+    """The `DataArgs` of each entry of `data.sources`, in order: that entry's source and text
+    column (or `data.text_column`), everything else from `data`."""
+    return [replace(data_args, source=s.source, sources=[], text_column=s.text_column or data_args.text_column)
+            for s in data_args.sources]
+
+
+def validation_args(data_args):
+    """The `DataArgs` of the `data.validation.source` corpus, or None where there is none."""
+    if data_args.validation is None or data_args.validation.source is None:
+        return None
+    return replace(data_args, source=data_args.validation.source, sources=[])
 
 
 def cache_location(source: Source, tokenizer: Tokenizer, data_args, cache_dir: str,
