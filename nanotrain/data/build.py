@@ -90,10 +90,7 @@ def build_samplers(config, *, dp: Optional[int] = None, cache_dir: Optional[str]
         train_parts = [SourcePart(name, ds, w, hi=ds.num_windows - v) for (name, ds, w), v in zip(datasets, held)]
         val_parts = [SourcePart(name, ds, w, lo=ds.num_windows - v, shuffle=False)
                      for (name, ds, w), v in zip(datasets, held)]
-    if not d.sources and fraction is None:  # the one-source shorthand, exactly as before mixtures
-        train = GlobalSampler(datasets[0][1], **sizes)
-    else:
-        train = GlobalSampler(train_parts, **sizes)
+    train = GlobalSampler(train_parts, **sizes)
     val = GlobalSampler(val_parts, **sizes) if val_parts else None
     return train, val
 
