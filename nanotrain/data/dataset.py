@@ -160,6 +160,11 @@ def cache_location(source: Source, tokenizer: Tokenizer, data_args, cache_dir: s
     return os.path.join(os.path.abspath(cache_dir), _cache_name(source, tokenizer, key)), key
 
 
+def source_bytes(source: Source) -> int:
+    """The size on disk of a source's files (0 for a hub dataset, which has none listed)."""
+    return sum(os.path.getsize(f) for f in source.files)
+
+
 def too_big_to_build(source: Source, max_build_mb: Optional[float]) -> Optional[str]:
     """Why a training job must not tokenise `source` itself, or None (`data.max_build_mb`)."""
     if max_build_mb is None:
@@ -167,7 +172,7 @@ def too_big_to_build(source: Source, max_build_mb: Optional[float]) -> Optional[
     if source.kind == "hub":
         size = "a hub dataset, of unknown size"
     else:
-        mb = sum(os.path.getsize(f) for f in source.files) / 1e6
+        mb = source_bytes(source) / 1e6
         if mb <= max_build_mb:
             return None
         size = f"{mb:,.0f} MB"
@@ -185,7 +190,7 @@ class _ProgressBar:
         from tqdm import tqdm
 
         datasets.disable_progress_bars()
-        self._bytes = sum(os.path.getsize(f) for f in source.files) if source.files else None
+        self._bytes = source_bytes(source) if source.files else None
         self._total = len(texts)
         self._bar = tqdm(total=len(texts), unit="doc", desc=f"preparing {os.path.basename(source.spec) or source.spec}",
                          dynamic_ncols=True)
