@@ -92,6 +92,14 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", 
 CHECKSUM = "sha256 of each tensor's bytes and of the header; file digest = sha256(header digest + tensor digests)"
 
 
+def safetensors_prefix(header: dict) -> bytes:
+    """What a safetensors file starts with: the 8-byte little-endian header length, then the
+    header as compact JSON (keys in ``header``'s order), space-padded to a multiple of 8 bytes."""
+    head_bytes = json.dumps(header, separators=(",", ":")).encode()
+    head_bytes += b" " * (-len(head_bytes) % 8)
+    return struct.pack("<Q", len(head_bytes)) + head_bytes
+
+
 def _raw(t: torch.Tensor) -> memoryview:
     """The tensor's bytes: no copy for a contiguous CPU tensor (a view into ZeRO-1's flat buffer
     included), one tensor-sized copy otherwise (GPU, strided)."""
@@ -122,9 +130,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], header: dict
         head[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
     head["__metadata__"] = {HEADER_KEY: canonical(header)}
-    head_bytes = json.dumps(head, separators=(",", ":")).encode()
-    head_bytes += b" " * (-len(head_bytes) % 8)  # the format pads the header to 8 bytes
-    prefix = struct.pack("<Q", len(head_bytes)) + head_bytes
+    prefix = safetensors_prefix(head)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Each tensor is hashed on a second thread while the first writes it: hashlib and file
     # writes both release the GIL, so a save costs max(hash, write) instead of their sum
@@ -220,11 +226,6 @@ def remove_dir(path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- discovery
-def read_header(path: Path) -> tuple[bytes, dict]:
-    """(the raw 8-byte length + header, the parsed header) of a safetensors file."""
-    return read_safetensors_header(path)
-
-
 def verify_file(ckpt_dir: Path, rel: str, record: dict | None, keys: Iterable[str] | None = None) -> str | None:
     """None if ``rel`` has its recorded size and header, and the tensors ``keys`` (None = all)
     their recorded sha256; else the reason, naming the file (and tensor)."""
@@ -238,7 +239,7 @@ def verify_file(ckpt_dir: Path, rel: str, record: dict | None, keys: Iterable[st
     if size != record["bytes"]:
         return f"{path}: size {size} bytes, expected {record['bytes']} (truncated or altered)"
     try:
-        prefix, head = read_header(path)
+        prefix, head = read_safetensors_header(path)
     except (CheckpointError, ValueError, OSError) as e:
         return f"{path}: unreadable header ({e})"
     if hashlib.sha256(prefix).hexdigest() != record["header_sha256"]:

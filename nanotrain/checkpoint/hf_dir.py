@@ -43,11 +43,6 @@ def _where(path: Path) -> str:
     return f"checkpoints.init_from_hf: {path}"
 
 
-def read_header(path: Path) -> dict:
-    """The JSON header of a safetensors file of a Hugging Face directory."""
-    return read_safetensors_header(path, HFError)[1]
-
-
 def open_hf_dir(path: str | Path) -> HFDir:
     """config.json and the tensor directory of the safetensors files (headers only)."""
     path = Path(path).expanduser()
@@ -78,7 +73,7 @@ def open_hf_dir(path: str | Path) -> HFDir:
     for rel in files:
         if not (path / rel).is_file():
             raise HFError(f"{_where(path)}: {INDEX} names {rel}, which is missing")
-        for name, rec in read_header(path / rel).items():
+        for name, rec in read_safetensors_header(path / rel, HFError)[1].items():
             if name != "__metadata__":
                 out.tensors[name] = {"file": rel, "dtype": rec["dtype"], "shape": tuple(rec["shape"])}
     return out

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import time
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from nanotrain.config import ModelArgs
 from nanotrain.data.hf_tokenizer import export_tokenizer
 from nanotrain.models import hf_llama
 
-DTYPES = {"float32": (torch.float32, "F32"), "bfloat16": (torch.bfloat16, "BF16")}
+DTYPES = ("float32", "bfloat16")  # --dtype choices, named as format.DTYPES names torch dtypes
 DEFAULT_MAX_SHARD = 5 * 10**9
 
 
@@ -101,16 +100,14 @@ def _write_file(path: Path, entries: list[tuple[str, tuple[int, ...]]], st_dtype
         n = itemsize * int(torch.Size(shape).numel())
         head[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
-    raw = json.dumps(head, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
     tmp = path.with_name(path.name + ".partial")
     with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.write(fmt.safetensors_prefix(head))
         for name, shape in entries:
             got, tensor = next(stream)
             if got != name or tuple(tensor.shape) != tuple(shape):
                 raise CheckpointError(f"export: expected {name} {list(shape)}, got {got} {list(tensor.shape)}")
-            f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+            f.write(fmt._raw(tensor))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -136,7 +133,8 @@ def export_hf(src: str | Path, out_dir: str | Path, dtype: str = "float32",
            and (p := fmt.verify_file(ckpt, rel, rec))]
     if bad:
         raise CheckpointError(f"{ckpt} is damaged: " + "; ".join(bad))
-    torch_dtype, st_dtype = DTYPES[dtype]
+    torch_dtype = fmt.DTYPES[dtype]
+    st_dtype = fmt._ST_DTYPES[torch_dtype]
     itemsize = torch.tensor([], dtype=torch_dtype).element_size()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -60,7 +60,7 @@ def _parse_value(where: str, hint: Any, value: Any) -> Any:
         return _parse_value(where, inner[0], value)
     if value is None:
         raise ConfigError(f"{where}: must be set (null is not allowed here)")
-    if dataclasses.is_dataclass(hint):  # a sub-section such as model.moe
+    if dataclasses.is_dataclass(hint):  # a sub-section: model.moe, data.sources[i], data.validation
         return _build_section(where, hint, value)
     if origin is Literal:
         for option in args:
@@ -92,8 +92,6 @@ def _parse_value(where: str, hint: Any, value: Any) -> Any:
         if not isinstance(value, list):
             return _fail(f"{where}: expected a list, got {_describe(value)}")
         return [_parse_value(f"{where}[{i}]", args[0], v) for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(hint):  # a sub-section (data.sources[i], data.validation)
-        return _build_section(where, hint, value)
     if origin is dict:
         if not isinstance(value, dict):
             return _fail(f"{where}: expected a mapping of key: value, got {_describe(value)}")

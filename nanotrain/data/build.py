@@ -7,11 +7,10 @@ no data (middle pipeline stages) still enter the barrier, so every rank calls it
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Callable, Optional
 
-from nanotrain.data.dataset import TokenDataset, default_cache_dir
+from nanotrain.data.dataset import TokenDataset, default_cache_dir, per_source_args, validation_args
 from nanotrain.data.sampler import DEFAULT_NAME, GlobalSampler, SourcePart
 
 
@@ -50,9 +49,7 @@ def source_args(data_args) -> list[tuple[str, object, float]]:
     one `data.source` (named `default`)."""
     if not data_args.sources:
         return [(DEFAULT_NAME, data_args, 1.0)]
-    return [(s.name, dataclasses.replace(data_args, source=s.source, sources=[],
-                                         text_column=s.text_column or data_args.text_column), s.weight)
-            for s in data_args.sources]
+    return [(s.name, args, s.weight) for s, args in zip(data_args.sources, per_source_args(data_args))]
 
 
 def validation_windows(num_windows: int, fraction: float) -> int:
@@ -78,9 +75,8 @@ def build_samplers(config, *, dp: Optional[int] = None, cache_dir: Optional[str]
                   vocab_size=config.model.vocab_size, builder=builder, needs_data=needs_data,
                   barrier=barrier, max_documents=max_documents, max_build_mb=d.max_build_mb)
     datasets = [(name, prepare_dataset(args, **kwargs), w) for name, args, w in source_args(d)]
-    val_ds = None
-    if d.validation is not None and d.validation.source is not None:
-        val_ds = prepare_dataset(dataclasses.replace(d, source=d.validation.source, sources=[]), **kwargs)
+    val_args = validation_args(d)
+    val_ds = prepare_dataset(val_args, **kwargs) if val_args is not None else None
     if not needs_data:
         return None, None
     sizes = dict(seed=t.seed, dp=dp or config.parallelism.batch_replicas, micro_batch_size=t.micro_batch_size,
@@ -94,10 +90,7 @@ def build_samplers(config, *, dp: Optional[int] = None, cache_dir: Optional[str]
         train_parts = [SourcePart(name, ds, w, hi=ds.num_windows - v) for (name, ds, w), v in zip(datasets, held)]
         val_parts = [SourcePart(name, ds, w, lo=ds.num_windows - v, shuffle=False)
                      for (name, ds, w), v in zip(datasets, held)]
-    if not d.sources and fraction is None:  # the one-source shorthand, exactly as before mixtures
-        train = GlobalSampler(datasets[0][1], **sizes)
-    else:
-        train = GlobalSampler(train_parts, **sizes)
+    train = GlobalSampler(train_parts, **sizes)
     val = GlobalSampler(val_parts, **sizes) if val_parts else None
     return train, val
 

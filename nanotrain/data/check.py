@@ -7,11 +7,10 @@ of a few files (`sample_check.py`).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Optional
 
-from nanotrain.data.dataset import cache_location, default_cache_dir, too_big_to_build
+from nanotrain.data.dataset import cache_location, default_cache_dir, per_source_args, too_big_to_build, validation_args
 from nanotrain.data.errors import DataError
 from nanotrain.data.sample_check import check_sample, check_volume
 from nanotrain.data.sources import Source, peek_columns, resolve_source
@@ -39,14 +38,12 @@ def check_data_config(data_args, vocab_size: Optional[int] = None, config=None) 
 def all_source_args(data_args) -> list[tuple[str, object]]:
     """(where, per-source `DataArgs`) of every corpus a run reads: training and validation."""
     if data_args.sources:
-        out = [(f"data.sources[{i}]", dataclasses.replace(data_args, source=s.source, sources=[],
-                                                           text_column=s.text_column or data_args.text_column))
-               for i, s in enumerate(data_args.sources)]
+        out = [(f"data.sources[{i}]", args) for i, args in enumerate(per_source_args(data_args))]
     else:
         out = [("data", data_args)]
-    if data_args.validation is not None and data_args.validation.source is not None:
-        out.append(("data.validation", dataclasses.replace(data_args, source=data_args.validation.source,
-                                                           sources=[])))
+    val = validation_args(data_args)
+    if val is not None:
+        out.append(("data.validation", val))
     return out
 
 

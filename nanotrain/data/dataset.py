@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -137,6 +137,20 @@ def default_cache_dir(config) -> str:
     return os.path.join(config.logging.dir, ".cache", "data")
 
 
+def per_source_args(data_args) -> list:
+    """The `DataArgs` of each entry of `data.sources`, in order: that entry's source and text
+    column (or `data.text_column`), everything else from `data`."""
+    return [replace(data_args, source=s.source, sources=[], text_column=s.text_column or data_args.text_column)
+            for s in data_args.sources]
+
+
+def validation_args(data_args):
+    """The `DataArgs` of the `data.validation.source` corpus, or None where there is none."""
+    if data_args.validation is None or data_args.validation.source is None:
+        return None
+    return replace(data_args, source=data_args.validation.source, sources=[])
+
+
 def cache_location(source: Source, tokenizer: Tokenizer, data_args, cache_dir: str,
                    max_documents: Optional[int] = None) -> tuple[str, str]:
     """(cache folder, key) of a source: what `build` reads or writes, known without tokenising."""
@@ -146,6 +160,11 @@ def cache_location(source: Source, tokenizer: Tokenizer, data_args, cache_dir: s
     return os.path.join(os.path.abspath(cache_dir), _cache_name(source, tokenizer, key)), key
 
 
+def source_bytes(source: Source) -> int:
+    """The size on disk of a source's files (0 for a hub dataset, which has none listed)."""
+    return sum(os.path.getsize(f) for f in source.files)
+
+
 def too_big_to_build(source: Source, max_build_mb: Optional[float]) -> Optional[str]:
     """Why a training job must not tokenise `source` itself, or None (`data.max_build_mb`)."""
     if max_build_mb is None:
@@ -153,7 +172,7 @@ def too_big_to_build(source: Source, max_build_mb: Optional[float]) -> Optional[
     if source.kind == "hub":
         size = "a hub dataset, of unknown size"
     else:
-        mb = sum(os.path.getsize(f) for f in source.files) / 1e6
+        mb = source_bytes(source) / 1e6
         if mb <= max_build_mb:
             return None
         size = f"{mb:,.0f} MB"
@@ -171,7 +190,7 @@ class _ProgressBar:
         from tqdm import tqdm
 
         datasets.disable_progress_bars()
-        self._bytes = sum(os.path.getsize(f) for f in source.files) if source.files else None
+        self._bytes = source_bytes(source) if source.files else None
         self._total = len(texts)
         self._bar = tqdm(total=len(texts), unit="doc", desc=f"preparing {os.path.basename(source.spec) or source.spec}",
                          dynamic_ncols=True)

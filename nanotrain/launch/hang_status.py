@@ -35,6 +35,12 @@ def read_reports(run_dir: Path) -> list[dict]:
     return sorted((r for r in reports if (r.get("job_id"), r.get("restart")) == key), key=lambda r: r["rank"])
 
 
+def requeue_marker(run_dir: Path, job_id, restart) -> Path:
+    """The marker file of one hang-requeued incarnation (job id, restart count): created once by
+    the first hung rank that asks for the requeue, counted by `requeues_after_hang`."""
+    return Path(run_dir) / HANG_DIR / f"requeue-{job_id}-{restart}"
+
+
 def requeues_after_hang(run_dir: Path) -> int:
     """How many times a hang requeued the job (one marker file per requeued incarnation)."""
     return len(list((Path(run_dir) / HANG_DIR).glob("requeue-*")))

@@ -39,6 +39,7 @@ import submitit.helpers  # noqa: E402
 from nanotrain.config import ConfigError, check_world_size, load_config, validate  # noqa: E402
 from nanotrain.launch import ownership  # noqa: E402
 from nanotrain.launch.env import export_user_env, setup_distributed_env  # noqa: E402
+from nanotrain.launch.hang_status import requeue_marker  # noqa: E402
 from nanotrain.launch.rundir import resolve_run, write_run_dir  # noqa: E402
 
 EXIT_USER_ERROR = 2
@@ -156,7 +157,7 @@ def _after_hang(config, env, run_dir: Path) -> None:
     incarnation's marker file (shared run directory) asks, so one request goes out per hang."""
     if env.launcher != "slurm":
         return
-    marker = Path(run_dir) / "hang" / f"requeue-{env.job_id}-{env.restart_count}"
+    marker = requeue_marker(run_dir, env.job_id, env.restart_count)
     try:
         fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
