@@ -41,18 +41,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as _dist
-import torch.nn.functional as F
 from torch import nn
 
 from nanotrain.config import ModelArgs
 from nanotrain.models import llama_arch
+from nanotrain.models.mlp import MLP, swiglu
 from nanotrain.parallel import collectives
 from nanotrain.parallel.expert_parallel import dispatch_to_experts
 from nanotrain.parallel.sharding import row_shard_info, set_shard_info
 from nanotrain.parallel.tensor_parallel import (
-    TensorParallelColumnLinear,
     TensorParallelLinearMode,
-    TensorParallelRowLinear,
     group_rank,
     group_size,
     mark_sequence_parallel_partial_grad_,
@@ -112,22 +110,8 @@ class Experts(nn.Module):
         outs = []
         for e, xe in enumerate(x.split(counts)):
             gate, up = (xe @ self.gate_up.weight[e].t()).chunk(2, dim=-1)
-            outs.append((F.silu(gate) * up) @ self.down.weight[e].t())
+            outs.append(swiglu(gate, up) @ self.down.weight[e].t())
         return torch.cat(outs) if outs else x[:0]
-
-
-class SharedExperts(nn.Module):
-    """Always-on SwiGLU of ``num_shared_experts * F`` width, tensor-parallel like the dense MLP."""
-
-    def __init__(self, hidden: int, ffn: int, tp_pg, mode: TensorParallelLinearMode, async_comm: bool):
-        super().__init__()
-        self.gate_up = TensorParallelColumnLinear(hidden, 2 * ffn, tp_pg, mode, async_communication=async_comm,
-                                                  contiguous_chunks=(ffn, ffn))
-        self.down = TensorParallelRowLinear(ffn, hidden, tp_pg, mode, async_communication=async_comm)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
 
 
 class Router(nn.Module):
@@ -183,8 +167,9 @@ class MoEFeedForward(nn.Module):
         ffn = llama_arch.expert_ffn(args)
         self.router = Router(moe.num_experts, args.hidden_size)
         self.experts = Experts(moe.num_experts, args.hidden_size, ffn, ep_pg)
-        self.shared = None if not moe.num_shared_experts else SharedExperts(
-            args.hidden_size, moe.num_shared_experts * ffn, tp_pg, mode, async_comm)
+        # Always-on SwiGLU of num_shared_experts * F features, tensor-parallel like the dense MLP.
+        self.shared = None if not moe.num_shared_experts else MLP(
+            args, tp_pg, mode, async_comm, width=moe.num_shared_experts * ffn)
         self.loss_weight = 1.0 / len(llama_arch.moe_layer_indices(args))
         if mode is TensorParallelLinearMode.REDUCE_SCATTER and group_size(tp_pg) > 1:
             # Each tp rank's losses are means over its sequence shard, and these gradients are
