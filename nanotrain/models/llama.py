@@ -25,7 +25,7 @@ from nanotrain.config import ModelArgs
 from nanotrain.models import llama_arch
 from nanotrain.models.mlp import MLP
 from nanotrain.models.moe import MoEFeedForward, MoEState
-from nanotrain.models.recompute import check_mode, compile_layers_, recomputed
+from nanotrain.models.recompute import compile_layers_, recomputed
 from nanotrain.parallel.context_parallel import SDPA_GQA, ContextParallel, sdpa
 from nanotrain.parallel.pipeline_parallel import MessageSpec, PipelineBlock, mark_tied_, place_blocks
 from nanotrain.parallel.tensor_parallel import (
@@ -170,7 +170,7 @@ class LlamaModel(nn.Module):
         self.args, self.tp_pg, self.ep_pg = args, tp_pg, ep_pg
         self.moe_state = MoEState()  # aux-loss scale and routing statistics of the MoE layers
         # training.recompute (see models/recompute.py); "full" wraps whole layers in _forward.
-        self.recompute = check_mode(recompute)
+        self.recompute = llama_arch.check_recompute(recompute)
         selective = recompute == "selective"
         self.cp = cp = ContextParallel(cp_pg)
         # bf16 on GPU: the forward runs under autocast; weights, grads and optimizer stay fp32.
