@@ -19,13 +19,13 @@ import hashlib
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanotrain.config import ModelArgs
 from nanotrain.models import llama_arch
+from nanotrain.models.mlp import MLP
 from nanotrain.models.moe import MoEFeedForward, MoEState
-from nanotrain.models.recompute import check_mode, compile_layers_, recomputed
+from nanotrain.models.recompute import compile_layers_, recomputed
 from nanotrain.parallel.context_parallel import SDPA_GQA, ContextParallel, sdpa
 from nanotrain.parallel.pipeline_parallel import MessageSpec, PipelineBlock, mark_tied_, place_blocks
 from nanotrain.parallel.tensor_parallel import (
@@ -124,28 +124,6 @@ class Attention(nn.Module):
         return self.cp.attention(q, k, v) if self.cp.enabled else sdpa(q, k, v, is_causal=True)
 
 
-class MLP(nn.Module):
-    """SwiGLU with gate and up fused into one column linear (one collective instead of two)."""
-
-    def __init__(self, args: ModelArgs, tp_pg, mode: TensorParallelLinearMode, async_comm: bool,
-                 selective: bool = False):
-        super().__init__()
-        self.selective = selective
-        ffn = args.intermediate_size
-        self.gate_up = TensorParallelColumnLinear(args.hidden_size, 2 * ffn, tp_pg, mode,
-                                                  async_communication=async_comm, contiguous_chunks=(ffn, ffn))
-        self.down = TensorParallelRowLinear(ffn, args.hidden_size, tp_pg, mode, async_communication=async_comm)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(recomputed(swiglu, gate, up, enabled=self.selective))
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The SwiGLU activation: what ``recompute: selective`` recomputes (silu(gate) is not kept)."""
-    return F.silu(gate) * up
-
-
 class DecoderLayer(nn.Module):
     """Attention then a feed-forward: the dense ``MLP``, or ``MoEFeedForward`` when layer ``index``
     is an MoE layer (``llama_arch.is_moe_layer``; its experts sharded over ``ep_pg``)."""
@@ -192,7 +170,7 @@ class LlamaModel(nn.Module):
         self.args, self.tp_pg, self.ep_pg = args, tp_pg, ep_pg
         self.moe_state = MoEState()  # aux-loss scale and routing statistics of the MoE layers
         # training.recompute (see models/recompute.py); "full" wraps whole layers in _forward.
-        self.recompute = check_mode(recompute)
+        self.recompute = llama_arch.check_recompute(recompute)
         selective = recompute == "selective"
         self.cp = cp = ContextParallel(cp_pg)
         # bf16 on GPU: the forward runs under autocast; weights, grads and optimizer stay fp32.

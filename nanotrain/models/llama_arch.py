@@ -277,6 +277,13 @@ def hardware_flops_per_token(args: ModelArgs, seq_len: int, recompute: str = "no
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
+def check_recompute(mode: str) -> str:
+    """``mode`` if it is a ``training.recompute`` value, else ValueError naming the choices."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+    return mode
+
+
 def compute_bytes(args: ModelArgs) -> int:
     """Bytes of one activation value in the compute dtype (bf16/fp16 under autocast, else fp32)."""
     return 2 if args.dtype in ("bfloat16", "float16") else 4
@@ -307,8 +314,7 @@ def activation_bytes_per_layer(args: ModelArgs, sequence_length: int, micro_batc
     ``selective`` drops the log-sum-exp and ``silu(gate)`` (recomputed from tensors kept anyway;
     under cp also the chunks' outputs and masks);
     ``full`` keeps the layer's input only (``c h``, ``/t`` under REDUCE_SCATTER)."""
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
+    check_recompute(recompute)
     c, h, ffn = compute_bytes(args), args.hidden_size, args.intermediate_size
     kv, heads = kv_heads(args) * head_dim(args), args.num_attention_heads
     n = sequence_length // cp * micro_batch_size

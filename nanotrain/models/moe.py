@@ -41,17 +41,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as _dist
-import torch.nn.functional as F
 from torch import nn
 
 from nanotrain.config import ModelArgs
 from nanotrain.models import llama_arch
+from nanotrain.models.mlp import MLP, swiglu
+from nanotrain.parallel import collectives
 from nanotrain.parallel.expert_parallel import dispatch_to_experts
 from nanotrain.parallel.sharding import row_shard_info, set_shard_info
 from nanotrain.parallel.tensor_parallel import (
-    TensorParallelColumnLinear,
     TensorParallelLinearMode,
-    TensorParallelRowLinear,
     group_rank,
     group_size,
     mark_sequence_parallel_partial_grad_,
@@ -111,22 +110,8 @@ class Experts(nn.Module):
         outs = []
         for e, xe in enumerate(x.split(counts)):
             gate, up = (xe @ self.gate_up.weight[e].t()).chunk(2, dim=-1)
-            outs.append((F.silu(gate) * up) @ self.down.weight[e].t())
+            outs.append(swiglu(gate, up) @ self.down.weight[e].t())
         return torch.cat(outs) if outs else x[:0]
-
-
-class SharedExperts(nn.Module):
-    """Always-on SwiGLU of ``num_shared_experts * F`` width, tensor-parallel like the dense MLP."""
-
-    def __init__(self, hidden: int, ffn: int, tp_pg, mode: TensorParallelLinearMode, async_comm: bool):
-        super().__init__()
-        self.gate_up = TensorParallelColumnLinear(hidden, 2 * ffn, tp_pg, mode, async_communication=async_comm,
-                                                  contiguous_chunks=(ffn, ffn))
-        self.down = TensorParallelRowLinear(ffn, hidden, tp_pg, mode, async_communication=async_comm)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
 
 
 class Router(nn.Module):
@@ -182,8 +167,9 @@ class MoEFeedForward(nn.Module):
         ffn = llama_arch.expert_ffn(args)
         self.router = Router(moe.num_experts, args.hidden_size)
         self.experts = Experts(moe.num_experts, args.hidden_size, ffn, ep_pg)
-        self.shared = None if not moe.num_shared_experts else SharedExperts(
-            args.hidden_size, moe.num_shared_experts * ffn, tp_pg, mode, async_comm)
+        # Always-on SwiGLU of num_shared_experts * F features, tensor-parallel like the dense MLP.
+        self.shared = None if not moe.num_shared_experts else MLP(
+            args, tp_pg, mode, async_comm, width=moe.num_shared_experts * ffn)
         self.loss_weight = 1.0 / len(llama_arch.moe_layer_indices(args))
         if mode is TensorParallelLinearMode.REDUCE_SCATTER and group_size(tp_pg) > 1:
             # Each tp rank's losses are means over its sequence shard, and these gradients are
@@ -214,6 +200,14 @@ class MoEFeedForward(nn.Module):
         return out
 
 
+def _comm_device(pp_pg, reduce: bool) -> torch.device:
+    """Where the statistics meet over ``pp_pg``: NCCL groups have no CPU backend (the device of
+    this rank, as in ``checkpoint/comm.py``), other backends take CPU tensors."""
+    if reduce and "nccl" in str(_dist.get_backend(pp_pg)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def step_scalars(state: MoEState, pp_pg=None, capacity: bool = False) -> dict[str, float]:
     """TensorBoard scalars of one step's routing, over every MoE layer of the pipeline (summed
     over ``pp_pg``: each stage holds some layers) for this rank's tokens (its dp/ep replica; its
@@ -221,20 +215,35 @@ def step_scalars(state: MoEState, pp_pg=None, capacity: bool = False) -> dict[st
     (micro-batch, layer); ``moe/load_max_over_mean``: per layer the busiest expert's assignments
     over the mean (1 = balanced), summed over the step's micro-batches, max over layers;
     ``moe/dropped_tokens`` (capacity set): assignments dropped in the step. Every rank of
-    ``pp_pg`` must call it (one all-reduce of 4 values, one of 1)."""
-    loads: dict[int, torch.Tensor] = {}
-    sums = torch.zeros(4, dtype=torch.float64)
-    for st in state.stats:
-        sums += torch.tensor([float(st["aux"]), float(st["z"]), 1.0, float(st["dropped"])], dtype=torch.float64)
-        loads[st["layer"]] = loads.get(st["layer"], 0) + st["load"].double().cpu()
-    worst = max((float(v.max() / v.mean()) for v in loads.values() if v.sum() > 0), default=0.0)
-    peak = torch.tensor([worst], dtype=torch.float64)
-    if pp_pg is not None and _dist.is_initialized() and _dist.get_world_size(pp_pg) > 1:
-        _dist.all_reduce(sums, group=pp_pg)
-        _dist.all_reduce(peak, op=_dist.ReduceOp.MAX, group=pp_pg)
-    count = max(float(sums[2]), 1.0)
-    out = {"moe/aux_loss": float(sums[0]) / count, "moe/z_loss": float(sums[1]) / count,
-           "moe/load_max_over_mean": float(peak[0])}
+    ``pp_pg`` must call it (one all-reduce of 4 values, one of 1). The statistics are summed on
+    their device and read back once (one host sync per call)."""
+    reduce = pp_pg is not None and _dist.is_initialized() and _dist.get_world_size(pp_pg) > 1
+    stats = state.stats
+    device = stats[0]["aux"].device if stats else _comm_device(pp_pg, reduce)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    if stats:
+        aux, z = torch.stack([v for st in stats for v in (st["aux"], st["z"])]).view(-1, 2).double().sum(0)
+    else:
+        aux, z = zero, zero
+    counts = [float(len(stats)), float(sum(st["dropped"] for st in stats))]  # host ints already
+    sums = torch.cat([torch.stack([aux, z]), torch.tensor(counts, dtype=torch.float64, device=device)])
+    by_layer: dict[int, list[torch.Tensor]] = {}
+    for st in stats:
+        by_layer.setdefault(st["layer"], []).append(st["load"])
+    if by_layer:  # [L, E] assignments per (layer, expert) over the step's micro-batches
+        loads = torch.stack([torch.stack(v).sum(0) for v in by_layer.values()]).double()
+        ratio = torch.where(loads.sum(1) > 0, loads.amax(1) / loads.mean(1), zero)
+        peak = ratio.max().reshape(1)  # ratios are >= 1 where counted: 0 = no assignment at all
+    else:
+        peak = zero.reshape(1)
+    if reduce:
+        comm = _comm_device(pp_pg, reduce)
+        sums, peak = sums.to(comm), peak.to(comm)
+        collectives.all_reduce(sums, group=pp_pg, what="all_reduce moe stats")
+        collectives.all_reduce(peak, op=_dist.ReduceOp.MAX, group=pp_pg, what="all_reduce moe load peak")
+    aux_sum, z_sum, n, dropped, worst = torch.cat([sums, peak]).tolist()
+    count = max(n, 1.0)
+    out = {"moe/aux_loss": aux_sum / count, "moe/z_loss": z_sum / count, "moe/load_max_over_mean": worst}
     if capacity:
-        out["moe/dropped_tokens"] = float(sums[3])
+        out["moe/dropped_tokens"] = dropped
     return out

@@ -25,13 +25,6 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from nanotrain.models.compile_check import compile_backend_problem
-from nanotrain.models.llama_arch import RECOMPUTE_MODES as MODES
-
-
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"recompute must be one of {', '.join(MODES)}, got {mode!r}")
-    return mode
 
 
 def recomputed(fn: Callable, *args: torch.Tensor, enabled: bool = True):

@@ -9,10 +9,11 @@
   so no fallback is needed.
 * ``allreduce_flat_``: sum many small tensors over a group in ONE collective (on gloo and NCCL
   a collective's latency, not its size, dominates small messages), in place.
-* ``all_reduce``, ``broadcast``, ``all_gather``, ``gather``, ``batch_isend_irecv``: the plain
-  torch.distributed calls, each first telling the hang record (``progress.py``) which
-  collective on which group this rank enters. Every collective of training passes here, so a
-  hang report names the one a rank waits in; one attribute write each, no cost.
+* ``all_reduce``, ``broadcast``, ``all_gather``, ``gather``, ``all_to_all_single``,
+  ``batch_isend_irecv``: the plain torch.distributed calls, each first telling the hang record
+  (``progress.py``) which collective on which group this rank enters. Every collective of
+  training passes here, so a hang report names the one a rank waits in; one attribute write
+  each, no cost.
 """
 from __future__ import annotations
 
@@ -75,6 +76,13 @@ def gather(tensor: torch.Tensor, out, dst: int, group=None, what: str = "gather"
     return dist.gather(tensor, out, dst=dst, group=group)
 
 
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group=None, out_splits: list[int] | None = None,
+                      in_splits: list[int] | None = None, what: str = "all_to_all"):
+    """``dist.all_to_all_single`` (equal splits when none are given)."""
+    PROGRESS.entering(what, group)
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+
+
 def batch_isend_irecv(ops: list, what: str, group=None):
     """``dist.batch_isend_irecv``; ``what`` says which sends/receives (pipeline messages)."""
     PROGRESS.entering(what, group)
@@ -87,8 +95,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         x = x.contiguous()
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        PROGRESS.entering("all_to_all experts", group)
-        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        all_to_all_single(out, x, group, out_splits, in_splits, what="all_to_all experts")
         return out
 
     @staticmethod

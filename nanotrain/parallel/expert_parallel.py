@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from nanotrain.parallel.collectives import all_to_all
+from nanotrain.parallel.collectives import all_to_all, all_to_all_single
 
 
 def _ep_size(ep_pg) -> int:
@@ -37,7 +37,7 @@ def exchange_counts(counts: list[int], ep_pg, device) -> list[list[int]]:
     local = len(counts) // ep
     send = torch.tensor(counts, dtype=torch.int64, device=device)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=ep_pg)
+    all_to_all_single(recv, send, ep_pg, what="all_to_all expert counts")
     flat = recv.tolist()
     return [flat[s * local:(s + 1) * local] for s in range(ep)]
 

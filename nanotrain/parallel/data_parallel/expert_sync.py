@@ -8,7 +8,8 @@ dp x cp x ep: the average over every rank whose tokens could reach it, the same 
 process training on the whole global batch (Megatron's expert gradient scaling).
 
 ``build_grad_sync`` returns one ``BucketedGradSync`` when there is nothing to split (ep = 1),
-else a ``GradSyncSet`` of two with the same interface.
+else a ``GradSyncSet`` of two driven through the same calls (``no_sync``, ``finish_grad_sync``,
+``zero_grad``).
 """
 from __future__ import annotations
 
@@ -32,7 +33,6 @@ class GradSyncSet:
 
     def __init__(self, syncs: list[BucketedGradSync]):
         self.syncs = syncs
-        self.params = [p for s in syncs for p in s.params]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -45,17 +45,9 @@ class GradSyncSet:
         for s in self.syncs:
             s.finish_grad_sync()
 
-    wait = finish_grad_sync
-
     def zero_grad(self) -> None:
         for s in self.syncs:
             s.zero_grad()
-
-    def grad_view(self, p: nn.Parameter):
-        for s in self.syncs:
-            if any(q is p for q in s.params):
-                return s.grad_view(p)
-        raise KeyError("parameter not synced here")
 
 
 def build_grad_sync(params: list[nn.Parameter], pc, bucket_cap_mb: float = 25.0):
