@@ -39,6 +39,11 @@ from nanotrain.parallel.timing import IntervalTimer
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], targets [B, S])
 # Middle stages read no data: they may pass None for each micro-batch (the count is m).
 
+# The phase of each pp action in the hang record (``PROGRESS.mark(template, micro-batch, chunk)``),
+# without / with virtual chunks; ``str.format`` ignores the chunk where the template has no slot.
+_PHASES = ({"F": "forward (pp F micro-batch {})", "B": "backward (pp B micro-batch {})"},
+           {"F": "forward (pp F micro-batch {}, chunk {})", "B": "backward (pp B micro-batch {}, chunk {})"})
+
 
 @dataclass
 class EngineStats:
@@ -172,12 +177,12 @@ class PipelineEngine:
         loss_total: Optional[torch.Tensor] = None
         pending: list[Send] = []  # sends produced by the previous action
         live = peak_live = 0
+        phases = _PHASES[v > 1]
         for action in actions:
             chunk = chunks[action.chunk]
             stage, mb = chunk.virtual_stage, action.microbatch
-            # The hang record (progress.py): which pp action this rank is in; one string a step.
-            PROGRESS.mark(f"{'forward' if action.op == 'F' else 'backward'} (pp {action.op} micro-batch {mb}"
-                          f"{f', chunk {action.chunk}' if v > 1 else ''})")
+            # The hang record (progress.py): which pp action this rank is in, formatted only if read.
+            PROGRESS.mark(phases[action.op], mb, action.chunk)
             received = self._communicate(pending, needs(action), waiting)
             pending = []
 
@@ -277,11 +282,9 @@ class PipelineEngine:
         return loss_total if loss_total is not None else TensorPointer(self.pp_size - 1)
 
     def _communicate(self, sends: list[Send], recvs: list[Recv], timer: "IntervalTimer") -> list[torch.Tensor]:
+        """One communication point, timed (``P2P.communicate`` writes the hang record)."""
         if not sends and not recvs:
             return []
-        what = " ".join([*(f"send to pp rank {s.dst}" for s in sends),
-                         *(f"recv from pp rank {r.src}" for r in recvs)])
-        PROGRESS.entering(f"pipeline {what}", self._group)
         timer.start()
         received = self.p2p.communicate(sends, recvs)
         timer.stop()
