@@ -12,8 +12,11 @@ diagnostic. The record is one object per process, like torch's own default group
 flight recorder, and it is written only by the training thread.
 
 Why it costs nothing: every update is a plain attribute write (and ``mark`` one monotonic clock
-read); nothing syncs the device or takes a lock. The reader tolerates a torn view (a phase from
-one instant, a collective from the next): it is a diagnosis, not a protocol.
+read); nothing syncs the device or takes a lock. A phase given as a template and its parts
+(``mark("forward (pp F micro-batch {})", mb)``: the pipeline engine marks every action) is kept
+as that one tuple and formatted only when it is read (a report): no string is built per action.
+The reader tolerates a torn view (a phase from one instant, a collective from the next): it is
+a diagnosis, not a protocol.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ class Progress:
     def __init__(self) -> None:
         self.armed = False  # the watchdog only judges while the training loop runs
         self.step = 0
-        self.phase = "start"
+        self._phase: tuple[str, tuple] = ("start", ())  # (template, parts): see ``phase``
         self.beat = time.monotonic()  # last phase change: the watchdog's clock
         self.collective: Optional[str] = None
         self.group = None  # the ProcessGroup object (ranks resolved when a report is written)
@@ -42,11 +45,18 @@ class Progress:
     def disarm(self) -> None:
         self.armed = False
 
-    def mark(self, phase: str) -> None:
+    def mark(self, phase: str, *parts) -> None:
         """The training thread entered ``phase`` (data, forward, backward, a pp action, optimizer,
-        checkpoint, ...): progress, as far as the watchdog is concerned."""
-        self.phase = phase
+        checkpoint, ...): progress, as far as the watchdog is concerned. With ``parts``,
+        ``phase`` is a ``str.format`` template filled in only when the phase is read."""
+        self._phase = (phase, parts)  # one attribute write: a reader never sees half of it
         self.beat = time.monotonic()
+
+    @property
+    def phase(self) -> str:
+        """The current phase, formatted (see ``mark``)."""
+        template, parts = self._phase
+        return template.format(*parts) if parts else template
 
     def advance(self, step: int) -> None:
         self.step = step

@@ -39,6 +39,11 @@ from nanotrain.parallel.timing import IntervalTimer
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], targets [B, S])
 # Middle stages read no data: they may pass None for each micro-batch (the count is m).
 
+# The phase of each pp action in the hang record (``PROGRESS.mark(template, micro-batch, chunk)``),
+# without / with virtual chunks; ``str.format`` ignores the chunk where the template has no slot.
+_PHASES = ({"F": "forward (pp F micro-batch {})", "B": "backward (pp B micro-batch {})"},
+           {"F": "forward (pp F micro-batch {}, chunk {})", "B": "backward (pp B micro-batch {}, chunk {})"})
+
 
 @dataclass
 class EngineStats:
@@ -99,6 +104,101 @@ class _ActivationMeter:
         self.live -= nbytes
 
 
+class _NoTimer:
+    """Measures nothing: ``forward_only`` leaves the training step's ``last_stats`` as they are."""
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+_NO_TIMER = _NoTimer()
+
+
+class _Step:
+    """One step's actions on one rank: what ``forward_backward`` and ``forward_only`` share —
+    the message tags, what each action receives, and running one action. ``training``: the
+    forwards keep what their backward needs (the output, the input whose gradient goes back,
+    the activation bytes, see ``_ActivationMeter``); without it (evaluation, under ``no_grad``)
+    a forward's output is dropped once it is sent on and receives need no gradient."""
+
+    def __init__(self, pp: int, model, microbatches: Sequence[Optional[MicroBatch]], message: MessageSpec,
+                 training: bool):
+        self.chunks, self.model, self.microbatches, self.message = model.chunks, model, microbatches, message
+        self.m, self.v, self.pp = len(microbatches), len(self.chunks), pp
+        self.num_stages = self.chunks[0].num_virtual_stages
+        if self.num_stages != pp * self.v:
+            raise ValueError(f"model has {self.num_stages} virtual stages, engine expects pp*chunks = {pp}*{self.v}")
+        self.training = training
+        self.meter = _ActivationMeter(model.parameters()) if training else None
+        self.stored: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor, int]] = {}
+        self.loss_total: Optional[torch.Tensor] = None
+        self.live = self.peak_live = 0
+
+    def tag(self, kind: int, stage: int, mb: int) -> int:  # unique per message of the step
+        return (kind * self.num_stages + stage) * self.m + mb
+
+    def needs(self, action: Action) -> list[Recv]:  # what the action receives before it runs
+        chunk = self.chunks[action.chunk]
+        stage, mb, pp = chunk.virtual_stage, action.microbatch, self.pp
+        if action.op == "F" and not chunk.is_first:
+            return [Recv((stage - 1) % pp, self.tag(ACTIVATION, stage - 1, mb), self.message, self.training,
+                         ACTIVATION)]
+        if action.op == "B" and not chunk.is_last:
+            return [Recv((stage + 1) % pp, self.tag(GRADIENT, stage + 1, mb), self.message, False, GRADIENT)]
+        return []
+
+    def run(self, action: Action, received: list[torch.Tensor], grad_sync) -> list[Send]:
+        """Compute ``action`` on what it ``received``; returns the sends it produced."""
+        return self._forward(action, received) if action.op == "F" else self._backward(action, received, grad_sync)
+
+    def _forward(self, action: Action, received: list[torch.Tensor]) -> list[Send]:
+        chunk, mb = self.chunks[action.chunk], action.microbatch
+        stage = chunk.virtual_stage
+        data = self.microbatches[mb]
+        if data is None and (chunk.is_first or chunk.is_last):
+            raise ValueError(f"micro-batch {mb} is None on the pp rank holding the first/last stage")
+        hidden = received[0] if received else None
+        input_ids = data[0] if chunk.is_first else None
+        targets = data[1] if chunk.is_last else None
+        if self.training:  # measured once per chunk and input shapes/dtypes (see _ActivationMeter)
+            inputs = (input_ids if chunk.is_first else hidden, targets)
+            record = self.meter.record((action.chunk, *((t.shape, t.dtype) for t in inputs if t is not None)))
+        else:
+            record = nullcontext()
+        with record:
+            out = self.model(input_ids=input_ids, targets=targets, hidden=hidden, chunk=action.chunk)
+        sends = []
+        if chunk.is_last:
+            out = out / self.m
+            self.loss_total = out.detach() if self.loss_total is None else self.loss_total + out.detach()
+        else:
+            check_message(out, self.message, f"the output of virtual stage {stage}")
+            sends.append(Send(out, (stage + 1) % self.pp, self.tag(ACTIVATION, stage, mb), ACTIVATION))
+        if self.training:
+            self.stored[(action.chunk, mb)] = (hidden, out, self.meter.add())
+            self.live += 1
+            self.peak_live = max(self.peak_live, self.live)
+        return sends
+
+    def _backward(self, action: Action, received: list[torch.Tensor], grad_sync) -> list[Send]:
+        chunk, mb = self.chunks[action.chunk], action.microbatch
+        stage = chunk.virtual_stage
+        hidden, out, nbytes = self.stored.pop((action.chunk, mb))
+        with nullcontext() if mb == self.m - 1 or grad_sync is None else grad_sync.no_sync():
+            if chunk.is_last:
+                out.backward()
+            else:
+                torch.autograd.backward(out, received[0])
+        sends = [] if chunk.is_first else \
+            [Send(hidden.grad, (stage - 1) % self.pp, self.tag(GRADIENT, stage, mb), GRADIENT)]
+        self.meter.release(nbytes)
+        self.live -= 1
+        return sends
+
+
 class PipelineEngine:
     """``PipelineEngine("1f1b", pc.pp_pg)``; ``forward_backward(model, microbatches, grad_sync, message)``.
 
@@ -144,89 +244,15 @@ class PipelineEngine:
                 raise ValueError("forward_backward: a rank without micro-batches needs "
                                  "message=model.pipeline_message(micro_batch_size, sequence_length)")
             message = model.pipeline_message(*shapes[0])
-        chunks = model.chunks
-        m, v, pp = len(microbatches), len(chunks), self.pp_size
-        num_stages = chunks[0].num_virtual_stages
-        if num_stages != pp * v:
-            raise ValueError(f"model has {num_stages} virtual stages, engine expects pp*chunks = {pp}*{v}")
+        step = _Step(self.pp_size, model, microbatches, message, training=True)
         total, compute, waiting = (IntervalTimer(self.device) for _ in range(3))
         self._timers = (total, compute, waiting)
-        meter = _ActivationMeter(model.parameters())
         total.start()
-
-        def tag(kind: int, stage: int, mb: int) -> int:  # unique per message of the step
-            return (kind * num_stages + stage) * m + mb
-
-        def needs(action: Action) -> list[Recv]:  # what the action receives before it runs
-            chunk = chunks[action.chunk]
-            stage, mb = chunk.virtual_stage, action.microbatch
-            if action.op == "F" and not chunk.is_first:
-                return [Recv((stage - 1) % pp, tag(ACTIVATION, stage - 1, mb), message, True, ACTIVATION)]
-            if action.op == "B" and not chunk.is_last:
-                return [Recv((stage + 1) % pp, tag(GRADIENT, stage + 1, mb), message, False, GRADIENT)]
-            return []
-
-        actions = self.schedule(pp, self.pp_rank, m, v)
-        self.p2p.expect([r for action in actions for r in needs(action)])  # gloo: every receive now
-        stored: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor, int]] = {}
-        loss_total: Optional[torch.Tensor] = None
-        pending: list[Send] = []  # sends produced by the previous action
-        live = peak_live = 0
-        for action in actions:
-            chunk = chunks[action.chunk]
-            stage, mb = chunk.virtual_stage, action.microbatch
-            # The hang record (progress.py): which pp action this rank is in; one string a step.
-            PROGRESS.mark(f"{'forward' if action.op == 'F' else 'backward'} (pp {action.op} micro-batch {mb}"
-                          f"{f', chunk {action.chunk}' if v > 1 else ''})")
-            received = self._communicate(pending, needs(action), waiting)
-            pending = []
-
-            compute.start()
-            if action.op == "F":
-                data = microbatches[mb]
-                if data is None and (chunk.is_first or chunk.is_last):
-                    raise ValueError(f"micro-batch {mb} is None on the pp rank holding the first/last stage")
-                hidden = received[0] if received else None
-                inputs = (data[0] if chunk.is_first else hidden, data[1] if chunk.is_last else None)
-                with meter.record((action.chunk, *((t.shape, t.dtype) for t in inputs if t is not None))):
-                    out = model(input_ids=data[0] if chunk.is_first else None,
-                                targets=data[1] if chunk.is_last else None,
-                                hidden=hidden, chunk=action.chunk)
-                if chunk.is_last:
-                    out = out / m
-                    loss_total = out.detach() if loss_total is None else loss_total + out.detach()
-                else:
-                    check_message(out, message, f"the output of virtual stage {stage}")
-                    pending.append(Send(out, (stage + 1) % pp, tag(ACTIVATION, stage, mb), ACTIVATION))
-                stored[(action.chunk, mb)] = (hidden, out, meter.add())
-                live += 1
-                peak_live = max(peak_live, live)
-            else:
-                hidden, out, nbytes = stored.pop((action.chunk, mb))
-                with nullcontext() if mb == m - 1 or grad_sync is None else grad_sync.no_sync():
-                    if chunk.is_last:
-                        out.backward()
-                    else:
-                        torch.autograd.backward(out, received[0])
-                if not chunk.is_first:
-                    pending.append(Send(hidden.grad, (stage - 1) % pp, tag(GRADIENT, stage, mb), GRADIENT))
-                del hidden, out
-                meter.release(nbytes)
-                live -= 1
-            compute.stop()
-
-        self._communicate(pending, [], waiting)
-        PROGRESS.entering("wait for pipeline sends", self._group)
-        waiting.start()
-        self.p2p.wait_sends()
-        waiting.stop()
-        if stored:
-            raise RuntimeError(f"pipeline schedule {self.name!r} left {len(stored)} backward(s) undone")
-        if self.p2p.num_expected:
-            raise RuntimeError(f"pipeline schedule {self.name!r} left {self.p2p.num_expected} receive(s) unused")
+        actions = self.schedule(self.pp_size, self.pp_rank, step.m, step.v)
+        self._run(step, actions, grad_sync, compute, waiting, _PHASES[step.v > 1], "pipeline schedule")
         total.stop()
-        self._peaks = (peak_live, meter.peak)
-        return loss_total if loss_total is not None else TensorPointer(self.pp_size - 1)
+        self._peaks = (step.peak_live, step.meter.peak)
+        return step.loss_total if step.loss_total is not None else TensorPointer(self.pp_size - 1)
 
     @torch.no_grad()
     def forward_only(self, model, microbatches: Sequence[Optional[MicroBatch]],
@@ -235,53 +261,43 @@ class PipelineEngine:
         ``no_grad`` nothing builds an autograd graph and each micro-batch's activations are
         dropped as soon as they are sent on, so memory stays at one micro-batch per chunk
         (the order of the forwards is that of the training schedule, which already pairs every
-        send with a receive; only the gradient messages are gone). Returns the mean loss over
-        the micro-batches on the rank holding the last stage, a TensorPointer elsewhere."""
-        chunks = model.chunks
-        m, pp = len(microbatches), self.pp_size
-        num_stages = chunks[0].num_virtual_stages
+        send with a receive; only the gradient messages are gone). The same machinery as
+        ``forward_backward``, restricted to the forward actions; it leaves ``last_stats`` (the
+        training step's) and the hang record's phase ("eval") as they are. Returns the mean loss
+        over the micro-batches on the rank holding the last stage, a TensorPointer elsewhere."""
+        step = _Step(self.pp_size, model, microbatches, message, training=False)
+        actions = [a for a in self.schedule(self.pp_size, self.pp_rank, step.m, step.v) if a.op == "F"]
+        self._run(step, actions, None, _NO_TIMER, _NO_TIMER, None, "forward-only")
+        return step.loss_total if step.loss_total is not None else TensorPointer(self.pp_size - 1)
 
-        def recv_of(action: Action) -> list[Recv]:
-            chunk = chunks[action.chunk]
-            if chunk.is_first:
-                return []
-            tag = (chunk.virtual_stage - 1) * m + action.microbatch
-            return [Recv((chunk.virtual_stage - 1) % pp, tag, message, False, ACTIVATION)]
-
-        actions = [a for a in self.schedule(pp, self.pp_rank, m, len(chunks)) if a.op == "F"]
-        if chunks and num_stages != pp * len(chunks):
-            raise ValueError(f"model has {num_stages} virtual stages, engine expects pp*chunks = {pp}*{len(chunks)}")
-        self.p2p.expect([r for a in actions for r in recv_of(a)])
-        loss_total: Optional[torch.Tensor] = None
-        pending: list[Send] = []
+    def _run(self, step: "_Step", actions: list[Action], grad_sync, compute, waiting,
+             phases: Optional[dict], what: str) -> None:
+        """Walk ``actions``: receive what each needs (its queued sends in the same batch), run it,
+        queue what it produced; then send the last outputs and wait for every send. ``phases``:
+        the hang record's phase templates for each action (None: no marks)."""
+        self.p2p.expect([r for action in actions for r in step.needs(action)])  # gloo: every receive now
+        pending: list[Send] = []  # sends produced by the previous action
         for action in actions:
-            chunk, mb = chunks[action.chunk], action.microbatch
-            received = self.p2p.communicate(pending, recv_of(action)) if pending or recv_of(action) else []
-            pending = []
-            data = microbatches[mb]
-            if data is None and (chunk.is_first or chunk.is_last):
-                raise ValueError(f"micro-batch {mb} is None on the pp rank holding the first/last stage")
-            out = model(input_ids=data[0] if chunk.is_first else None,
-                        targets=data[1] if chunk.is_last else None,
-                        hidden=received[0] if received else None, chunk=action.chunk)
-            if chunk.is_last:
-                loss_total = out / m if loss_total is None else loss_total + out / m
-            else:
-                check_message(out, message, f"the output of virtual stage {chunk.virtual_stage}")
-                pending.append(Send(out, (chunk.virtual_stage + 1) % pp, chunk.virtual_stage * m + mb, ACTIVATION))
-        if pending:
-            self.p2p.communicate(pending, [])
+            if phases is not None:  # the hang record (progress.py), formatted only if read
+                PROGRESS.mark(phases[action.op], action.microbatch, action.chunk)
+            received = self._communicate(pending, step.needs(action), waiting)
+            compute.start()
+            pending = step.run(action, received, grad_sync)
+            compute.stop()
+        self._communicate(pending, [], waiting)
+        PROGRESS.entering("wait for pipeline sends", self._group)
+        waiting.start()
         self.p2p.wait_sends()
+        waiting.stop()
+        if step.stored:
+            raise RuntimeError(f"pipeline schedule {self.name!r} left {len(step.stored)} backward(s) undone")
         if self.p2p.num_expected:
-            raise RuntimeError(f"forward-only {self.name!r} left {self.p2p.num_expected} receive(s) unused")
-        return loss_total if loss_total is not None else TensorPointer(self.pp_size - 1)
+            raise RuntimeError(f"{what} {self.name!r} left {self.p2p.num_expected} receive(s) unused")
 
     def _communicate(self, sends: list[Send], recvs: list[Recv], timer: "IntervalTimer") -> list[torch.Tensor]:
+        """One communication point, timed (``P2P.communicate`` writes the hang record)."""
         if not sends and not recvs:
             return []
-        what = " ".join([*(f"send to pp rank {s.dst}" for s in sends),
-                         *(f"recv from pp rank {r.src}" for r in recvs)])
-        PROGRESS.entering(f"pipeline {what}", self._group)
         timer.start()
         received = self.p2p.communicate(sends, recvs)
         timer.stop()

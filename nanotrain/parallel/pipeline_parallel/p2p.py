@@ -28,6 +28,12 @@ data moves while ranks compute. NCCL ignores tags and matches in posting order p
 receive posted ahead would block the communicator's stream for the sends queued behind it, so
 there receives are posted exactly when needed, in the same order on both sides (the schedules
 guarantee it; the simulation checks that the tags of matched messages agree).
+
+The hang record (``progress.py``). ``communicate`` records, once per communication point and
+right before it waits, which messages it waits on (peers and tags, sends of the same batch
+included) and the communicator of the receive; the transport's post records only the generic
+"pipeline send/recv" (through ``collectives.batch_isend_irecv``), which stands while the post
+itself runs (a communicator created lazily on its first use) and for ``expect``'s posts.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.parallel.collectives import batch_isend_irecv
+from nanotrain.parallel.progress import PROGRESS
 
 # What NCCL can carry (it has no complex or bool types); gloo carries these too.
 WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -91,13 +98,17 @@ class TorchP2PTransport:
         self.matches_by_tag = dist.get_backend(pg) == "gloo"
         self._pp_ranks = dist.get_process_group_ranks(pg)
 
+    def group_of(self, flow: tuple[int, int]) -> dist.ProcessGroup:
+        """The process group that carries ``flow`` (kind, sending pp rank)."""
+        return self.pg if self.flow_groups is None else self.flow_groups[flow]
+
     def post(self, ops: Sequence[Op]) -> list:
         """Post ``ops``, one batch per process group; one waitable handle per op (the same one
         for every op of a batch on a coalescing backend such as NCCL)."""
         batches: dict[int, list[int]] = {}  # id(group) -> indices into ops
         groups = {}
         for i, op in enumerate(ops):
-            group = self.pg if self.flow_groups is None else self.flow_groups[op.flow]
+            group = self.group_of(op.flow)
             groups[id(group)] = group
             batches.setdefault(id(group), []).append(i)
         works: list = [None] * len(ops)
@@ -125,6 +136,7 @@ class P2P:
         self.device = transport.device
         self._inflight: list[tuple[object, torch.Tensor]] = []  # sends and the buffers they read
         self._expected: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}  # (src, tag) -> posted recv
+        self._group_of = getattr(transport, "group_of", None)  # for the hang record (none: the world)
 
     @classmethod
     def over(cls, pg: dist.ProcessGroup, device: Optional[torch.device] = None,
@@ -181,6 +193,8 @@ class P2P:
             work, buf, grad = waiting[index]
             waiting[index] = (next(recv_works), buf, grad)
         self._inflight += [(work, op.tensor) for work, op in zip(works[:len(sends)], ops)]
+        if waiting:
+            self._record(sends, recvs)
         out = []
         for work, buf, requires_grad in waiting:
             work.wait()
@@ -194,6 +208,14 @@ class P2P:
         self._inflight.clear()
 
     # ------------------------------------------------------------------ internals
+    def _record(self, sends: Sequence[Send], recvs: Sequence[Recv]) -> None:
+        """The hang record for the waits of one communication point (see the module doc): its
+        messages, and the group of the first receive (the one waited on first)."""
+        what = ", ".join([*(f"send to pp rank {s.dst} tag {s.tag}" for s in sends),
+                          *(f"recv from pp rank {r.src} tag {r.tag}" for r in recvs)])
+        group = self._group_of((recvs[0].kind, recvs[0].src)) if self._group_of is not None else None
+        PROGRESS.entering(f"pipeline send/recv: {what}", group)
+
     def _recv_op(self, recv: Recv, buf: torch.Tensor) -> Op:
         return Op(False, buf, recv.src, self._check_tag(recv.tag), (recv.kind, recv.src))
 
