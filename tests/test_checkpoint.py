@@ -634,6 +634,52 @@ def test_offline_reshard_through_pp_tp_dp_and_back_is_exact(tmp_path):
     assert fresh_sched.state_dict() == sched.state_dict()
 
 
+def test_offline_reshard_moe_across_ep_and_back_is_exact(tmp_path):
+    """One process, an MoE model (dense first layer, shared expert): ep1 ZeRO-0 -> ep4 tp2 dp2
+    ZeRO-1 (model files: both tp shards of ep rank 0, and each ep rank's quarter of the experts,
+    which are not split over tp, written once by its tp rank 0; ZeRO-1 ranges over dp x ep for
+    the dense states and over dp for the experts', every (ep, dp, tp) rank one optimizer file)
+    -> ep1 ZeRO-0 -> loaded: every tensor bit-identical."""
+    from nanotrain.checkpoint.reshard import reshard_offline
+    from nanotrain.config import MoEArgs
+    from nanotrain.models.llama import LlamaModel
+    from nanotrain.optim import build_lr_scheduler, build_optimizer
+
+    args = replace(MODEL, num_layers=3, moe=MoEArgs(num_experts=4, top_k=2, expert_intermediate_size=32,
+                                                    num_shared_experts=1, first_dense_layers=1))
+    model = LlamaModel(args, None, seed=1)
+    opt = build_optimizer(model.named_parameters(), OPTIM, zero_stage=0)
+    sched = build_lr_scheduler(opt, OPTIM, 10)
+    for step in range(2):
+        batch = global_batch(step)
+        model.begin_step(1)
+        model(batch[:, :-1], batch[:, 1:]).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    save_checkpoint(tmp_path / "a", 2, model, opt, sched, config=config_for(model=args), extra={"consumed_samples": 16})
+    wide = reshard_offline(tmp_path / "a", tmp_path / "b", ["parallelism.ep=4", "parallelism.tp=2", "parallelism.dp=2",
+                                                           "optimizer.zero_stage=1"])
+    meta = json.loads((wide / "meta.json").read_text())
+    assert meta["topology"]["ep"] == 4 and meta["world_size"] == 16
+    assert sorted(f for f in meta["files"] if f.startswith("model/")) == [
+        f"model/pp-00_tp-{t:02d}_ep-{e:02d}.safetensors" for t, e in ((0, 0), (0, 1), (0, 2), (0, 3), (1, 0))]
+    assert len([f for f in meta["files"] if f.startswith("optimizer/")]) == 16
+    experts = meta["index"]["model"]["layers.1.mlp.experts.gate_up.weight"]
+    assert sorted(e["shard"]["pairs"][0][1][0][0] for e in experts) == [0, 1, 2, 3]  # one expert per ep rank
+    reshard_offline(tmp_path / "b", tmp_path / "c", ["parallelism.ep=1", "parallelism.tp=1", "parallelism.dp=1",
+                                                     "optimizer.zero_stage=0"])
+    fresh = LlamaModel(args, None, seed=9)
+    fresh_opt = build_optimizer(fresh.named_parameters(), OPTIM, zero_stage=0)
+    fresh_sched = build_lr_scheduler(fresh_opt, OPTIM, 10)
+    res = load_checkpoint(tmp_path / "c", fresh, fresh_opt, fresh_sched, config=config_for(model=args))
+    assert res.step == 2 and res.extra == {"consumed_samples": 16}
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p, q), name
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][k], fresh_opt.state[q][k]), (name, k)
+
+
 def test_per_parameter_files_and_rank_state(tmp_path):
     root = tmp_path / "ck"
     objs = tiny()

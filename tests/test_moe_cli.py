@@ -1,25 +1,29 @@
-"""MoE through the CLI (`submit.py --local`): an ep2 run equals the one-process run (10 steps, the
-same losses within rel. 1e-5), writes the moe/* scalars and one model file per expert-shard
-owner; resuming at ep2 is bit-exact; resuming at ep1, ep4 and ep2·tp2 (resharding the expert
-axis and tp) continues within rel. 1e-5. Every layout keeps the global batch of 8 samples."""
+"""MoE through the CLI (`submit.py --local`): an ep2 ZeRO-1 run equals the one-process ZeRO-0 run
+(10 steps, the same losses within rel. 1e-5), writes the moe/* scalars and one model file per
+expert-shard owner; resuming at ep2 is bit-exact; resuming at ep1 (ZeRO-0), ep4 and ep2·tp2
+(resharding the expert axis, tp and the ZeRO ranges) continues within rel. 1e-5; the step-5
+checkpoint resharded offline to ep4 (scripts/reshard_checkpoint.py) resumes to the very losses of
+the online ep4 resume. Every layout keeps the global batch of 8 samples."""
 from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers.runs import TINY, cli, set_args, tb_losses
+from helpers.runs import ROOT, TINY, cli, set_args, tb_losses
 
 STEPS = 10
 BASE = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "model.num_attention_heads=4",
         "model.num_key_value_heads=2", "training.sequence_length=32", "training.micro_batch_size=2",
         f"training.train_steps={STEPS}", "logging.log_interval=1", "checkpoints.interval=5",
-        "optimizer.warmup_steps=2", "parallelism.tp=1", "parallelism.pp=1", "parallelism.dp=1",
+        "optimizer.warmup_steps=2", "optimizer.zero_stage=1", "parallelism.tp=1", "parallelism.pp=1",
+        "parallelism.dp=1",
         "model.moe={num_experts: 4, top_k: 2, num_shared_experts: 1, aux_loss_coef: 0.05, z_loss_coef: 0.001}"]
 LAYOUTS = {
-    "ep1": ["parallelism.ep=1", "training.batch_accumulation_per_replica=4"],
+    "ep1": ["parallelism.ep=1", "training.batch_accumulation_per_replica=4", "optimizer.zero_stage=0"],
     "ep2": ["parallelism.ep=2", "training.batch_accumulation_per_replica=2"],
     "ep4": ["parallelism.ep=4", "training.batch_accumulation_per_replica=1"],
     "ep2-tp2": ["parallelism.ep=2", "parallelism.tp=2", "training.batch_accumulation_per_replica=2"],
@@ -37,11 +41,20 @@ def _train(logs, name: str, layout: str):
     return logs / name
 
 
-def _resume_from_step5(source, dest, layout: str) -> str:
-    """A copy of ``source`` without its step-10 checkpoint, resumed at ``layout``."""
+def _resume_from_step5(source, dest, layout: str, offline: bool = False) -> str:
+    """A copy of ``source`` without its step-10 checkpoint, resumed at ``layout`` (``offline``:
+    its step-5 checkpoint first rewritten for ``layout`` by scripts/reshard_checkpoint.py)."""
     shutil.copytree(source, dest)
-    shutil.rmtree(dest / "checkpoints" / "step_000010")
-    (dest / "checkpoints" / "latest").write_text("step_000005")
+    ckpts = dest / "checkpoints"
+    shutil.rmtree(ckpts / "step_000010")
+    (ckpts / "latest").write_text("step_000005")
+    if offline:
+        shutil.move(ckpts, dest / "source")
+        sets = [a for item in LAYOUTS[layout] for a in ("--set", item)]
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "reshard_checkpoint.py"), str(dest / "source"),
+                               str(ckpts), *sets], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        shutil.rmtree(dest / "source")
     proc = subprocess.run(cli("--resume", str(dest), "--local", *_sets(LAYOUTS[layout])),
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -80,3 +93,10 @@ def test_moe_cli_ep2_equals_one_process_and_resumes_across_ep(tmp_path):
         resumed = dict(tb_losses(tmp_path / f"re-{layout}"))
         for step in range(6, STEPS + 1):
             assert abs(resumed[step] - got[step]) <= 1e-5 * abs(got[step]), (layout, step, resumed[step], got[step])
+
+    # resharded offline to ep4 ZeRO-1 first: loaded as it is, the same state as the online reshard
+    out = _resume_from_step5(ep2, tmp_path / "offline-ep4", "ep4", offline=True)
+    assert "at step 5 (same topology, bit-exact)" in out, out[-2000:]
+    offline = dict(tb_losses(tmp_path / "offline-ep4"))
+    online = dict(tb_losses(tmp_path / "re-ep4"))
+    assert [offline[s] for s in range(6, STEPS + 1)] == [online[s] for s in range(6, STEPS + 1)]

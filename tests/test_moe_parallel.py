@@ -7,7 +7,8 @@ dp x cp x ep), then 10 training steps (loss, grad norm with clipping, final weig
 rel 1e-5. The auxiliary losses are on (coefficients large enough to matter) and the model has a
 dense first layer and a shared expert. Every data rank's micro-batches are micro-batches of the
 single process (ep ranks read different samples), so the per-micro-batch load-balancing loss is
-the same function of the same tokens in both.
+the same function of the same tokens in both. ep4 and dp2·ep2·pp2 run ZeRO-1 (dense states
+sharded over dp x cp x ep, the experts' over dp x cp), the others ZeRO-0.
 
 One launch per topology; one 1-process launch computes the reference."""
 from __future__ import annotations
@@ -28,13 +29,14 @@ MODEL = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_layer
                   num_key_value_heads=2, max_position_embeddings=32, dtype="float32", moe=MOE)
 OPTIM = OptimizerArgs(lr=3e-3, weight_decay=0.1, warmup_steps=2, min_lr=3e-4, clip_grad=0.3)
 STEPS, SEQ, MICRO_BATCH, GLOBAL_BATCH = 10, 16, 2, 8
-# (dp, tp, pp, ep, cp, tp_mode)
+# (dp, tp, pp, ep, cp, tp_mode); ZERO1: the topologies trained with optimizer.zero_stage 1
 TOPOLOGIES = [(1, 1, 1, 2, 1, "ALL_REDUCE"), (1, 1, 1, 4, 1, "ALL_REDUCE"), (1, 2, 1, 2, 1, "ALL_REDUCE"),
               (1, 1, 2, 2, 1, "ALL_REDUCE"), (2, 1, 2, 2, 1, "ALL_REDUCE"),
               # context parallel and sequence-parallel tp: the router sees this rank's tokens, so the
               # load-balancing loss (a product of two means over tokens) would differ: it is off
               # here; the z-loss (a mean over tokens) stays exact and on.
               (1, 2, 1, 2, 2, "REDUCE_SCATTER")]
+ZERO1 = {(1, 1, 1, 4, 1, "ALL_REDUCE"), (2, 1, 2, 2, 1, "ALL_REDUCE")}
 
 
 def global_batch(step: int) -> torch.Tensor:
@@ -57,13 +59,14 @@ def _model(aux: bool) -> ModelArgs:
     return MODEL if aux else dataclasses.replace(MODEL, moe=dataclasses.replace(MOE, aux_loss_coef=0.0))
 
 
-def train(dp: int, tp: int, pp: int, ep: int, cp: int = 1, mode: str = "ALL_REDUCE", aux: bool = True) -> dict:
+def train(dp: int, tp: int, pp: int, ep: int, cp: int = 1, mode: str = "ALL_REDUCE", aux: bool = True,
+          zero: int = 0) -> dict:
     import torch.distributed as dist
 
     from nanotrain.models.llama import LlamaModel
-    from nanotrain.optim import build_lr_scheduler, build_optimizer
+    from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups
     from nanotrain.parallel.context import ParallelContext
-    from nanotrain.parallel.data_parallel import build_grad_sync
+    from nanotrain.parallel.data_parallel import ZeroOneOptimizer, build_grad_sync
     from nanotrain.parallel.pipeline_parallel import PipelineEngine
     from nanotrain.parallel.tensor_parallel import allreduce_sequence_parallel_grads_
     from nanotrain.training.step import forward_backward, train_step
@@ -74,7 +77,10 @@ def train(dp: int, tp: int, pp: int, ep: int, cp: int = 1, mode: str = "ALL_REDU
     model = LlamaModel(_model(aux), pc.tp_pg, mode=mode, pp_rank=pc.pp_rank, pp_size=pp, seed=11, ep_pg=pc.ep_pg,
                        cp_pg=pc.cp_pg)
     grad_sync = build_grad_sync(list(model.parameters()), pc, bucket_cap_mb=0.01)
-    optimizer = build_optimizer(model.named_parameters(), OPTIM, pc.dp_cp_pg)
+    optimizer = build_optimizer(model.named_parameters(), OPTIM, zero_stage=zero, **optimizer_groups(pc))
+    if zero == 1 and ep > 1:  # two domains: dense states over dp x cp x ep, experts' over dp x cp
+        assert isinstance(optimizer, ZeroOneOptimizer)
+        assert [d.size for d in optimizer.domains] == [dp * cp * ep, dp * cp]
     scheduler = build_lr_scheduler(optimizer, OPTIM, STEPS)
     engine = PipelineEngine("afab", pc.pp_pg) if pp > 1 else None
 
@@ -130,7 +136,7 @@ def reference(aux: bool) -> dict:
 @functools.lru_cache(maxsize=None)
 def parallel(topology, aux: bool) -> list[dict]:
     dp, tp, pp, ep, cp, _ = topology
-    return run_distributed(train, dp * tp * pp * ep * cp, *topology, aux, timeout=400)
+    return run_distributed(train, dp * tp * pp * ep * cp, *topology, aux, int(topology in ZERO1), timeout=400)
 
 
 def _merged(per_rank: list[dict], key: str) -> dict:
@@ -143,6 +149,7 @@ def _merged(per_rank: list[dict], key: str) -> dict:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=[f"dp{a}-tp{b}-pp{c}-ep{d}-cp{e}-{m[0]}"
+                                                    + ("-zero1" if (a, b, c, d, e, m) in ZERO1 else "")
                                                     for a, b, c, d, e, m in TOPOLOGIES])
 def test_expert_parallel_equals_single_process(topology):
     aux = topology[-1] == "ALL_REDUCE" and topology[4] == 1

@@ -2,7 +2,9 @@
 numbers. At one topology the losses, the gradients every optimizer step sees and the final
 weights are bit-identical (``==``, CPU fp32 and bf16 autocast) to ``none``, under tp (both modes,
 async communication), every pipeline engine (interleaved included), cp2 with sequence-parallel tp
-and ZeRO-1; and ``full`` keeps only each layer's input (autograd's saved tensors, counted).
+and ZeRO-1, and an MoE model under ep2 x pp2 (its expert all-to-alls rerun in backward; the
+routing statistics are recorded once per forward, as without recomputation); and ``full`` keeps
+only each layer's input (autograd's saved tensors, counted).
 Checkpoints are unaffected: a run preempted under ``none`` resumes under ``full`` bit-exactly."""
 from __future__ import annotations
 
@@ -34,38 +36,45 @@ def train(grid: dict, cases: list[dict]) -> list:
     from nanotrain.parallel.context import ParallelContext
 
     pc = ParallelContext(tensor_parallel_size=grid.get("tp", 1), pipeline_parallel_size=grid.get("pp", 1),
-                         data_parallel_size=grid.get("dp", 1), context_parallel_size=grid.get("cp", 1))
+                         data_parallel_size=grid.get("dp", 1), context_parallel_size=grid.get("cp", 1),
+                         expert_parallel_size=grid.get("ep", 1))
     results = [{mode: train_one(pc, case, mode) for mode in MODES} for case in cases]
     pc.destroy()  # train_one's model, sync and optimizer are gone: nothing holds the groups
     return results
 
 
 def train_one(pc, case: dict, mode: str) -> dict:
+    from nanotrain.config import MoEArgs
     from nanotrain.models.llama import LlamaModel
-    from nanotrain.optim import build_lr_scheduler, build_optimizer
-    from nanotrain.parallel.data_parallel import BucketedGradSync
+    from nanotrain.models.moe import step_scalars
+    from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups
+    from nanotrain.parallel.data_parallel import build_grad_sync
     from nanotrain.parallel.pipeline_parallel import PipelineEngine
     from nanotrain.training.step import train_step
 
     dtype = case.get("dtype", "float32")
-    model = LlamaModel(ModelArgs(**MODEL, tie_word_embeddings=case.get("tied", False), dtype=dtype),
+    moe = MoEArgs(**case["moe"]) if "moe" in case else None
+    model = LlamaModel(ModelArgs(**MODEL, tie_word_embeddings=case.get("tied", False), dtype=dtype, moe=moe),
                        pc.tp_pg, mode=case.get("tp_mode", "ALL_REDUCE"), async_communication=case.get("async", False),
                        pp_rank=pc.pp_rank, pp_size=pc.pp_size, virtual_stages=case.get("v", 1), seed=3,
-                       compute_dtype=dtype, cp_pg=pc.cp_pg, recompute=mode)
-    grad_sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg, bucket_cap_mb=0.01)
-    optimizer = build_optimizer(model.named_parameters(), OPTIM, pc.dp_cp_pg, zero_stage=case.get("zero", 0))
+                       compute_dtype=dtype, cp_pg=pc.cp_pg, ep_pg=pc.ep_pg, recompute=mode)
+    grad_sync = build_grad_sync(list(model.parameters()), pc, bucket_cap_mb=0.01)
+    optimizer = build_optimizer(model.named_parameters(), OPTIM, zero_stage=case.get("zero", 0),
+                                **optimizer_groups(pc))
     scheduler = build_lr_scheduler(optimizer, OPTIM, STEPS_HERE)
     seen, named = [], list(model.named_parameters())
     optimizer.register_step_pre_hook(lambda *_: seen.append({n: p.grad.clone() for n, p in named
                                                              if p.grad is not None}))
     engine = PipelineEngine(case["engine"], pc.pp_pg) if pc.pp_size > 1 else None
-    per_replica = GLOBAL_BATCH // pc.dp_size
-    losses = []
+    per_replica = GLOBAL_BATCH // pc.data_size
+    losses, routing = [], []
     for step in range(STEPS_HERE):
-        mine = global_batch(step)[pc.dp_rank * per_replica:(pc.dp_rank + 1) * per_replica]
+        mine = global_batch(step)[pc.data_rank * per_replica:(pc.data_rank + 1) * per_replica]
         micro = [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(MICRO_BATCH)]
         losses.append(train_step(model, micro, grad_sync, optimizer, scheduler, pc, OPTIM.clip_grad, engine).loss)
-    return {"loss": losses, "grads": seen, "weights": {n: p.detach().clone() for n, p in named}}
+        if moe is not None:  # one record per (micro-batch, MoE layer) forward of this stage
+            routing.append((len(model.moe_state.stats), step_scalars(model.moe_state, pc.pp_pg)))
+    return {"loss": losses, "grads": seen, "weights": {n: p.detach().clone() for n, p in named}, "routing": routing}
 
 
 def assert_identical(runs: dict) -> None:
@@ -78,6 +87,7 @@ def assert_identical(runs: dict) -> None:
         for a, b in zip(got["grads"], ref["grads"]):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), mode
         assert all(torch.equal(got["weights"][k], v) for k, v in ref["weights"].items()), mode
+        assert got["routing"] == ref["routing"], mode
 
 
 @pytest.mark.timeout(240)
@@ -99,6 +109,20 @@ def test_cp2_sequence_parallel_zero1_bit_identical():
     for rank in run_distributed(train, 4, {"cp": 2, "tp": 2}, cases, timeout=220):
         for runs in rank:
             assert_identical(runs)
+
+
+@pytest.mark.timeout(240)
+def test_moe_ep2_pp2_zero1_bit_identical():
+    """ep2 x pp2 (4 ranks), 1f1b, an MoE model with a dense first layer, a shared expert and both
+    auxiliary losses, ZeRO-1 over the dense and expert groups."""
+    moe = {"num_experts": 4, "top_k": 2, "expert_intermediate_size": 32, "num_shared_experts": 1,
+           "first_dense_layers": 1, "aux_loss_coef": 0.1, "z_loss_coef": 0.01}
+    cases = [{"engine": "1f1b", "moe": moe, "zero": 1}]
+    for rank in run_distributed(train, 4, {"ep": 2, "pp": 2}, cases, timeout=220):
+        for runs in rank:
+            assert_identical(runs)
+            counts = [n for n, _ in runs["none"]["routing"]]
+            assert counts and all(n == counts[0] > 0 for n in counts), counts  # each stage has MoE layers
 
 
 def saved_storages(mode: str) -> tuple[int, list[int]]:

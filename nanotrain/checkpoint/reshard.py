@@ -1,13 +1,16 @@
 """Offline resharding: a checkpoint at one topology -> a complete checkpoint at another, in one
 process, with tensors only (no process group, no model weights computed).
 
-The target layout comes from the model code itself: for every (pp rank, tp rank) of the new
-topology a *skeleton* ``LlamaModel`` is built on the meta device with a stand-in tp group (size,
-rank) and no weight initialisation, which yields each parameter's name, local shape and ShardInfo
-exactly as the real run will have them (fused QKV / gate-up chunks, vocab padding, pipeline
-placement, tied replicas). ZeRO-1 ranges come from ``zero_partition`` over the parameters in
-``build_optimizer``'s order. Full tensors are assembled from the source shards with the loader's
-own functions, then cut into the new pieces: copies only, so values are bit-identical.
+The target layout comes from the model code itself: for every (ep rank, pp rank, tp rank) of the
+new topology a *skeleton* ``LlamaModel`` is built on the meta device with stand-in tp and ep
+groups (size, rank) and no weight initialisation, which yields each parameter's name, local shape
+and ShardInfo exactly as the real run will have them (fused QKV / gate-up chunks, vocab padding,
+pipeline placement, tied replicas, the rank's experts). ZeRO-1 ranges come from
+``zero_partition`` over the parameters in ``build_optimizer``'s order, as ``ZeroOneOptimizer``
+cuts them: with ep > 1 the dense parameters over dp x ep (the rank's place in ``dp_cp_ep_pg``
+is ``ep_rank * dp + dp_rank``) and the routed experts over dp. Full tensors are assembled from
+the source shards with the loader's own functions, then cut into the new pieces: copies only,
+so values are bit-identical.
 
 The output has no RNG state files (the loader warns and starts fresh streams, as after any
 topology change); step, counters, scheduler and learning rates are carried over. The whole model
@@ -32,6 +35,8 @@ from nanotrain.checkpoint.items import named_params
 from nanotrain.config import Config
 from nanotrain.models import llama_arch
 from nanotrain.models.llama import LlamaModel
+from nanotrain.optim.optimizer import weight_decay_groups
+from nanotrain.parallel.data_parallel import is_expert_param, zero_partition
 from nanotrain.parallel.grid import GroupShape
 from nanotrain.parallel.sharding import ShardInfo, get_shard_info
 
@@ -40,12 +45,13 @@ log = logging.getLogger("nanotrain.checkpoint")
 
 @dataclass(frozen=True)
 class _StandInContext:
-    """What ``llama_arch.model_kwargs`` reads of a ParallelContext, for one (tp, pp) rank of a
+    """What ``llama_arch.model_kwargs`` reads of a ParallelContext, for one (tp, pp, ep) rank of a
     topology that has no processes (offline resharding supports cp = 1 only)."""
 
     tp_pg: GroupShape
     pp_rank: int
     pp_size: int
+    ep_pg: GroupShape
     cp_pg: None = None
 
 
@@ -54,10 +60,10 @@ class _Skeleton(LlamaModel):
         pass
 
 
-def skeleton_model(config: Config, tp_rank: int, pp_rank: int) -> LlamaModel:
-    """The model of one (tp, pp) rank with the right names, shapes and ShardInfo, no storage."""
+def skeleton_model(config: Config, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> LlamaModel:
+    """The model of one (tp, pp, ep) rank with the right names, shapes and ShardInfo, no storage."""
     p = config.parallelism
-    pc = _StandInContext(GroupShape(p.tp, tp_rank), pp_rank, p.pp)
+    pc = _StandInContext(GroupShape(p.tp, tp_rank), pp_rank, p.pp, GroupShape(p.ep, ep_rank))
     with torch.device("meta"):
         return _Skeleton(**llama_arch.model_kwargs(config, pc))
 
@@ -70,9 +76,27 @@ def _cut(full: torch.Tensor, info: ShardInfo, local_shape: tuple[int, ...]) -> t
 
 def optimizer_order(model) -> list[str]:
     """Parameter names in the flat order of ``build_optimizer`` (decay group, then no-decay)."""
-    from nanotrain.optim.optimizer import weight_decay_groups
     groups = weight_decay_groups(model.named_parameters(), 0.0)
     return [n for g in groups for n in g["param_names"]]
+
+
+def optimizer_ranges(model, zero: int, dp: int, dp_rank: int, ep: int, ep_rank: int) -> list[tuple[str, int, int]]:
+    """(name, start, stop) of the optimizer states one rank holds, in ``build_optimizer``'s order:
+    whole parameters for ZeRO-0; for ZeRO-1 the ranges ``ZeroOneOptimizer`` gives rank
+    (dp_rank, ep_rank), the dense parameters sharded over dp x ep and the experts over dp."""
+    params = dict(model.named_parameters())
+    order = optimizer_order(model)
+    if zero == 0:
+        return [(n, 0, params[n].numel()) for n in order]
+    out = []
+    dense = [n for n in order if ep == 1 or not is_expert_param(params[n])]
+    experts = [n for n in order if ep > 1 and is_expert_param(params[n])]
+    for names, size, rank in ((dense, dp * ep, ep_rank * dp + dp_rank), (experts, dp, dp_rank)):
+        if names:
+            pieces = zero_partition([params[n].numel() for n in names], size)[rank]
+            out += [(names[i], a, b) for i, a, b in pieces]
+    position = {n: i for i, n in enumerate(order)}
+    return sorted(out, key=lambda r: position[r[0]])
 
 
 def resolve_checkpoint(src: str | Path) -> Path:
@@ -108,7 +132,6 @@ def reshard_offline(src: str | Path, dst_root: str | Path, overrides: list[str] 
     """Write ``dst_root/step_N`` (+ ``latest``) at the topology of the source config with
     ``overrides`` (``parallelism.tp=4``, ``optimizer.zero_stage=0``...) applied."""
     from nanotrain.config.loader import apply_override, config_from_dict, config_to_dict
-    from nanotrain.parallel.data_parallel.zero import zero_partition
 
     t0 = time.perf_counter()
     meta, full, full_opt = read_full_state(src)
@@ -121,9 +144,9 @@ def reshard_offline(src: str | Path, dst_root: str | Path, overrides: list[str] 
     config = config_from_dict(raw)
     cfg = config_to_dict(config)
     par, zero = cfg["parallelism"], cfg["optimizer"]["zero_stage"]
-    tp, pp, dp = par["tp"], par["pp"], par["dp"]
-    if par["cp"] != 1 or par["ep"] != 1:
-        raise CheckpointError("offline resharding supports cp = ep = 1 (use the online loader)")
+    tp, pp, dp, ep = par["tp"], par["pp"], par["dp"], par["ep"]
+    if par["cp"] != 1:
+        raise CheckpointError("offline resharding supports cp = 1 (use the online loader)")
     if full_opt and zero not in (0, 1):
         raise CheckpointError(f"zero_stage must be 0 or 1, got {zero}")
 
@@ -137,61 +160,34 @@ def reshard_offline(src: str | Path, dst_root: str | Path, overrides: list[str] 
 
     files, model_index, opt_index = {}, {}, {}
     seen: set[str] = set()  # records already written by a lower rank (replicas)
-    for pp_rank in range(pp):  # global rank order: pp, then dp, then tp (tp fastest)
-        stages = [skeleton_model(config, t, pp_rank) for t in range(tp)]
-        for tp_rank, skel in enumerate(stages):
-            items = []
-            for pname, (p, *_) in named_params(skel).items():
-                if pname not in full:
-                    raise CheckpointError(f"{src} has no parameter {pname!r} (source model differs)")
-                info = get_shard_info(p)
-                key = fmt.key_hash(["model", pname, fmt.info_to_json(info), list(p.shape)])
-                if key in seen:
-                    continue
-                seen.add(key)
-                local = _cut(full[pname], info, tuple(p.shape))
-                items.append((pname, local, info))
-            if items:
-                f, i = shard_files.write_model_shards(tmp, fmt.coord_tag(pp=pp_rank, tp=tp_rank), items,
-                                                      granularity, pp_rank)
-                files.update(f)
-                shard_files.merge_index(model_index, i)
-        if not full_opt:
-            continue
-        for dp_rank in range(dp if zero == 1 else 1):
+    for ep_rank in range(ep):  # global rank order: ep, pp, then dp, then tp (tp fastest)
+        for pp_rank in range(pp):
+            stages = [skeleton_model(config, t, pp_rank, ep_rank) for t in range(tp)]
+            tags = [fmt.coord_tag(pp=pp_rank, tp=t, ep=ep_rank if ep > 1 else None) for t in range(tp)]
             for tp_rank, skel in enumerate(stages):
-                params = named_params(skel)
-                order = optimizer_order(skel)
-                numels = [params[n][0].numel() for n in order]
-                ranges = (zero_partition(numels, dp)[dp_rank] if zero == 1
-                          else [(i, 0, n) for i, n in enumerate(numels)])
-                items = []
-                for i, a, b in ranges:
-                    pname, p = order[i], params[order[i]][0]
-                    if pname not in full_opt:
-                        raise CheckpointError(f"{src} has no optimizer state for {pname!r}")
-                    info = get_shard_info(p)
-                    key = fmt.key_hash(["optimizer", pname, fmt.info_to_json(info), list(p.shape), a, b])
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    st = full_opt[pname]
-                    cut = {}
-                    for k in ("exp_avg", "exp_avg_sq"):
-                        cut[k] = _cut(st[k], info, tuple(p.shape)).reshape(-1)[a:b].clone()
-                    items.append((pname, info, tuple(p.shape), a, b, st["step"], cut["exp_avg"], cut["exp_avg_sq"]))
+                items = _model_items(skel, full, seen, src)
                 if items:
-                    tag = fmt.coord_tag(pp=pp_rank, tp=tp_rank, dp=dp_rank)
-                    f, i = shard_files.write_optimizer_shards(tmp, tag, items, granularity, pp_rank)
+                    f, i = shard_files.write_model_shards(tmp, tags[tp_rank], items, granularity, pp_rank)
                     files.update(f)
-                    shard_files.merge_index(opt_index, i)
+                    shard_files.merge_index(model_index, i)
+            if not full_opt:
+                continue
+            for dp_rank in range(dp if zero == 1 else 1):
+                for tp_rank, skel in enumerate(stages):
+                    ranges = optimizer_ranges(skel, zero, dp, dp_rank, ep, ep_rank)
+                    items = _optimizer_items(skel, ranges, full_opt, seen, src)
+                    if items:
+                        tag = fmt.coord_tag(pp=pp_rank, tp=tp_rank, ep=ep_rank if ep > 1 else None, dp=dp_rank)
+                        f, i = shard_files.write_optimizer_shards(tmp, tag, items, granularity, pp_rank)
+                        files.update(f)
+                        shard_files.merge_index(opt_index, i)
 
     new_meta = dict(meta)
     new_meta.update({
-        "topology": {"dp": dp, "tp": tp, "pp": pp, "cp": 1, "ep": 1, "zero_stage": zero if full_opt else None,
+        "topology": {"dp": dp, "tp": tp, "pp": pp, "cp": 1, "ep": ep, "zero_stage": zero if full_opt else None,
                      "pp_engine": par.get("pp_engine"), "pp_virtual_stages": par.get("pp_virtual_stages"),
                      "tp_mode": par.get("tp_mode")},
-        "world_size": dp * tp * pp, "config": cfg,
+        "world_size": dp * tp * pp * ep, "config": cfg,
         "config_hash": hashlib.sha256(fmt.canonical(cfg).encode()).hexdigest(),
         "granularity": granularity, "created_unix": time.time(), "torch_version": torch.__version__,
         "files": dict(sorted(files.items())),
@@ -202,6 +198,40 @@ def reshard_offline(src: str | Path, dst_root: str | Path, overrides: list[str] 
     fmt.write_meta_and_complete(tmp, new_meta)
     fmt.commit_rename(tmp, final)
     fmt.update_latest(dst_root, name)
-    log.info("resharded %s -> %s (dp%d tp%d pp%d zero%s) in %.2f s", src, final, dp, tp, pp, zero,
+    log.info("resharded %s -> %s (dp%d tp%d pp%d ep%d zero%s) in %.2f s", src, final, dp, tp, pp, ep, zero,
              time.perf_counter() - t0)
     return final
+
+
+def _model_items(skel, full: dict, seen: set, src) -> list[tuple]:
+    """One rank's parameter shards cut from the full tensors, skipping records a lower rank wrote."""
+    items = []
+    for pname, (p, *_) in named_params(skel).items():
+        if pname not in full:
+            raise CheckpointError(f"{src} has no parameter {pname!r} (source model differs)")
+        info = get_shard_info(p)
+        key = fmt.key_hash(["model", pname, fmt.info_to_json(info), list(p.shape)])
+        if key in seen:
+            continue
+        seen.add(key)
+        items.append((pname, _cut(full[pname], info, tuple(p.shape)), info))
+    return items
+
+
+def _optimizer_items(skel, ranges: list[tuple[str, int, int]], full_opt: dict, seen: set, src) -> list[tuple]:
+    """One rank's AdamW state ranges cut from the full states, skipping records a lower rank wrote."""
+    params = dict(skel.named_parameters())
+    items = []
+    for pname, a, b in ranges:
+        p = params[pname]
+        if pname not in full_opt:
+            raise CheckpointError(f"{src} has no optimizer state for {pname!r}")
+        info = get_shard_info(p)
+        key = fmt.key_hash(["optimizer", pname, fmt.info_to_json(info), list(p.shape), a, b])
+        if key in seen:
+            continue
+        seen.add(key)
+        st = full_opt[pname]
+        cut = [_cut(st[k], info, tuple(p.shape)).reshape(-1)[a:b].clone() for k in ("exp_avg", "exp_avg_sq")]
+        items.append((pname, info, tuple(p.shape), a, b, st["step"], *cut))
+    return items

@@ -127,15 +127,9 @@ def validate_moe(config: Config) -> None:
     if (moe.num_shared_experts * ffn) % p.tp:
         _fail(f"model.moe.num_shared_experts * expert width ({moe.num_shared_experts * ffn}) must be divisible "
               f"by parallelism.tp ({p.tp}): the shared experts are split over tp")
-    if p.ep > 1 and config.optimizer.zero_stage == 1:
-        _fail("optimizer.zero_stage: 1 is not supported with parallelism.ep > 1 yet (expert and dense "
-              "parameters need ZeRO shards over different groups): use zero_stage: 0")
     if config.checkpoints.init_from_hf:
         _fail("checkpoints.init_from_hf: a Hugging Face Llama checkpoint has no experts to initialise model.moe "
               "from: drop one of them")
-    if config.training.recompute != "none":
-        _fail(f"training.recompute: {config.training.recompute} is not supported with model.moe yet (recomputing "
-              "an MoE layer would repeat its expert all-to-all and routing statistics): use recompute: none")
 
 
 def validate_optimizer(config: Config) -> None:

@@ -85,17 +85,26 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     p, t, mdl = config.parallelism, config.training, config.model
     params, layers = stage_parameters(config)
     weights = grads = 4 * params
-    optimizer = 8 * params / (p.dp * p.cp if config.optimizer.zero_stage == 1 else 1)
+    # MoE layers (model.moe) add the routed token copies and the experts' intermediates.
+    moe_layers = sum(llama_arch.is_moe_layer(mdl, i) for i in range(mdl.num_layers - layers, mdl.num_layers))
+    # ZeRO-1 shards the dense states over dp x cp x ep (their replicas) and the routed experts'
+    # over dp x cp (each expert shard's replicas).
+    experts = moe_layers * llama_arch.routed_expert_parameters(mdl, p.ep) if mdl.moe else 0
+    if config.optimizer.zero_stage == 1:
+        optimizer = 8 * ((params - experts) / (p.dp * p.cp * p.ep) + experts / (p.dp * p.cp))
+    else:
+        optimizer = 8 * params
 
     def per_layer(recompute: str) -> float:
         return llama_arch.activation_bytes_per_layer(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
                                                      tp_mode=p.tp_mode, cp=p.cp, recompute=recompute,
                                                      cpu=config.slurm.gpus_per_node == 0)
 
-    # MoE layers (model.moe) add the routed token copies and the experts' intermediates.
-    moe_layers = sum(llama_arch.is_moe_layer(mdl, i) for i in range(mdl.num_layers - layers, mdl.num_layers))
-    per_layer_moe = llama_arch.moe_extra_activation_bytes(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
-                                                          tp_mode=p.tp_mode, cp=p.cp)
+    def moe_extra(recompute: str) -> float:
+        return llama_arch.moe_extra_activation_bytes(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
+                                                     tp_mode=p.tp_mode, cp=p.cp, recompute=recompute)
+
+    per_layer_moe = moe_extra(t.recompute)
     stack = layers * per_layer(t.recompute) + moe_layers * per_layer_moe
     local = t.sequence_length // p.cp
     head = llama_arch.head_saved_bytes(mdl, local, t.micro_batch_size, p.tp, p.tp_mode)
@@ -109,7 +118,10 @@ def estimate_memory(config: Config) -> MemoryEstimate:
                   (last * stack + heads * head, last)]
     saved, in_flight = max(candidates)
     logits_grad = llama_arch.logits_bytes(mdl, local, t.micro_batch_size, p.tp) / 2
-    recomputing = per_layer("none") - per_layer(t.recompute)  # one layer's dropped tensors, in backward
+    # One layer's dropped tensors, rebuilt in backward (an MoE layer's when the stage has one).
+    recomputing = per_layer("none") - per_layer(t.recompute)
+    if moe_layers:
+        recomputing += moe_extra("none") - per_layer_moe
     return MemoryEstimate(weights / GB, grads / GB, optimizer / GB, (saved + logits_grad + recomputing) / GB,
                           in_flight, layers, saved / GB)
 
@@ -118,7 +130,10 @@ def describe(config: Config) -> list[str]:
     """Lines for --dry-run; the last one warns when the estimate exceeds slurm.gpu_memory_gb."""
     est = estimate_memory(config)
     p = config.parallelism
-    over = f"dp{p.dp} x cp{p.cp}" if p.cp > 1 else f"dp{p.dp}"
+    over = " x ".join(f"{axis}{n}" for axis, n in (("dp", p.dp), ("cp", p.cp), ("ep", p.ep))
+                      if n > 1 or axis == "dp")
+    if p.ep > 1:
+        over += f" (experts over dp{p.dp}" + (f" x cp{p.cp})" if p.cp > 1 else ")")
     zero = f", ZeRO-1 over {over}" if config.optimizer.zero_stage == 1 else ""
     recompute = f", recompute {config.training.recompute}" if config.training.recompute != "none" else ""
     lines = [f"memory per GPU (estimate, busiest rank): weights {_gb(est.weights)} GB + grads {_gb(est.grads)} GB"

@@ -136,7 +136,7 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(args, tp_pg, mode, async_comm, cp, selective)
         self.post_attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if llama_arch.is_moe_layer(args, index):
-            self.mlp = MoEFeedForward(args, tp_pg, mode, async_comm, ep_pg, moe_state)
+            self.mlp = MoEFeedForward(args, tp_pg, mode, async_comm, ep_pg, moe_state, selective)
         else:
             self.mlp = MLP(args, tp_pg, mode, async_comm, selective)
 
@@ -273,7 +273,7 @@ class LlamaModel(nn.Module):
         full = self.recompute == "full"
         for layer in self.layers.values():
             if layer in part:  # full: only the layer's input is kept, its forward reruns in backward
-                hidden = recomputed(layer, hidden, cos, sin, enabled=full)
+                hidden = recomputed(layer, hidden, cos, sin, enabled=full, replay=self.moe_state.replaying)
         if not part.is_last:
             return hidden
         hidden = self.final_norm(hidden)

@@ -170,11 +170,18 @@ def layer_parameters(args: ModelArgs, tp: int = 1, index: int | None = None, ep:
     o_proj = _per_rank(q_out, tp, "query features") * h
     if index is not None and is_moe_layer(args, index):
         m, effn = args.moe, expert_ffn(args)
-        experts = _per_rank(m.num_experts, ep, "model.moe.num_experts") * 3 * h * effn
+        experts = routed_expert_parameters(args, ep)
         shared = 3 * h * _per_rank(m.num_shared_experts * effn, tp, "shared expert features")
         return qkv + o_proj + m.num_experts * h + experts + shared + 2 * h
     mlp = 3 * h * _per_rank(ffn, tp, "model.intermediate_size")  # gate and up (fused), down
     return qkv + o_proj + mlp + 2 * h
+
+
+def routed_expert_parameters(args: ModelArgs, ep: int = 1) -> int:
+    """One MoE layer's routed experts on one ep rank: E/ep SwiGLUs (gate, up, down) of the expert
+    width, not split over tp; the parameters ZeRO-1 shards over dp x cp only."""
+    m = args.moe
+    return _per_rank(m.num_experts, ep, "model.moe.num_experts") * 3 * args.hidden_size * expert_ffn(args)
 
 
 def block_parameters(args: ModelArgs, name: str, tp: int = 1, ep: int = 1) -> int:
@@ -348,20 +355,23 @@ def head_saved_bytes(args: ModelArgs, local_tokens: int, micro_batch_size: int, 
 
 
 def moe_extra_activation_bytes(args: ModelArgs, sequence_length: int, micro_batch_size: int, *, tp: int = 1,
-                               tp_mode: str = "ALL_REDUCE", cp: int = 1) -> float:
+                               tp_mode: str = "ALL_REDUCE", cp: int = 1, recompute: str = "none") -> float:
     """What an MoE layer keeps for backward beyond a dense layer's count, per micro-batch, 2 bytes
     a value (an estimate in Megatron's spirit): each of the k copies of a token holds its row
     before and after the all-to-all (2 * h) and its expert's gate, up and activation (3 * F_e),
     instead of the dense MLP's 3 * F / tp; the router's fp32 logits and probabilities (2 * E,
     4 bytes). Routed tokens are this rank's s/cp, divided by tp under REDUCE_SCATTER only (the
-    routed experts are not split over tp)."""
-    if args.moe is None:
+    routed experts are not split over tp). ``recompute``: ``full`` keeps the layer's input only
+    (``activation_bytes_per_layer`` counts it), ``selective`` drops each SwiGLU's ``silu(gate)``
+    (one of the three F values, routed and shared, as the dense MLP's)."""
+    if args.moe is None or check_recompute(recompute) == "full":
         return 0.0
     m = args.moe
     s, b, h = sequence_length // cp, micro_batch_size, args.hidden_size
     routed = s * b // (tp if tp_mode == "REDUCE_SCATTER" else 1)
-    values = routed * m.top_k * (2 * h + 3 * expert_ffn(args)) - s * b * 3 * args.intermediate_size / tp
-    values += s * b * 3 * m.num_shared_experts * expert_ffn(args) / tp
+    kept = 2 if recompute == "selective" else 3  # F-wide values per SwiGLU (the dense count is adjusted alike)
+    values = routed * m.top_k * (2 * h + kept * expert_ffn(args)) - s * b * kept * args.intermediate_size / tp
+    values += s * b * kept * m.num_shared_experts * expert_ffn(args) / tp
     return 2 * values + routed * 2 * m.num_experts * 4
 
 

@@ -36,8 +36,10 @@ the auxiliary values go to TensorBoard (``moe/aux_loss``, ``moe/z_loss``).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.distributed as _dist
@@ -46,6 +48,7 @@ from torch import nn
 from nanotrain.config import ModelArgs
 from nanotrain.models import llama_arch
 from nanotrain.models.mlp import MLP, swiglu
+from nanotrain.models.recompute import recomputed
 from nanotrain.parallel import collectives
 from nanotrain.parallel.expert_parallel import dispatch_to_experts
 from nanotrain.parallel.sharding import row_shard_info, set_shard_info
@@ -65,10 +68,20 @@ class MoEState:
 
     loss_scale: float = 1.0
     stats: list = field(default_factory=list)
+    replay: bool = False  # inside a recomputation (training.recompute: full): record nothing
 
     def begin_step(self, microbatches: int) -> None:
         self.loss_scale = 1.0 / microbatches
         self.stats = []
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Around a layer's recomputation in backward: its forward ran already and was counted."""
+        self.replay, before = True, self.replay
+        try:
+            yield
+        finally:
+            self.replay = before
 
 
 class _AddAuxLoss(torch.autograd.Function):
@@ -99,9 +112,9 @@ class _Stacked(nn.Module):
 class Experts(nn.Module):
     """This rank's routed SwiGLU experts, gate and up fused (``[gate; up]`` rows)."""
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int, ep_pg):
+    def __init__(self, num_experts: int, hidden: int, ffn: int, ep_pg, selective: bool = False):
         super().__init__()
-        self.ffn = ffn
+        self.ffn, self.selective = ffn, selective
         self.gate_up = _Stacked(num_experts, 2 * ffn, hidden, ep_pg)
         self.down = _Stacked(num_experts, hidden, ffn, ep_pg)
 
@@ -110,7 +123,7 @@ class Experts(nn.Module):
         outs = []
         for e, xe in enumerate(x.split(counts)):
             gate, up = (xe @ self.gate_up.weight[e].t()).chunk(2, dim=-1)
-            outs.append(swiglu(gate, up) @ self.down.weight[e].t())
+            outs.append(recomputed(swiglu, gate, up, enabled=self.selective) @ self.down.weight[e].t())
         return torch.cat(outs) if outs else x[:0]
 
 
@@ -160,16 +173,16 @@ class MoEFeedForward(nn.Module):
     """Drop-in for the dense ``MLP`` of an MoE decoder layer (see the module docstring)."""
 
     def __init__(self, args: ModelArgs, tp_pg, mode: TensorParallelLinearMode, async_comm: bool, ep_pg,
-                 state: MoEState):
+                 state: MoEState, selective: bool = False):
         super().__init__()
         moe = args.moe
         self.moe, self.ep_pg, self.state = moe, ep_pg, state
         ffn = llama_arch.expert_ffn(args)
         self.router = Router(moe.num_experts, args.hidden_size)
-        self.experts = Experts(moe.num_experts, args.hidden_size, ffn, ep_pg)
+        self.experts = Experts(moe.num_experts, args.hidden_size, ffn, ep_pg, selective)
         # Always-on SwiGLU of num_shared_experts * F features, tensor-parallel like the dense MLP.
         self.shared = None if not moe.num_shared_experts else MLP(
-            args, tp_pg, mode, async_comm, width=moe.num_shared_experts * ffn)
+            args, tp_pg, mode, async_comm, selective, width=moe.num_shared_experts * ffn)
         self.loss_weight = 1.0 / len(llama_arch.moe_layer_indices(args))
         if mode is TensorParallelLinearMode.REDUCE_SCATTER and group_size(tp_pg) > 1:
             # Each tp rank's losses are means over its sequence shard, and these gradients are
@@ -193,8 +206,9 @@ class MoEFeedForward(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         loss = self.loss_weight * (self.moe.aux_loss_coef * r.aux + self.moe.z_loss_coef * r.z)
-        self.state.stats.append({"aux": r.aux.detach(), "z": r.z.detach(), "load": r.load.detach(),
-                                 "dropped": r.dropped, "layer": id(self)})
+        if not self.state.replay:
+            self.state.stats.append({"aux": r.aux.detach(), "z": r.z.detach(), "load": r.load.detach(),
+                                     "dropped": r.dropped, "layer": id(self)})
         if torch.is_grad_enabled() and loss.requires_grad:
             out = _AddAuxLoss.apply(out, loss, self.state.loss_scale)
         return out

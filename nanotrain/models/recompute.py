@@ -16,10 +16,17 @@ so a recomputed region draws the same numbers (the model draws none today; dropo
 The recomputed forward runs the same ops on the same inputs, so losses and gradients are
 bit-identical to ``none`` on CPU; its tp/cp collectives run again in backward, in the same order
 on every rank of a group (the schedule decides the order, and it is the same on all of them).
+
+MoE layers: ``full`` reruns the router and both expert all-to-alls in backward (every ep rank
+recomputes the same layer of the same micro-batch at the same point of the schedule, so the
+exchanges pair up), the same routing on the same inputs; the layer's routing statistics are not
+recorded again (``MoEState.replaying``) and its auxiliary-loss gradient is injected once, by the
+original graph. ``selective`` also recomputes the routed and shared experts' SwiGLU activation.
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, ContextManager
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -27,12 +34,18 @@ from torch.utils.checkpoint import checkpoint
 from nanotrain.models.compile_check import compile_backend_problem
 
 
-def recomputed(fn: Callable, *args: torch.Tensor, enabled: bool = True):
+def recomputed(fn: Callable, *args: torch.Tensor, enabled: bool = True,
+               replay: Callable[[], ContextManager] | None = None):
     """``fn(*args)``, whose saved tensors are dropped and recomputed in backward when ``enabled``
-    and autograd is recording (evaluation under no_grad runs it plainly)."""
+    and autograd is recording (evaluation under no_grad runs it plainly). ``replay``: a context
+    manager factory entered around the recomputation only (``torch.utils.checkpoint``'s
+    ``context_fn``), e.g. so an MoE layer does not record its routing statistics twice."""
     if not enabled or not torch.is_grad_enabled():
         return fn(*args)
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+    if replay is None:
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
+                      context_fn=lambda: (contextlib.nullcontext(), replay()))
 
 
 # ----------------------------------------------------------------------------- compile

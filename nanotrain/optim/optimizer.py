@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanotrain.config.schema import OptimizerArgs
+from nanotrain.parallel.data_parallel.expert_sync import is_expert_param
 from nanotrain.parallel.data_parallel.zero import ZeroOneOptimizer
 
 
@@ -43,13 +44,18 @@ def weight_decay_groups(named_params: Iterable[tuple[str, nn.Parameter]],
 
 def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], args: OptimizerArgs,
                     dp_group: Optional[dist.ProcessGroup] = None,
-                    zero_stage: Optional[int] = None) -> torch.optim.AdamW:
+                    zero_stage: Optional[int] = None,
+                    expert_dp_group: Optional[dist.ProcessGroup] = None) -> torch.optim.AdamW:
     """AdamW over ``named_params`` (``model.named_parameters()`` of this pp stage / tp shard).
 
     ``zero_stage`` (default ``args.zero_stage``): 0 = ``torch.optim.AdamW``; 1 =
     ``ZeroOneOptimizer`` (an AdamW subclass) sharding states over ``dp_group`` (pass
     ``pc.dp_cp_pg``). Either way param_groups carry ``param_names`` and an LR scheduler drives
     ``param_groups[i]["lr"]``. Gradients must be dp-averaged before ``step()``.
+
+    With experts (ep > 1) pass ``dp_group=pc.dp_cp_ep_pg`` (the dense parameters' replicas) and
+    ``expert_dp_group=pc.dp_cp_pg``: ZeRO-1 then shards the expert parameters over the latter
+    (``ZeroOneOptimizer``'s domains); ZeRO-0 ignores both. ``optimizer_groups(pc)`` gives the pair.
     """
     stage = args.zero_stage if zero_stage is None else zero_stage
     groups = weight_decay_groups(named_params, args.weight_decay)
@@ -62,8 +68,16 @@ def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], args: Opti
     if stage == 0:
         return torch.optim.AdamW(groups, **kwargs)
     if stage == 1:
-        return ZeroOneOptimizer(groups, dp_group, **kwargs)
+        return ZeroOneOptimizer(groups, dp_group, expert_group=expert_dp_group, is_expert=is_expert_param, **kwargs)
     raise ValueError(f"zero_stage must be 0 or 1, got {stage!r}")
+
+
+def optimizer_groups(pc) -> dict:
+    """``build_optimizer``'s group keywords for a ParallelContext: the data-parallel replicas of
+    the dense parameters and, with ep > 1, of the expert shards."""
+    if getattr(pc, "ep_size", 1) == 1:
+        return {"dp_group": pc.dp_cp_pg}
+    return {"dp_group": pc.dp_cp_ep_pg, "expert_dp_group": pc.dp_cp_pg}
 
 
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer) -> dict[str, dict]:

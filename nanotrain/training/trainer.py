@@ -35,7 +35,7 @@ from nanotrain.config import Config
 from nanotrain.data import BatchPrefetcher, build_samplers
 from nanotrain.logging import metrics_logger_for
 from nanotrain.models.moe import step_scalars
-from nanotrain.optim import build_lr_scheduler, build_optimizer
+from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups
 from nanotrain.parallel.context import ParallelContext
 from nanotrain.parallel.data_parallel import build_grad_sync
 from nanotrain.parallel.progress import PROGRESS
@@ -75,7 +75,7 @@ class DistributedTrainer:
         # What crosses a pipeline stage boundary (the middle stages read no data to derive it).
         self.message = self.model.pipeline_message(t.micro_batch_size, t.sequence_length)
         self.grad_sync = build_grad_sync(list(self.model.parameters()), self.pc)
-        self.optimizer = build_optimizer(self.model.named_parameters(), config.optimizer, self.pc.dp_cp_pg)
+        self.optimizer = build_optimizer(self.model.named_parameters(), config.optimizer, **optimizer_groups(self.pc))
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, t.train_steps)
 
         stage_needs_data = self.pc.is_pipeline_first_stage or self.pc.is_pipeline_last_stage

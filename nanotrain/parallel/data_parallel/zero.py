@@ -23,6 +23,10 @@ a view into it: the Parameter objects (and the model, hooks, shard info) are unc
 weights with in-place copies (``param.copy_``); if ``param.data`` is replaced anyway, ``step()``
 notices and re-binds it. Shards have the parameters' dtype: with fp32 parameters they are the fp32
 shards of the design; fp32 master weights for bf16 parameters belong to the mixed-precision layer.
+
+Experts (ep > 1). Dense parameters are replicas over dp x cp x ep, expert shards over dp x cp
+only: each set is its own *domain* (flat buffer, partition, all-gather) over its own group, so a
+rank holds the states of 1/(dp cp ep) of the dense elements and 1/(dp cp) of its experts'.
 """
 from __future__ import annotations
 
@@ -73,6 +77,27 @@ class ShardPiece:
         return self.stop - self.start
 
 
+@dataclass
+class _Domain:
+    """Parameters sharded over one group: their flat buffer (padded to ``size`` equal chunks of
+    ``chunk`` elements), their partition, and this rank's place in the group."""
+
+    group: Optional[dist.ProcessGroup]
+    size: int
+    rank: int
+    indices: list[int]  # positions in the optimizer's flat parameter order
+    offsets: list[int]  # element offset of each of them in ``flat``
+    partition: list[list[tuple[int, int, int]]]  # per group rank: (position in indices, start, stop)
+    chunk: int
+    flat: torch.Tensor
+
+    def all_gather(self) -> None:
+        if self.size == 1:
+            return
+        mine = self.flat[self.rank * self.chunk:(self.rank + 1) * self.chunk].clone()
+        all_gather_into(self.flat, mine, group=self.group)
+
+
 class ZeroOneOptimizer(torch.optim.AdamW):
     """AdamW with states sharded over ``group`` (ZeRO stage 1).
 
@@ -81,17 +106,19 @@ class ZeroOneOptimizer(torch.optim.AdamW):
     ``group``: the dp group (``pc.dp_cp_pg``: cp ranks are replicas too); None = default group if
     torch.distributed is initialised, else no sharding. ``defaults``: AdamW's keyword arguments.
 
+    Expert parallelism: with ``expert_group`` (``pc.dp_cp_pg``; ``group`` is then
+    ``pc.dp_cp_ep_pg``, over which the dense parameters are replicas) the parameters that
+    ``is_expert`` selects form a second domain, sharded over ``expert_group`` with its own flat
+    buffer and all-gather: an expert shard exists once per (dp, cp) coordinate, so only those
+    ranks hold copies of it. The partition rule is the same in both domains (module docstring),
+    applied to each domain's parameters in the optimizer's order.
+
     Every dp rank gets the same number of param groups (possibly empty), so ``param_groups`` and
     the LR scheduler's state have the same structure on every rank.
     """
 
     def __init__(self, param_groups: list[dict], group: Optional[dist.ProcessGroup] = None,
-                 **defaults):
-        initialised = dist.is_available() and dist.is_initialized()
-        self.dp_group = group
-        self.dp_size = dist.get_world_size(group) if initialised else 1
-        self.dp_rank = dist.get_rank(group) if initialised else 0
-
+                 expert_group: Optional[dist.ProcessGroup] = None, is_expert=None, **defaults):
         names, params, group_of = [], [], []
         for gi, g in enumerate(param_groups):
             ps, ns = list(g["params"]), list(g["param_names"])
@@ -107,36 +134,49 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         if len(dtypes) != 1 or len(devices) != 1:
             raise ValueError(f"ZeroOneOptimizer needs one dtype and device, got {dtypes} {devices}")
         self.names, self.params = names, params
-        numels = [p.numel() for p in params]
-        self.offsets = [sum(numels[:i]) for i in range(len(numels))]
-        self.total_numel = sum(numels)
-        self.partition = zero_partition(numels, self.dp_size)
-        if any(not pieces for pieces in self.partition):
-            raise ValueError(f"ZeroOneOptimizer: {self.total_numel} elements cannot give each of "
-                             f"{self.dp_size} dp ranks a non-empty shard")
-        self.chunk = math.ceil(self.total_numel / self.dp_size)
-
-        # One flat buffer holds every parameter, padded to dp equal chunks (see module doc).
-        self.flat = torch.zeros(self.chunk * self.dp_size, dtype=params[0].dtype,
-                                device=params[0].device)
-        self._flat_views = []
-        with torch.no_grad():
-            for p, off in zip(params, self.offsets):
-                view = self.flat[off:off + p.numel()].view_as(p)
-                view.copy_(p)
-                p.data = view
-                self._flat_views.append(view)
+        split = expert_group is not None and is_expert is not None
+        expert = [bool(split and is_expert(p)) for p in params]
+        self.domains = [self._domain(group, [i for i, e in enumerate(expert) if not e], "")]
+        if any(expert):
+            self.domains.append(self._domain(expert_group, [i for i, e in enumerate(expert) if e], "expert "))
+        self.dp_group, self.dp_size, self.dp_rank = group, self.domains[0].size, self.domains[0].rank
 
         self.pieces: list[ShardPiece] = []
         shard_groups = [dict(g, params=[], param_names=[]) for g in param_groups]
-        for i, start, stop in self.partition[self.dp_rank]:
-            off = self.offsets[i]
-            shard = self.flat[off + start:off + stop]  # a leaf view (flat needs no grad)
-            piece = ShardPiece(names[i], params[i], start, stop, shard)
-            self.pieces.append(piece)
+        owned = {}  # flat position -> (domain, start, stop): pieces keep the optimizer's order
+        for d in self.domains:
+            for j, start, stop in d.partition[d.rank]:
+                owned[d.indices[j]] = (d, d.offsets[j], start, stop)
+        for i in sorted(owned):
+            d, off, start, stop = owned[i]
+            shard = d.flat[off + start:off + stop]  # a leaf view (flat needs no grad)
+            self.pieces.append(ShardPiece(names[i], params[i], start, stop, shard))
             shard_groups[group_of[i]]["params"].append(shard)
             shard_groups[group_of[i]]["param_names"].append(names[i])
         super().__init__(shard_groups, **defaults)
+
+    def _domain(self, group, indices: list[int], what: str) -> _Domain:
+        """Move ``indices``' parameters into one flat buffer (see module doc) sharded over ``group``."""
+        initialised = dist.is_available() and dist.is_initialized()
+        size = dist.get_world_size(group) if initialised else 1
+        rank = dist.get_rank(group) if initialised else 0
+        ps = [self.params[i] for i in indices]
+        numels = [p.numel() for p in ps]
+        offsets = [sum(numels[:k]) for k in range(len(numels))]
+        total = sum(numels)
+        partition = zero_partition(numels, size)
+        if indices and any(not pieces for pieces in partition):
+            raise ValueError(f"ZeroOneOptimizer: {total} {what}elements cannot give each of "
+                             f"{size} dp ranks a non-empty shard")
+        chunk = max(1, math.ceil(total / size))
+        ref = self.params[0]
+        flat = torch.zeros(chunk * size, dtype=ref.dtype, device=ref.device)
+        with torch.no_grad():
+            for p, off in zip(ps, offsets):
+                view = flat[off:off + p.numel()].view_as(p)
+                view.copy_(p)
+                p.data = view
+        return _Domain(group, size, rank, indices, offsets, partition, chunk, flat)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -153,20 +193,18 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         loss = super().step(closure)
         for piece in self.pieces:
             piece.shard.grad = None  # do not keep references to the model's grad buffers
-        self._all_gather()
+        for d in self.domains:
+            d.all_gather()
         return loss
 
-    def _all_gather(self) -> None:
-        if self.dp_size == 1:
-            return
-        mine = self.flat[self.dp_rank * self.chunk:(self.dp_rank + 1) * self.chunk].clone()
-        all_gather_into(self.flat, mine, group=self.dp_group)
-
     def _rebind_if_replaced(self) -> None:
-        for p, view in zip(self.params, self._flat_views):
-            if p.data_ptr() != view.data_ptr():
-                view.copy_(p.data)
-                p.data = view
+        for d in self.domains:
+            for i, off in zip(d.indices, d.offsets):
+                p = self.params[i]
+                view = d.flat[off:off + p.numel()]
+                if p.data_ptr() != view.data_ptr():
+                    view.copy_(p.data.reshape(-1))
+                    p.data = view.view_as(p)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the MODEL's gradients (prefer ``BucketedGradSync.zero_grad`` when one is used)."""
@@ -180,10 +218,14 @@ class ZeroOneOptimizer(torch.optim.AdamW):
     # ------------------------------------------------------------------ checkpoint accessors
     def param_ranges(self, dp_rank: Optional[int] = None) -> dict[str, tuple[int, int]]:
         """name -> [start, stop) of the flattened parameter owned by ``dp_rank`` (default: this
-        rank). Parameters a rank owns nothing of are absent. Pure arithmetic: any rank can ask
-        about any other, e.g. to write a global index of the optimizer checkpoint."""
-        r = self.dp_rank if dp_rank is None else dp_rank
-        return {self.names[i]: (a, b) for i, a, b in self.partition[r]}
+        rank; with experts, the rank in each domain's group). Parameters a rank owns nothing of
+        are absent. Pure arithmetic: any rank can ask about any other, e.g. to write a global
+        index of the optimizer checkpoint."""
+        out = {}
+        for d in self.domains:
+            r = d.rank if dp_rank is None else dp_rank
+            out.update({self.names[d.indices[j]]: (a, b) for j, a, b in d.partition[r]})
+        return out
 
     def sharded_state(self) -> dict[str, dict]:
         """This rank's optimizer state per parameter name.
