@@ -597,34 +597,31 @@ def test_wrong_model_is_an_error_not_a_fallback(tmp_path):
         load_checkpoint(root, tiny()[0], config=config_for(model=replace(MODEL, rope_theta=500.0)))
 
 
-def test_offline_reshard_through_pp_tp_dp_and_back_is_exact(tmp_path):
-    """One process, tied embeddings: (1,1,1) -> tp4 pp2 dp3 ZeRO-1 (vocab padded, tied replica,
-    ZeRO ranges cutting tp shards) -> (1,1,1) ZeRO-0 -> loaded: every tensor bit-identical."""
+def _offline_round_trip(tmp_path, args, there: list[str], back: list[str]) -> dict:
+    """Train ``args`` 2 steps in one process (ZeRO-0), save, reshard offline to ``there``, back
+    to ``back``, load into a fresh model: every weight and AdamW state must be bit-identical.
+    Returns the meta.json of the ``there`` checkpoint."""
     from nanotrain.checkpoint.reshard import reshard_offline
     from nanotrain.models.llama import LlamaModel
     from nanotrain.optim import build_lr_scheduler, build_optimizer
 
-    args = replace(TIED, vocab_size=250)  # tp4 pads it to 252
-    model = LlamaModel(args, None, seed=1)
-    opt = build_optimizer(model.named_parameters(), OPTIM, zero_stage=0)
-    sched = build_lr_scheduler(opt, OPTIM, 10)
+    def build(seed):
+        model = LlamaModel(args, None, seed=seed)
+        opt = build_optimizer(model.named_parameters(), OPTIM, zero_stage=0)
+        return model, opt, build_lr_scheduler(opt, OPTIM, 10)
+
+    model, opt, sched = build(1)
     for step in range(2):
         batch = global_batch(step) % args.vocab_size
+        model.begin_step(1)
         model(batch[:, :-1], batch[:, 1:]).backward()
         opt.step()
         sched.step()
         opt.zero_grad()
     save_checkpoint(tmp_path / "a", 2, model, opt, sched, config=config_for(model=args), extra={"consumed_samples": 16})
-    wide = reshard_offline(tmp_path / "a", tmp_path / "b", ["parallelism.tp=4", "parallelism.pp=2", "parallelism.dp=3",
-                                                           "optimizer.zero_stage=1"])
-    meta = json.loads((wide / "meta.json").read_text())
-    assert len([f for f in meta["files"] if f.startswith("model/")]) == 8
-    assert len([f for f in meta["files"] if f.startswith("optimizer/")]) == 24
-    reshard_offline(tmp_path / "b", tmp_path / "c", ["parallelism.tp=1", "parallelism.pp=1", "parallelism.dp=1",
-                                                     "optimizer.zero_stage=0"])
-    fresh = LlamaModel(args, None, seed=9)
-    fresh_opt = build_optimizer(fresh.named_parameters(), OPTIM, zero_stage=0)
-    fresh_sched = build_lr_scheduler(fresh_opt, OPTIM, 10)
+    wide = reshard_offline(tmp_path / "a", tmp_path / "b", there)
+    reshard_offline(tmp_path / "b", tmp_path / "c", back)
+    fresh, fresh_opt, fresh_sched = build(9)
     res = load_checkpoint(tmp_path / "c", fresh, fresh_opt, fresh_sched, config=config_for(model=args))
     assert res.step == 2 and res.extra == {"consumed_samples": 16} and not res.rng_restored
     for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
@@ -632,6 +629,17 @@ def test_offline_reshard_through_pp_tp_dp_and_back_is_exact(tmp_path):
         for k in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt.state[p][k], fresh_opt.state[q][k]), (name, k)
     assert fresh_sched.state_dict() == sched.state_dict()
+    return json.loads((wide / "meta.json").read_text())
+
+
+def test_offline_reshard_through_pp_tp_dp_and_back_is_exact(tmp_path):
+    """One process, tied embeddings: (1,1,1) -> tp4 pp2 dp3 ZeRO-1 (vocab padded, tied replica,
+    ZeRO ranges cutting tp shards) -> (1,1,1) ZeRO-0 -> loaded: every tensor bit-identical."""
+    meta = _offline_round_trip(tmp_path, replace(TIED, vocab_size=250),  # tp4 pads it to 252
+                               ["parallelism.tp=4", "parallelism.pp=2", "parallelism.dp=3", "optimizer.zero_stage=1"],
+                               ["parallelism.tp=1", "parallelism.pp=1", "parallelism.dp=1", "optimizer.zero_stage=0"])
+    assert len([f for f in meta["files"] if f.startswith("model/")]) == 8
+    assert len([f for f in meta["files"] if f.startswith("optimizer/")]) == 24
 
 
 def test_offline_reshard_moe_across_ep_and_back_is_exact(tmp_path):
@@ -640,44 +648,19 @@ def test_offline_reshard_moe_across_ep_and_back_is_exact(tmp_path):
     which are not split over tp, written once by its tp rank 0; ZeRO-1 ranges over dp x ep for
     the dense states and over dp for the experts', every (ep, dp, tp) rank one optimizer file)
     -> ep1 ZeRO-0 -> loaded: every tensor bit-identical."""
-    from nanotrain.checkpoint.reshard import reshard_offline
     from nanotrain.config import MoEArgs
-    from nanotrain.models.llama import LlamaModel
-    from nanotrain.optim import build_lr_scheduler, build_optimizer
 
     args = replace(MODEL, num_layers=3, moe=MoEArgs(num_experts=4, top_k=2, expert_intermediate_size=32,
                                                     num_shared_experts=1, first_dense_layers=1))
-    model = LlamaModel(args, None, seed=1)
-    opt = build_optimizer(model.named_parameters(), OPTIM, zero_stage=0)
-    sched = build_lr_scheduler(opt, OPTIM, 10)
-    for step in range(2):
-        batch = global_batch(step)
-        model.begin_step(1)
-        model(batch[:, :-1], batch[:, 1:]).backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    save_checkpoint(tmp_path / "a", 2, model, opt, sched, config=config_for(model=args), extra={"consumed_samples": 16})
-    wide = reshard_offline(tmp_path / "a", tmp_path / "b", ["parallelism.ep=4", "parallelism.tp=2", "parallelism.dp=2",
-                                                           "optimizer.zero_stage=1"])
-    meta = json.loads((wide / "meta.json").read_text())
+    meta = _offline_round_trip(tmp_path, args,
+                               ["parallelism.ep=4", "parallelism.tp=2", "parallelism.dp=2", "optimizer.zero_stage=1"],
+                               ["parallelism.ep=1", "parallelism.tp=1", "parallelism.dp=1", "optimizer.zero_stage=0"])
     assert meta["topology"]["ep"] == 4 and meta["world_size"] == 16
     assert sorted(f for f in meta["files"] if f.startswith("model/")) == [
         f"model/pp-00_tp-{t:02d}_ep-{e:02d}.safetensors" for t, e in ((0, 0), (0, 1), (0, 2), (0, 3), (1, 0))]
     assert len([f for f in meta["files"] if f.startswith("optimizer/")]) == 16
     experts = meta["index"]["model"]["layers.1.mlp.experts.gate_up.weight"]
     assert sorted(e["shard"]["pairs"][0][1][0][0] for e in experts) == [0, 1, 2, 3]  # one expert per ep rank
-    reshard_offline(tmp_path / "b", tmp_path / "c", ["parallelism.ep=1", "parallelism.tp=1", "parallelism.dp=1",
-                                                     "optimizer.zero_stage=0"])
-    fresh = LlamaModel(args, None, seed=9)
-    fresh_opt = build_optimizer(fresh.named_parameters(), OPTIM, zero_stage=0)
-    fresh_sched = build_lr_scheduler(fresh_opt, OPTIM, 10)
-    res = load_checkpoint(tmp_path / "c", fresh, fresh_opt, fresh_sched, config=config_for(model=args))
-    assert res.step == 2 and res.extra == {"consumed_samples": 16}
-    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
-        assert torch.equal(p, q), name
-        for k in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(opt.state[p][k], fresh_opt.state[q][k]), (name, k)
 
 
 def test_per_parameter_files_and_rank_state(tmp_path):
