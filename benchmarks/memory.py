@@ -38,7 +38,7 @@ from bench_launch import entry, run_workers  # noqa: E402
 
 from nanotrain.config import load_config  # noqa: E402
 from nanotrain.launch.memory_estimate import GB, estimate_memory  # noqa: E402
-from nanotrain.optim import build_lr_scheduler, build_optimizer  # noqa: E402
+from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups  # noqa: E402
 from nanotrain.parallel.context import destroy_process_groups  # noqa: E402
 from nanotrain.parallel.data_parallel import build_grad_sync  # noqa: E402
 from nanotrain.training.builder import build_engine, build_model, build_parallel_context  # noqa: E402
@@ -154,7 +154,7 @@ def _measure(config, pc, steps: int) -> dict:
     model = build_model(config, pc)
     engine = build_engine(config, pc)
     grad_sync = build_grad_sync(list(model.parameters()), pc)
-    optimizer = build_optimizer(model.named_parameters(), config.optimizer, pc.dp_cp_pg)
+    optimizer = build_optimizer(model.named_parameters(), config.optimizer, **optimizer_groups(pc))
     scheduler = build_lr_scheduler(optimizer, config.optimizer, steps + 2)
     micro = micro_batches(config)
 

@@ -35,7 +35,7 @@ from bench_launch import entry, run_workers, same_loss  # noqa: E402
 from nanotrain.config import ModelArgs, MoEArgs, OptimizerArgs  # noqa: E402
 from nanotrain.models.llama import LlamaModel  # noqa: E402
 from nanotrain.models.moe import step_scalars  # noqa: E402
-from nanotrain.optim import build_lr_scheduler, build_optimizer  # noqa: E402
+from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups  # noqa: E402
 from nanotrain.parallel.context import ParallelContext, destroy_process_groups  # noqa: E402
 from nanotrain.parallel.data_parallel import build_grad_sync  # noqa: E402
 from nanotrain.training.step import train_step  # noqa: E402
@@ -81,7 +81,7 @@ def _measure(pc, seq: int, steps: int, warmup: int) -> dict:
     model = LlamaModel(args, pc.tp_pg, seed=0, ep_pg=pc.ep_pg)
     optim_args = OptimizerArgs(lr=1e-3, warmup_steps=0)
     grad_sync = build_grad_sync(list(model.parameters()), pc)
-    optimizer = build_optimizer(model.named_parameters(), optim_args, pc.dp_cp_pg)
+    optimizer = build_optimizer(model.named_parameters(), optim_args, **optimizer_groups(pc))
     scheduler = build_lr_scheduler(optimizer, optim_args, steps + warmup)
     tokens = torch.randint(0, MODEL["vocab_size"], (SEQUENCES, seq + 1), generator=torch.Generator().manual_seed(0))
     mine = tokens.chunk(pc.data_size)[pc.data_rank]
