@@ -11,10 +11,14 @@ to get subtly wrong are done once here:
   workers, a compiler), and nothing outlives the job;
 - fail fast: the first rank that exits non-zero ends the others, which would otherwise block
   forever in a collective waiting for it (a hang is a failure, never a wait);
-- a hard deadline for scripted launches.
+- a hard deadline for scripted launches;
+- on CPU, Python ranks are forked from one process that imported torch and the package once
+  (`launch/forkserver.py`: ~3 CPU seconds saved per rank), and `log_dir/ranks.json` names each
+  rank's pid (a forked rank's command line is the fork server's).
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from nanotrain.launch.env import free_port
+from nanotrain.launch.forkserver import ForkServer, python_target, use_fork_server
 
 # Variables an outer launcher may have set that must not leak into a local rank.
 _CLEARED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -72,8 +77,9 @@ class RankProcesses:
         self.command, self.world_size, self.log_dir = list(command), world_size, Path(log_dir)
         self.threads, self.env = threads, dict(env or {})
         self.port = free_port() if port is None else port
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list = []  # subprocess.Popen, or forkserver.ForkedProcess (the same surface)
         self._tees: list[threading.Thread] = []
+        self._server: ForkServer | None = None
 
     def log_path(self, rank: int) -> Path:
         return self.log_dir / f"rank-{rank}.log"
@@ -81,22 +87,45 @@ class RankProcesses:
     def start(self, stream_ranks: Sequence[int] = (), stop_starting: Callable[[], bool] = lambda: False) -> None:
         """Start rank 0, 1, ...; `stop_starting()` true (Ctrl-C while starting) starts no more."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        target = python_target(self.command)
+        common = rank_env(0, self.world_size, self.port, self.threads, self.env)
+        if target is not None and self.world_size > 1 and use_fork_server(common):
+            # The server imports with the job's environment less the per-rank variables.
+            self._server = ForkServer({k: v for k, v in common.items() if k not in ("RANK", "LOCAL_RANK")})
         for rank in range(self.world_size):
             if stop_starting():
                 break
             env = rank_env(rank, self.world_size, self.port, self.threads, self.env)
-            if rank in stream_ranks:
+            stream = rank in stream_ranks
+            if self._server is not None:
+                proc = self._fork(rank, target, env, stream)
+            elif stream:
                 proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         start_new_session=True)
-                tee = threading.Thread(target=_tee, args=(proc.stdout, sys.stdout.buffer, self.log_path(rank)),
-                                       daemon=True)
-                tee.start()
-                self._tees.append(tee)
             else:
                 with open(self.log_path(rank), "ab") as log:
                     proc = subprocess.Popen(self.command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
+            if stream:
+                tee = threading.Thread(target=_tee, args=(proc.stdout, sys.stdout.buffer, self.log_path(rank)),
+                                       daemon=True)
+                tee.start()
+                self._tees.append(tee)
             self.procs.append(proc)
+        pids = {str(rank): proc.pid for rank, proc in enumerate(self.procs)}
+        tmp = self.log_dir / "ranks.json.tmp"
+        tmp.write_text(json.dumps({"ranks": pids}))
+        os.replace(tmp, self.log_dir / "ranks.json")
+
+    def _fork(self, rank: int, target, env: dict, stream: bool):
+        if stream:
+            read_end, write_end = os.pipe()
+            try:
+                return self._server.start(rank, target, env, write_end, stdout=os.fdopen(read_end, "rb"))
+            finally:
+                os.close(write_end)
+        with open(self.log_path(rank), "ab") as log:
+            return self._server.start(rank, target, env, log.fileno())
 
     def codes(self) -> list[int | None]:
         return [proc.poll() for proc in self.procs]
@@ -151,6 +180,8 @@ class RankProcesses:
             _kill_session(proc)  # stragglers a rank left in its session after it exited
         for tee in self._tees:
             tee.join(timeout=5)
+        if self._server is not None:
+            self._server.close()
 
     def __enter__(self) -> RankProcesses:
         return self

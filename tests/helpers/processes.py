@@ -19,9 +19,26 @@ def step_of(run_dir: Path) -> int:
         return 0
 
 
+def _alive(pid: int) -> bool:
+    """A running (not zombie) local rank: a fork server's child or a ``nanotrain.launch`` process."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return fields[0] not in ("Z", "X") and b"nanotrain.launch" in cmdline
+
+
 def rank_pid(run_dir: Path, rank: int) -> int | None:
-    """The process of `rank` of the run in `run_dir`: a local rank (its command line names the
-    config) or a SLURM task (submitit's runner, its command line names the job folder)."""
+    """The process of `rank` of the run in `run_dir`, while it runs: a local rank (the launcher's
+    `job/ranks.json` names it: a rank forked by the fork server has the server's command line) or
+    a SLURM task (submitit's runner, its command line names the job folder)."""
+    try:
+        pid = json.loads((run_dir / "job" / "ranks.json").read_text())["ranks"][str(rank)]
+    except (OSError, ValueError, KeyError):
+        pid = None
+    if pid is not None and _alive(pid):
+        return pid
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
