@@ -60,3 +60,47 @@ def test_failing_rank_ends_the_job(tmp_path):
         pid = int(text.split()[1]) if text.startswith("pid") else None
         if pid is not None:
             assert not alive(pid), f"rank {rank} (pid {pid}) survived"
+
+
+RANK_SCRIPT = """import os, signal, sys
+rank = int(os.environ['RANK'])
+print('rank', rank, 'argv', sys.argv[1:], 'world', os.environ['WORLD_SIZE'], 'main', __name__, flush=True)
+print('stderr of', rank, file=sys.stderr, flush=True)
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+sys.exit(10 + rank)
+"""
+
+
+def _launch(tmp_path, fork: str) -> tuple[list, list[str], dict]:
+    from nanotrain.launch.ranks import RankProcesses
+
+    script = tmp_path / "rank_script.py"
+    script.write_text(RANK_SCRIPT)
+    log_dir = tmp_path / f"fork-{fork}"
+    with RankProcesses([sys.executable, str(script), "a b", "c"], 3, log_dir,
+                       env={"NANOTRAIN_FORK_SERVER": fork}) as ranks:
+        ranks.start()
+        assert (ranks._server is not None) == (fork == "1")
+        deadline = time.monotonic() + 60
+        while not ranks.done():
+            assert time.monotonic() < deadline, "the ranks did not exit"
+            time.sleep(0.05)
+        codes = ranks.codes()
+    logs = [(log_dir / f"rank-{r}.log").read_text() for r in range(3)]
+    return codes, logs, json.loads((log_dir / "ranks.json").read_text())
+
+
+def test_fork_server_ranks_behave_as_their_own_interpreters(tmp_path):
+    """The same script through the fork server and as separate interpreters: the same argv,
+    environment, ``__main__``, both streams in the rank's log, exit codes (a signal as
+    ``Popen`` reports it: -9), and ``ranks.json`` naming each rank's pid."""
+    forked = _launch(tmp_path, "1")
+    plain = _launch(tmp_path, "0")
+    for codes, logs, pids in (forked, plain):
+        assert codes == [10, -9, 12]
+        for rank, text in enumerate(logs):
+            assert f"rank {rank} argv ['a b', 'c'] world 3 main __main__" in text
+            assert f"stderr of {rank}" in text
+        assert sorted(pids["ranks"]) == ["0", "1", "2"]
+    assert len(set(forked[2]["ranks"].values())) == 3
