@@ -33,9 +33,9 @@ lint: venv
 	$(PY) -m ruff check .
 
 # Two pytest-xdist workers (tests/conftest.py GroupScheduling keeps the SLURM tests, and the tests
-# of the shared reference runs, each on one worker). Not yet shown faster than a serial run on 2
-# cores (the old test set took 1133 s on two workers vs 881-929 s serially a day before): time both
-# back to back before relying on it. PYTEST_WORKERS=0 runs the suite in this process, serially.
+# of the shared reference runs, each on one worker); local ranks fork from one fork server
+# (nanotrain/launch/forkserver.py). Measured 2026-12-02 on 2 cores, fresh clones: 2 workers 1975 s
+# -> 1583 s with the fork server (serial without it: 2070 s). PYTEST_WORKERS=0 runs serially.
 PYTEST_WORKERS ?= 2
 test: venv lint cluster-up
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --no-loadscope-reorder $(PYTEST_ARGS)
