@@ -1,7 +1,7 @@
 """The memory estimate against what autograd really saves, in-process (one model, CPU): for each
 recompute mode, fp32 and bf16 autocast, a whole model and a pipeline stage, the bytes of saved
 tensors (``benchmarks/memory.py``'s hooks: each storage once, parameters excluded) are within
-15% of ``estimate_memory`` / ``llama_arch.activation_bytes_per_layer``. The multi-rank layouts
+15% of ``estimate_memory`` / ``llama_activations.activation_bytes_per_layer``. The multi-rank layouts
 (tp, cp, pp engines) are in the benchmark's table (README)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from nanotrain.config import load_config
 from nanotrain.launch.memory_estimate import GB, estimate_memory
-from nanotrain.models import llama_arch
+from nanotrain.models import llama_activations, llama_arch
 from nanotrain.models.llama import LlamaModel
 from nanotrain.training.builder import build_model
 
@@ -58,6 +58,6 @@ def test_first_pipeline_stage_layers_within_15_percent(mode):
 
     measured = peak_saved_bytes(model, step)
     layers = sum(name.startswith("layers.") for name in llama_arch.rank_blocks(m, 2, 0))
-    estimate = layers * llama_arch.activation_bytes_per_layer(m, t.sequence_length, t.micro_batch_size,
+    estimate = layers * llama_activations.activation_bytes_per_layer(m, t.sequence_length, t.micro_batch_size,
                                                                recompute=mode, cpu=True)
     assert estimate == pytest.approx(measured, rel=0.15), (estimate, measured)

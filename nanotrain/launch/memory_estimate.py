@@ -8,7 +8,7 @@ LM head and its logits (last stage).
 - gradients: fp32 (accumulated in fp32 across micro-batches);
 - optimizer: AdamW exp_avg + exp_avg_sq in fp32, divided by dp*cp under ZeRO-1;
 - activations: what autograd keeps per layer in this implementation, for ``training.recompute``
-  (``llama_arch.activation_bytes_per_layer``, measured by ``benchmarks/memory.py``), times the
+  (``llama_activations.activation_bytes_per_layer``, measured by ``benchmarks/memory.py``), times the
   micro-batches a stage holds at once (``micro_batches_in_flight``: all m for afab, pp - rank for
   1f1b, ((v+1)pp - 2 rank - 1)/v interleaved), on the first stage or the last, whichever holds
   more; the last adds the head's saved tensors (final norm, fp32 logits): once (its virtual
@@ -16,7 +16,7 @@ LM head and its logits (last stage).
   gradient; plus, under recompute, the one layer (one micro-batch) whose dropped tensors
   backward recomputes at a time.
 - MoE (``model.moe``): a rank holds num_experts/ep experts of each MoE layer; its extra activations
-  (k routed copies of each token, the experts' intermediates) are ``llama_arch.moe_extra_activation_bytes``.
+  (k routed copies of each token, the experts' intermediates) are ``llama_activations.moe_extra_activation_bytes``.
 It ignores allocator fragmentation, communication buffers and the CUDA context (~1-3 GB).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanotrain.config import Config
-from nanotrain.models import llama_arch
+from nanotrain.models import llama_activations, llama_arch
 
 GB = 1024**3
 # No accelerator holds this much (the largest have ~300 GB): an estimate above it means a model
@@ -96,18 +96,18 @@ def estimate_memory(config: Config) -> MemoryEstimate:
         optimizer = 8 * params
 
     def per_layer(recompute: str) -> float:
-        return llama_arch.activation_bytes_per_layer(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
+        return llama_activations.activation_bytes_per_layer(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
                                                      tp_mode=p.tp_mode, cp=p.cp, recompute=recompute,
                                                      cpu=config.slurm.gpus_per_node == 0)
 
     def moe_extra(recompute: str) -> float:
-        return llama_arch.moe_extra_activation_bytes(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
+        return llama_activations.moe_extra_activation_bytes(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
                                                      tp_mode=p.tp_mode, cp=p.cp, recompute=recompute)
 
     per_layer_moe = moe_extra(t.recompute)
     stack = layers * per_layer(t.recompute) + moe_layers * per_layer_moe
     local = t.sequence_length // p.cp
-    head = llama_arch.head_saved_bytes(mdl, local, t.micro_batch_size, p.tp, p.tp_mode)
+    head = llama_activations.head_saved_bytes(mdl, local, t.micro_batch_size, p.tp, p.tp_mode)
     # The busiest of the first stage (most micro-batches in flight) and the last (plus the head),
     # each given the most layers a stage holds.
     first, last = micro_batches_in_flight(config, 0), micro_batches_in_flight(config, p.pp - 1)
@@ -117,7 +117,7 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     candidates = [(first * stack + (head if p.pp == 1 else 0), first),
                   (last * stack + heads * head, last)]
     saved, in_flight = max(candidates)
-    logits_grad = llama_arch.logits_bytes(mdl, local, t.micro_batch_size, p.tp) / 2
+    logits_grad = llama_activations.logits_bytes(mdl, local, t.micro_batch_size, p.tp) / 2
     # One layer's dropped tensors, rebuilt in backward (an MoE layer's when the stage has one).
     recomputing = per_layer("none") - per_layer(t.recompute)
     if moe_layers:

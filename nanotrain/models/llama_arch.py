@@ -5,7 +5,7 @@ Everything that reasons about the model without running it reads this module: th
 every (tp, pp) rank, the FLOPs behind MFU (``logging``), the ``--dry-run`` memory estimate
 (``launch/memory_estimate.py``), checkpoint skeletons (``checkpoint/reshard.py``) and the config
 -> constructor mapping (``model_kwargs``). A new block type (MoE layers) is described here once:
-its cost, its parameters per tp rank, its FLOPs and its activation bytes.
+its cost, its parameters per tp rank and its FLOPs (its activation bytes: ``llama_activations``).
 
 Pure Python on the config (no torch): the memory estimate of a 4096-rank plan runs in
 microseconds, before torch is imported. ``tests/test_llama_arch.py`` holds these numbers against
@@ -276,11 +276,7 @@ def hardware_flops_per_token(args: ModelArgs, seq_len: int, recompute: str = "no
     return model
 
 
-# ----------------------------------------------------------------------------- activations
-# What THIS implementation's autograd keeps (measured by benchmarks/memory.py with saved-tensor
-# hooks, unique storages; tests/test_memory_measured.py holds it within 15%), not Megatron's
-# paper count: its fp32 RMSNorm internals, fused qkv / gate-up outputs, RoPE copies, the SDPA
-# output and log-sum-exp, and, under autocast, the bf16 weight copies each linear saves.
+# ----------------------------------------------------------------------------- recompute
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -289,96 +285,6 @@ def check_recompute(mode: str) -> str:
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
     return mode
-
-
-def compute_bytes(args: ModelArgs) -> int:
-    """Bytes of one activation value in the compute dtype (bf16/fp16 under autocast, else fp32)."""
-    return 2 if args.dtype in ("bfloat16", "float16") else 4
-
-
-def activation_bytes_per_layer(args: ModelArgs, sequence_length: int, micro_batch_size: int, *, tp: int = 1,
-                               tp_mode: str = "ALL_REDUCE", cp: int = 1, recompute: str = "none",
-                               cpu: bool = False) -> float:
-    """Bytes one decoder layer keeps for backward, per micro-batch in flight, on one rank.
-
-    Per token of this rank's ``n = s/cp * b`` (``c`` = compute-dtype bytes, t = tp, sequence
-    parallelism divides the replicated part by t):
-    * two RMSNorms: the fp32 input (a copy under autocast), ``x * rsqrt`` (fp32), rsqrt (one
-      fp32 per token), replicated (``/t`` under REDUCE_SCATTER): ``2 * (8h + 4)``;
-    * the two column linears' inputs (the norm outputs; gathered over the whole sequence under
-      REDUCE_SCATTER): ``2 * c * h``;
-    * attention, ``/t``: the qkv output ``c (h + 2 kv)`` (its v part is SDPA's input), rotated q
-      ``c h`` and k ``c kv``, the SDPA output (the o_proj input) ``c h``, its log-sum-exp
-      ``4 heads``. Under cp the local k and v are not kept but the gathered ones of the whole
-      sequence are (``2 c kv * cp``), the two causal chunks' outputs are concatenated into a
-      copy (another ``c h``); on CPU (``cpu``) each chunk's lower-right causal mask is
-      materialized (torch's CausalBias has no CPU kernel) and kept, fp32 ``[s/2cp, visible
-      keys]``: ``4 (s/2cp)^2 (2cp + 1)`` per micro-batch (on GPU the efficient-attention
-      kernel takes the causal variant without a mask);
-    * SwiGLU, ``/t``: gate/up output ``2 c F``, ``silu(gate)`` ``c F``, the down input ``c F``;
-    * autocast (bf16): every linear saves the bf16 copy of its weight, per micro-batch: 2 bytes
-      per matmul parameter of the rank's layer.
-    ``selective`` drops the log-sum-exp and ``silu(gate)`` (recomputed from tensors kept anyway;
-    under cp also the chunks' outputs and masks);
-    ``full`` keeps the layer's input only (``c h``, ``/t`` under REDUCE_SCATTER)."""
-    check_recompute(recompute)
-    c, h, ffn = compute_bytes(args), args.hidden_size, args.intermediate_size
-    kv, heads = kv_heads(args) * head_dim(args), args.num_attention_heads
-    n = sequence_length // cp * micro_batch_size
-    replicated = tp if tp_mode == "REDUCE_SCATTER" else 1
-    if recompute == "full":
-        return c * h * n / replicated
-    norms = 2 * (8 * h + 4) / replicated + 2 * c * h
-    masks = 0.0
-    if cp > 1:
-        attention = c * (3 * h + 2 * kv * cp) + 4 * heads
-        chunk = sequence_length // (2 * cp)  # the two causal chunks' fp32 masks, [chunk, visible keys]
-        masks = 4 * chunk * chunk * (2 * cp + 1) if cpu else 0.0
-    else:
-        attention = c * (3 * h + 3 * kv) + 4 * heads
-    mlp = 4 * c * ffn
-    if recompute == "selective":  # cp: the chunks' outputs and masks live inside the region too
-        attention -= 4 * heads + (c * h if cp > 1 else 0)
-        mlp -= c * ffn
-        masks = 0.0
-    weights = 2 * layer_matmul_parameters(args) / tp if c == 2 else 0
-    return n * (norms + (attention + mlp) / tp) + masks + weights
-
-
-def head_saved_bytes(args: ModelArgs, local_tokens: int, micro_batch_size: int, tp: int = 1,
-                     tp_mode: str = "ALL_REDUCE") -> float:
-    """What the last stage's head keeps per micro-batch: the final RMSNorm (as a layer's) and
-    its output, the logits (fp32) over this tp rank's padded vocabulary rows."""
-    n, h = local_tokens * micro_batch_size, args.hidden_size
-    replicated = tp if tp_mode == "REDUCE_SCATTER" else 1
-    return n * ((8 * h + 4) / replicated + compute_bytes(args) * h + 4 * vocab_rows_per_rank(args, tp))
-
-
-def moe_extra_activation_bytes(args: ModelArgs, sequence_length: int, micro_batch_size: int, *, tp: int = 1,
-                               tp_mode: str = "ALL_REDUCE", cp: int = 1, recompute: str = "none") -> float:
-    """What an MoE layer keeps for backward beyond a dense layer's count, per micro-batch, 2 bytes
-    a value (an estimate in Megatron's spirit): each of the k copies of a token holds its row
-    before and after the all-to-all (2 * h) and its expert's gate, up and activation (3 * F_e),
-    instead of the dense MLP's 3 * F / tp; the router's fp32 logits and probabilities (2 * E,
-    4 bytes). Routed tokens are this rank's s/cp, divided by tp under REDUCE_SCATTER only (the
-    routed experts are not split over tp). ``recompute``: ``full`` keeps the layer's input only
-    (``activation_bytes_per_layer`` counts it), ``selective`` drops each SwiGLU's ``silu(gate)``
-    (one of the three F values, routed and shared, as the dense MLP's)."""
-    if args.moe is None or check_recompute(recompute) == "full":
-        return 0.0
-    m = args.moe
-    s, b, h = sequence_length // cp, micro_batch_size, args.hidden_size
-    routed = s * b // (tp if tp_mode == "REDUCE_SCATTER" else 1)
-    kept = 2 if recompute == "selective" else 3  # F-wide values per SwiGLU (the dense count is adjusted alike)
-    values = routed * m.top_k * (2 * h + kept * expert_ffn(args)) - s * b * kept * args.intermediate_size / tp
-    values += s * b * kept * m.num_shared_experts * expert_ffn(args) / tp
-    return 2 * values + routed * 2 * m.num_experts * 4
-
-
-def logits_bytes(args: ModelArgs, local_tokens: int, micro_batch_size: int, tp: int = 1) -> int:
-    """The last stage's fp32 logits and their gradient for ``local_tokens`` per sequence, over
-    this tp rank's (padded) vocabulary rows."""
-    return local_tokens * micro_batch_size * vocab_rows_per_rank(args, tp) * 4 * 2
 
 
 # ----------------------------------------------------------------------------- config -> model
