@@ -57,7 +57,7 @@ def python_target(command: list[str]) -> tuple[str, str, list[str]] | None:
     None for anything else (started as a plain subprocess)."""
     if not command or command[0] != sys.executable:
         return None
-    rest = [a for a in command[1:]]
+    rest = list(command[1:])
     while rest and rest[0] == "-u":
         rest.pop(0)
     if len(rest) >= 2 and rest[0] == "-m":
@@ -102,12 +102,12 @@ class ForkedProcess:
 class ForkServer:
     """One job's fork server (started by ``RankProcesses`` when ``use_fork_server``)."""
 
-    def __init__(self, env: dict, cwd: str | None = None):
+    def __init__(self, env: dict):
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._lock = threading.Lock()
         self._ranks: dict[int, ForkedProcess] = {}
         self.proc = subprocess.Popen([sys.executable, "-m", "nanotrain.launch.forkserver"],
-                                     env={**env, FD_ENV: str(theirs.fileno())}, cwd=cwd, pass_fds=(theirs.fileno(),),
+                                     env={**env, FD_ENV: str(theirs.fileno())}, pass_fds=(theirs.fileno(),),
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         theirs.close()
 

@@ -139,7 +139,6 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         self.domains = [self._domain(group, [i for i, e in enumerate(expert) if not e], "")]
         if any(expert):
             self.domains.append(self._domain(expert_group, [i for i, e in enumerate(expert) if e], "expert "))
-        self.dp_group, self.dp_size, self.dp_rank = group, self.domains[0].size, self.domains[0].rank
 
         self.pieces: list[ShardPiece] = []
         shard_groups = [dict(g, params=[], param_names=[]) for g in param_groups]
