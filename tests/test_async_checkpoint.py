@@ -114,3 +114,44 @@ def test_preemption_during_an_in_flight_save(tmp_path):
     assert saved == [f"step_{s:06d}" for s in range(5, stopped, 5)] + [f"step_{stopped:06d}"], saved
     assert out.count("preempted at step") == 1, out[-2000:]
     assert all(verify_checkpoint(root / name) == [] for name in saved)
+
+
+@pytest.mark.timeout(120)
+def test_background_save_holds_the_step_boundary_state(tmp_path):
+    """The host copies are taken on the writer thread while the next step computes; the update
+    may run once ``wait_snapshot()`` returned and does not reach the checkpoint. A second save
+    reuses the kept host buffers and holds its own step's state."""
+    import torch
+
+    from nanotrain.checkpoint import begin_save, load_checkpoint
+    from nanotrain.optim.optimizer import optimizer_state_by_name
+
+    from helpers.checkpoints import tiny, tiny_step
+
+    def state(objs):
+        params = {n: p.detach().clone() for n, p in objs[0].named_parameters()}
+        opt = {n: (s["exp_avg"].clone(), s["exp_avg_sq"].clone(), float(s["step"]))
+               for n, s in optimizer_state_by_name(objs[1]).items()}
+        return params, opt
+
+    objs = tiny()
+    root = tmp_path / "ck"
+    saved = {}
+    for step in (1, 2):
+        tiny_step(objs, step - 1)
+        saved[step] = state(objs)
+        pending = begin_save(root, step, *objs, background=True)
+        pending.wait_snapshot()
+        tiny_step(objs, step)  # what the trainer's update does right after the wait
+        changed = state(objs)
+        pending.finish()
+        assert any(not torch.equal(changed[0][n], saved[step][0][n]) for n in changed[0])
+    for step in (1, 2):
+        fresh = tiny(9)
+        res = load_checkpoint(root, *fresh, path=root / f"step_{step:06d}")
+        assert res.step == step
+        got = state(fresh)
+        for n, p in saved[step][0].items():
+            assert torch.equal(got[0][n], p), (step, n)
+        for n, (m, v, count) in saved[step][1].items():  # AdamW's step count is updated in place too
+            assert torch.equal(got[1][n][0], m) and torch.equal(got[1][n][1], v) and got[1][n][2] == count, (step, n)

@@ -89,6 +89,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
               torch.bool: "BOOL"}
+HASH_THREADS = 2  # per file: the tensors of one file hashed side by side (hashlib releases the GIL)
 CHECKSUM = "sha256 of each tensor's bytes and of the header; file digest = sha256(header digest + tensor digests)"
 
 
@@ -132,19 +133,21 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], header: dict
     head["__metadata__"] = {HEADER_KEY: canonical(header)}
     prefix = safetensors_prefix(head)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Each tensor is hashed on a second thread while the first writes it: hashlib and file
-    # writes both release the GIL, so a save costs max(hash, write) instead of their sum
-    # (the sha256 of every byte was what held a save to half the speed of a raw write).
-    with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="nanotrain-sha256") as hasher:
+    # The bytes go to the page cache first, unhashed; the tensors are then hashed on
+    # HASH_THREADS threads while this one waits for the disk (fsync). hashlib, file writes and
+    # fsync all release the GIL, so a file costs write + max(hash, fsync) instead of the sum of
+    # all three; hashing while writing took the cores the writes needed (the sha256 of every
+    # byte was what held a save to half the speed of a raw write).
+    with open(path, "wb") as f, ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="nanotrain-sha256") as hasher:
         f.write(prefix)
-        pending = {}
+        raws = {}
         for key, t in tensors.items():
-            raw = _raw(t)
-            pending[key] = hasher.submit(_sha256, raw)
-            f.write(raw)
-        digests = {key: job.result() for key, job in pending.items()}
+            raws[key] = _raw(t)
+            f.write(raws[key])
         f.flush()
+        pending = {key: hasher.submit(_sha256, raw) for key, raw in raws.items()}
         os.fsync(f.fileno())
+        digests = {key: job.result() for key, job in pending.items()}
     header_sha = hashlib.sha256(prefix).hexdigest()
     return {"bytes": len(prefix) + offset, "digest": file_digest(header_sha, digests.values()),
             "header_sha256": header_sha, "tensors": digests}

@@ -170,8 +170,9 @@ class CheckpointArgs:
     resume: bool = doc(True, "continue from the latest complete checkpoint in the run dir")
     save_on_preemption: bool = doc(True, "save when SLURM signals a preemption or time limit")
     allow_foreign: bool = doc(False, "resume from a checkpoint another run wrote (else refused)")
-    async_save: bool = doc(False, "copy the state to host memory at the step and write it from a background "
-                                  "thread while training goes on (committed at a later step)")
+    async_save: bool = doc(False, "copy the state to host memory beside the next step (its update waits for "
+                                  "the copy) and write it from a background thread while training goes on "
+                                  "(committed at a later step)")
     init_from_hf: Optional[str] = doc(None, "local Hugging Face Llama directory the weights start from when the "
                                       "run has no checkpoint yet (optimizer and step start fresh)")
 

@@ -90,11 +90,13 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer) -> dict[str, dict]
     for group in optimizer.param_groups:
         for name, p in zip(group["param_names"], group["params"]):
             st = optimizer.state.get(p, {})
+            # Zeros only for a parameter without state (before the first step): a default
+            # argument would allocate and fill them for every parameter at every save.
             out[name] = {
                 "start": 0, "stop": p.numel(), "numel": p.numel(), "shape": tuple(p.shape),
-                "step": st.get("step", torch.tensor(0.0)),
-                "exp_avg": st.get("exp_avg", torch.zeros_like(p)).reshape(-1),
-                "exp_avg_sq": st.get("exp_avg_sq", torch.zeros_like(p)).reshape(-1),
+                "step": st["step"] if "step" in st else torch.tensor(0.0),
+                "exp_avg": (st["exp_avg"] if "exp_avg" in st else torch.zeros_like(p)).reshape(-1),
+                "exp_avg_sq": (st["exp_avg_sq"] if "exp_avg_sq" in st else torch.zeros_like(p)).reshape(-1),
             }
     return out
 

@@ -66,8 +66,10 @@ def forward_backward(model: torch.nn.Module, microbatches: Sequence[MicroBatch],
 
 
 def optimizer_step(model: torch.nn.Module, grad_sync, optimizer, scheduler, pc,
-                   clip_grad: float | None) -> tuple[torch.Tensor, float]:
-    """Finish the gradient sync, clip, step; returns (grad norm before clipping, lr used)."""
+                   clip_grad: float | None, before_update=None) -> tuple[torch.Tensor, float]:
+    """Finish the gradient sync, clip, step; returns (grad norm before clipping, lr used).
+    ``before_update``: called right before the parameters and optimizer states change (an async
+    checkpoint's host copies are waited for there)."""
     PROGRESS.mark("optimizer (gradient sync)")
     grad_sync.finish_grad_sync()
     PROGRESS.mark("optimizer (clip, step)")
@@ -76,6 +78,10 @@ def optimizer_step(model: torch.nn.Module, grad_sync, optimizer, scheduler, pc,
         allreduce_tied_grads_(model.parameters(), pc.embedding_pg)
     grad_norm = clip_grad_norm_(model.parameters(), clip_grad, pc)
     lr = optimizer.param_groups[0]["lr"]
+    if before_update is not None:
+        PROGRESS.mark("optimizer (waiting for the checkpoint's host copy)")
+        before_update()
+        PROGRESS.mark("optimizer (clip, step)")
     optimizer.step()
     scheduler.step()
     grad_sync.zero_grad()
@@ -109,11 +115,12 @@ def reduce_loss(loss: torch.Tensor | TensorPointer, pc) -> torch.Tensor:
 
 def train_step(model, microbatches: Sequence[MicroBatch], grad_sync, optimizer, scheduler, pc,
                clip_grad: float | None, engine: PipelineEngine | None = None,
-               message: MessageSpec | None = None) -> StepStats:
+               message: MessageSpec | None = None, before_update=None) -> StepStats:
     """One optimizer step. pp > 1 needs ``engine`` (``PipelineEngine(parallelism.pp_engine,
     pc.pp_pg)``); every pp rank passes the same micro-batches (the first stage reads the ids,
     the last the targets), or None on middle stages with ``message`` (see ``PipelineEngine``).
-    No host sync happens here: read the returned stats when they are needed."""
+    No host sync happens here: read the returned stats when they are needed. ``before_update``:
+    see ``optimizer_step``."""
     begin_step = getattr(model, "begin_step", None)  # LlamaModel: the MoE auxiliary losses' share
     if begin_step is not None:                        # of each micro-batch; other models have none
         begin_step(len(microbatches))
@@ -123,6 +130,6 @@ def train_step(model, microbatches: Sequence[MicroBatch], grad_sync, optimizer, 
         loss = engine.forward_backward(model, microbatches, grad_sync, message)
     else:
         loss = forward_backward(model, microbatches, grad_sync)
-    grad_norm, lr = optimizer_step(model, grad_sync, optimizer, scheduler, pc, clip_grad)
+    grad_norm, lr = optimizer_step(model, grad_sync, optimizer, scheduler, pc, clip_grad, before_update)
     PROGRESS.mark("loss reduction")
     return StepStats(reduce_loss(loss, pc), grad_norm, lr)

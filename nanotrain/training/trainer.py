@@ -132,7 +132,8 @@ class DistributedTrainer:
                 self.profiler.before(self.step + 1)
             microbatches = self.batches.get(self.consumed_samples) if self.batches else [None] * m
             stats = train_step(self.model, microbatches, self.grad_sync, self.optimizer, self.scheduler, self.pc,
-                               self.config.optimizer.clip_grad, engine=self.engine, message=self.message)
+                               self.config.optimizer.clip_grad, engine=self.engine, message=self.message,
+                               before_update=self.pending_save.wait_snapshot if self.pending_save else None)
             self.step += 1
             PROGRESS.advance(self.step)
             self.consumed_samples += self.global_batch
@@ -218,9 +219,10 @@ class DistributedTrainer:
                                          f"val/ppl {perplexity(loss):.2f} | eval {took:.2f}s")
 
     def save(self, wait: bool = True) -> None:
-        """Save this step; ``wait=False`` (async_save) returns once the state is copied to the
-        host, and a later step boundary commits it (``finish_save``). At most one save is in
-        flight: a new one first commits the previous."""
+        """Save this step; ``wait=False`` (async_save) returns at once: a thread copies the state
+        to the host while the next step computes (its update waits for the copy:
+        ``before_update``), then writes it; a later step boundary commits it (``finish_save``).
+        At most one save is in flight: a new one first commits the previous."""
         self.finish_save()
         if self.saved_step == self.step:
             return  # written (or loaded and verified) by this process: not hashed again

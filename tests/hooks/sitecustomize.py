@@ -46,8 +46,13 @@ if _slow and os.environ.get("NANOTRAIN_LAUNCHER") and os.environ.get("RANK"):
         while not os.path.exists(_how[len("until="):]) and time.monotonic() < deadline:
             time.sleep(0.05)
 
+    def _in_background_save() -> bool:
+        # Files are written on pool threads in sync saves too; only an async save has its
+        # writer thread alive (at most one save is in flight, and a sync save waits for it).
+        return any(t.name == "nanotrain-checkpoint-writer" for t in threading.enumerate())
+
     def _slow_write(path, tensors, header):
-        if f"{_dir}.tmp" in str(path) and threading.current_thread() is not threading.main_thread():
+        if f"{_dir}.tmp" in str(path) and _in_background_save():
             _hold()
         return _write(path, tensors, header)
 

@@ -237,13 +237,12 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         out = {}
         for piece in self.pieces:
             st = self.state.get(piece.shard, {})
-            zeros = torch.zeros_like(piece.shard)
-            out[piece.name] = {
+            out[piece.name] = {  # zeros only where there is no state yet (not at every save)
                 "start": piece.start, "stop": piece.stop, "numel": piece.param.numel(),
                 "shape": tuple(piece.param.shape),
-                "step": st.get("step", torch.tensor(0.0)),
-                "exp_avg": st.get("exp_avg", zeros),
-                "exp_avg_sq": st.get("exp_avg_sq", zeros.clone()),
+                "step": st["step"] if "step" in st else torch.tensor(0.0),
+                "exp_avg": st["exp_avg"] if "exp_avg" in st else torch.zeros_like(piece.shard),
+                "exp_avg_sq": st["exp_avg_sq"] if "exp_avg_sq" in st else torch.zeros_like(piece.shard),
             }
         return out
 
