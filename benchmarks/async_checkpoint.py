@@ -16,11 +16,13 @@ and the time until that save is durable and committed (`finish()`). Ratios: sync
 write throughput (target >= 0.8) and async stall / sync save (target <= 0.1), and the stall plus
 the slowdown / sync save.
 
+Beside them, PyTorch-native: `torch.distributed.checkpoint.save` (sync, files fsynced) and
+`async_save` (its default: staged to host memory on the calling thread, written by a thread),
+in a one-rank gloo group, timed the same way (stall = until `async_save` returns).
+
 Fair by construction: the rows of one repeat run in a rotated order, and before each timed row
 the previous outputs are deleted and the page cache flushed (`os.sync`), so no row pays for
-another row's write-back or deletion. The PyTorch-native equivalent
-(`torch.distributed.checkpoint.async_save`) needs a process group; vs_native.py's checkpoint
-rows compare the sync paths with DCP.
+another row's write-back or deletion.
 """
 from __future__ import annotations
 
@@ -43,7 +45,9 @@ ROWS = {"raw": "raw write (1 file, fsync)", "raw_sha": "raw write + sha256", "sy
         "prune": "prune one older checkpoint", "step": "training step, no save",
         "async_step": "async save + the next step", "async_begin": "async: begin_save returns",
         "async_wait": "async: the update waits", "async_stall": "async: training blocked (stall)",
-        "async_slow": "async: overlapping step slowed", "async_total": "async: until committed"}
+        "async_slow": "async: overlapping step slowed", "async_total": "async: until committed",
+        "dcp_sync": "DCP save", "dcp_stall": "DCP async_save: training blocked",
+        "dcp_slow": "DCP async_save: step slowed", "dcp_total": "DCP async_save: until done"}
 
 
 def build(mb: int):
@@ -133,21 +137,45 @@ def main() -> None:
         pending.finish()
         rows["async_total"].append(time.perf_counter() - t0)
 
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    def native_state():
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+    def dcp_sync():
+        settle(work / "dcp")
+        timed("dcp_sync", lambda: dcp.save(native_state(), checkpoint_id=str(work / "dcp")))
+
+    def dcp_async():
+        settle(work / "dcp-async")
+        timed("step", train_compute)
+        t0 = time.perf_counter()
+        future = dcp.async_save(native_state(), checkpoint_id=str(work / "dcp-async"))
+        rows["dcp_stall"].append(time.perf_counter() - t0)
+        train_compute()
+        rows["dcp_slow"].append(time.perf_counter() - t0 - rows["step"][-1] - rows["dcp_stall"][-1])
+        future.result()
+        rows["dcp_total"].append(time.perf_counter() - t0)
+
     order = [lambda: (settle(work / "raw"), timed("raw", lambda: raw_write(work / "raw", tensors, False))),
              lambda: (settle(work / "raw"), timed("raw_sha", lambda: raw_write(work / "raw", tensors, True))),
-             sync_save, async_save]
+             sync_save, async_save, dcp_sync, dcp_async]
     try:
         for i in range(a.repeats):
             for k in range(len(order)):
                 order[(i + k) % len(order)]()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        dist.destroy_process_group()
     med = {k: statistics.median(v) for k, v in rows.items()}
     mb = nbytes / 1e6
     print(f"state: {mb:.0f} MB (weights + AdamW), {a.repeats} repeats in rotated order, medians; dir {work.parent}")
     print(f"{'row':34s} {'seconds':>8s} {'MB/s':>8s}")
     for key, label in ROWS.items():
-        rate = f"{mb / med[key]:8.0f}" if key in ("raw", "raw_sha", "sync", "prune", "async_total") else ""
+        rate = f"{mb / med[key]:8.0f}" if key in ("raw", "raw_sha", "sync", "async_total", "dcp_sync",
+                                                 "dcp_total") else ""
         print(f"{label:34s} {med[key]:8.3f} {rate}")
     print(f"sync save throughput / raw write: {med['raw'] / med['sync']:.2f}x (target >= 0.8)")
     print(f"sync save + prune throughput / raw write: {med['raw'] / (med['sync'] + med['prune']):.2f}x")
@@ -155,6 +183,9 @@ def main() -> None:
     print(f"async stall / sync save: {med['async_stall'] / med['sync']:.3f} (target <= 0.10)")
     print(f"(async stall + overlapping step slowed) / sync save: "
           f"{(med['async_stall'] + med['async_slow']) / med['sync']:.3f}")
+    print(f"vs PyTorch-native DCP: sync save {med['dcp_sync'] / med['sync']:.2f}x faster, async stall "
+          f"{med['dcp_stall'] / max(med['async_stall'], 1e-9):.1f}x shorter, until committed "
+          f"{med['dcp_total'] / med['async_total']:.2f}x faster")
 
 
 if __name__ == "__main__":
