@@ -23,7 +23,10 @@ def _unavailable(reason: str) -> None:
 # order. The tests that share the local SLURM cluster form one group: the preemption test needs
 # both nodes to itself, so they never run beside each other. The tests that read the session's
 # shared reference runs form another, so each run is still made once. Both groups come first, so
-# the two workers start on them and share out the rest as they free up.
+# the two workers start on them and share out the rest as they free up, a test module at a time:
+# a module's own shared work (module fixtures, ``functools.lru_cache`` runs such as
+# test_training_pipeline's 8-rank run of every case) is then made once, not once per worker that
+# got one of its tests (that run cost ~95 s twice when its tests were dealt out one by one).
 #
 # How: the workers collect and name each test's group; one of them writes {nodeid: group} to a
 # file the controller named (NANOTRAIN_TEST_GROUPS), and the controller's scheduler
@@ -61,7 +64,7 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling  # only under xdist (a dev dependency)
 
     class GroupScheduling(LoadScopeScheduling):
-        """LoadScopeScheduling with a test's group (``_group_of``) as its scope, else the test."""
+        """LoadScopeScheduling with a test's group (``_group_of``) as its scope, else its module."""
 
         groups: dict[str, str] | None = None
 
@@ -69,7 +72,7 @@ def pytest_xdist_make_scheduler(config, log):
             if self.groups is None:
                 path = Path(os.environ[GROUPS_ENV])
                 self.groups = json.loads(path.read_text()) if path.is_file() else {}
-            return self.groups.get(nodeid, nodeid)
+            return self.groups.get(nodeid, nodeid.split("::", 1)[0])
 
     return GroupScheduling(config, log)
 
