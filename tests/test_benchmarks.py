@@ -73,3 +73,17 @@ def test_checkpoint_granularity_benchmark_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["params"] == 279_104 and result["tp"] == 2 and result["files"] > 0 and result["save_s"] > 0
+
+
+def test_async_checkpoint_benchmark_runs(tmp_path):
+    """benchmarks/async_checkpoint.py (the stall and throughput table in the README): every row,
+    ours and DCP's, is measured and printed, and it leaves nothing behind in its directory."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "async_checkpoint.py"), "--mb", "24",
+                           "--repeats", "1", "--batch", "4", "--dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for row in ("raw write (1 file, fsync)", "nanotrain sync save", "async: training blocked (stall)",
+                "async: until committed", "DCP save", "DCP async_save: until done"):
+        assert any(line.startswith(row) for line in proc.stdout.splitlines()), (row, proc.stdout)
+    assert "sync save throughput / raw write:" in proc.stdout and "vs PyTorch-native DCP" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
