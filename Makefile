@@ -35,8 +35,8 @@ lint: venv
 # Two pytest-xdist workers (tests/conftest.py GroupScheduling keeps the SLURM tests, and the tests
 # of the shared reference runs, each on one worker, and deals out the rest a module at a time);
 # local ranks fork from one fork server (nanotrain/launch/forkserver.py). Measured 2026-12-02 on
-# 2 cores, fresh clones: 2 workers 1975 s -> 1583 s with the fork server -> 995 s with module
-# scopes and no `datasets` import in ranks (serial, before all three: 2070 s).
+# 2 cores, fresh clones: 2 workers 1975 s -> 1583 s with the fork server -> 995-1342 s (three
+# runs) with module scopes and no `datasets` import in ranks (serial, before all three: 2070 s).
 # PYTEST_WORKERS=0 runs serially.
 PYTEST_WORKERS ?= 2
 test: venv lint cluster-up
