@@ -7,7 +7,8 @@
 * every parameter, buffer and gradient of the model on the CUDA device;
 * bf16 autocast forward/backward: bf16 matmuls, fp32 loss, fp32 weights and gradients;
 * a tiny (1,1,1) training step on the GPU gives the CPU's losses (fp32: tight; bf16: loose).
-* the trainer's batch prefetcher copies batches to the GPU unchanged.
+* the trainer's batch prefetcher copies batches to the GPU unchanged;
+* an async save's pinned, side-stream host copies hold the step boundary's values.
 """
 from __future__ import annotations
 
@@ -143,3 +144,35 @@ def test_batch_prefetcher_copies_to_cuda_ahead():
         ids, targets = prefetcher.get(consumed)[0]
         assert ids.is_cuda and targets.is_cuda
         assert torch.equal(ids.cpu(), torch.arange(consumed, consumed + 64).view(2, 32))
+
+
+def test_background_save_of_cuda_state_holds_the_step_boundary(tmp_path):
+    """An async save's host copies of CUDA parameters and AdamW states (pinned buffers, a side
+    stream) hold the step boundary's values even when the update runs right after
+    ``wait_snapshot()``, with the next step's kernels queued behind the copies."""
+    from nanotrain.checkpoint import begin_save, load_checkpoint
+    from nanotrain.config import OptimizerArgs
+    from nanotrain.optim import build_optimizer
+
+    def step(model, opt):
+        ids, targets = (t.cuda() for t in _batch())
+        model(ids, targets).backward()
+        opt.step()
+        opt.zero_grad()
+
+    model = _model("cuda")
+    opt = build_optimizer(model.named_parameters(), OptimizerArgs(lr=1e-2), zero_stage=0)
+    for save_step in (1, 2):
+        step(model, opt)
+        want = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+        pending = begin_save(tmp_path / "ck", save_step, model, opt, background=True)
+        ids, targets = (t.cuda() for t in _batch())
+        model(ids, targets).backward()  # the next step's forward and backward beside the copies
+        pending.wait_snapshot()
+        opt.step()
+        opt.zero_grad()
+        pending.finish()
+        fresh = _model("cuda", seed=3)
+        load_checkpoint(tmp_path / "ck", fresh, path=tmp_path / "ck" / f"step_{save_step:06d}")
+        for n, p in fresh.named_parameters():
+            assert torch.equal(p.detach().cpu(), want[n]), (save_step, n)
