@@ -129,7 +129,7 @@ def begin_save(root: str | Path, step: int, model: Models, optimizer=None, sched
         live = {"error": traceback.format_exc()}
     commit = dict(root=root, final=final, tmp=tmp, step=step, cfg=cfg, pc=pc, keep_last=keep_last,
                   run_id=run_id, granularity=granularity, live=live, t0=t0, topology=topology_of(pc, optimizer, cfg))
-    return PendingSave(world, commit, work, lambda: _write_rank(tmp, work, granularity), background)
+    return PendingSave(world, commit, work.get("snapshot"), lambda: _write_rank(tmp, work, granularity), background)
 
 
 class PendingSave:
@@ -139,13 +139,13 @@ class PendingSave:
     rank's files are written (no communication); ``finish()`` waits for them, then every rank
     takes part in the commit (gather to rank 0, COMPLETE, rename, ``latest``, broadcast)."""
 
-    def __init__(self, world: World, commit: dict, work: dict, write, background: bool):
+    def __init__(self, world: World, commit: dict, snapshot, write, background: bool):
         self.world, self.commit, self.step, self.path = world, commit, commit["step"], commit["final"]
         self._report: dict | None = None
         self._thread = None
         self._taken = threading.Event()
         if background:
-            self._thread = threading.Thread(target=self._write, args=(work.get("snapshot"), write), daemon=True,
+            self._thread = threading.Thread(target=self._write, args=(snapshot, write), daemon=True,
                                             name="nanotrain-checkpoint-writer")
             self._thread.start()
         else:
@@ -155,14 +155,13 @@ class PendingSave:
         try:
             if snapshot is not None:
                 snapshot.complete()
-            self._taken.set()
-            if snapshot is not None:
+                self._taken.set()  # the update may run while the files are written
                 _yield_to_training()
             self._report = write()
         except Exception:
             self._report = {"error": f"rank {self.world.rank}: {traceback.format_exc()}"}
         finally:
-            self._taken.set()  # a failed copy is reported by the commit; training need not wait
+            self._taken.set()  # also after a failed copy: the commit reports it
 
     def wait_snapshot(self) -> None:
         self._taken.wait()

@@ -17,21 +17,16 @@ backward run while the copies are made, and only the update waits for them
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
-
-# CPU copies run beside the next step's forward and backward, so one thread: more took the
-# step's cores (4 threads made a 0.14 s step 0.03 s slower on 2 cores than 1 thread did).
-COPY_THREADS = 1
 
 
 class HostSnapshot:
     """``snap(t)`` returns the host buffer that will hold ``t``'s values; ``complete()`` (any
     thread) makes them hold them. GPU copies are queued at once on a side stream that first
     waits for the training stream (non-blocking, to pinned memory: the DMA overlaps the next
-    step's kernels) and waited for with one stream sync; CPU copies run in ``complete`` on
-    ``COPY_THREADS`` threads (``copy_`` releases the GIL)."""
+    step's kernels) and waited for with one stream sync; CPU copies run in ``complete``, one
+    after another: they run beside the next step's forward and backward, and more threads took
+    the step's cores (4 made a 0.14 s step 0.03 s slower on 2 cores than 1 did)."""
 
     _kept: dict[tuple, list[torch.Tensor]] = {}  # (pinned, shape, dtype) -> buffers of this process
     _streams: dict[int, object] = {}  # device index -> side stream of this process
@@ -51,10 +46,13 @@ class HostSnapshot:
         if n == len(buffers):
             buffers.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned))
         if pinned:
-            side = self._streams.setdefault(t.device.index, torch.cuda.Stream(t.device))
-            if t.device.index not in self._sides:  # once per save: the step's last update is in t
+            index = t.device.index
+            if index not in self._streams:  # one side stream per device and process
+                self._streams[index] = torch.cuda.Stream(t.device)
+            side = self._streams[index]
+            if index not in self._sides:  # once per save: the step's last update is in t
                 side.wait_stream(torch.cuda.current_stream(t.device))
-                self._sides[t.device.index] = side
+                self._sides[index] = side
             with torch.cuda.stream(side):
                 buffers[n].copy_(t, non_blocking=True)
             return buffers[n]
@@ -63,12 +61,8 @@ class HostSnapshot:
 
     def complete(self) -> None:
         copies, self._cpu_copies = self._cpu_copies, []
-        if len(copies) > 1 and COPY_THREADS > 1:
-            with ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="nanotrain-snapshot") as pool:
-                list(pool.map(lambda pair: pair[0].copy_(pair[1]), copies))
-        else:
-            for dst, src in copies:
-                dst.copy_(src)
+        for dst, src in copies:
+            dst.copy_(src)
         sides, self._sides = self._sides, {}
         for side in sides.values():
             side.synchronize()  # the pinned copies have landed (nothing else runs on a side stream)
