@@ -80,3 +80,21 @@ def test_user_env_exported(env):
     env.delenv("NCCL_SOCKET_IFNAME", raising=False)
     export_user_env({"NCCL_SOCKET_IFNAME": "ib0"})
     assert os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "torchrun", "env://", "local", "single"])
+def test_every_launcher_exports_local_world_size(env, launcher):
+    """ParallelContext picks the GPU from LOCAL_RANK and LOCAL_WORLD_SIZE, so every launch path
+    must leave both in the environment, agreeing with its DistEnv."""
+    given = {"slurm": SLURM_4_NODES,
+             "torchrun": {"TORCHELASTIC_RUN_ID": "abc", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                          "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"},
+             "env://": {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+             "local": {"NANOTRAIN_LAUNCHER": "local", "RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3",
+                       "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "23456"},
+             "single": {}}[launcher]
+    for key, value in given.items():
+        env.setenv(key, value)
+    dist_env = setup_distributed_env()
+    assert os.environ["LOCAL_WORLD_SIZE"] == str(dist_env.local_world_size)
+    assert os.environ["LOCAL_RANK"] == str(dist_env.local_rank)

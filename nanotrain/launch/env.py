@@ -81,6 +81,10 @@ def _from_variables(launcher: str) -> DistEnv:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    # ParallelContext picks the rank's GPU from these two; a launcher that sets only the env://
+    # four (RANK, WORLD_SIZE, MASTER_*) gets the same reading of them as this DistEnv's.
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(local_world))
     return DistEnv(launcher, rank, world, local_rank, local_world, os.environ["MASTER_ADDR"],
                    int(os.environ["MASTER_PORT"]), int(os.environ.get("GROUP_RANK", rank // local_world)),
                    max(1, world // local_world), os.environ.get("TORCHELASTIC_RUN_ID"),

@@ -147,11 +147,26 @@ class ParallelContext:
 
     @staticmethod
     def _select_device() -> torch.device:
-        """One GPU per process, picked by LOCAL_RANK; modulo so that one visible GPU per task
-        (CUDA_VISIBLE_DEVICES set by SLURM/submitit) and all GPUs visible both work."""
+        """One GPU per process. Unambiguous only if each rank of the node sees all its GPUs
+        (LOCAL_WORLD_SIZE of them: index LOCAL_RANK) or exactly one, or runs alone on it; a
+        subset per task (``--gpu-bind=closest``) would give ranks of different subsets one
+        physical GPU under ``LOCAL_RANK % device_count`` (NCCL: "Duplicate GPU detected"; else
+        silently shared), so it is refused, naming the variables that show the mismatch."""
         if not torch.cuda.is_available():
             return torch.device("cpu")
-        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        env = os.environ
+        local_rank, visible = int(env.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        local_world = int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+        if visible != 1 and local_world != 1 and visible != local_world:
+            bound = ", ".join(f"{k}={env.get(k, '(unset)')}" for k in ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS",
+                                                                        "SLURM_LOCALID"))
+            raise RuntimeError(
+                f"ParallelContext: LOCAL_RANK={local_rank} of LOCAL_WORLD_SIZE={local_world} ranks on this node "
+                f"sees torch.cuda.device_count()={visible} GPUs ({bound}): every rank must see all of the "
+                "node's GPUs (one per rank) or exactly one, or ranks would share a GPU. Fix: drop the "
+                "per-task GPU binding (--gpu-bind, SLURM_GPU_BIND), use srun --gpus-per-task=1, or set "
+                "CUDA_VISIBLE_DEVICES so each rank sees all of the node's GPUs or only its own")
+        index = 0 if visible == 1 or local_world == 1 else local_rank
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
 
