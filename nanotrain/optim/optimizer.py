@@ -23,7 +23,7 @@ from torch import nn
 
 from nanotrain.config.schema import OptimizerArgs
 from nanotrain.parallel.data_parallel.expert_sync import is_expert_param
-from nanotrain.parallel.data_parallel.zero import ZeroOneOptimizer
+from nanotrain.parallel.data_parallel.zero import ZeroOneOptimizer, placed_state
 
 
 def weight_decay_groups(named_params: Iterable[tuple[str, nn.Parameter]],
@@ -106,11 +106,9 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, states: dict[
     if isinstance(optimizer, ZeroOneOptimizer):
         optimizer.load_sharded_state(states)
         return
-    for group in optimizer.param_groups:
+    for group in optimizer.param_groups:  # where torch's load_state_dict puts them (placed_state)
         for name, p in zip(group["param_names"], group["params"]):
             src = states[name]
             optimizer.state[p] = {
-                "step": torch.as_tensor(src["step"], dtype=torch.float32).clone().reshape(()),
-                "exp_avg": src["exp_avg"].to(p).reshape(p.shape).clone(),
-                "exp_avg_sq": src["exp_avg_sq"].to(p).reshape(p.shape).clone(),
-            }
+                key: placed_state(src[key] if key == "step" else src[key].reshape(p.shape), p, group, key)
+                for key in ("step", "exp_avg", "exp_avg_sq")}

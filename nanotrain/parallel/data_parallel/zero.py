@@ -62,6 +62,24 @@ def zero_partition(numels: Sequence[int], dp: int) -> list[list[tuple[int, int, 
     return out
 
 
+def placed_state(value, param: torch.Tensor, group: dict, key: str) -> torch.Tensor:
+    """A loaded AdamW state tensor for ``param`` where torch's own ``Optimizer.load_state_dict``
+    puts it (``_process_value_according_to_param_policy``), as a fresh copy: ``step`` as a 0-d
+    fp32 tensor, on the parameter's device when ``group`` is fused or capturable (their kernels
+    read it through a device pointer: a host step there is an illegal memory access), else left
+    on the host; every other state in the parameter's dtype (if floating) and on its device."""
+    value = torch.as_tensor(value)
+    if key == "step":
+        value = value.to(torch.float32).reshape(())
+        if group.get("fused", False) or group.get("capturable", False):
+            value = value.to(dtype=torch.float32, device=param.device)
+    elif param.is_floating_point():
+        value = value.to(dtype=param.dtype, device=param.device)
+    else:
+        value = value.to(device=param.device)
+    return value.clone()
+
+
 @dataclass
 class ShardPiece:
     """This rank's piece of one parameter (for optimizers and checkpoint writers)."""
@@ -250,14 +268,14 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         """Inverse of ``sharded_state``: ``states[name]`` holds this rank's slices (the ranges of
         ``param_ranges()``) of "step", "exp_avg", "exp_avg_sq". A resharder cuts them from the
         merged per-parameter tensors with those ranges."""
+        group_of = {id(s): g for g in self.param_groups for s in g["params"]}
         for piece in self.pieces:
             src = states[piece.name]
             for key in ("exp_avg", "exp_avg_sq"):
                 if src[key].numel() != piece.numel:
                     raise ValueError(f"{piece.name}.{key}: {src[key].numel()} elements, this rank "
                                      f"owns [{piece.start}, {piece.stop})")
+            group = group_of[id(piece.shard)]
             self.state[piece.shard] = {
-                "step": torch.as_tensor(src["step"], dtype=torch.float32).clone().reshape(()),
-                "exp_avg": src["exp_avg"].to(piece.shard).reshape(-1).clone(),
-                "exp_avg_sq": src["exp_avg_sq"].to(piece.shard).reshape(-1).clone(),
-            }
+                key: placed_state(src[key] if key == "step" else src[key].reshape(-1), piece.shard, group, key)
+                for key in ("step", "exp_avg", "exp_avg_sq")}
