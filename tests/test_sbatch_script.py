@@ -50,6 +50,19 @@ def test_dry_run_3d_16gpu(capsys, tmp_path, monkeypatch):
     assert not (tmp_path / "logs").exists(), "--dry-run must not create the run directory"
 
 
+def test_srun_gets_cpus_per_task():
+    """srun of Slurm 22.05 - 23.02 does not inherit the allocation's --cpus-per-task: the srun
+    line itself must carry it, or each rank runs on one core."""
+    config = load_config(CONFIG_3D)
+    layout = validate(config, slurm=True)
+    run_dir = resolve_run(config, str(CONFIG_3D))
+    script = sbatch.render_sbatch(config, layout, run_dir, sbatch.submitit_command(run_dir))
+    srun = [line for line in script.splitlines() if line.startswith("srun ")]
+    assert len(srun) == 1, script
+    assert f"--cpus-per-task={config.slurm.cpus_per_task}" in shlex.split(srun[0]), srun[0]
+    assert sbatch_options(script)["cpus-per-task"] == "8"
+
+
 def test_dry_run_equals_what_submitit_executor_writes(tmp_path, monkeypatch):
     """--dry-run renders with the same function and parameters the real executor uses."""
     if shutil.which("srun") is None:  # the executor only checks that srun exists; nothing runs

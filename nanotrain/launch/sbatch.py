@@ -49,8 +49,10 @@ def executor_parameters(config: Config, layout: SlurmLayout) -> dict:
         "signal_delay_s": s.signal_delay_s,
         "setup": setup_lines(config),
         # One failed rank must end the whole step at once instead of leaving the others hanging
-        # in a collective until the time limit.
-        "srun_args": ["--kill-on-bad-exit=1"],
+        # in a collective until the time limit. srun of Slurm 22.05 - 23.02 does not inherit
+        # --cpus-per-task from the allocation: without it each rank is bound to one core, where
+        # its NCCL proxy threads, data pinning and OMP_NUM_THREADS threads would all compete.
+        "srun_args": ["--kill-on-bad-exit=1", f"--cpus-per-task={s.cpus_per_task}"],
         "stderr_to_stdout": False,
     }
     if layout.gpus_per_node:
