@@ -3,10 +3,25 @@ timeout against the hang watchdog's, NCCL's dump settings, the data-build wait, 
 floor of the collectives, and a stop vote that never blocks the host on a silent step."""
 from __future__ import annotations
 
+import dataclasses
+import threading
+from datetime import timedelta
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 
+from nanotrain.config import ConfigError, load_config, validate
+from nanotrain.config.schema import TrainingArgs
+from nanotrain.config.validate import MAX_COLLECTIVE_TIMEOUT_S
+from nanotrain.data import build
+from nanotrain.launch.hang import HangWatchdog, nccl_debug_env
 from nanotrain.parallel.context import ParallelContext
+from nanotrain.training.builder import build_parallel_context, hang_timeouts
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+ONE_RANK = ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1"]
 
 
 @pytest.fixture
@@ -49,3 +64,109 @@ def test_a_subset_of_gpus_per_rank_is_refused(gpus, monkeypatch):
                  "SLURM_STEP_GPUS=0,1", "SLURM_LOCALID=2", "Fix:"):
         assert part in message, message
     assert chosen == []
+
+
+# ------------------------------------------------------------- timeouts: groups outlast the watchdog
+@pytest.fixture
+def world_of_one():
+    """A one-rank gloo world in this process, on an in-memory store (no port, no rendezvous)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_groups_time_out_after_the_hang_watchdog(world_of_one, monkeypatch, tmp_path):
+    """NCCL aborts the process at the groups' timeout (no report, no requeue): the watchdog, at
+    collective_timeout_s, must come first, by more than its polling and the time the host runs
+    ahead of a collective it enqueued."""
+    given = []
+    new_group = dist.new_group
+    monkeypatch.setattr(dist, "new_group", lambda *a, **kw: given.append(kw["timeout"]) or new_group(*a, **kw))
+    config = load_config(TINY, ONE_RANK + ["training.collective_timeout_s=30"])
+    pc = build_parallel_context(config)
+    try:
+        watchdog = HangWatchdog(tmp_path, 0, 1, hang_timeouts(config.training.collective_timeout_s)[0])
+        assert watchdog.timeout_s == 30.0  # what task.py gives it: the setting itself
+        assert pc.timeout.total_seconds() >= watchdog.timeout_s + 1.0 + 60, pc.timeout  # poll <= 1 s
+        assert given and set(given) == {pc.timeout}
+        build.wait_for_builders()  # the data-build wait on the default group's own store
+    finally:
+        pc.destroy()
+
+
+def test_timeout_rule_holds_over_what_validation_allows():
+    lowest = next(f for f in dataclasses.fields(TrainingArgs) if f.name == "collective_timeout_s").metadata["min"]
+    for setting in (lowest, 600.0, MAX_COLLECTIVE_TIMEOUT_S):
+        watchdog_s, groups_s = hang_timeouts(setting)
+        assert watchdog_s == setting and groups_s >= max(setting + 120, 1.2 * setting)
+        assert timedelta(seconds=groups_s).total_seconds() == groups_s  # torch takes a timedelta
+        assert groups_s * 1e9 < 2 ** 63  # and counts it in int64 nanoseconds (steady_clock)
+    validate(load_config(TINY, [f"training.collective_timeout_s={MAX_COLLECTIVE_TIMEOUT_S}"]))
+    with pytest.raises(ConfigError, match="training.collective_timeout_s"):
+        validate(load_config(TINY, [f"training.collective_timeout_s={MAX_COLLECTIVE_TIMEOUT_S * 2}"]))
+
+
+def test_nccl_dumps_into_the_run_directory(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    environ: dict = {}
+    nccl_debug_env(tmp_path, environ)
+    assert environ == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                       "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                       "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "hang" / "nccl_trace_rank_")}
+    assert (tmp_path / "hang").is_dir()
+    mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "500", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_"}
+    nccl_debug_env(tmp_path, mine)  # the user's settings win; the other buffer size follows theirs
+    assert mine["TORCH_FR_BUFFER_SIZE"] == "500" and mine["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/scratch/fr_"
+
+
+# ----------------------------------------------------- the data-build wait is no collective
+def test_data_build_waits_on_the_store_not_in_a_collective(monkeypatch, tmp_path):
+    met = []
+    monkeypatch.setattr(dist, "barrier", lambda *a, **kw: met.append("collective"))
+    monkeypatch.setattr(build, "wait_for_builders", lambda: met.append("store"))
+    config = load_config(TINY)
+    out = build.prepare_dataset(config.data, seq_len=8, cache_dir=str(tmp_path), builder=False, needs_data=False,
+                                barrier=dist.barrier)  # as the trainer hands it in
+    assert out is None and met == ["store"]
+
+
+class _TimedStore:
+    """A store that records the timeout of every wait (and has no default one to fall back on)."""
+
+    def __init__(self):
+        self.store, self.timeouts = dist.HashStore(), []
+
+    def add(self, key, value):
+        return self.store.add(key, value)
+
+    def set(self, key, value):
+        self.store.set(key, value)
+
+    def wait(self, keys, timeout):
+        self.timeouts.append(timeout)
+        self.store.wait(keys, timeout)
+
+
+def test_wait_for_builders_meets_every_rank_each_time():
+    """Two ranks (threads) meet twice: no one leaves a meeting before the builder arrived, and
+    each wait has the data build's own long timeout, not the process groups'."""
+    store, log = _TimedStore(), []
+
+    def rank(r: int) -> None:
+        for n in range(2):
+            if r == 0:
+                log.append(f"built {n}")
+            build.wait_for_builders(store, 2)
+            if r == 1:
+                log.append(f"loaded {n}")
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert len(log) == 4 and all(log.index(f"built {n}") < log.index(f"loaded {n}") for n in (0, 1)), log
+    assert store.timeouts == [build.DATA_BUILD_TIMEOUT] * 4

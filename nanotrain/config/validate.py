@@ -39,6 +39,9 @@ _BREAKING_SBATCH = {
 }
 _MEM_OPTIONS = ("mem-per-cpu", "mem-per-gpu")
 MAX_RUN_NAME = 200  # a file name is at most 255 bytes, and --emit adds ".sbatch"
+# training.collective_timeout_s: the process groups get more on top (training.builder.hang_timeouts),
+# which timedelta and torch's nanosecond clocks must still hold; a longer wait is no watchdog.
+MAX_COLLECTIVE_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 def _fail(message: str):
@@ -301,6 +304,9 @@ def validate_profile(config: Config) -> None:
 def validate(config: Config, *, slurm: bool = False) -> SlurmLayout | None:
     """All pre-submission checks; returns the SLURM layout when `slurm` is true."""
     check_fields(config)
+    if config.training.collective_timeout_s > MAX_COLLECTIVE_TIMEOUT_S:
+        _fail(f"training.collective_timeout_s: {config.training.collective_timeout_s:g} s is more than 7 days "
+              f"({MAX_COLLECTIVE_TIMEOUT_S:g} s), longer than a hang should go unnoticed: lower it")
     validate_profile(config)
     validate_model(config)
     validate_optimizer(config)

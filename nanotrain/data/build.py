@@ -4,14 +4,42 @@ Tokenising on every rank would multiply the work and race on the cache; instead 
 (global rank 0, or local rank 0 on each node when the cache dir is node-local) tokenises while
 the others wait in a barrier, then they load the finished stream from the cache. Ranks that need
 no data (middle pipeline stages) still enter the barrier, so every rank calls it exactly once.
+
+The job's barrier is met on the default group's store (``wait_for_builders``), not in a
+collective: a collective runs under the process groups' timeout, and on NCCL the waiting ranks
+are aborted (SIGABRT, no message) when tokenising a real corpus takes longer than that.
 """
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from typing import Callable, Optional
+
+import torch.distributed as dist
 
 from nanotrain.data.dataset import TokenDataset, default_cache_dir, per_source_args, validation_args
 from nanotrain.data.sampler import DEFAULT_NAME, GlobalSampler, SourcePart
+
+# How long a rank waits for the builder: tokenising a corpus on one rank may take hours. A builder
+# that dies ends the wait sooner: its launcher ends the job, or its store (rank 0's) goes away.
+DATA_BUILD_TIMEOUT = timedelta(hours=24)
+_ARRIVED, _OPEN = "nanotrain/data_build/arrived", "nanotrain/data_build/open"
+
+
+def wait_for_builders(store=None, world_size: Optional[int] = None,
+                      timeout: timedelta = DATA_BUILD_TIMEOUT) -> None:
+    """Every rank of the job meets here, on ``store`` (the default group's), for ``timeout``.
+
+    The meetings are told apart by one arrivals counter: all ``world_size`` arrivals at meeting
+    n come before any at meeting n + 1 (no rank leaves n before all arrived), so arrival number
+    a belongs to meeting (a - 1) // world_size, and its last arrival opens it."""
+    store = dist.distributed_c10d._get_default_store() if store is None else store
+    world = dist.get_world_size() if world_size is None else world_size
+    arrived = store.add(_ARRIVED, 1)
+    meeting = f"{_OPEN}/{(arrived - 1) // world}"
+    if arrived % world == 0:
+        store.set(meeting, "1")
+    store.wait([meeting], timeout)
 
 
 def prepare_dataset(data_args, *, seq_len: int, cache_dir: str, vocab_size: Optional[int] = None,
@@ -23,7 +51,8 @@ def prepare_dataset(data_args, *, seq_len: int, cache_dir: str, vocab_size: Opti
 
     `builder` ranks tokenise (or find the cache) before `barrier()`; the rest load after it and
     never tokenise. A builder's error is raised after the barrier, so the others are not left
-    waiting in it; they then fail with a "cache missing" `DataError` of their own.
+    waiting in it; they then fail with a "cache missing" `DataError` of their own. `dist.barrier`
+    (what the trainer hands in) is met on the store instead: `wait_for_builders`.
     """
     kwargs = dict(seq_len=seq_len, cache_dir=cache_dir, vocab_size=vocab_size,
                   max_documents=max_documents)
@@ -34,7 +63,7 @@ def prepare_dataset(data_args, *, seq_len: int, cache_dir: str, vocab_size: Opti
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the barrier
             error = exc
     if barrier is not None:
-        barrier()
+        (wait_for_builders if barrier is dist.barrier else barrier)()
     if error is not None:
         raise error
     if not needs_data:

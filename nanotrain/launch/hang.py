@@ -12,8 +12,11 @@ timeout of gloo, a peer that closed its socket) writes the same report (``report
 
 The stopped rank itself writes nothing (a SIGSTOPped process runs no thread); its peers'
 reports name it: ``hang_status.py`` deduces the culprit from who is missing or behind.
-The watchdog's clock is the last phase change, which comes before every collective, so it fires
-no later than the group's own timeout would (on NCCL, before its watchdog aborts the process).
+The watchdog's clock is the last phase change, which comes before every collective; NCCL's
+counts from when a collective is enqueued, which may be earlier (the host runs ahead of the
+device), and NCCL then aborts the process with no report. So the process groups get a longer
+timeout than the watchdog (``training.builder.hang_timeouts``), and if NCCL fires anyway its
+own dump lands in ``<run>/hang/`` (``nccl_debug_env``).
 """
 from __future__ import annotations
 
@@ -74,7 +77,7 @@ def waiting_in_communication(thread_id: int) -> bool:
 
 def nccl_flight_recorder() -> Optional[object]:
     """NCCL's flight-recorder dump (the last collectives of every communicator, torch >= 2.5,
-    filled when TORCH_NCCL_TRACE_BUFFER_SIZE > 0), or None off NCCL / when torch has none."""
+    filled when its buffer size is > 0: ``nccl_debug_env``), or None off NCCL / when torch has none."""
     if not (torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"):
         return None
     dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace_json", None)
@@ -84,6 +87,26 @@ def nccl_flight_recorder() -> Optional[object]:
         return json.loads(dump(True, True))  # include collectives, only active ones
     except Exception as exc:  # a dump is a bonus: never let it hide the report
         return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+FLIGHT_RECORDER_ENTRIES = "2000"  # collectives kept per communicator, as torchtitan keeps
+
+
+def nccl_debug_env(run_dir: Path, environ=os.environ) -> None:
+    """NCCL's flight recorder and its dump on a timeout, unless the user set them: set before the
+    process groups exist (NCCL reads them then); unused on gloo. The recorder's size variable
+    is TORCH_FR_BUFFER_SIZE since torch 2.7 and TORCH_NCCL_TRACE_BUFFER_SIZE in 2.5 and 2.6, so
+    both are set, to the user's value of either. NCCL names its dump files by appending the
+    rank to TORCH_NCCL_DEBUG_INFO_TEMP_FILE, in a directory that must exist (made where NCCL
+    can run: with CUDA)."""
+    size = environ.get("TORCH_FR_BUFFER_SIZE") or environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or FLIGHT_RECORDER_ENTRIES
+    environ.setdefault("TORCH_FR_BUFFER_SIZE", size)
+    environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", size)
+    environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    hang_dir = Path(run_dir) / HANG_DIR
+    environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(hang_dir / "nccl_trace_rank_"))
+    if torch.cuda.is_available():
+        hang_dir.mkdir(parents=True, exist_ok=True)
 
 
 class HangWatchdog:

@@ -71,20 +71,18 @@ def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> d
     # Imported only now, with the stop handler installed (they import torch: seconds), and before
     # any process group exists: importing the model pulls in torch._dynamo, whose import takes
     # references to an existing default group that are only dropped at interpreter exit.
-    from nanotrain.launch.hang import EXIT_HUNG, HangWatchdog, is_comm_failure, is_timeout
+    from nanotrain.launch.hang import EXIT_HUNG, HangWatchdog, is_comm_failure, is_timeout, nccl_debug_env
     from nanotrain.launch.smoke import smoke_step
     from nanotrain.parallel.progress import PROGRESS
-    from nanotrain.training.builder import build_parallel_context
+    from nanotrain.training.builder import build_parallel_context, hang_timeouts
     from nanotrain.training.stop_vote import TrainingDiverged
     from nanotrain.training.trainer import DistributedTrainer
 
-    # NCCL's flight recorder (the hang reports' dump), as torchtitan enables it; unused on gloo.
-    # (TORCH_FR_BUFFER_SIZE is the name since torch 2.7; TORCH_NCCL_TRACE_BUFFER_SIZE before.)
-    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
-    pc = build_parallel_context(config)
+    nccl_debug_env(run_dir)  # NCCL's flight recorder (the hang reports' dump) and its own dump
+    pc = build_parallel_context(config)  # its groups time out after the watchdog (hang_timeouts)
     claim, finished = None, False
-    watchdog = HangWatchdog(run_dir, env.rank, env.world_size, config.training.collective_timeout_s,
+    watchdog_s, _ = hang_timeouts(config.training.collective_timeout_s)
+    watchdog = HangWatchdog(run_dir, env.rank, env.world_size, watchdog_s,
                             on_hang=lambda: _after_hang(config, env, run_dir)).start()
     try:
         checkpoint_dir = Path(config.checkpoints.path or run_dir / "checkpoints")

@@ -17,13 +17,24 @@ from nanotrain.parallel.context import ParallelContext
 from nanotrain.parallel.pipeline_parallel import PipelineEngine
 
 
+def hang_timeouts(collective_timeout_s: float) -> tuple[float, float]:
+    """(the hang watchdog's timeout, the process groups') for ``training.collective_timeout_s``.
+
+    The watchdog must fire first: it writes the hang report and requeues, while NCCL's own
+    watchdog, at the groups' timeout, aborts the process (SIGABRT: no report, no requeue). NCCL
+    counts from when a collective is enqueued, the watchdog from the last progress mark, which
+    the host passes before it blocks, plus up to a second of polling; so the groups get the
+    setting plus a margin of at least two minutes, or a fifth of it for long settings."""
+    return collective_timeout_s, collective_timeout_s + max(120.0, 0.2 * collective_timeout_s)
+
+
 def build_parallel_context(config, timeout_s: Optional[float] = None) -> ParallelContext:
     """This process's ``ParallelContext`` for ``config.parallelism`` (dp, tp, pp, cp, ep); its
-    groups time out after ``training.collective_timeout_s`` unless ``timeout_s`` says otherwise."""
+    groups time out after ``hang_timeouts``' group timeout unless ``timeout_s`` says otherwise."""
     p = config.parallelism
+    groups_s = hang_timeouts(config.training.collective_timeout_s)[1] if timeout_s is None else timeout_s
     return ParallelContext(tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp, data_parallel_size=p.dp,
-                           context_parallel_size=p.cp, expert_parallel_size=p.ep,
-                           timeout_s=config.training.collective_timeout_s if timeout_s is None else timeout_s)
+                           context_parallel_size=p.cp, expert_parallel_size=p.ep, timeout_s=groups_s)
 
 
 def build_model(config, pc, device=None) -> LlamaModel:
