@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.checkpoint import json_bytes
-from nanotrain.parallel import collectives
+from nanotrain.parallel import accelerator, collectives
 
 
 class World:
@@ -21,9 +21,8 @@ class World:
         self.group = pc.world_pg if self.active else None
         self.rank = dist.get_rank() if self.active else 0
         self.size = pc.world_size if self.active else 1
-        self.device = torch.device("cpu")
-        if self.active and "nccl" in str(dist.get_backend(self.group)):
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        acc = accelerator.of_backend(dist.get_backend(self.group)) if self.active else None
+        self.device = acc.current_device() if acc is not None else torch.device("cpu")
 
     def _bytes_tensor(self, obj) -> torch.Tensor:
         return json_bytes.to_tensor(obj, self.device)

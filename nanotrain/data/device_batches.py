@@ -14,17 +14,19 @@ from typing import Optional
 
 import torch
 
+from nanotrain.parallel import accelerator
+
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class BatchPrefetcher:
     """``get(consumed)`` = ``sampler.batch(consumed, dp_rank)`` on ``device``;
-    ``prefetch(consumed)`` starts that copy early (CUDA; a no-op elsewhere)."""
+    ``prefetch(consumed)`` starts that copy early (an accelerator; a no-op on the CPU)."""
 
     def __init__(self, sampler, dp_rank: int, device: torch.device):
         self.sampler, self.dp_rank, self.device = sampler, dp_rank, torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.acc = accelerator.of(self.device)  # None: the CPU, or a device that runs at the call
+        self._stream = self.acc.Stream(self.device) if self.acc else None
         self._ahead: Optional[tuple[int, MicroBatches]] = None  # (consumed samples, device batch)
 
     def get(self, consumed: int) -> MicroBatches:
@@ -32,24 +34,25 @@ class BatchPrefetcher:
             batch, self._ahead = self._ahead[1], None
         else:
             batch = self._copy(consumed)
-        if self.cuda:
-            current = torch.cuda.current_stream(self.device)
+        if self.acc:
+            current = self.acc.current_stream(self.device)
             current.wait_stream(self._stream)
             for ids, targets in batch:  # the caching allocator must not reuse them early
-                ids.record_stream(current)
-                targets.record_stream(current)
+                self.acc.record_stream(ids, current)
+                self.acc.record_stream(targets, current)
         return batch
 
     def prefetch(self, consumed: int) -> None:
-        if self.cuda:
+        if self.acc:
             self._ahead = (consumed, self._copy(consumed))
 
     def _copy(self, consumed: int) -> MicroBatches:
         host = self.sampler.batch(consumed, self.dp_rank)
         if self.device.type == "cpu":
             return host
-        if not self.cuda:  # another device type (tests use "meta"): a plain copy
+        if not self.acc:  # a device with no streams (a bare "meta" in unit tests): a plain copy
             return [(i.to(self.device), t.to(self.device)) for i, t in host]
-        with torch.cuda.stream(self._stream):
-            return [(i.pin_memory().to(self.device, non_blocking=True),
-                     t.pin_memory().to(self.device, non_blocking=True)) for i, t in host]
+        pin = self.acc.pin
+        with self.acc.use_stream(self._stream):
+            return [(pin(i).to(self.device, non_blocking=True),
+                     pin(t).to(self.device, non_blocking=True)) for i, t in host]

@@ -57,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
                        ("--intra-node-gbs", "GB/s per GPU within a node"),
                        ("--inter-node-gbs", "GB/s per GPU across nodes")):
         parser.add_argument(flag, type=float, metavar="X", help=f"--plan cost model: {what}")
+    mode.add_argument("--rehearse", action="store_true",
+                      help="run ranks of the real job on CPU (meta device, fake NCCL world) at the real model "
+                           "shape and world size: train, evaluate, save, load, train; report placement, host "
+                           "syncs, memory and bytes per group; exit 1 on a defect (nanotrain/rehearse)")
+    parser.add_argument("--rank", type=int, action="append", metavar="R",
+                        help="--rehearse: this global rank (repeatable; default: one rank of every role)")
+    parser.add_argument("--steps", type=int, metavar="N", help="--rehearse: training steps (default 3)")
+    parser.add_argument("--json", action="store_true", help="--rehearse: print the report as one JSON object")
     mode.add_argument("--prepare-data", action="store_true",
                       help="tokenise every data source into the cache: a CPU-only SLURM job "
                            "(slurm.prepare), or here with --local")
@@ -282,11 +290,41 @@ def plan(args) -> int:
     return 0
 
 
+def rehearse(args) -> int:
+    """`--rehearse`: ranks of the job on the stand-in device (nanotrain/rehearse); exit 1 on a
+    defect, one `error:` line and exit 2 for a bad request or a config that cannot be built."""
+    from nanotrain.data import check_data_config
+    from nanotrain.launch.memory_estimate import describe
+    from nanotrain.rehearse.report import rehearse as run
+
+    given = [flag for flag, on in (("--rank", args.rank is not None), ("--steps", args.steps is not None),
+                                   ("--json", args.json)) if on]
+    if not args.rehearse:
+        raise ConfigError(f"{given[0]} only applies to --rehearse: add --rehearse")
+    other = [flag for flag, on in (("--resume", args.resume is not None), ("--status", args.status is not None),
+                                   ("--local", args.local)) if on]
+    if other:
+        raise ConfigError(f"--rehearse runs a config's ranks here; it cannot be combined with {other[0]}")
+    if args.config is None:
+        raise ConfigError("--rehearse needs a config: submit.py CONFIG --rehearse [--rank R] [--steps N]")
+    config = load_config(args.config, args.set)
+    validate(config, slurm=config.slurm.gpus_per_node > 0)
+    check_data_config(config.data, vocab_size=config.model.vocab_size, config=config)
+    code = run(config, args.rank, 3 if args.steps is None else args.steps, args.json)
+    if not args.json:
+        print("beside --dry-run's estimate (the busiest rank):")
+        for line in describe(config):
+            print(f"  {line}")
+    return code
+
+
 def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.plan or _plan_flags(args):
             return plan(args)
+        if args.rehearse or args.rank is not None or args.steps is not None or args.json:
+            return rehearse(args)
         if args.status is not None:
             if args.config is not None:
                 raise ConfigError("--status takes a run directory, not a config (see --help)")

@@ -44,10 +44,11 @@ GIB = 2 ** 30
 def peak_memory_gb(device=None) -> float:
     """Peak memory of this process in GiB: CUDA allocator peak on a GPU, else peak RSS (which on a
     CPU run is the whole process: weights, activations and optimizer states live in host memory)."""
-    import torch
+    from nanotrain.parallel import accelerator
 
-    if device is not None and torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / GIB
+    acc = accelerator.of(device) if device is not None else None
+    if acc is not None:
+        return acc.max_memory_allocated(device) / GIB
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / GIB if sys.platform == "darwin" else rss * 1024 / GIB  # bytes on macOS, KiB on Linux
 
@@ -57,11 +58,10 @@ def format_eta(seconds: Optional[float]) -> str:
 
 
 def _device_name(device) -> Optional[str]:
-    import torch
+    from nanotrain.parallel import accelerator
 
-    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_name(device)
-    return None
+    acc = accelerator.of(device) if device is not None else None
+    return acc.device_name(device) or None if acc is not None else None
 
 
 class MetricsLogger:

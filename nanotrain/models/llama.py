@@ -26,6 +26,7 @@ from nanotrain.models import llama_arch
 from nanotrain.models.mlp import MLP
 from nanotrain.models.moe import MoEFeedForward, MoEState
 from nanotrain.models.recompute import compile_layers_, recomputed
+from nanotrain.parallel import accelerator
 from nanotrain.parallel.context_parallel import SDPA_GQA, ContextParallel, sdpa
 from nanotrain.parallel.pipeline_parallel import MessageSpec, PipelineBlock, mark_tied_, place_blocks
 from nanotrain.parallel.tensor_parallel import (
@@ -262,7 +263,7 @@ class LlamaModel(nn.Module):
         _check_input("hidden", hidden, device, integer=False)
         if self.compute_dtype in (None, torch.float32):
             return self._forward(input_ids, targets, hidden, chunk)
-        with torch.autocast(device_type=device.type, dtype=self.compute_dtype):
+        with accelerator.autocast(device.type, dtype=self.compute_dtype):
             return self._forward(input_ids, targets, hidden, chunk)
 
     def _forward(self, input_ids, targets, hidden, chunk: int) -> torch.Tensor:

@@ -49,7 +49,7 @@ from nanotrain.config import ModelArgs
 from nanotrain.models import llama_arch
 from nanotrain.models.mlp import MLP, swiglu
 from nanotrain.models.recompute import recomputed
-from nanotrain.parallel import collectives
+from nanotrain.parallel import accelerator, collectives
 from nanotrain.parallel.expert_parallel import dispatch_to_experts
 from nanotrain.parallel.sharding import row_shard_info, set_shard_info
 from nanotrain.parallel.tensor_parallel import (
@@ -194,7 +194,7 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with accelerator.autocast(x.device.type, enabled=False):
             logits = tokens.float() @ self.router.weight.float().t()
         r = route(logits, self.moe.top_k, self.moe.capacity_factor)
         num_tokens = tokens.shape[0]
@@ -217,9 +217,8 @@ class MoEFeedForward(nn.Module):
 def _comm_device(pp_pg, reduce: bool) -> torch.device:
     """Where the statistics meet over ``pp_pg``: NCCL groups have no CPU backend (the device of
     this rank, as in ``checkpoint/comm.py``), other backends take CPU tensors."""
-    if reduce and "nccl" in str(_dist.get_backend(pp_pg)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    acc = accelerator.of_backend(_dist.get_backend(pp_pg)) if reduce else None
+    return acc.current_device() if acc is not None else torch.device("cpu")
 
 
 def step_scalars(state: MoEState, pp_pg=None, capacity: bool = False) -> dict[str, float]:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanotrain.config.schema import OptimizerArgs
+from nanotrain.parallel import accelerator
 from nanotrain.parallel.data_parallel.expert_sync import is_expert_param
 from nanotrain.parallel.data_parallel.zero import ZeroOneOptimizer, placed_state
 
@@ -63,7 +64,7 @@ def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], args: Opti
         raise ValueError("build_optimizer: no trainable parameters")
     kwargs = dict(lr=args.lr, betas=tuple(args.betas), eps=args.eps)
     params = groups[0]["params"] + groups[1]["params"]
-    if all(p.device.type == "cuda" for p in params):
+    if all(accelerator.of(p.device) is not None for p in params):
         kwargs["fused"] = True  # one kernel for all tensors (torch's default on CUDA is foreach)
     if stage == 0:
         return torch.optim.AdamW(groups, **kwargs)

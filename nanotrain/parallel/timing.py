@@ -12,29 +12,31 @@ import time
 
 import torch
 
+from nanotrain.parallel import accelerator
+
 
 class IntervalTimer:
     """Sums the intervals between ``start()`` and ``stop()``; ``seconds()`` reads the total."""
 
     def __init__(self, device: torch.device | str | None = None):
-        self.cuda = torch.device(device).type == "cuda" if device is not None else False
+        self.acc = accelerator.of(device) if device is not None else None  # events: the device's time
         self._host = 0.0
         self._t0: float | None = None
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._open: torch.cuda.Event | None = None
+        self._events: list[tuple] = []  # (start, end) device events
+        self._open = None
 
     def start(self) -> None:
-        if self.cuda:
-            self._open = torch.cuda.Event(enable_timing=True)
+        if self.acc:
+            self._open = self.acc.Event(enable_timing=True)
             self._open.record()
         else:
             self._t0 = time.perf_counter()
 
     def stop(self) -> None:
-        if self.cuda:
+        if self.acc:
             if self._open is None:
                 raise RuntimeError("IntervalTimer.stop() without start()")
-            end = torch.cuda.Event(enable_timing=True)
+            end = self.acc.Event(enable_timing=True)
             end.record()
             self._events.append((self._open, end))
             self._open = None
@@ -46,7 +48,7 @@ class IntervalTimer:
 
     def seconds(self) -> float:
         """The summed intervals; on CUDA this waits for the recorded events (a sync point)."""
-        if self.cuda and self._events:
+        if self.acc and self._events:
             self._events[-1][1].synchronize()
             self._host += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
             self._events.clear()

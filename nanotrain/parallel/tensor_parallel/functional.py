@@ -37,17 +37,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nanotrain.parallel import collectives
+from nanotrain.parallel import accelerator, collectives
 from nanotrain.parallel.collectives import all_gather_into, reduce_scatter_into
 
 
 # ----------------------------------------------------------------------------- autocast
 def autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
     """The lower-precision dtype autocast computes linears in here, or None outside autocast."""
-    kind = x.device.type
-    if not torch.is_autocast_enabled(kind):
-        return None
-    return torch.get_autocast_dtype(kind)
+    return accelerator.autocast_dtype(x.device.type)
 
 
 def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
@@ -215,7 +212,7 @@ class _ColumnLinearAsync(torch.autograd.Function):
         if dtype is not None:
             x, weight = x.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
-        with torch.autocast(x.device.type, enabled=False):
+        with accelerator.autocast(x.device.type, enabled=False):
             return _ColumnLinearAsync._forward(ctx, x, weight, bias, group, mode)
 
     @staticmethod
@@ -271,7 +268,7 @@ class _RowLinearAsyncReduceScatter(torch.autograd.Function):
         if dtype is not None:
             x, weight = x.to(dtype), weight.to(dtype)
         ctx.save_for_backward(x, weight)
-        with torch.autocast(x.device.type, enabled=False):
+        with accelerator.autocast(x.device.type, enabled=False):
             return _reduce_scatter_dim0(F.linear(x, weight), group)[0]
 
     @staticmethod

@@ -1,0 +1,215 @@
+"""One rank of the real job, rehearsed in this process: build, train, evaluate, save, load, train.
+
+``rehearse_rank(config, rank, steps)`` runs the real ``DistributedTrainer`` of global rank
+``rank`` at the config's model shape and world size, on the stand-in device and world
+(``stand_in.py``), watched by the ``DeviceTracker`` (placement, host syncs, memory) and
+``Traffic`` (the collectives' contract and bytes). The legs, each a *window* of the report:
+
+  build            ParallelContext, model, optimizer, data, prefetcher
+  step 1 .. N      the training loop (only step N logs and saves: steps 1 .. N-1 are silent)
+  eval             one evaluation, when the config has validation data
+  save             the final checkpoint (the loop's own), written to a temporary directory
+  load             a fresh trainer resuming from it; where its optimizer state landed
+  step N+1         one more step of the resumed trainer (fused AdamW reads the loaded state)
+
+The checkpoint protocol needs the other ranks' answers (plans, reports, the commit). In one
+process this rank plays rank 0's part of the protocol as well and every other rank is taken to
+answer as it does (a world of copies), so its own files are written, committed, verified and
+read back exactly as in the job. ``python -m nanotrain.rehearse.rank`` runs it in a fresh
+process (the fake world and the stubs are process-wide) and prints the JSON report.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from nanotrain.rehearse.stand_in import STUBS, fake_world
+from nanotrain.rehearse.tracker import DeviceTracker, watch_tensor_factories
+from nanotrain.rehearse.traffic import Traffic
+
+
+def _world_of_copies():
+    """The checkpoint World: this rank answers for every rank, and plays rank 0's part."""
+    from nanotrain.checkpoint import comm
+
+    original = {name: getattr(comm.World, name) for name in ("broadcast", "all_gather", "gather", "any")}
+    init = comm.World.__init__
+
+    def __init__(self, pc=None):
+        init(self, pc)
+        self.rank = 0
+
+    def run_then(name, answer):
+        def method(self, obj, *args, **kwargs):
+            with contextlib.suppress(Exception):  # the fake backend delivers no bytes to decode
+                original[name](self, obj, *args, **kwargs)
+            return answer(self, obj) if self.active else original[name](self, obj, *args, **kwargs)
+        return method
+
+    patches = {"__init__": __init__,
+               "broadcast": run_then("broadcast", lambda self, obj: obj),
+               "all_gather": run_then("all_gather", lambda self, obj: [obj] * self.size),
+               "gather": run_then("gather", lambda self, obj: [obj] * self.size),
+               "any": run_then("any", lambda self, obj: bool(obj))}
+    return _patched(comm.World, patches)
+
+
+def _others_arrive_at_once():
+    """Meetings of the whole job on its store (the data build's) end when this rank arrives."""
+    from nanotrain.data import build
+
+    waits = {"wait_for_builders": lambda *args, **kwargs: None} if hasattr(build, "wait_for_builders") else {}
+    return _patched(build, waits)
+
+
+@contextlib.contextmanager
+def _patched(owner, attributes: dict):
+    before = {name: getattr(owner, name) for name in attributes}
+    for name, value in attributes.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(owner, name, value)
+
+
+def _rehearsal_config(config, steps: int, work: Path):
+    cfg = copy.deepcopy(config)
+    t, c = cfg.training, cfg.checkpoints
+    t.train_steps = steps
+    t.eval_interval = 0  # the rehearsal runs its one evaluation itself
+    t.profile = None
+    cfg.logging.log_interval = 10**9  # only the last step logs (train_steps always does)
+    c.path, c.interval, c.resume, c.keep_last = str(work / "checkpoints"), 0, False, None
+    c.init_from_hf = None
+    return cfg
+
+
+def rehearse_rank(config, rank: int, steps: int = 3) -> dict:
+    """The report of one rank (see ``report.py`` for its fields)."""
+    from nanotrain.data import build_samplers
+    from nanotrain.parallel.progress import PROGRESS
+    from nanotrain.training import trainer as trainer_module
+    from nanotrain.training.builder import build_parallel_context
+
+    started = time.perf_counter()
+    world = config.parallelism.world_size
+    with tempfile.TemporaryDirectory(prefix="nanotrain-rehearsal-") as tmp, fake_world(world, rank) as device:
+        work = Path(tmp)
+        cfg = _rehearsal_config(config, steps, work)
+        tracker = DeviceTracker(device)
+        traffic = Traffic(device, on_call=lambda: tracker.phase("comm")).install()
+
+        def windowed(name):
+            tracker.window = traffic.window = name
+
+        original_step = trainer_module.train_step
+        steps_run = [0]
+
+        def train_step(*args, **kwargs):
+            steps_run[0] += 1
+            windowed(f"step {steps_run[0]}")
+            return original_step(*args, **kwargs)
+
+        report: dict = {"rank": rank, "world_size": world, "stubs": list(STUBS), "windows": []}
+        try:
+            with tracker, watch_tensor_factories(tracker), _world_of_copies(), _others_arrive_at_once(), \
+                    _patched(trainer_module, {"train_step": train_step}):
+                build_samplers(cfg, builder=True, needs_data=True)  # the token cache rank 0 would make
+                pc = build_parallel_context(cfg)
+                traffic.name_groups(pc)
+                report["coords"] = dict(zip(("ep", "pp", "dp", "cp", "tp"), map(int, pc.coords)))
+                with tracker.phase("other"):
+                    trainer = trainer_module.DistributedTrainer(cfg, work / "run", pc, lambda: 0)
+                _label(tracker, trainer)
+                _watch_optimizer(tracker, trainer)
+                trainer.train()
+                report["peak"] = {"total": tracker.peak_total, **tracker.peak}
+                report["max_by_category"] = dict(tracker.max_by_category)
+                windowed("eval")
+                report["evaluated"] = trainer.val_batches is not None
+                if trainer.val_batches is not None:
+                    trainer.evaluate()
+                trainer.close()
+                del trainer
+                windowed("load")
+                cfg.checkpoints.resume, cfg.training.train_steps = True, steps + 1
+                trainer = trainer_module.DistributedTrainer(cfg, work / "run", pc, lambda: 0)
+                report["resumed_at"] = trainer.step
+                report["optimizer_state_off_device"] = _off_device(trainer.optimizer, device)
+                _watch_optimizer(tracker, trainer)
+                trainer.train()
+                trainer.close()
+                del trainer
+                PROGRESS.disarm()
+                pc.destroy(synchronize=False)
+        finally:
+            traffic.uninstall()
+    report.update(placement=tracker.placement, collective_defects=traffic.defects,
+                  syncs={w: [[kind, site, n] for (kind, site), n in c.items()] for w, c in tracker.syncs.items()},
+                  bytes={w: [[*key, b, traffic.calls[w][key]] for key, b in c.items()]
+                         for w, c in traffic.bytes.items()},
+                  silent=[f"step {k}" for k in range(1, steps)], seconds=time.perf_counter() - started)
+    return report
+
+
+def _label(tracker: DeviceTracker, trainer) -> None:
+    """Name what the build allocated: parameters, their gradient buffers, optimizer state."""
+    params = list(trainer.model.parameters())
+    tracker.relabel(params, "weights")
+    tracker.relabel([p.grad for p in params if p.grad is not None], "grads")
+    tracker.relabel([b.buffer for b in getattr(trainer.grad_sync, "buckets", ())], "grads")
+    tracker.relabel(_state_tensors(trainer.optimizer), "optimizer")
+
+
+def _watch_optimizer(tracker: DeviceTracker, trainer) -> None:
+    """Allocations of the update are optimizer states; gradients made in backward are grads."""
+    optimizer = trainer.optimizer
+    step = optimizer.step
+
+    def watched(*args, **kwargs):
+        tracker.relabel([p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None], "grads")
+        with tracker.phase("optimizer"):
+            return step(*args, **kwargs)
+
+    optimizer.step = watched
+
+
+def _state_tensors(optimizer) -> list[torch.Tensor]:
+    return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def _off_device(optimizer, device) -> list[str]:
+    """Optimizer state entries not where torch's own loader would put them: with a fused or
+    capturable update every tensor beside its parameter (shard), otherwise all but ``step``."""
+    fused = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
+    names = {id(p): n for g in optimizer.param_groups for n, p in zip(g.get("param_names", ()), g["params"])}
+    out = []
+    for key, state in optimizer.state.items():
+        for entry, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device != key.device and (fused or entry != "step"):
+                out.append(f"{names.get(id(key), tuple(key.shape))}.{entry} on {value.device}, "
+                           f"its parameter on {key.device}")
+    return sorted(set(out))
+
+
+def main(argv: list[str]) -> int:
+    """``python -m nanotrain.rehearse.rank CONFIG_JSON RANK STEPS``: one rank's JSON report."""
+    from nanotrain.config import config_from_dict
+
+    config = config_from_dict(json.loads(Path(argv[0]).read_text()))
+    report = rehearse_rank(config, int(argv[1]), int(argv[2]))
+    sys.stdout.write(json.dumps(report) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

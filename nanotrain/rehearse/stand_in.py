@@ -1,0 +1,251 @@
+"""The stand-in for a GPU and its NCCL world: the ``meta`` device and torch's ``fake`` backend.
+
+A rehearsed rank must take every branch a GPU rank takes, in one CPU process, at the config's
+real model shape and world size. Tensors therefore live on ``meta`` (shapes, dtypes and
+storages, no data: a 70B model's shard costs no memory) and every collective goes through the
+``fake`` process-group backend (``FakeStore``: any world size in one process; the backend string
+``"cpu:fake,meta:fake"`` is what lets ``batch_isend_irecv`` take meta tensors). The meta device
+is registered with ``nanotrain.parallel.accelerator`` as an asynchronous device whose group
+backend is ``fake``, so the code takes its CUDA branches there: fused AdamW and its state
+placement, pinned buffers and side streams in the batch prefetcher and the async checkpoint
+copies, device events in the step timers, the stop vote's device tensors, collectives on the
+device. What cannot run is stubbed, and ``STUBS`` says what (the report lists it):
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from nanotrain.parallel import accelerator
+
+DEVICE = torch.device("meta")
+
+STUBS = (
+    "kernels: every op computes shapes only (the meta device); values are never computed",
+    "device-to-host copies give zeros, item()/bool() of a device tensor 0/False: the run goes on "
+    "(each such read is still counted as a host sync)",
+    "the other ranks: a world of copies of this one (the checkpoint protocol's answers and the "
+    "data build's meeting are this rank's own; it plays rank 0's part of the commit)",
+    "NCCL: torch's fake process-group backend (every collective and P2P returns at once; received "
+    "buffers hold no data)",
+    "CUDA streams and events: no-ops (ordering is not checked; every wait returns at once)",
+    "pinned host memory: pageable buffers (the copies still go the non-blocking way)",
+    "fused AdamW's device check accepts the meta device (the fused kernel's meta version runs)",
+    "autocast: CUDA's op lists emulated above autograd (torch has no autocast for meta); a region "
+    "recomputed in backward (training.recompute) replays it without autocast, in fp32",
+)
+
+
+class _Stream:
+    """A CUDA stream's interface, doing nothing (the meta device runs nothing)."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False):
+        self.enable_timing = enable_timing
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+# CUDA autocast's op lists (torch's "Autocast Op Reference"): run in the lower precision, or in
+# fp32, whatever the inputs. Ops not listed run in their inputs' (promoted) type, as on CUDA.
+F = torch.nn.functional
+_LOWER = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
+          torch.bmm, torch.Tensor.bmm, torch.addmm, torch.baddbmm, torch.addbmm, torch.mv,
+          F.scaled_dot_product_attention}
+_FP32 = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax,
+         torch.Tensor.log_softmax, F.cross_entropy, F.nll_loss, torch.rsqrt, torch.Tensor.rsqrt, torch.pow,
+         torch.Tensor.pow, torch.Tensor.__pow__, torch.exp, torch.Tensor.exp, torch.log, torch.Tensor.log,
+         torch.sum, torch.Tensor.sum, torch.cumsum, torch.Tensor.cumsum, F.layer_norm, F.normalize,
+         F.mse_loss, torch.norm, torch.Tensor.norm, F.softplus, torch.reciprocal, torch.Tensor.reciprocal}
+
+
+class Autocast(torch.overrides.TorchFunctionMode):
+    """CUDA's autocast, emulated above autograd for the meta device (torch has none for it): the
+    listed ops cast their floating inputs (a leaf parameter once per region, as autocast's
+    cache does) and autograd records the casts, so activations, saved tensors and messages
+    have the dtypes and bytes they have on a GPU. Installed for the whole rehearsal; regions
+    are opened and closed by ``MetaAccelerator.autocast``."""
+
+    def __init__(self):
+        super().__init__()
+        self.regions: list = []  # dtype (None: disabled) of each open region
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dtype = self.regions[-1] if self.regions else None
+        if dtype is not None and (func in _LOWER or func in _FP32):
+            to = dtype if func in _LOWER else torch.float32
+            args = tuple(self._cast(a, to) for a in args)
+            kwargs = {k: self._cast(v, to) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+    def _cast(self, value, dtype):
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype):
+            return value
+        if value.is_leaf and value.requires_grad and torch.is_grad_enabled():
+            cast = self.cache.get(id(value))
+            if cast is None:
+                cast = self.cache[id(value)] = value.to(dtype)
+            return cast
+        return value.to(dtype)
+
+    @contextlib.contextmanager
+    def region(self, dtype, enabled: bool):
+        self.regions.append(dtype if enabled else None)
+        try:
+            yield
+        finally:
+            self.regions.pop()
+            if not any(r is not None for r in self.regions):
+                self.cache.clear()
+
+
+class MetaAccelerator:
+    """``accelerator.Cuda``'s interface for the meta device, and an emulated CUDA autocast."""
+
+    type = "meta"
+    backends = ("fake",)
+
+    def __init__(self):
+        self.autocasting = Autocast()
+
+    def autocast(self, dtype=None, enabled: bool = True):
+        return self.autocasting.region(dtype or torch.bfloat16, enabled)
+
+    def autocast_dtype(self):
+        return self.autocasting.regions[-1] if self.autocasting.regions else None
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return DEVICE
+
+    @staticmethod
+    def Stream(device=None):  # noqa: N802
+        return _Stream()
+
+    @staticmethod
+    def current_stream(device=None):
+        return _Stream()
+
+    @staticmethod
+    def use_stream(stream):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def Event(enable_timing: bool = False):  # noqa: N802
+        return _Event(enable_timing)
+
+    @staticmethod
+    def pinned_empty(shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    @staticmethod
+    def pin(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @staticmethod
+    def record_stream(t: torch.Tensor, stream) -> None:
+        pass
+
+    @staticmethod
+    def max_memory_allocated(device=None) -> int:
+        return 0  # the rehearsal's own tracker measures (tracker.py)
+
+    @staticmethod
+    def device_name(device=None) -> str:
+        return "rehearsal (meta)"
+
+
+def _to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
+             memory_format=None):
+    to = torch.device(device) if device is not None else x.device
+    dtype = dtype or x.dtype
+    if to.type == "meta":
+        return torch.empty(x.shape, dtype=dtype, device=DEVICE)
+    return torch.zeros(x.shape, dtype=dtype, device=to)
+
+
+def _copy_(self, src, non_blocking=False):
+    return self if self.device.type == "meta" else self.zero_()
+
+
+def _local_scalar_dense(x):
+    return False if x.dtype == torch.bool else 0
+
+
+@contextlib.contextmanager
+def kernel_stubs():
+    """Meta kernels that let values leave the device (as zeros) instead of raising; registered
+    for every thread (checkpoint writers copy on threads of their own)."""
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel": on purpose
+        lib.impl("_to_copy", _to_copy, "Meta")
+        lib.impl("copy_", _copy_, "Meta")
+        lib.impl("_local_scalar_dense", _local_scalar_dense, "Meta")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+@contextlib.contextmanager
+def fused_adamw_on_meta():
+    """torch's fused optimizers refuse devices outside a list; meta joins it for the duration."""
+    import torch.optim.optimizer as optimizer_module
+
+    original = optimizer_module._get_fused_kernels_supported_devices
+
+    def supported():
+        return [*original(), "meta"]
+
+    optimizer_module._get_fused_kernels_supported_devices = supported
+    try:
+        yield
+    finally:
+        optimizer_module._get_fused_kernels_supported_devices = original
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int):
+    """This process is rank ``rank`` of ``world_size`` on the fake backend, meta as its device."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    acc = MetaAccelerator()
+    with accelerator.standing_in(acc), acc.autocasting, kernel_stubs(), fused_adamw_on_meta():
+        dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            yield DEVICE
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
