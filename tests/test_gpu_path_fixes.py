@@ -3,6 +3,7 @@ timeout against the hang watchdog's, NCCL's dump settings, the data-build wait, 
 floor of the collectives, and a stop vote that never blocks the host on a silent step."""
 from __future__ import annotations
 
+import ast
 import dataclasses
 import threading
 from datetime import timedelta
@@ -18,9 +19,13 @@ from nanotrain.config.validate import MAX_COLLECTIVE_TIMEOUT_S
 from nanotrain.data import build
 from nanotrain.launch.hang import HangWatchdog, nccl_debug_env
 from nanotrain.parallel.context import ParallelContext
+from nanotrain.parallel.pipeline_parallel import TensorPointer
+from nanotrain.parallel.progress import PROGRESS
+from nanotrain.training import step
 from nanotrain.training.builder import build_parallel_context, hang_timeouts
 
-TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_cpu.yaml"
 ONE_RANK = ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1"]
 
 
@@ -170,3 +175,61 @@ def test_wait_for_builders_meets_every_rank_each_time():
     assert not any(t.is_alive() for t in threads)
     assert len(log) == 4 and all(log.index(f"built {n}") < log.index(f"loaded {n}") for n in (0, 1)), log
     assert store.timeouts == [build.DATA_BUILD_TIMEOUT] * 4
+
+
+# ------------------------------------------- torch >= 2.4: no keyword that only 2.6 has
+TORCH_2_6_KEYWORDS = {"group_src", "group_dst", "group_peer"}  # the group-rank arguments of 2.6
+
+
+def _calls_into_torch_distributed(tree: ast.AST):
+    """Every call of a torch.distributed function in ``tree``: ``dist.f(...)`` under any alias
+    of the module, ``torch.distributed.f(...)``, and names imported from it."""
+    modules, names = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            modules |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+            names |= {a.asname or a.name for a in node.names}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id in names:
+            yield node
+        elif isinstance(f, ast.Attribute):
+            owner = ast.unparse(f.value)
+            if owner in modules or owner == "torch.distributed" or owner.startswith("torch.distributed."):
+                yield node
+
+
+def test_no_call_into_torch_distributed_needs_torch_2_6():
+    """pyproject says torch >= 2.4: group_src / group_dst / group_peer came in 2.6 (a TypeError
+    in step 1 of every pp > 1 run on 2.4 and 2.5). Global ranks work on every version."""
+    found = []
+    for path in sorted((ROOT / "nanotrain").rglob("*.py")):
+        for call in _calls_into_torch_distributed(ast.parse(path.read_text(), str(path))):
+            bad = TORCH_2_6_KEYWORDS & {k.arg for k in call.keywords}
+            if bad:
+                found.append(f"{path.relative_to(ROOT)}:{call.lineno}: {ast.unparse(call.func)}({', '.join(bad)}=...)")
+    assert not found, "\n".join(found)
+
+
+def test_pp_loss_broadcast_runs_on_torch_2_4_signatures(monkeypatch):
+    """The training step's loss broadcast over pp (``group_src`` = the last stage) reaches torch
+    as 2.4's ``broadcast(tensor, src, group)``: the global rank of that stage."""
+    sent = []
+
+    def broadcast_2_4(tensor, src=None, group=None, async_op=False):  # torch 2.4's parameters
+        sent.append((src, group))
+
+    pp_group = object()
+    global_of = {0: 3, 1: 7}  # this pp group holds global ranks 3 and 7
+    monkeypatch.setattr(dist, "broadcast", broadcast_2_4)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, r: global_of[r] if group is pp_group else None)
+    monkeypatch.setattr(PROGRESS, "group", PROGRESS.group)  # restored afterwards
+    monkeypatch.setattr(PROGRESS, "collective", PROGRESS.collective)
+    pc = type("PC", (), {"pp_size": 2, "pp_pg": pp_group, "device": torch.device("cpu")})()
+    value = step.reduce_loss(TensorPointer(group_rank=1), pc)  # a first stage: the loss is on the last
+    assert sent == [(7, pp_group)] and value.dtype == torch.float64

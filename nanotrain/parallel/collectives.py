@@ -60,9 +60,12 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
 
 def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, group_src: int | None = None,
               what: str = "broadcast"):
+    """``dist.broadcast`` from global rank ``src``, or from ``group_src``, a rank within ``group``.
+    torch < 2.6 has no ``group_src`` keyword, so it is turned into the global rank here
+    (``get_global_rank``, which torch 2.4 has) and torch only ever sees ``src``."""
     PROGRESS.entering(what, group)
     if group_src is not None:
-        return dist.broadcast(tensor, group_src=group_src, group=group)
+        src = group_src if group is None else dist.get_global_rank(group, group_src)
     return dist.broadcast(tensor, src=src, group=group)
 
 
