@@ -14,6 +14,14 @@ host could never run ahead to launch the next one; a step later it is done, or n
 therefore lands one step after the signal — well inside any signal delay (SLURM's: tens of
 seconds) — and every rank reads the same value at the same step, so they stop together.
 
+Why no copy on a silent step, on a GPU: ``torch.tensor(..., device=cuda)`` copies from pageable
+memory, which waits for the stream, and ``.tolist()`` of a device tensor waits for everything
+queued before it, the current step included. So the stop code and "writing" are written into
+the vote's device tensor with ``fill_`` (a kernel that takes the number as its argument), the
+reduced flags are copied to a pinned host tensor right behind the all-reduce
+(``non_blocking``), and an event marks that copy: reading the vote a step later waits for that
+event only. On the CPU the flags are read where they are.
+
 Why settle before every save: a step with a non-finite loss or gradient has already poisoned
 the weights (AdamW applied the NaN), so a save after it would overwrite the last finite
 checkpoint with garbage every resume then loads (issue 17, item 4). A step that saves (interval,
@@ -32,7 +40,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from nanotrain.parallel import collectives
+from nanotrain.parallel import accelerator, collectives
 from nanotrain.parallel.progress import PROGRESS
 
 
@@ -49,21 +57,33 @@ class StopVote:
     """``post`` every step, then ``settle``; see the module doc."""
 
     def __init__(self, stop_code: Callable[[], int], device: torch.device, group=None):
-        self.stop_code, self.device, self.group = stop_code, device, group
-        self._pending: list[tuple[int, object, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.stop_code, self.device, self.group = stop_code, torch.device(device), group
+        self.acc = accelerator.of(self.device)  # None: the CPU, where work is done at the call
+        # (step, work, flags, host copy and its event (None on the CPU), loss, grad norm) per vote
+        self._pending: list[tuple] = []
         self.last_settled = (-1, False)  # (step, any rank still writing) of the latest vote read
 
     def post(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, writing: bool = False) -> None:
         """Start this step's vote (asynchronous; nothing waits for the device here). ``writing``:
         this rank's background checkpoint write is still running (``checkpoints.async_save``)."""
-        code = torch.tensor([float(self.stop_code()), float(writing)], device=self.device)
         bad = ~(torch.isfinite(loss.detach().float()) & torch.isfinite(grad_norm.detach().float()))
-        flags = torch.cat([code[:1], bad.to(code.dtype).reshape(1), code[1:]])
+        flags = torch.empty(3, dtype=torch.float32, device=self.device)  # stop code, non-finite, writing
+        flags[0].fill_(float(self.stop_code()))
+        flags[1:2].copy_(bad.reshape(1))  # on the device
+        flags[2].fill_(float(writing))
         work = None
         if dist.is_available() and dist.is_initialized():
             work = collectives.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True,
                                           what="all_reduce stop vote")
-        self._pending.append((step, work, flags, loss, grad_norm))
+        host = event = None
+        if self.acc is not None:
+            if work is not None:
+                work.wait()  # the device's stream waits for the all-reduce; the host does not
+            host = self.acc.pinned_empty((3,), flags.dtype)
+            host.copy_(flags, non_blocking=True)
+            event = self.acc.Event()
+            event.record()
+        self._pending.append((step, work, flags, host, event, loss, grad_norm))
 
     def settle(self, latest: bool) -> int:
         """Read the votes posted so far — all of them (``latest``: this step's too, before a
@@ -72,11 +92,16 @@ class StopVote:
         ready = self._pending if latest else self._pending[:-1]
         self._pending = [] if latest else self._pending[-1:]
         code = 0
-        for step, work, flags, loss, grad_norm in ready:
-            if work is not None:
+        for step, work, flags, host, event, loss, grad_norm in ready:
+            if event is not None:
                 PROGRESS.entering("wait all_reduce stop vote", self.group)
-                work.wait()
-            stop, bad, writing = flags.tolist()
+                event.synchronize()  # this vote's copy to the host, not the steps queued after it
+                stop, bad, writing = host.tolist()
+            else:
+                if work is not None:
+                    PROGRESS.entering("wait all_reduce stop vote", self.group)
+                    work.wait()
+                stop, bad, writing = flags.tolist()
             self.last_settled = (step, writing > 0)  # (its step, a rank still writing a checkpoint)
             if bad > 0:
                 self._pending = []
