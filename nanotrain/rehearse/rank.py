@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import sys
 import tempfile
@@ -35,6 +36,19 @@ from nanotrain.rehearse.tracker import DeviceTracker, watch_tensor_factories
 from nanotrain.rehearse.traffic import Traffic
 
 
+class _AlsoRankZero(int):
+    """This rank's number that also equals 0: the rank plays rank 0's part of the checkpoint
+    protocol (prepare, commit, candidates) while its files and plans keep its own number."""
+
+    def __eq__(self, other):
+        return other == 0 or int(self) == other
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    __hash__ = int.__hash__
+
+
 def _world_of_copies():
     """The checkpoint World: this rank answers for every rank, and plays rank 0's part."""
     from nanotrain.checkpoint import comm
@@ -44,7 +58,7 @@ def _world_of_copies():
 
     def __init__(self, pc=None):
         init(self, pc)
-        self.rank = 0
+        self.rank = _AlsoRankZero(self.rank)
 
     def run_then(name, answer):
         def method(self, obj, *args, **kwargs):
@@ -121,8 +135,9 @@ def rehearse_rank(config, rank: int, steps: int = 3) -> dict:
 
         report: dict = {"rank": rank, "world_size": world, "stubs": list(STUBS), "windows": []}
         try:
+            loads = functools.partial(trainer_module.load_checkpoint, strict=False)
             with tracker, watch_tensor_factories(tracker), _world_of_copies(), _others_arrive_at_once(), \
-                    _patched(trainer_module, {"train_step": train_step}):
+                    _patched(trainer_module, {"train_step": train_step, "load_checkpoint": loads}):
                 build_samplers(cfg, builder=True, needs_data=True)  # the token cache rank 0 would make
                 pc = build_parallel_context(cfg)
                 traffic.name_groups(pc)
@@ -130,6 +145,7 @@ def rehearse_rank(config, rank: int, steps: int = 3) -> dict:
                 with tracker.phase("other"):
                     trainer = trainer_module.DistributedTrainer(cfg, work / "run", pc, lambda: 0)
                 _label(tracker, trainer)
+                tracker.label = "activations"  # what the steps allocate, unless a phase says otherwise
                 _watch_optimizer(tracker, trainer)
                 trainer.train()
                 report["peak"] = {"total": tracker.peak_total, **tracker.peak}

@@ -28,12 +28,16 @@ STUBS = (
     "device-to-host copies give zeros, item()/bool() of a device tensor 0/False: the run goes on "
     "(each such read is still counted as a host sync)",
     "the other ranks: a world of copies of this one (the checkpoint protocol's answers and the "
-    "data build's meeting are this rank's own; it plays rank 0's part of the commit)",
+    "data build's meeting are this rank's own; it plays rank 0's part of the commit; the load does "
+    "not check that some rank takes every saved parameter, which needs the other ranks' answers)",
     "NCCL: torch's fake process-group backend (every collective and P2P returns at once; received "
     "buffers hold no data)",
     "CUDA streams and events: no-ops (ordering is not checked; every wait returns at once)",
     "pinned host memory: pageable buffers (the copies still go the non-blocking way)",
     "fused AdamW's device check accepts the meta device (the fused kernel's meta version runs)",
+    "attention: flash (bf16/fp16, no mask) or memory-efficient attention's meta kernels, as SDPA "
+    "picks on a GPU; a mask object (context parallelism's CausalBias) keeps torch's dispatch, on meta "
+    "its math path (the attention matrix is counted)",
     "autocast: CUDA's op lists emulated above autograd (torch has no autocast for meta); a region "
     "recomputed in backward (training.recompute) replays it without autocast, in fp32",
 )
@@ -78,6 +82,7 @@ class _Event:
 # CUDA autocast's op lists (torch's "Autocast Op Reference"): run in the lower precision, or in
 # fp32, whatever the inputs. Ops not listed run in their inputs' (promoted) type, as on CUDA.
 F = torch.nn.functional
+aten = torch.ops.aten
 _LOWER = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
           torch.bmm, torch.Tensor.bmm, torch.addmm, torch.baddbmm, torch.addbmm, torch.mv,
           F.scaled_dot_product_attention}
@@ -107,6 +112,8 @@ class Autocast(torch.overrides.TorchFunctionMode):
             to = dtype if func in _LOWER else torch.float32
             args = tuple(self._cast(a, to) for a in args)
             kwargs = {k: self._cast(v, to) for k, v in kwargs.items()}
+        if func is F.scaled_dot_product_attention and args and args[0].device == DEVICE:
+            return _fused_attention(*args, **kwargs)
         return func(*args, **kwargs)
 
     def _cast(self, value, dtype):
@@ -128,6 +135,24 @@ class Autocast(torch.overrides.TorchFunctionMode):
             self.regions.pop()
             if not any(r is not None for r in self.regions):
                 self.cache.clear()
+
+
+def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The attention kernel SDPA picks on a GPU, not its math fallback (which the meta device
+    would run, materialising the attention matrix): flash attention for bf16/fp16 without a
+    mask (it takes grouped k/v heads as they are), else the memory-efficient kernel. Both save
+    only their inputs, output and log-sum-exp for backward, as on a GPU. A mask object such as
+    ``CausalBias`` (context parallelism) keeps torch's own dispatch."""
+    if attn_mask is None and dropout_p == 0.0 and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256:
+        return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[0]
+    if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    if k.shape[-3] != q.shape[-3]:  # the memory-efficient kernel needs every head's k and v
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, dropout_p, is_causal,
+                                                        scale=scale)[0]
 
 
 class MetaAccelerator:
