@@ -213,7 +213,10 @@ def test_no_call_into_torch_distributed_needs_torch_2_6():
     in step 1 of every pp > 1 run on 2.4 and 2.5). Global ranks work on every version."""
     found = []
     for path in sorted((ROOT / "nanotrain").rglob("*.py")):
-        for call in _calls_into_torch_distributed(ast.parse(path.read_text(), str(path))):
+        text = path.read_text()
+        if not any(k in text for k in TORCH_2_6_KEYWORDS):  # the rest cannot pass one (parsing is slow)
+            continue
+        for call in _calls_into_torch_distributed(ast.parse(text, str(path))):
             bad = TORCH_2_6_KEYWORDS & {k.arg for k in call.keywords}
             if bad:
                 found.append(f"{path.relative_to(ROOT)}:{call.lineno}: {ast.unparse(call.func)}({', '.join(bad)}=...)")
