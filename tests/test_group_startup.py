@@ -71,7 +71,7 @@ def _counting_store(inner):
 def count_store_ops(tp, pp, dp):
     """Count the store operations of two constructions with torch's init barrier on: the first
     of the process (locally synchronised), then a second after destroying it (the global
-    fallback); check every group and flow with a real all-reduce; return the counts."""
+    fallback); check every group with a real all-reduce; return the counts."""
     import torch
     import torch.distributed as dist
 
@@ -86,19 +86,16 @@ def count_store_ops(tp, pp, dp):
     out = {}
     for run in ("first", "again"):
         store.ops.clear()
-        pc = ParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-                             pipeline_flow_groups=True)
+        pc = ParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp)
         out[run] = {"ops": dict(store.ops), "local_sync": pc.local_sync}
         sums = {name: _rank_sum(pc.get_group(name)) for name in NAMES}
         if pc.embedding_pg is not None:
             sums["embedding"] = _rank_sum(pc.embedding_pg)
-        flows = {key: (sorted(dist.get_process_group_ranks(group)), _rank_sum(group))
-                 for key, group in pc.pipeline_flow_groups.items()}
         # Every rank has registered as many groups: what a later locally synchronised group needs.
         n = torch.tensor([len(dist.distributed_c10d._world.pg_names)])
         everyone = [torch.zeros_like(n) for _ in range(world)]
         dist.all_gather(everyone, n)
-        out[run].update(sums=sums, flows=flows, registered=sorted({int(x) for x in everyone}))
+        out[run].update(sums=sums, registered=sorted({int(x) for x in everyone}))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             pc.destroy()  # every group freed (ParallelContext warns about any still alive)
@@ -118,14 +115,12 @@ def _rank_sum(group) -> int:
 
 
 def _my_groups(grid, rank):
-    """This rank's distinct groups (the rank sets its context creates), flows included."""
+    """This rank's distinct groups (the rank sets its context creates)."""
     groups = {grid.group_of(name, rank) for name in NAMES}
     pp_ranks = grid.group_of("pp", rank)
     first_last = tuple(sorted({pp_ranks[0], pp_ranks[-1]}))
     extra = [first_last if rank in first_last else (rank,)] if first_last not in groups else []
-    i, pp = pp_ranks.index(rank), len(pp_ranks)
-    flows = [pp_ranks[(i + 1) % pp], pp_ranks[(i - 1) % pp]] * 2  # each link once per kind
-    return sorted(groups) + extra + [tuple(sorted((rank, peer))) for peer in flows]
+    return sorted(groups) + extra
 
 
 @pytest.mark.timeout(300)
@@ -134,23 +129,20 @@ def test_store_operations_grow_with_own_groups(tp, pp, dp):
     grid = RankGrid(tp=tp, pp=pp, dp=dp)
     results = run_distributed(count_store_ops, grid.world_size, tp, pp, dp, timeout=240)
     # Every group the grid has (what a world-wide creation pattern makes each rank handle):
-    # the named ones (shared rank sets once), first/last stages, and 4 flows per pp stage.
+    # the named ones (shared rank sets once) and the first/last stages'.
     sets = {g for n in NAMES for g in grid.groups(n)}
     embedding = {tuple(sorted({g[0], g[-1]})) for g in grid.groups("pp")} - sets
-    grid_groups = len(sets) + len(embedding) + 2 * grid.world_size
-    # An odd pp's flow groups keep the all-ranks pattern (an odd ring has no slotting): every
-    # rank calls new_group for each flow of the world, a member of 4 of them.
-    flow_calls = 4 if pp % 2 == 0 else 2 * grid.world_size
+    grid_groups = len(sets) + len(embedding)
     for rank, out in enumerate(results):
         mine = _my_groups(grid, rank)
         n, members = len(mine), sum(map(len, mine))
-        calls = n - 4 + flow_calls  # the new_group calls of this rank
+        calls = n  # the new_group calls of this rank
         first, again = out["first"], out["again"]
         assert first["local_sync"] and not again["local_sync"]
         assert len(first["registered"]) == 1  # as many groups on every rank, for any later one
         # gloo's rendezvous: set own address, wait for and get each member's; the barrier:
         # two adds, one wait, and a set by whichever member arrives last, all on the group's
-        # own keys. Nothing for any group this rank is not in (but an odd pp's flows).
+        # own keys. Nothing for any group this rank is not in.
         ops = first["ops"]
         assert (ops["add"], ops["wait"], ops["get"]) == (2 * calls, members + calls, members), (rank, ops)
         assert n <= ops["set"] <= n + calls and set(ops) == {"add", "wait", "get", "set"}, (rank, ops)
@@ -163,10 +155,6 @@ def test_store_operations_grow_with_own_groups(tp, pp, dp):
             pp_ranks, i = grid.group_of("pp", rank), grid.coords(rank).pp
             if i in (0, pp - 1):
                 assert run["sums"]["embedding"] == pp_ranks[0] + pp_ranks[-1]
-            assert len(run["flows"]) == 4
-            for (kind, src), (ranks, total) in run["flows"].items():
-                pair = {pp_ranks[src], pp_ranks[(src + (1 if kind == 0 else -1)) % pp]}
-                assert rank in pair and ranks == sorted(pair) and total == sum(pair)
     print(f"{grid.world_size} ranks, rank 0: {sum(results[0]['first']['ops'].values())} store operations "
           f"locally synchronised, {sum(results[0]['again']['ops'].values())} globally "
           f"({grid_groups} groups in the grid)")
@@ -180,10 +168,10 @@ def test_counts_the_readme_states_for_16384_gpus():
     ops = sum(1 + 2 * len(g) for g in mine)
     sets = {g for n in NAMES for g in grid.groups(n)}
     embedding = {tuple(sorted({g[0], g[-1]})) for g in grid.groups("pp")} - sets
-    grid_groups = len(sets) + len(embedding) + 2 * grid.world_size
-    assert (len(mine), ops, ops - (1 + 2 * grid.world_size)) == (11, 33_473, 704)
-    assert (grid_groups, len(sets) + len(embedding)) == (55_617, 22_849)
-    assert 3 * grid_groups == 166_851 and 3 * grid_groups * grid.world_size == 2_733_686_784
+    grid_groups = len(sets) + len(embedding)
+    assert (len(mine), ops, ops - (1 + 2 * grid.world_size)) == (7, 33_453, 684)
+    assert grid_groups == 22_849
+    assert 3 * grid_groups == 68_547 and 3 * grid_groups * grid.world_size == 1_123_074_048
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    for figure in ("33,473", "704", "55,617", "22,849", "166,851", "2.7 billion"):
+    for figure in ("33,453", "684", "22,849", "68,547", "1.1 billion"):
         assert figure in readme, figure

@@ -222,33 +222,30 @@ def run_cases(pp: int) -> dict:
             ref_loss.backward()
             results[(engine_name, v, m, tied)]["reference"] = {"loss": ref_loss.item(), "grads": full_grads(ref)}
     results["config_api"] = config_driven_steps(pc)
-    results["flows"] = flow_group_steps(pp)
+    results["nccl_posting"] = nccl_posting_steps(pc)
     pc.destroy()
     return results
 
 
-def flow_group_steps(pp: int) -> dict:
-    """The transport NCCL uses — one two-rank group per flow (``pipeline_flow_groups``) and
-    receives posted only when needed — run for real here on gloo: same loss as one process."""
+def nccl_posting_steps(pc) -> dict:
+    """The posting NCCL gets — receives posted only when needed, one batch per communication
+    point on the pp group — run for real here on gloo (and the gloo posting, every receive
+    ahead, beside it): same loss as one process."""
     from nanotrain.models.llama import LlamaModel
-    from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.pipeline_parallel import P2P, PipelineEngine, TorchP2PTransport
 
-    pc = ParallelContext(pipeline_parallel_size=pp, pipeline_flow_groups=True)
-    assert len(pc.pipeline_flow_groups) == 4  # activations and gradients, in and out
-    args, m = ModelArgs(**MODEL), 2 * pp
+    args, m = ModelArgs(**MODEL), 2 * pc.pp_size
     data = microbatches(m, args.vocab_size)
     out = {}
     for posts_ahead in (True, False):
-        model = LlamaModel(args, pc.tp_pg, pp_rank=pc.pp_rank, pp_size=pp, virtual_stages=2, seed=3)
-        transport = TorchP2PTransport(pc.pp_pg, flow_groups=pc.pipeline_flow_groups)
+        model = LlamaModel(args, pc.tp_pg, pp_rank=pc.pp_rank, pp_size=pc.pp_size, virtual_stages=2, seed=3)
+        transport = TorchP2PTransport(pc.pp_pg)
         transport.matches_by_tag = posts_ahead
         loss = PipelineEngine("interleaved_1f1b", p2p=P2P(transport)).forward_backward(model, data, None)
         out[posts_ahead] = loss.item() if torch.is_tensor(loss) else None
     if pc.is_pipeline_first_stage:
         ref = LlamaModel(args, pc.tp_pg, seed=3)  # tp group of size 1 (None would mean the world)
         out["reference"] = sum(ref(ids, targets) / m for ids, targets in data).item()
-    pc.destroy()
     return out
 
 
@@ -356,9 +353,9 @@ def test_config_driven_entry_points(pp):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("pp", [2, 4])
-def test_per_flow_communicators_on_gloo(pp):
-    """The NCCL transport's group layout, with and without receives posted ahead, equals one process."""
+def test_nccl_posting_on_gloo(pp):
+    """The NCCL posting (receives when needed), and gloo's (receives ahead), equal one process."""
     per_rank = launch(pp)
-    reference = per_rank[0]["flows"]["reference"]
-    assert per_rank[-1]["flows"][True] == pytest.approx(reference, abs=1e-5)
-    assert per_rank[-1]["flows"][False] == pytest.approx(reference, abs=1e-5)
+    reference = per_rank[0]["nccl_posting"]["reference"]
+    assert per_rank[-1]["nccl_posting"][True] == pytest.approx(reference, abs=1e-5)
+    assert per_rank[-1]["nccl_posting"][False] == pytest.approx(reference, abs=1e-5)

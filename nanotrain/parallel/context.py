@@ -66,7 +66,6 @@ class ParallelContext:
         expert_parallel_size: int = 1,
         backend: Optional[str] = None,
         timeout_s: Optional[float] = None,
-        pipeline_flow_groups: Optional[bool] = None,
     ):
         # The timeout of every group (``training.collective_timeout_s``): a rank that never
         # reaches a collective fails the others after this long instead of hanging the job.
@@ -125,10 +124,6 @@ class ParallelContext:
         self.coords: Coords = coords
         self._create_groups()
         self._create_embedding_group()
-        # One communicator per pipeline flow (see p2p.py): what keeps NCCL's in-order streams
-        # from deadlocking the schedules. gloo matches by tag and needs none (None = auto).
-        flows = self.backend == "nccl" if pipeline_flow_groups is None else pipeline_flow_groups
-        self.pipeline_flow_groups = self._create_pipeline_flow_groups() if flows and self.pp_size > 1 else None
 
     # ------------------------------------------------------------------ setup
     def _check_world_size(self, world_size: int) -> None:
@@ -241,36 +236,6 @@ class ParallelContext:
             self._placeholder_pg = dist.new_group(ranks=[self.world_rank], timeout=self.timeout,
                                                   use_local_synchronization=True)
 
-    def _create_pipeline_flow_groups(self) -> dict[tuple[int, int], dist.ProcessGroup]:
-        """For every pp group, a two-rank group per flow (kind, sending pp rank r): activations
-        r -> r + 1 (kind 0) and gradients r -> r - 1 (kind 1), wrapping around for the
-        interleaved schedule. Returns this rank's four flows, keyed as ``p2p.Op.flow``.
-
-        The flows form a ring with each link used twice (once per kind). With an even pp and
-        local synchronisation, link i (stages i and i + 1) goes in slot ``2 * kind + i % 2``:
-        each stage is on one even and one odd link, so both ends of every link create it as
-        their same n-th group. An odd ring cannot be coloured that way: there every rank
-        creates every flow group of the world in one order, members or not (torch's global
-        rule; a non-member touches no store unless ``TORCH_DIST_INIT_BARRIER=1``)."""
-        pp = self.pp_size
-        slotted = self.local_sync and pp % 2 == 0
-        groups = [self._group_ranks["pp"]] if slotted else self.grid.groups("pp")
-        order = []
-        for pp_ranks in groups:
-            for kind, step in ((0, 1), (1, -1)):
-                for src in range(pp):
-                    pair = (pp_ranks[src], pp_ranks[(src + step) % pp])
-                    link = src if kind == 0 else (src - 1) % pp  # link i joins stages i and i + 1
-                    if self.world_rank in pair or not slotted:
-                        order.append((2 * kind + link % 2 if slotted else 0, kind, src, pair))
-        mine = {}
-        for _, kind, src, pair in sorted(order, key=lambda o: o[0]):  # stable: global order kept
-            pg = dist.new_group(ranks=sorted(pair), timeout=self.timeout, use_local_synchronization=slotted)
-            if self.world_rank in pair:
-                mine[(kind, src)] = pg
-                PROGRESS.name_group(pg, "pp flow")
-        return mine
-
     # ------------------------------------------------------------------ queries
     def get_group(self, name: str) -> dist.ProcessGroup:
         """This rank's group by name: one of ``GROUP_NAMES``."""
@@ -352,10 +317,8 @@ class ParallelContext:
             dist.barrier()
         PROGRESS.forget_groups()  # the hang record holds the last collective's group
         mine = [pg for ranks, pg in self._pg_by_ranks.items() if self.world_rank in ranks]
-        # The per-flow P2P groups (NCCL), each once, after the grid's (created after them).
-        mine += list({id(g): g for g in (self.pipeline_flow_groups or {}).values()}.values())
         mine += [self._placeholder_pg] if self._placeholder_pg is not None else []
-        self.pipeline_flow_groups = self._placeholder_pg = None
+        self._placeholder_pg = None
         self._pg_by_ranks.clear()
         for name in GROUP_NAMES:
             setattr(self, f"{name}_pg", None)

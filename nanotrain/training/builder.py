@@ -44,9 +44,8 @@ def build_model(config, pc, device=None) -> LlamaModel:
 
 
 def build_engine(config, pc) -> Optional[PipelineEngine]:
-    """The engine for ``parallelism.pp_engine``, or None when pp = 1 (no pipeline). On NCCL it
-    sends over one communicator per flow (``pc.pipeline_flow_groups``, see ``p2p.py``)."""
+    """The engine for ``parallelism.pp_engine``, or None when pp = 1 (no pipeline). It sends
+    over the pp group, one batch per communication point (see ``p2p.py``)."""
     if pc.pp_size == 1:
         return None
-    return PipelineEngine(config.parallelism.pp_engine, pc.pp_pg, pc.device,
-                          flow_groups=getattr(pc, "pipeline_flow_groups", None))
+    return PipelineEngine(config.parallelism.pp_engine, pc.pp_pg, pc.device)

@@ -10,21 +10,29 @@ schedule that would hang on GPUs passes on gloo. This transport behaves as NCCL 
   corruption);
 * rendezvous: a send completes only when its receive has been posted AND that receive's batch
   runs (``eager_sends=True`` buffers sends instead: the control experiment);
-* one stream per communicator: the batches of one communicator run one after the other in
-  posting order on each rank, so a receive posted ahead, or a send whose receiver is busy,
-  blocks every later batch of that communicator. ``per_flow=True`` gives every flow (kind,
-  sender) its own communicator, as ``ParallelContext.pipeline_flow_groups`` does on NCCL;
-  ``per_flow=False`` is one communicator for the whole pp group;
+* execution order (``serialize``): by default one stream per communicator, as if every
+  communicator's kernels could run beside each other's: the batches of one communicator run
+  one after the other in posting order on each rank, so a receive posted ahead, or a send whose
+  receiver is busy, blocks every later batch of that communicator (and only of that one).
+  ``serialize=True`` makes no such assumption, CUDA does not promise it (NVIDIA/nccl#783): one
+  execution queue per rank across ALL its communicators, so a rank's batches run strictly one
+  after another in posting order whatever their communicator, as on a GPU that runs its NCCL
+  kernels serially (``CUDA_DEVICE_MAX_CONNECTIONS=1``, implicit launch order, a busy GPU);
+* communicators: one per ``post`` for the whole pp group, as ``TorchP2PTransport`` posts
+  (``per_flow=False``, the default). ``per_flow=True`` is the former layout, the control:
+  every flow (kind, sender) its own communicator and its ops of a post their own batch;
 * only NCCL dtypes (no bool, no complex) and contiguous tensors.
 
-A ``wait()`` that does not complete within ``timeout`` seconds raises ``Deadlock`` naming what
-every rank is waiting for, and makes every other waiting rank fail too.
+A ``wait()`` raises ``Deadlock``, naming what every rank is waiting for, as soon as every rank
+waits for a batch that is not done (nothing can progress then), or when it has not completed
+within ``timeout`` seconds (a rank that finished leaves the others waiting); every other waiting
+rank then fails too.
 """
 from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -51,14 +59,16 @@ class _Op:
 @dataclass(eq=False)
 class _Batch:
     rank: int
-    stream: tuple
-    index: int
+    stream: tuple  # (rank, communicator), or (rank, None) under ``serialize``: one queue per rank
+    comm: object  # None: the pp group's communicator; else a flow (per_flow)
+    index: int  # in its stream
     ops: list = field(default_factory=list)
     done: bool = False
 
     def describe(self) -> str:
         parts = [f"{'send to' if o.is_send else 'recv from'} {o.peer} tag {o.tag}" for o in self.ops if not o.done]
-        return f"rank {self.rank} stream {self.stream[1:]} batch #{self.index}: " + ", ".join(parts)
+        comm = "pp group" if self.comm is None else f"flow {self.comm}"
+        return f"rank {self.rank} batch #{self.index} ({comm}): " + ", ".join(parts)
 
 
 class _Handle:
@@ -77,15 +87,19 @@ class _Handle:
 class NcclSemanticsWorld:
     """Shared state of ``size`` simulated ranks; ``transport(r)`` is rank r's end."""
 
-    def __init__(self, size: int, timeout: float = 10.0, eager_sends: bool = False, per_flow: bool = True):
+    def __init__(self, size: int, timeout: float = 10.0, eager_sends: bool = False, per_flow: bool = False,
+                 serialize: bool = False):
         self.size, self.timeout, self.eager_sends, self.per_flow = size, timeout, eager_sends, per_flow
+        self.serialize = serialize
         self.cond = threading.Condition()
-        self.queues: dict[tuple, deque] = defaultdict(deque)  # (rank, flow or None) -> batches not done
+        self.queues: dict[tuple, deque] = defaultdict(deque)  # stream (rank, communicator) -> batches not done
         self.posted: dict[tuple, int] = defaultdict(int)
         self.sends: dict[tuple, deque] = defaultdict(deque)  # (communicator, src, dst) -> ops in order
         self.recvs: dict[tuple[int, int], deque] = defaultdict(deque)
         self.error: BaseException | None = None
         self.messages = 0
+        self.dtypes: Counter = Counter()  # dtype -> matched messages
+        self.waiting: dict[int, _Batch] = {}  # rank -> the batch it waits for
 
     def transport(self, rank: int) -> "SimTransport":
         return SimTransport(self, rank)
@@ -96,8 +110,9 @@ class NcclSemanticsWorld:
         with self.cond:
             self._raise_if_failed()
             by_comm: dict = {}
-            for op in ops:
-                by_comm.setdefault(op.flow if self.per_flow else None, []).append(op)
+            for op in ops:  # flow: (kind, sending rank)
+                by_comm.setdefault((op.kind, rank if op.is_send else op.peer) if self.per_flow else None,
+                                   []).append(op)
             handles = {}
             for comm, comm_ops in by_comm.items():
                 batch = self._batch(rank, comm, comm_ops)
@@ -106,8 +121,8 @@ class NcclSemanticsWorld:
             return [handles[id(op)] for op in ops]
 
     def _batch(self, rank: int, comm, ops) -> _Batch:
-        stream = (rank, comm)
-        batch = _Batch(rank, stream, self.posted[stream])
+        stream = (rank, None if self.serialize else comm)
+        batch = _Batch(rank, stream, comm, self.posted[stream])
         self.posted[stream] += 1
         for op in ops:
             t = op.tensor
@@ -123,7 +138,8 @@ class NcclSemanticsWorld:
         return batch
 
     def _running(self, batch: _Batch) -> bool:
-        """A batch runs once every earlier batch of its stream is done."""
+        """A batch runs once every earlier batch of its stream (its communicator's on its rank,
+        or the rank's whole queue under ``serialize``) is done."""
         queue = self.queues[batch.stream]
         return bool(queue) and queue[0] is batch
 
@@ -147,6 +163,7 @@ class NcclSemanticsWorld:
                     sends.popleft()
                     recvs.popleft()
                     self.messages += 1
+                    self.dtypes[r.tensor.dtype] += 1
                     changed = True
             for queue in self.queues.values():
                 while queue and all(o.done for o in queue[0].ops):
@@ -157,14 +174,24 @@ class NcclSemanticsWorld:
     def _wait(self, batch: _Batch) -> None:
         deadline = time.monotonic() + self.timeout
         with self.cond:
-            while not batch.done:
-                self._raise_if_failed()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    stuck = [q[0].describe() for q in self.queues.values() if q]
-                    self._fail(Deadlock(f"no progress for {self.timeout:.0f} s; running batches: "
-                                        + "; ".join(stuck)))
-                self.cond.wait(min(left, 0.5))
+            self.waiting[batch.rank] = batch
+            try:
+                while not batch.done:
+                    self._raise_if_failed()
+                    left = deadline - time.monotonic()
+                    # Only a post makes progress (``_progress`` runs after each), so once every
+                    # rank waits for a batch that is not done, none ever will be: fail now.
+                    if len(self.waiting) == self.size and not any(b.done for b in self.waiting.values()):
+                        self._fail(Deadlock("every rank waits; running batches: " + self._stuck()))
+                    if left <= 0:
+                        self._fail(Deadlock(f"no progress for {self.timeout:.0f} s; running batches: "
+                                            + self._stuck()))
+                    self.cond.wait(min(left, 0.5))
+            finally:
+                del self.waiting[batch.rank]
+
+    def _stuck(self) -> str:
+        return "; ".join(q[0].describe() for q in self.queues.values() if q)
 
     def _fail(self, exc: BaseException) -> None:
         if self.error is None:

@@ -1,10 +1,13 @@
 """The pipeline engine: runs one step's micro-batches through this rank's model chunks.
 
-One executor serves every schedule (``schedules.py``): it walks the rank's action list and, for
-each action, receives what the action needs, computes, and queues what it produced for the next
-stage. The queued send goes out in the same batched communication as the next action's receive
-(Megatron's ``send_forward_recv_backward`` pairing), and sends are never waited for before
-receives, so a rank only blocks on data it needs.
+One executor serves every schedule (``schedules.py``): it walks the rank's actions step by step
+(``schedule_steps``: one action, or an interleaved steady-state forward-backward pair) and, for
+each step, receives what its actions need, computes them, and queues what they produced for the
+neighbouring stages. The queued sends go out in the same batch as the next step's receives
+(Megatron's ``send_forward_recv_backward`` pairing), one batch per communication point on the
+pp group: what keeps NCCL from deadlocking even where a GPU runs its NCCL kernels one after
+another (``p2p.py``). Sends are never waited for before receives, so a rank only blocks on data
+it needs.
 
 For the forward of micro-batch i through chunk c (virtual stage s):
   input = token ids (s = 0) or a receive from stage s - 1 (a TensorPointer to its rank);
@@ -31,7 +34,7 @@ from typing import Optional, Sequence
 import torch
 
 from nanotrain.parallel.pipeline_parallel.p2p import ACTIVATION, GRADIENT, P2P, MessageSpec, Recv, Send, check_message
-from nanotrain.parallel.pipeline_parallel.schedules import Action, get_schedule
+from nanotrain.parallel.pipeline_parallel.schedules import Action, get_schedule, schedule_steps
 from nanotrain.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 from nanotrain.parallel.progress import PROGRESS
 from nanotrain.parallel.timing import IntervalTimer
@@ -211,10 +214,10 @@ class PipelineEngine:
     """
 
     def __init__(self, schedule: str, pp_pg=None, device: Optional[torch.device] = None,
-                 p2p: Optional[P2P] = None, flow_groups: Optional[dict] = None):
+                 p2p: Optional[P2P] = None):
         self.name = schedule
         self.schedule = get_schedule(schedule)
-        self.p2p = p2p if p2p is not None else P2P.over(pp_pg, device, flow_groups)
+        self.p2p = p2p if p2p is not None else P2P.over(pp_pg, device)
         self.pp_size, self.pp_rank = self.p2p.transport.size, self.p2p.transport.rank
         self.device = self.p2p.device
         self._group = getattr(self.p2p.transport, "pg", None)  # for hang reports
@@ -248,8 +251,8 @@ class PipelineEngine:
         total, compute, waiting = (IntervalTimer(self.device) for _ in range(3))
         self._timers = (total, compute, waiting)
         total.start()
-        actions = self.schedule(self.pp_size, self.pp_rank, step.m, step.v)
-        self._run(step, actions, grad_sync, compute, waiting, _PHASES[step.v > 1], "pipeline schedule")
+        steps = schedule_steps(self.name, self.pp_size, self.pp_rank, step.m, step.v)
+        self._run(step, steps, grad_sync, compute, waiting, _PHASES[step.v > 1], "pipeline schedule")
         total.stop()
         self._peaks = (step.peak_live, step.meter.peak)
         return step.loss_total if step.loss_total is not None else TensorPointer(self.pp_size - 1)
@@ -266,24 +269,30 @@ class PipelineEngine:
         training step's) and the hang record's phase ("eval") as they are. Returns the mean loss
         over the micro-batches on the rank holding the last stage, a TensorPointer elsewhere."""
         step = _Step(self.pp_size, model, microbatches, message, training=False)
-        actions = [a for a in self.schedule(self.pp_size, self.pp_rank, step.m, step.v) if a.op == "F"]
-        self._run(step, actions, None, _NO_TIMER, _NO_TIMER, None, "forward-only")
+        steps = [(a,) for a in self.schedule(self.pp_size, self.pp_rank, step.m, step.v) if a.op == "F"]
+        self._run(step, steps, None, _NO_TIMER, _NO_TIMER, None, "forward-only")
         return step.loss_total if step.loss_total is not None else TensorPointer(self.pp_size - 1)
 
-    def _run(self, step: "_Step", actions: list[Action], grad_sync, compute, waiting,
+    def _run(self, step: "_Step", steps: list[tuple[Action, ...]], grad_sync, compute, waiting,
              phases: Optional[dict], what: str) -> None:
-        """Walk ``actions``: receive what each needs (its queued sends in the same batch), run it,
-        queue what it produced; then send the last outputs and wait for every send. ``phases``:
-        the hang record's phase templates for each action (None: no marks)."""
-        self.p2p.expect([r for action in actions for r in step.needs(action)])  # gloo: every receive now
-        pending: list[Send] = []  # sends produced by the previous action
-        for action in actions:
+        """Walk the schedule's ``steps``: one communication point before each (the previous
+        step's sends and this step's receives, one batch), then its actions; finally send the
+        last outputs and wait for every send. ``phases``: the hang record's phase templates for
+        each action (None: no marks)."""
+        self.p2p.expect([r for actions in steps for action in actions for r in step.needs(action)])  # gloo
+        pending: list[Send] = []  # sends produced by the previous step
+        for actions in steps:
+            needs = [step.needs(action) for action in actions]
             if phases is not None:  # the hang record (progress.py), formatted only if read
-                PROGRESS.mark(phases[action.op], action.microbatch, action.chunk)
-            received = self._communicate(pending, step.needs(action), waiting)
-            compute.start()
-            pending = step.run(action, received, grad_sync)
-            compute.stop()
+                PROGRESS.mark(phases[actions[0].op], actions[0].microbatch, actions[0].chunk)
+            received = iter(self._communicate(pending, [r for n in needs for r in n], waiting))
+            pending = []
+            for n, action in zip(needs, actions):
+                if phases is not None and action is not actions[0]:
+                    PROGRESS.mark(phases[action.op], action.microbatch, action.chunk)
+                compute.start()
+                pending += step.run(action, [next(received) for _ in n], grad_sync)
+                compute.stop()
         self._communicate(pending, [], waiting)
         PROGRESS.entering("wait for pipeline sends", self._group)
         waiting.start()

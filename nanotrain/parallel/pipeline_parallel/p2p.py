@@ -10,19 +10,32 @@ the config), every message of a step has a shape and dtype both sides know in ad
 engine derives it from the model and the micro-batch shape (``MessageSpec``), the sender checks
 its tensor against it (host metadata only, no sync) and the receiver allocates from it.
 
-Flows. Every message belongs to a *flow*: (kind, sending pp rank), i.e. the activations rank r
-sends to r + 1 or the gradients it sends to r - 1 (the interleaved schedule wraps around). On
-NCCL each flow has its own two-rank communicator (``ParallelContext.pipeline_flow_groups``), so
-its own stream: a send then waits only for its own receiver and never holds up another flow's
-receive queued behind it on a shared stream — the schedule is as free of deadlock as with
-buffered sends, whatever the order of actions (with one communicator per pp group, a rank
-whose only op is a send, and the neighbour likewise, hang each other: the simulation shows it
-for interleaved 1f1b). Sends are never waited for before receives; the engine waits for them at
-the end of the step (``wait_sends``).
+Why it cannot deadlock on NCCL. NCCL guarantees one thing about progress: the sends and
+receives of one group call (``batch_isend_irecv`` on one communicator, one kernel) progress
+together. It does not promise that two kernels of one GPU run at the same time: kernels on two
+streams, or two communicators, may run one after the other (NVIDIA/nccl#783; more likely with
+``CUDA_DEVICE_MAX_CONNECTIONS=1``, NCCL's implicit launch order or a busy GPU). So every
+communication point of the engine is ONE batch on ONE communicator, the pp group: the sends the
+previous step produced together with the receives the next step needs (Megatron's
+``send_forward_recv_backward``; for interleaved 1f1b both directions of a steady-state step,
+``send_forward_backward_recv_forward_backward``, see ``schedules.schedule_steps``). A rank's
+batches run strictly in posting order, and the schedules place the communication points so that
+neighbours' batches pair up: what a rank's running batch waits for, its neighbours post without
+first waiting for a later batch of that rank, and no rank ever needs two of its own kernels to
+run at once. This is checked, not derived in general: ``tests/test_pipeline_nccl_semantics.py``
+runs every engine (pp 2 and 4, every valid m <= 8, v 1 and 2) on a simulation where each rank
+executes its batches one at a time and a send completes only while its receive's batch runs,
+and shows the former layout (one communicator per flow, one batch each) deadlocking there (1f1b
+at pp 2 in its first steady-state exchange). One communicator also carries both kinds of
+message between two ranks (at pp = 2 with interleaving rank 0 sends rank 1 activations and
+gradients), and NCCL matches them in posting order: the engine posts a step's sends and its
+receives in action order, so both sides agree (the simulation checks the tags of every matched
+pair). Sends are never waited for before receives; the engine waits for them at the end of the
+step (``wait_sends``).
 
 Transports. ``P2P`` speaks to a transport: ``TorchP2PTransport`` (torch.distributed over the pp
 group) in production, a simulated one in tests (``tests/helpers/nccl_sim.py``: NCCL's semantics on
-threads, to prove no schedule deadlocks). gloo matches a receive to a send by (peer, tag), in
+threads, to check that no schedule deadlocks). gloo matches a receive to a send by (peer, tag), in
 any posting order, so on gloo the engine posts every receive of a step ahead (``expect``) and
 data moves while ranks compute. NCCL ignores tags and matches in posting order per pair, and a
 receive posted ahead would block the communicator's stream for the sends queued behind it, so
@@ -31,7 +44,7 @@ guarantee it; the simulation checks that the tags of matched messages agree).
 
 The hang record (``progress.py``). ``communicate`` records, once per communication point and
 right before it waits, which messages it waits on (peers and tags, sends of the same batch
-included) and the communicator of the receive; the transport's post records only the generic
+included) and the transport's communicator; the transport's post records only the generic
 "pipeline send/recv" (through ``collectives.batch_isend_irecv``), which stands while the post
 itself runs (a communicator created lazily on its first use) and for ``expect``'s posts.
 """
@@ -76,56 +89,35 @@ class Send(NamedTuple):
 
 
 class Op(NamedTuple):
-    """One transport operation: a send (``is_send``) or a receive into ``tensor``; ``flow`` is
-    (kind, sending pp rank)."""
+    """One transport operation: a send (``is_send``) or a receive into ``tensor``; ``peer`` is a
+    pp group rank; ``kind``: ACTIVATION or GRADIENT (for transports that route by it, such as the
+    simulation's per-flow control)."""
 
     is_send: bool
     tensor: torch.Tensor
     peer: int
     tag: int
-    flow: tuple[int, int]
+    kind: int = ACTIVATION
 
 
 class TorchP2PTransport:
-    """``torch.distributed`` point-to-point over the pp group (group ranks as peers), or over one
-    communicator per flow (``flow_groups``: flow -> two-rank process group) where given."""
+    """``torch.distributed`` point-to-point over the pp group: one ``batch_isend_irecv`` per post."""
 
-    def __init__(self, pg: dist.ProcessGroup, device: Optional[torch.device] = None,
-                 flow_groups: Optional[dict] = None):
-        self.pg, self.flow_groups = pg, flow_groups
+    def __init__(self, pg: dist.ProcessGroup, device: Optional[torch.device] = None):
+        self.pg = pg
         self.device = device or torch.device("cpu")
         self.size, self.rank = pg.size(), pg.rank()
         self.matches_by_tag = dist.get_backend(pg) == "gloo"
-        self._pp_ranks = dist.get_process_group_ranks(pg)
-
-    def group_of(self, flow: tuple[int, int]) -> dist.ProcessGroup:
-        """The process group that carries ``flow`` (kind, sending pp rank)."""
-        return self.pg if self.flow_groups is None else self.flow_groups[flow]
+        # P2POp takes global ranks on every torch we support (``group_peer`` exists from 2.6 only).
+        self._global = dist.get_process_group_ranks(pg)
 
     def post(self, ops: Sequence[Op]) -> list:
-        """Post ``ops``, one batch per process group; one waitable handle per op (the same one
-        for every op of a batch on a coalescing backend such as NCCL)."""
-        batches: dict[int, list[int]] = {}  # id(group) -> indices into ops
-        groups = {}
-        for i, op in enumerate(ops):
-            group = self.group_of(op.flow)
-            groups[id(group)] = group
-            batches.setdefault(id(group), []).append(i)
-        works: list = [None] * len(ops)
-        for key, indices in batches.items():
-            group = groups[key]
-            p2p_ops = [dist.P2POp(dist.isend if ops[i].is_send else dist.irecv, ops[i].tensor, group=group,
-                                  group_peer=self._group_peer(group, ops[i].peer), tag=ops[i].tag)
-                       for i in indices]
-            handles = batch_isend_irecv(p2p_ops, "pipeline send/recv", group)
-            for n, i in enumerate(indices):
-                works[i] = handles[n] if len(handles) == len(indices) else handles[0]
-        return works
-
-    def _group_peer(self, group, pp_peer: int) -> int:
-        if group is self.pg:
-            return pp_peer
-        return dist.get_group_rank(group, self._pp_ranks[pp_peer])
+        """Post ``ops`` as one batch on the pp group (one NCCL kernel: see the module doc); one
+        waitable handle per op (the same one for every op on a coalescing backend such as NCCL)."""
+        p2p_ops = [dist.P2POp(dist.isend if op.is_send else dist.irecv, op.tensor, peer=self._global[op.peer],
+                              group=self.pg, tag=op.tag) for op in ops]
+        handles = batch_isend_irecv(p2p_ops, "pipeline send/recv", self.pg)
+        return list(handles) if len(handles) == len(ops) else [handles[0]] * len(ops)
 
 
 class P2P:
@@ -136,12 +128,11 @@ class P2P:
         self.device = transport.device
         self._inflight: list[tuple[object, torch.Tensor]] = []  # sends and the buffers they read
         self._expected: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}  # (src, tag) -> posted recv
-        self._group_of = getattr(transport, "group_of", None)  # for the hang record (none: the world)
+        self._group = getattr(transport, "pg", None)  # for the hang record (none: the world)
 
     @classmethod
-    def over(cls, pg: dist.ProcessGroup, device: Optional[torch.device] = None,
-             flow_groups: Optional[dict] = None) -> "P2P":
-        return cls(TorchP2PTransport(pg, device, flow_groups))
+    def over(cls, pg: dist.ProcessGroup, device: Optional[torch.device] = None) -> "P2P":
+        return cls(TorchP2PTransport(pg, device))
 
     @property
     def posts_ahead(self) -> bool:
@@ -176,7 +167,7 @@ class P2P:
             data = send.tensor.detach()
             if not data.is_contiguous():
                 data = data.contiguous()
-            ops.append(Op(True, data, send.dst, self._check_tag(send.tag), (send.kind, self.transport.rank)))
+            ops.append(Op(True, data, send.dst, self._check_tag(send.tag), send.kind))
         posted_now = []
         for recv in recvs:
             expected = self._expected.pop((recv.src, recv.tag), None)
@@ -210,14 +201,13 @@ class P2P:
     # ------------------------------------------------------------------ internals
     def _record(self, sends: Sequence[Send], recvs: Sequence[Recv]) -> None:
         """The hang record for the waits of one communication point (see the module doc): its
-        messages, and the group of the first receive (the one waited on first)."""
+        messages and the communicator."""
         what = ", ".join([*(f"send to pp rank {s.dst} tag {s.tag}" for s in sends),
                           *(f"recv from pp rank {r.src} tag {r.tag}" for r in recvs)])
-        group = self._group_of((recvs[0].kind, recvs[0].src)) if self._group_of is not None else None
-        PROGRESS.entering(f"pipeline send/recv: {what}", group)
+        PROGRESS.entering(f"pipeline send/recv: {what}", self._group)
 
     def _recv_op(self, recv: Recv, buf: torch.Tensor) -> Op:
-        return Op(False, buf, recv.src, self._check_tag(recv.tag), (recv.kind, recv.src))
+        return Op(False, buf, recv.src, self._check_tag(recv.tag), recv.kind)
 
     def _buffer(self, recv: Recv) -> torch.Tensor:
         return torch.empty(recv.spec.shape, dtype=recv.spec.dtype, device=self.device)

@@ -2,7 +2,8 @@
 
 An action is F (forward) or B (backward) of one micro-batch through one of this rank's model
 chunks. The engine executes the list in order and derives every send and receive from it, so a
-schedule is only this ordering: it can be read, printed, tested and simulated without processes.
+schedule is only this ordering, and where it communicates (``schedule_steps``): it can be read,
+printed, tested and simulated without processes.
 
 * ``afab`` (GPipe): all m forwards, then all m backwards. Holds the activations of all m
   micro-batches at once.
@@ -42,6 +43,16 @@ def one_f_one_b(pp: int, rank: int, m: int, v: int = 1) -> list[Action]:
 
 def interleaved_1f1b(pp: int, rank: int, m: int, v: int) -> list[Action]:
     """Megatron's ``forward_backward_pipelining_with_interleaving`` ordering."""
+    return [a for step in interleaved_1f1b_steps(pp, rank, m, v) for a in step]
+
+
+def interleaved_1f1b_steps(pp: int, rank: int, m: int, v: int) -> list[tuple[Action, ...]]:
+    """The interleaved ordering cut at its communication points, as Megatron communicates: a
+    warm-up forward or a cool-down backward alone, and each steady-state (forward, backward)
+    pair as one step, whose outputs (both directions) go out in the same batch as the inputs of
+    the next pair. Exchanging between the two actions of a pair, as 1f1b does, deadlocks on
+    NCCL: two neighbours then each run a batch holding only a send, whose receive the other
+    posts in its next batch (``test_pipeline_nccl_semantics.py`` keeps that as a control)."""
     _check(pp, rank, m, v)
     if m % pp:
         raise ValueError(f"interleaved_1f1b needs the micro-batch count ({m}) to be a multiple of pp ({pp})")
@@ -55,10 +66,9 @@ def interleaved_1f1b(pp: int, rank: int, m: int, v: int) -> list[Action]:
         chunk = (k % (pp * v)) // pp
         return Action(op, chunk if op == "F" else v - 1 - chunk, (k // (pp * v)) * pp + k % pp)
 
-    actions = [action("F", k) for k in range(warmup)]
-    for k in range(total - warmup):
-        actions += [action("F", warmup + k), action("B", k)]
-    return actions + [action("B", k) for k in range(total - warmup, total)]
+    steps: list[tuple[Action, ...]] = [(action("F", k),) for k in range(warmup)]
+    steps += [(action("F", warmup + k), action("B", k)) for k in range(total - warmup)]
+    return steps + [(action("B", k),) for k in range(total - warmup, total)]
 
 
 SCHEDULES: dict[str, Callable[[int, int, int, int], list[Action]]] = {
@@ -70,6 +80,16 @@ def get_schedule(name: str) -> Callable[[int, int, int, int], list[Action]]:
     if name not in SCHEDULES:
         raise ValueError(f"unknown pp_engine {name!r}; expected one of {sorted(SCHEDULES)}")
     return SCHEDULES[name]
+
+
+def schedule_steps(name: str, pp: int, rank: int, m: int, v: int = 1) -> list[tuple[Action, ...]]:
+    """A rank's actions grouped by communication point: the engine exchanges messages only
+    between steps, each time in one batch (see ``engine.py``). afab and 1f1b communicate around
+    every action (Megatron's ``send_forward_recv_backward`` pairing); interleaved 1f1b around
+    each steady-state pair (``interleaved_1f1b_steps``)."""
+    if name == "interleaved_1f1b":
+        return interleaved_1f1b_steps(pp, rank, m, v)
+    return [(a,) for a in get_schedule(name)(pp, rank, m, v)]
 
 
 def theoretical_bubble(name: str, pp: int, m: int, v: int = 1) -> float:
