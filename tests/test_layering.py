@@ -1,7 +1,7 @@
 """The package's layers only point down, and no import closes a circle.
 
 Order (README, Layout; each package imports only those before it): config, parallel, models, data,
-optim, checkpoint, logging, training, launch. Read from the source with ``ast`` — every import
+optim, checkpoint, logging, training, rehearse, launch. Read from the source with ``ast`` — every import
 statement, at module level or inside a function, since a function-local import is still a
 dependency (and one placed to dodge a cycle is exactly what this test is for). Within a package
 the modules may import each other, but never in a circle: a package's ``__init__`` re-exporting
@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "nanotrain"
 TESTS = ROOT / "tests"
-ORDER = ("config", "parallel", "models", "data", "optim", "checkpoint", "logging", "training", "launch")
+ORDER = ("config", "parallel", "models", "data", "optim", "checkpoint", "logging", "training", "rehearse", "launch")
 
 
 def module_name(path: Path) -> str:

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from nanotrain.parallel import accelerator
 from nanotrain.parallel.grid import Coords, RankGrid
 from nanotrain.parallel.progress import PROGRESS
 
@@ -97,7 +98,7 @@ class ParallelContext:
         self._check_world_size(world_size)
         self.world_size = world_size
 
-        self.device = self._select_device()
+        self.device = accelerator.stand_in_device() or self._select_device()  # rehearsal: its stand-in
         self._owns_init = not initialised
         if initialised:
             active = dist.get_backend()

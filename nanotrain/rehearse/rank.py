@@ -27,6 +27,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -134,47 +135,66 @@ def rehearse_rank(config, rank: int, steps: int = 3) -> dict:
             return original_step(*args, **kwargs)
 
         report: dict = {"rank": rank, "world_size": world, "stubs": list(STUBS), "windows": []}
+        loads = functools.partial(trainer_module.load_checkpoint, strict=False)
+        pc = None
         try:
-            loads = functools.partial(trainer_module.load_checkpoint, strict=False)
             with tracker, watch_tensor_factories(tracker), _world_of_copies(), _others_arrive_at_once(), \
                     _patched(trainer_module, {"train_step": train_step, "load_checkpoint": loads}):
                 build_samplers(cfg, builder=True, needs_data=True)  # the token cache rank 0 would make
                 pc = build_parallel_context(cfg)
                 traffic.name_groups(pc)
                 report["coords"] = dict(zip(("ep", "pp", "dp", "cp", "tp"), map(int, pc.coords)))
-                with tracker.phase("other"):
-                    trainer = trainer_module.DistributedTrainer(cfg, work / "run", pc, lambda: 0)
-                _label(tracker, trainer)
-                tracker.label = "activations"  # what the steps allocate, unless a phase says otherwise
-                _watch_optimizer(tracker, trainer)
-                trainer.train()
-                report["peak"] = {"total": tracker.peak_total, **tracker.peak}
-                report["max_by_category"] = dict(tracker.max_by_category)
-                windowed("eval")
-                report["evaluated"] = trainer.val_batches is not None
-                if trainer.val_batches is not None:
-                    trainer.evaluate()
-                trainer.close()
-                del trainer
-                windowed("load")
-                cfg.checkpoints.resume, cfg.training.train_steps = True, steps + 1
-                trainer = trainer_module.DistributedTrainer(cfg, work / "run", pc, lambda: 0)
-                report["resumed_at"] = trainer.step
-                report["optimizer_state_off_device"] = _off_device(trainer.optimizer, device)
-                _watch_optimizer(tracker, trainer)
-                trainer.train()
-                trainer.close()
-                del trainer
-                PROGRESS.disarm()
-                pc.destroy(synchronize=False)
+                _legs(cfg, steps, work, pc, tracker, windowed, report, trainer_module.DistributedTrainer)
+        except Exception as exc:  # a defect that stops the rank on a GPU too: the report says where
+            report["failed"] = {"window": tracker.window, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                                "site": _innermost(exc)}
         finally:
             traffic.uninstall()
+            PROGRESS.disarm()
+            if pc is not None:
+                pc.destroy(synchronize=False)
     report.update(placement=tracker.placement, collective_defects=traffic.defects,
                   syncs={w: [[kind, site, n] for (kind, site), n in c.items()] for w, c in tracker.syncs.items()},
                   bytes={w: [[*key, b, traffic.calls[w][key]] for key, b in c.items()]
                          for w, c in traffic.bytes.items()},
                   silent=[f"step {k}" for k in range(1, steps)], seconds=time.perf_counter() - started)
     return report
+
+
+def _legs(cfg, steps, work, pc, tracker, windowed, report, trainer_class) -> None:
+    """Train ``steps`` steps (the last saves), evaluate, load into a fresh trainer, one more step."""
+    with tracker.phase("other"):
+        trainer = trainer_class(cfg, work / "run", pc, lambda: 0)
+    _label(tracker, trainer)
+    tracker.label = "activations"  # what the steps allocate, unless a phase says otherwise
+    _watch_optimizer(tracker, trainer)
+    trainer.train()
+    report["peak"] = {"total": tracker.peak_total, **tracker.peak}
+    report["max_by_category"] = dict(tracker.max_by_category)
+    windowed("eval")
+    report["evaluated"] = trainer.val_batches is not None
+    if trainer.val_batches is not None:
+        trainer.evaluate()
+    trainer.close()
+    del trainer
+    windowed("load")
+    cfg.checkpoints.resume, cfg.training.train_steps = True, steps + 1
+    trainer = trainer_class(cfg, work / "run", pc, lambda: 0)
+    report["resumed_at"] = trainer.step
+    report["optimizer_state_off_device"] = _off_device(trainer.optimizer, tracker.device)
+    _watch_optimizer(tracker, trainer)
+    trainer.train()
+    trainer.close()
+
+
+def _innermost(exc: BaseException) -> str:
+    """The innermost nanotrain line of ``exc``'s traceback."""
+    site = "?"
+    for frame in traceback.extract_tb(exc.__traceback__):
+        path = frame.filename.replace("\\", "/")
+        if "nanotrain/" in path and "nanotrain/rehearse/" not in path:
+            site = f"{path[path.rindex('nanotrain/'):]}:{frame.lineno} ({frame.name})"
+    return site
 
 
 def _label(tracker: DeviceTracker, trainer) -> None:

@@ -35,6 +35,10 @@ RANK_TIMEOUT_S = 900
 GIB = 2 ** 30
 
 
+def size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 4 else f"{n / 2**20:.2f} MiB"
+
+
 def grid_of(config: Config) -> RankGrid:
     p = config.parallelism
     return RankGrid(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep)
@@ -91,13 +95,16 @@ def defects(report: dict) -> list[str]:
     if "error" in report:
         return [f"the rehearsal failed: {report['error']}"]
     out = [f"placement: {site}: {what}" for site, what in report["placement"].items()]
+    failed = report.get("failed")
+    if failed:
+        out.append(f"the rank stopped in {failed['window']} at {failed['site']}: {failed['error']}")
     out += [f"collective: {site}: {what}" for site, what in report["collective_defects"].items()]
     for window in report["silent"]:
         for kind, site, n in report["syncs"].get(window, []):
             if not _expected(site):
                 out.append(f"host sync on silent {window}: {site}: {kind} (x{n})")
-    out += [f"optimizer state after load: {what}" for what in report["optimizer_state_off_device"]]
-    if report.get("resumed_at") != len(report["silent"]) + 1:
+    out += [f"optimizer state after load: {what}" for what in report.get("optimizer_state_off_device", [])]
+    if not failed and report.get("resumed_at") != len(report["silent"]) + 1:
         out.append(f"resume: the fresh trainer started at step {report.get('resumed_at')}, "
                    f"not at the saved step {len(report['silent']) + 1}")
     return out
@@ -116,20 +123,20 @@ def step_bytes(report: dict, window: str | None = None) -> dict[tuple, tuple[flo
 def render(report: dict) -> list[str]:
     if "error" in report:
         return [f"rank {report['rank']}: FAILED", *("  " + line for line in report["error"].splitlines())]
-    coords = ", ".join(f"{k} {v}" for k, v in report["coords"].items())
-    peak = report["peak"]
-    parts = " + ".join(f"{k} {peak[k] / GIB:.2f}" for k in ("weights", "grads", "optimizer", "activations",
-                                                             "comm", "other") if peak.get(k))
+    coords = ", ".join(f"{k} {v}" for k, v in report.get("coords", {}).items())
+    peak = report.get("peak", {"total": 0})
+    parts = " + ".join(f"{k} {size(peak[k])}" for k in ("weights", "grads", "optimizer", "activations",
+                                                         "comm", "other") if peak.get(k))
     lines = [f"rank {report['rank']} ({coords}): {report['seconds']:.1f} s",
-             f"  peak device memory {peak['total'] / GIB:.2f} GiB = {parts}"]
+             f"  peak device memory {size(peak['total'])} = {parts}"]
     window = report["silent"][-1]
     lines.append(f"  bytes sent per step ({window}, ring algorithms):")
     for (group, coll, dtype), (b, n) in sorted(step_bytes(report).items()):
-        lines.append(f"    {group:<18} {coll:<15} {dtype:<9} {b / 2**20:10.2f} MiB  ({n} calls)")
+        lines.append(f"    {group:<18} {coll:<15} {dtype:<9} {size(b):>12}  ({n} calls)")
     synced = [(kind, site, n) for w in report["silent"] for kind, site, n in report["syncs"].get(w, [])]
     expected = sorted({f"{site}: {_expected(site)}" for _, site, _ in synced if _expected(site)})
     lines += [f"  host syncs on silent steps kept by design: {e}" for e in expected]
-    if not report["evaluated"]:
+    if report.get("evaluated") is False:
         lines.append("  evaluation: none configured (no data.validation): not rehearsed")
     found = defects(report)
     lines += [f"  DEFECT {d}" for d in found] or ["  no defect"]
