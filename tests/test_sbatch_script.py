@@ -45,7 +45,8 @@ def test_dry_run_3d_16gpu(capsys, tmp_path, monkeypatch):
     assert opts["cpus-per-task"] == "8"
     assert opts["mem"] == "256G"
     assert "exclusive" in opts and opts["open-mode"] == "append"
-    assert "export NCCL_IB_DISABLE=0" in script and "export CUDA_DEVICE_MAX_CONNECTIONS=1" in script
+    assert "export NCCL_IB_DISABLE=0" in script and "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in script
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in script  # nothing relies on launch order (p2p.py); it only costs overlap
     assert "--kill-on-bad-exit=1" in script and "submitit.core._submit" in script
     assert not (tmp_path / "logs").exists(), "--dry-run must not create the run directory"
 
