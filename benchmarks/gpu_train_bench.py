@@ -142,6 +142,12 @@ def main() -> int:
     flops_per_token = training_flops_per_token(args, opts.seq)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peak_bf16_tflops(name)
+    memory = {"peak_memory_gib": None, "peak_reserved_gib": None, "device_used_gib": None}
+    if device.type == "cuda":  # reserved and device-wide: the allocator's reserve, the CUDA context,
+        free, total = torch.cuda.mem_get_info(device)  # cuBLAS workspaces, NCCL buffers besides the peak
+        memory = {"peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+                  "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1),
+                  "device_used_gib": round((total - free) / 2**30, 1)}
     result = {
         "device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
@@ -151,7 +157,7 @@ def main() -> int:
         "tokens_per_s": round(tps), "model_tflops_per_s": round(tps * flops_per_token / 1e12, 1),
         "peak_bf16_tflops": peak, "mfu": round(tps * flops_per_token / (peak * 1e12), 4) if peak else None,
         "flops_per_token": flops_per_token,
-        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if device.type == "cuda" else None,
+        **memory,
         "loss_first_last": [losses[0], losses[-1]], "init_s": round(init_s, 1), "oom_tried": errors,
     }
     text = json.dumps(result)

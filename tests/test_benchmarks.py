@@ -4,6 +4,7 @@ the same weights, results JSON + Markdown), not the speed."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,26 +35,45 @@ def test_vs_native_quick_rows(tmp_path):
 
 
 def test_gpu_scripts_run_on_cpu(tmp_path):
-    """benchmarks/gpu_check.sh, gpu_train_bench.py and gpu_trainer_check.py only run for real where
-    a GPU is lent: CI keeps them from rotting (shell syntax; each script's whole path on a tiny
-    CPU model — for the trainer check, the real task entry point in bf16)."""
-    syntax = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True)
-    assert syntax.returncode == 0, syntax.stderr
-    out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_train_bench.py"), "--cpu-smoke",
-                           "--seq", "128", "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    result = json.loads(out.read_text())
-    assert result["device"] == "cpu" and result["tokens_per_step"] == 2 * 128 and result["tokens_per_s"] > 0
-    assert len(result["step_ms"]) == 2 and all(x == x for x in result["loss_first_last"])  # not NaN
-    trainer = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_trainer_check.py"), "--cpu-smoke",
-                              "--steps", "3", "--out", str(tmp_path / "trainer")],
-                             capture_output=True, text=True, timeout=180)
-    assert trainer.returncode == 0, trainer.stdout[-2000:] + trainer.stderr[-2000:]
-    runs = json.loads((tmp_path / "trainer" / "gpu_trainer.json").read_text())["runs"]
-    assert [r["name"] for r in runs] == ["task-world1"] and runs[0]["step"] == 3 and runs[0]["tokens_per_sec"] > 0
-    assert not (tmp_path / "trainer" / "task-world1").exists()  # run directories stay out of --out
+    """benchmarks/gpu_check.sh and its stages (gpu_trainer_check.py, gpu_train_bench.py) only run
+    for real where a GPU is lent: CI keeps them from rotting. ``--cpu-smoke`` runs every stage's
+    path on a tiny CPU model: the real task entry in bf16 with `datasets` unimportable (as on the
+    GPU machine: the check writes the token cache, byte for byte nanotrain's), a sync save and a
+    resume, async saves and a resume from one, each resumed loss equal to the uninterrupted run's
+    (gloo on CPU is deterministic: exactly), the rehearsal, the benchmark; the summary is on disk
+    and no run directory reaches OUT."""
+    for script in ("gpu_check.sh", "gpu_wheels.sh"):
+        syntax = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / script)], capture_output=True, text=True)
+        assert syntax.returncode == 0, (script, syntax.stderr)
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--cpu-smoke"], env=env,
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    summary = json.loads((out / "gpu_check.json").read_text())
+    stages = {s["name"]: s for s in summary["stages"]}
+    assert list(stages) == ["versions", "gpu-tests", "trainer", "multi-gpu", "rehearsal", "bench"] and summary["ok"]
+    assert stages["versions"]["status"] == "passed" and stages["versions"]["torch"]
+    assert stages["gpu-tests"]["status"] == "skipped" and stages["multi-gpu"]["status"] == "skipped"
+    trainer = stages["trainer"]
+    assert trainer["status"] == "passed", trainer["note"]
+    assert trainer["token_cache"]["written"] and trainer["token_cache"]["same_as_nanotrain"]
+    runs = {r["name"]: r for r in trainer["runs"]}
+    assert list(runs) == ["uninterrupted", "first", "resumed", "resumed-async"]
+    assert [s for s, _ in runs["uninterrupted"]["losses"]] == [1, 2, 3, 4, 5, 6]
+    assert runs["resumed"]["resumed_from_step"] == 2 and runs["resumed-async"]["resumed_from_step"] == 4
+    for key, steps in (("fresh_runs", [1, 2]), ("resume_sync", [3, 4]), ("resume_async", [5, 6])):
+        assert trainer[key]["steps"] == steps and trainer[key]["identical"], (key, trainer[key])
+        assert trainer[key]["max_abs_diff"] == 0.0
+    assert trainer["compile"]["status"] == "skipped"
+    assert all(r["tokens_per_sec"] > 0 and r["memory"]["peak_rss_bytes"] > 0 for r in runs.values())
+    assert stages["rehearsal"]["status"] in ("passed", "unavailable"), stages["rehearsal"]
+    bench = stages["bench"]["gpu_bench"]["result"]
+    assert bench["device"] == "cpu" and bench["tokens_per_step"] == 2 * 128 and bench["tokens_per_s"] > 0
+    assert len(bench["step_ms"]) == 2 and all(x == x for x in bench["loss_first_last"])  # not NaN
+    assert "every stage that ran passed" in proc.stdout  # the table
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check", "gpu_check.json"]
+    assert not any(p.is_dir() for p in (out / "gpu_check").iterdir())  # logs only: no run directory
 
 
 def test_context_parallel_benchmark_runs_and_agrees(tmp_path):

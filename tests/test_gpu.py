@@ -8,7 +8,9 @@
 * bf16 autocast forward/backward: bf16 matmuls, fp32 loss, fp32 weights and gradients;
 * a tiny (1,1,1) training step on the GPU gives the CPU's losses (fp32: tight; bf16: loose).
 * the trainer's batch prefetcher copies batches to the GPU unchanged;
-* an async save's pinned, side-stream host copies hold the step boundary's values.
+* an async save's pinned, side-stream host copies hold the step boundary's values;
+* a checkpoint's fused AdamW state, loaded through nanotrain's loader, sits on the device and
+  takes the uninterrupted optimizer's next step exactly.
 """
 from __future__ import annotations
 
@@ -176,3 +178,47 @@ def test_background_save_of_cuda_state_holds_the_step_boundary(tmp_path):
         load_checkpoint(tmp_path / "ck", fresh, path=tmp_path / "ck" / f"step_{save_step:06d}")
         for n, p in fresh.named_parameters():
             assert torch.equal(p.detach().cpu(), want[n]), (save_step, n)
+
+
+def test_resumed_fused_adamw_state_is_on_the_device_and_steps_as_uninterrupted(tmp_path):
+    """On CUDA the AdamW is fused, and the fused kernel reads every state tensor, ``step``
+    included, through a device pointer that nothing checks (gpu-review.md section 1): after a
+    resume each must sit where torch's own load_state_dict puts it (the parameter's device), and
+    the next update must equal the uninterrupted optimizer's bit for bit. The placement is
+    asserted before any step, so a host tensor fails here instead of as an illegal memory access
+    that would take the CUDA context of every later test with it."""
+    from nanotrain.checkpoint import load_checkpoint, save_checkpoint
+    from nanotrain.config import OptimizerArgs
+    from nanotrain.optim import build_lr_scheduler, build_optimizer
+
+    args = OptimizerArgs(lr=1e-2, warmup_steps=0, lr_decay_style="constant")
+
+    def build(seed):
+        model = _model("cuda", seed=seed)
+        opt = build_optimizer(model.named_parameters(), args, zero_stage=0)
+        return model, opt, build_lr_scheduler(opt, args, 100)
+
+    model, opt, sched = build(0)
+    assert all(g.get("fused") for g in opt.param_groups), "nanotrain's AdamW on CUDA is fused"
+    ids, targets = (t.cuda() for t in _batch())
+    for _ in range(2):
+        model(ids, targets).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    save_checkpoint(tmp_path / "ck", 2, model, opt, sched)
+    fresh, fresh_opt, fresh_sched = build(3)
+    load_checkpoint(tmp_path / "ck", fresh, fresh_opt, fresh_sched)
+    for name, p in fresh.named_parameters():
+        for key, value in fresh_opt.state[p].items():
+            assert value.device == p.device, f"{name} {key} on {value.device}, the fused kernel reads it on {p.device}"
+    model(ids, targets).backward()
+    for p, q in zip(model.parameters(), fresh.parameters()):  # the same gradients: only the optimizer differs
+        q.grad = p.grad.clone()
+    opt.step()
+    fresh_opt.step()
+    torch.cuda.synchronize()
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p, q), name
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key], fresh_opt.state[q][key]), (name, key)
