@@ -176,12 +176,13 @@ def test_dry_run_of_the_16gpu_moe_config_counts_total_and_active_parameters(caps
     count = llama_arch.parameter_count(config.model)
     assert f"total {count.total:,}, active per token {count.active:,}" in out
     assert "each ep rank holds 2 experts per MoE layer" in out and "dp2 x tp1 x pp2 x cp1 x ep4" in out
-    # the busiest rank holds 1/ep of its layers' experts
-    held, layers = stage_parameters(config)
+    # the last stage's rank holds 1/ep of its layers' experts
+    held, layers = stage_parameters(config, pp_rank=1)
     m = config.model
     experts = m.moe.num_experts * 3 * m.hidden_size * m.moe.expert_intermediate_size
-    last_stage = [f"layers.{i}" for i in range(8, 16)] + ["final_norm", "lm_head"]
-    assert layers == 8 and held == sum(llama_arch.block_parameters(m, n, 1, 4) for n in last_stage)
+    last_stage = llama_arch.rank_blocks(m, 2, 1)  # the model's own split: the head costs layers
+    assert last_stage[-2:] == ["final_norm", "lm_head"] and layers == len(last_stage) - 2
+    assert held == sum(llama_arch.block_parameters(m, n, 1, 4) for n in last_stage)
     assert llama_arch.layer_parameters(m, 1, 0, ep=1) - llama_arch.layer_parameters(m, 1, 0, ep=4) == experts * 3 // 4
 
 

@@ -1,8 +1,8 @@
 """Per-GPU memory estimate for `--dry-run`: will this layout fit before we wait in the queue?
 
 Pure arithmetic on the config (a 512-node plan takes microseconds). The estimate is for the
-busiest rank: the pipeline stage with the most layers plus the embedding (first stage) or the
-LM head and its logits (last stage).
+busiest rank: each pipeline rank's blocks are those ``place_blocks`` builds there (the model's
+own cost-balanced split, ``llama_arch.rank_blocks``), and the largest total is reported.
 - weights: fp32 master copy (the bf16 copies autocast makes are saved for backward: they are
   counted in the activations, per micro-batch in flight);
 - gradients: fp32 (accumulated in fp32 across micro-batches);
@@ -10,11 +10,10 @@ LM head and its logits (last stage).
 - activations: what autograd keeps per layer in this implementation, for ``training.recompute``
   (``llama_activations.activation_bytes_per_layer``, measured by ``benchmarks/memory.py``), times the
   micro-batches a stage holds at once (``micro_batches_in_flight``: all m for afab, pp - rank for
-  1f1b, ((v+1)pp - 2 rank - 1)/v interleaved), on the first stage or the last, whichever holds
-  more; the last adds the head's saved tensors (final norm, fp32 logits): once (its virtual
-  stage runs each backward right after the forward) or m times (afab); plus the logits'
-  gradient; plus, under recompute, the one layer (one micro-batch) whose dropped tensors
-  backward recomputes at a time.
+  1f1b, ((v+1)pp - 2 rank - 1)/v interleaved); the last stage adds the head's saved tensors
+  (final norm, fp32 logits): once (its virtual stage runs each backward right after the
+  forward) or m times (afab), and the logits' gradient; plus, under recompute, the one layer
+  (one micro-batch) whose dropped tensors backward recomputes at a time.
 - MoE (``model.moe``): a rank holds num_experts/ep experts of each MoE layer; its extra activations
   (k routed copies of each token, the experts' intermediates) are ``llama_activations.moe_extra_activation_bytes``.
 It ignores allocator fragmentation, communication buffers and the CUDA context (~1-3 GB).
@@ -51,18 +50,25 @@ class MemoryEstimate:
         return self.weights + self.grads + self.optimizer + self.activations
 
 
-def stage_parameters(config: Config) -> tuple[int, int]:
-    """Parameters held by one tp rank of the busiest stage, and that stage's layer count.
+def stage_parameters(config: Config, pp_rank: int | None = None) -> tuple[int, int]:
+    """Parameters held by one tp (and ep) rank of pipeline rank ``pp_rank`` (default: the
+    busiest, ``busiest_stage``), and that rank's decoder-layer count: the blocks
+    ``place_blocks`` builds there (``llama_arch.rank_blocks``, the model's own split)."""
+    p = config.parallelism
+    r = busiest_stage(config) if pp_rank is None else pp_rank
+    rank = llama_arch.rank_summaries(config.model, p.pp, p.pp_virtual_stages)[r]
+    est = _stage_estimate(config, r, rank, _per_layer_bytes(config))
+    return round(est.weights * GB / 4), len(rank.layers)
 
-    The stage assumed busiest is the last one given the most layers any stage could hold
-    (ceil(L/pp)), plus its final norm and LM head — its own matrix, or (pp > 1, tied) the
-    embedding's replica — and the embedding itself when pp = 1. Counts per block: llama_arch."""
-    m, p = config.model, config.parallelism
-    layers = -(-m.num_layers // p.pp)
-    names = [f"layers.{i}" for i in range(m.num_layers - layers, m.num_layers)] + ["final_norm"]
-    names += ["embed"] if (m.tie_word_embeddings or p.pp == 1) else []
-    names += [] if m.tie_word_embeddings else ["lm_head"]
-    return sum(llama_arch.block_parameters(m, name, p.tp, p.ep) for name in names), layers
+
+def busiest_stage(config: Config) -> int:
+    """The pipeline rank whose estimate is the largest (ties: the first)."""
+    p = config.parallelism
+    ranks = llama_arch.rank_summaries(config.model, p.pp, p.pp_virtual_stages)
+    bytes_of = _per_layer_bytes(config)
+    totals = {r: _stage_estimate(config, r, ranks[r], bytes_of).total
+              for r in llama_arch.distinct_ranks(config.model, p.pp, p.pp_virtual_stages)}
+    return max(totals, key=lambda r: (totals[r], -r))
 
 
 def micro_batches_in_flight(config: Config, pp_rank: int = 0) -> float:
@@ -82,11 +88,44 @@ def micro_batches_in_flight(config: Config, pp_rank: int = 0) -> float:
 
 
 def estimate_memory(config: Config) -> MemoryEstimate:
+    """The estimate of the busiest pipeline rank (the largest total of any stage)."""
+    p = config.parallelism
+    ranks = llama_arch.rank_summaries(config.model, p.pp, p.pp_virtual_stages)
+    bytes_of = _per_layer_bytes(config)
+    return max((_stage_estimate(config, r, ranks[r], bytes_of)
+                for r in llama_arch.distinct_ranks(config.model, p.pp, p.pp_virtual_stages)), key=lambda e: e.total)
+
+
+def _per_layer_bytes(config: Config) -> dict[str, float]:
+    """What every stage's estimate shares: one layer's saved activations under the config's
+    recompute and without, an MoE layer's extra, the head's."""
     p, t, mdl = config.parallelism, config.training, config.model
-    params, layers = stage_parameters(config)
-    weights = grads = 4 * params
+    common = dict(tp=p.tp, tp_mode=p.tp_mode, cp=p.cp)
+    local = t.sequence_length // p.cp
+    out = {f"layer/{mode}": llama_activations.activation_bytes_per_layer(
+        mdl, t.sequence_length, t.micro_batch_size, recompute=mode, cpu=config.slurm.gpus_per_node == 0, **common)
+        for mode in {"none", t.recompute}}
+    if mdl.moe:
+        out.update({f"moe/{mode}": llama_activations.moe_extra_activation_bytes(
+            mdl, t.sequence_length, t.micro_batch_size, recompute=mode, **common) for mode in {"none", t.recompute}})
+    out["head"] = llama_activations.head_saved_bytes(mdl, local, t.micro_batch_size, p.tp, p.tp_mode)
+    moe_layer = next((i for i in range(mdl.num_layers) if llama_arch.is_moe_layer(mdl, i)), None)
+    dense_layer = next((i for i in range(mdl.num_layers) if not llama_arch.is_moe_layer(mdl, i)), None)
+    out.update({f"params/{kind}": llama_arch.layer_parameters(mdl, p.tp, i, p.ep)
+                for kind, i in (("moe", moe_layer), ("dense", dense_layer)) if i is not None})
+    out["logits_grad"] = llama_activations.logits_bytes(mdl, local, t.micro_batch_size, p.tp) / 2
+    return out
+
+
+def _stage_estimate(config: Config, pp_rank: int, rank, bytes_of: dict[str, float]) -> MemoryEstimate:
+    """The estimate of pipeline rank ``pp_rank``, whose blocks ``rank`` (a RankSummary) says."""
+    p, t, mdl = config.parallelism, config.training, config.model
+    layers, names = len(rank.layers), rank.others
     # MoE layers (model.moe) add the routed token copies and the experts' intermediates.
-    moe_layers = sum(llama_arch.is_moe_layer(mdl, i) for i in range(mdl.num_layers - layers, mdl.num_layers))
+    moe_layers = rank.moe_layers
+    params = (sum(llama_arch.block_parameters(mdl, name, p.tp, p.ep) for name in names)
+              + moe_layers * bytes_of.get("params/moe", 0) + (layers - moe_layers) * bytes_of.get("params/dense", 0))
+    weights = grads = 4 * params
     # ZeRO-1 shards the dense states over dp x cp x ep (their replicas) and the routed experts'
     # over dp x cp (each expert shard's replicas).
     experts = moe_layers * llama_arch.routed_expert_parameters(mdl, p.ep) if mdl.moe else 0
@@ -94,34 +133,21 @@ def estimate_memory(config: Config) -> MemoryEstimate:
         optimizer = 8 * ((params - experts) / (p.dp * p.cp * p.ep) + experts / (p.dp * p.cp))
     else:
         optimizer = 8 * params
-
-    def per_layer(recompute: str) -> float:
-        return llama_activations.activation_bytes_per_layer(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
-                                                     tp_mode=p.tp_mode, cp=p.cp, recompute=recompute,
-                                                     cpu=config.slurm.gpus_per_node == 0)
-
-    def moe_extra(recompute: str) -> float:
-        return llama_activations.moe_extra_activation_bytes(mdl, t.sequence_length, t.micro_batch_size, tp=p.tp,
-                                                     tp_mode=p.tp_mode, cp=p.cp, recompute=recompute)
-
-    per_layer_moe = moe_extra(t.recompute)
-    stack = layers * per_layer(t.recompute) + moe_layers * per_layer_moe
-    local = t.sequence_length // p.cp
-    head = llama_activations.head_saved_bytes(mdl, local, t.micro_batch_size, p.tp, p.tp_mode)
-    # The busiest of the first stage (most micro-batches in flight) and the last (plus the head),
-    # each given the most layers a stage holds.
-    first, last = micro_batches_in_flight(config, 0), micro_batches_in_flight(config, p.pp - 1)
-    # The head sits in the last virtual stage, which runs each micro-batch's backward right after
-    # its forward (1f1b, interleaved): one in flight; afab holds all m.
-    heads = float(config.training.batch_accumulation_per_replica) if p.pp > 1 and p.pp_engine == "afab" else 1.0
-    candidates = [(first * stack + (head if p.pp == 1 else 0), first),
-                  (last * stack + heads * head, last)]
-    saved, in_flight = max(candidates)
-    logits_grad = llama_activations.logits_bytes(mdl, local, t.micro_batch_size, p.tp) / 2
+    mode = t.recompute
+    stack = layers * bytes_of[f"layer/{mode}"] + (moe_layers * bytes_of[f"moe/{mode}"] if moe_layers else 0.0)
+    in_flight = micro_batches_in_flight(config, pp_rank)
+    saved = in_flight * stack
+    logits_grad = 0.0
+    if "final_norm" in names:  # the head: final norm, fp32 logits, and the logits' gradient
+        # The head sits in the last virtual stage, which runs each micro-batch's backward right
+        # after its forward (1f1b, interleaved): one in flight; afab holds all m.
+        heads = float(t.batch_accumulation_per_replica) if p.pp > 1 and p.pp_engine == "afab" else 1.0
+        saved += heads * bytes_of["head"]
+        logits_grad = bytes_of["logits_grad"]
     # One layer's dropped tensors, rebuilt in backward (an MoE layer's when the stage has one).
-    recomputing = per_layer("none") - per_layer(t.recompute)
+    recomputing = bytes_of["layer/none"] - bytes_of[f"layer/{mode}"]
     if moe_layers:
-        recomputing += moe_extra("none") - per_layer_moe
+        recomputing += bytes_of["moe/none"] - bytes_of[f"moe/{mode}"]
     return MemoryEstimate(weights / GB, grads / GB, optimizer / GB, (saved + logits_grad + recomputing) / GB,
                           in_flight, layers, saved / GB)
 

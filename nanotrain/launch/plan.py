@@ -24,7 +24,8 @@ Cost model (per optimizer step, nothing overlapped: an upper bound that ranks la
 - cp (keys and values all-gathered, ``context_parallel.py``): per layer and micro-batch, the
   all-gather of this rank's K and V in forward (again under full recompute) and the
   reduce-scatter of their gradients in backward, (cp - 1) chunks each;
-- pp: each micro-batch's activation and its gradient crossing each stage boundary;
+- pp: each micro-batch's activation and its gradient crossing each stage boundary (a rank of
+  an end stage sends one of the two for one of its chunks);
 - dp: the fp32 gradient all-reduce over dp x cp (ZeRO-1: reduce-scatter plus all-gather, the
   same volume) of this rank's parameters, 2 (d - 1)/d of them;
 - every ring step and message also costs ``latency_us``; a group uses the intra-node bandwidth
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 
 from nanotrain.config import Config, ConfigError, validate
 from nanotrain.config.schema import MAX_WORLD
-from nanotrain.launch.memory_estimate import GB, estimate_memory
+from nanotrain.launch.memory_estimate import estimate_memory
 from nanotrain.models import llama_arch
 
 MARGIN = 0.10  # of the GPU's memory, kept free
@@ -110,14 +111,65 @@ def _divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def _ring(bytes_: float, group: int, gbs: float, hw: Hardware) -> float:
-    """Seconds of one ring all-reduce (or reduce-scatter + all-gather) of ``bytes_`` over
-    ``group`` ranks: 2 (g - 1) steps of latency, 2 (g - 1)/g of the bytes through each link."""
-    return 0.0 if group == 1 else 2 * (group - 1) * (hw.latency_us * 1e-6 + bytes_ / group / (gbs * 1e9))
-
-
 def _bandwidth(span: int, hw: Hardware) -> float:
     return hw.intra_node_gbs if span <= hw.gpus_per_node else hw.inter_node_gbs
+
+
+def traffic_bytes(config: Config, pp_rank: int | None = None) -> dict[str, float]:
+    """Bytes one rank of pipeline rank ``pp_rank`` sends per optimizer step on each axis, under
+    ring algorithms (default: the most of any pp rank, axis by axis): what the cost model below
+    moves, and what ``--rehearse`` measures on a rank (``tests/test_estimate_rehearsed.py``).
+
+    tp: per layer and micro-batch 4 collectives of the b x s/cp x h activation in bf16 (an
+    all-reduce, or an all-gather and a reduce-scatter pair: the same bytes), 6 under full
+    recompute (the row-parallel forward runs again), plus the embedding's (first stage) and the
+    LM head's (last stage); cp: the k/v all-gathers and their gradients' reduce-scatter;
+    pp: each micro-batch's activation forward and its gradient backward (the whole activation:
+    tp ranks hold it replicated, a 1/tp shard with sequence parallelism); dp: the fp32 gradients
+    of this rank's parameters over their replicas (dp x cp; experts over dp x cp, the dense
+    rest over dp x cp x ep), 2 (d - 1)/d of them (ZeRO-1's reduce-scatter + all-gather too)."""
+    p = config.parallelism
+    ranks = llama_arch.rank_summaries(config.model, p.pp, p.pp_virtual_stages)
+    if pp_rank is not None:
+        return _rank_traffic(config, pp_rank, ranks[pp_rank])
+    every = [_rank_traffic(config, r, ranks[r])
+             for r in llama_arch.distinct_ranks(config.model, p.pp, p.pp_virtual_stages)]
+    return {axis: max(e[axis] for e in every) for axis in every[0]}
+
+
+def _rank_traffic(config: Config, pp_rank: int, rank) -> dict[str, float]:
+    m, p, t = config.model, config.parallelism, config.training
+    names = rank.others
+    acc = t.batch_accumulation_per_replica
+    local = t.micro_batch_size * (t.sequence_length // p.cp)  # tokens of one micro-batch on one rank
+    layer_ids = rank.layers
+    activation = local * m.hidden_size * 2  # bf16, one micro-batch on one rank
+    ring = lambda group: 2 * (group - 1) / group  # noqa: E731 - of the bytes, per rank
+    tp_ops = (6 if t.recompute == "full" else 4) * len(layer_ids)
+    tp_ops += ("embed" in names and pp_rank == 0) + ("final_norm" in names)  # embedding fwd, head's input grad
+    kv = 2 * local * llama_arch.kv_heads(m) * llama_arch.head_dim(m) * 2 / p.tp
+    gathers = 3 if t.recompute == "full" else 2  # k/v all-gather (forward, again), grads' reduce-scatter
+    v = p.pp_virtual_stages
+    chunks = [s for s in range(pp_rank, p.pp * v, p.pp)]  # this rank's virtual stages
+    sends = sum((s < p.pp * v - 1) + (s > 0) for s in chunks) * acc if p.pp > 1 else 0
+    message = activation / (p.tp if p.tp_mode == "REDUCE_SCATTER" else 1)
+    dense, experts = _replicated_parameters(config, rank)
+    return {"tp": tp_ops * acc * ring(p.tp) * activation,
+            "cp": gathers * (p.cp - 1) * kv * len(layer_ids) * acc,
+            "pp": sends * message,
+            "dp": 4 * (ring(p.dp * p.cp * p.ep) * dense + ring(p.dp * p.cp) * experts)}
+
+
+def _replicated_parameters(config: Config, rank) -> tuple[int, int]:
+    """(dense, routed-expert) parameters of one rank holding ``rank`` (a RankSummary)."""
+    m, p = config.model, config.parallelism
+    total = sum(llama_arch.block_parameters(m, n, p.tp, p.ep) for n in rank.others)
+    if rank.first_dense is not None:
+        total += (len(rank.layers) - rank.moe_layers) * llama_arch.layer_parameters(m, p.tp, rank.first_dense, p.ep)
+    if rank.first_moe is not None:
+        total += rank.moe_layers * llama_arch.layer_parameters(m, p.tp, rank.first_moe, p.ep)
+    experts = rank.moe_layers * llama_arch.routed_expert_parameters(m, p.ep) if m.moe else 0
+    return total - experts, experts
 
 
 def step_time(config: Config, memory, hw: Hardware) -> tuple[float, float, dict]:
@@ -132,18 +184,18 @@ def step_time(config: Config, memory, hw: Hardware) -> tuple[float, float, dict]
     efficiency = hw.efficiency * local / (local + SMALL_MATMUL_TOKENS)
     compute = hardware_flops / (n * hw.peak_tflops * 1e12 * efficiency)
     parts = {"compute": compute, "bubble": compute * (p.pp - 1) / (p.pp_virtual_stages * acc)}
+    sent = traffic_bytes(config)
     layers = -(-m.num_layers // p.pp)
-    activation = local * m.hidden_size * 2  # bf16, one micro-batch on one rank
+    latency = hw.latency_us * 1e-6
     collectives = 6 if t.recompute == "full" else 4
-    parts["tp"] = collectives * layers * acc * _ring(activation, p.tp, _bandwidth(p.tp, hw), hw)
-    kv = 2 * local * llama_arch.kv_heads(m) * llama_arch.head_dim(m) * 2 / p.tp
-    cp_gbs = _bandwidth(p.tp * p.cp, hw) * 1e9
-    gathers = 3 if t.recompute == "full" else 2  # k/v all-gather (forward, again), grads' reduce-scatter
-    parts["cp"] = gathers * (p.cp - 1) * (hw.latency_us * 1e-6 + kv / cp_gbs) * layers * acc
-    boundaries = 0 if p.pp == 1 else 2 * acc * p.pp_virtual_stages
-    parts["pp"] = boundaries * (hw.latency_us * 1e-6 + activation / p.tp / (_bandwidth(n, hw) * 1e9))
-    grads = memory.weights * GB  # fp32 parameters of this rank = the bytes of its fp32 gradients
-    parts["dp"] = _ring(grads, p.dp * p.cp, _bandwidth(p.tp * p.cp * p.dp, hw), hw)
+    ring_steps = lambda group: 2 * (group - 1)  # noqa: E731 - latency-bound steps of one ring
+    parts["tp"] = (collectives * layers * acc * ring_steps(p.tp) * latency
+                   + sent["tp"] / (_bandwidth(p.tp, hw) * 1e9))
+    gathers = 3 if t.recompute == "full" else 2
+    parts["cp"] = gathers * (p.cp - 1) * layers * acc * latency + sent["cp"] / (_bandwidth(p.tp * p.cp, hw) * 1e9)
+    messages = 0 if p.pp == 1 else 2 * p.pp_virtual_stages * acc
+    parts["pp"] = messages * latency + sent["pp"] / (_bandwidth(n, hw) * 1e9)
+    parts["dp"] = ring_steps(p.dp * p.cp) * latency + sent["dp"] / (_bandwidth(p.tp * p.cp * p.dp, hw) * 1e9)
     return sum(parts.values()), model_flops, parts
 
 

@@ -140,11 +140,89 @@ def stage_blocks(args: ModelArgs, pp: int = 1, virtual_stages: int = 1) -> list[
 def rank_blocks(args: ModelArgs, pp: int = 1, pp_rank: int = 0, virtual_stages: int = 1) -> list[str]:
     """Blocks built on one pp rank: those of its chunks, plus — tied and pp > 1 — the embedding's
     replica that the last stage builds to serve as its LM head (``pipeline_parallel/tied.py``)."""
+    return list(every_rank_blocks(args, pp, virtual_stages)[pp_rank])
+
+
+_EVERY_RANK: dict[tuple, list[list[str]]] = {}  # _split_key -> every_rank_blocks
+_DISTINCT: dict[tuple, list[int]] = {}  # _split_key -> distinct_ranks
+_SUMMARY: dict[tuple, list] = {}  # _split_key -> rank_summaries
+
+
+def _split_key(args: ModelArgs, pp: int, virtual_stages: int) -> tuple:
+    """What the stage split of ``args`` depends on (``pipeline_blocks``: the blocks' kinds and
+    costs), cheaper to build than ``repr(args)`` when ``--plan`` asks thousands of times."""
+    return (args.num_layers, args.hidden_size, args.intermediate_size, args.num_attention_heads,
+            args.num_key_value_heads, args.vocab_size, args.max_position_embeddings, args.tie_word_embeddings,
+            repr(args.moe) if args.moe else None, pp, virtual_stages)
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """What one pp rank holds, as planning counts it: its decoder layers (their indices), how
+    many of them are MoE, and its other blocks (embed, final_norm, lm_head)."""
+
+    layers: tuple[int, ...]
+    moe_layers: int
+    others: tuple[str, ...]
+    first_dense: Optional[int] = None  # a dense and an MoE layer of this rank (their sizes)
+    first_moe: Optional[int] = None
+
+
+def rank_summaries(args: ModelArgs, pp: int = 1, virtual_stages: int = 1) -> list[RankSummary]:
+    """``RankSummary`` of every pp rank (memoised, like ``every_rank_blocks``)."""
+    key = _split_key(args, pp, virtual_stages)
+    if key not in _SUMMARY:
+        if len(_SUMMARY) > 1024:
+            _SUMMARY.clear()
+        out = []
+        for names in every_rank_blocks(args, pp, virtual_stages):
+            layers = tuple(int(n.split(".")[1]) for n in names if n.startswith("layers."))
+            kinds = [bool(args.moe) and is_moe_layer(args, i) for i in layers]
+            out.append(RankSummary(layers, sum(kinds), tuple(n for n in names if not n.startswith("layers.")),
+                                   next((i for i, k in zip(layers, kinds) if not k), None),
+                                   next((i for i, k in zip(layers, kinds) if k), None)))
+        _SUMMARY[key] = out
+    return _SUMMARY[key]
+
+
+def every_rank_blocks(args: ModelArgs, pp: int = 1, virtual_stages: int = 1) -> list[list[str]]:
+    """``rank_blocks`` of every pp rank, from one stage split; memoised (``--plan`` asks for the
+    same model at every candidate layout). Callers must not modify the lists."""
+    key = _split_key(args, pp, virtual_stages)
+    if key not in _EVERY_RANK:
+        if len(_EVERY_RANK) > 1024:
+            _EVERY_RANK.clear()
+        _EVERY_RANK[key] = _every_rank_blocks(args, pp, virtual_stages)
+    return _EVERY_RANK[key]
+
+
+def distinct_ranks(args: ModelArgs, pp: int = 1, virtual_stages: int = 1) -> list[int]:
+    """The pp ranks whose blocks can differ in what planning asks of them: the first of each run
+    of ranks holding the same count of (dense, MoE) layers and the same other blocks (a later
+    one holds no more micro-batches in flight and sends no more), and the last. Memoised."""
+    key = _split_key(args, pp, virtual_stages)
+    if key not in _DISTINCT:
+        if len(_DISTINCT) > 1024:
+            _DISTINCT.clear()
+        out, seen = [], set()
+        for r, rank in enumerate(rank_summaries(args, pp, virtual_stages)):
+            shape = (len(rank.layers), rank.moe_layers, rank.others)
+            if shape not in seen or r == pp - 1:
+                seen.add(shape)
+                out.append(r)
+        _DISTINCT[key] = out
+    return _DISTINCT[key]
+
+
+def _every_rank_blocks(args: ModelArgs, pp: int, virtual_stages: int) -> list[list[str]]:
     stages = stage_blocks(args, pp, virtual_stages)
-    names = [name for s in range(pp_rank, len(stages), pp) for name in stages[s]]
-    if args.tie_word_embeddings and pp > 1 and "final_norm" in names and "embed" not in names:
-        names.append("embed")
-    return names
+    out = []
+    for pp_rank in range(pp):
+        names = [name for s in range(pp_rank, len(stages), pp) for name in stages[s]]
+        if args.tie_word_embeddings and pp > 1 and "final_norm" in names and "embed" not in names:
+            names.append("embed")
+        out.append(names)
+    return out
 
 
 # ----------------------------------------------------------------------------- parameters

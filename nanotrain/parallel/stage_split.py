@@ -7,6 +7,7 @@ that package imports torch (its ``__init__`` exports the engine and P2P).
 """
 from __future__ import annotations
 
+import functools
 from typing import Literal, Optional, Sequence
 
 Attach = Optional[Literal["next", "prev"]]
@@ -69,7 +70,13 @@ def split_stages(costs: Sequence[int], attach: Sequence[Attach], pp_size: int,
                  virtual_stages: int = 1) -> list[list[int]]:
     """The block indices of each of the ``pp_size * virtual_stages`` contiguous virtual stages of
     balanced cost; a block with ``attach`` ``"next"`` / ``"prev"`` always shares its neighbour's
-    stage. Virtual stage ``s`` is pp rank ``s % pp_size``'s chunk ``s // pp_size``."""
+    stage. Virtual stage ``s`` is pp rank ``s % pp_size``'s chunk ``s // pp_size``. Memoised:
+    ``--plan`` asks for the same split of one model for every candidate layout."""
+    return [list(stage) for stage in _split(tuple(int(c) for c in costs), tuple(attach), pp_size, virtual_stages)]
+
+
+@functools.lru_cache(maxsize=256)
+def _split(costs: tuple, attach: tuple, pp_size: int, virtual_stages: int) -> tuple:
     num_stages = pp_size * virtual_stages
     units = _units(attach)
     if len(units) < num_stages:
@@ -78,6 +85,6 @@ def split_stages(costs: Sequence[int], attach: Sequence[Attach], pp_size: int,
     sizes = balanced_split([sum(costs[i] for i in unit) for unit in units], num_stages)
     stages, start = [], 0
     for size in sizes:
-        stages.append([i for unit in units[start:start + size] for i in unit])
+        stages.append(tuple(i for unit in units[start:start + size] for i in unit))
         start += size
-    return stages
+    return tuple(stages)

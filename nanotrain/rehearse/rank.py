@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import json
 import sys
@@ -31,6 +32,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from nanotrain.rehearse.stand_in import STUBS, fake_world
 from nanotrain.rehearse.tracker import DeviceTracker, watch_tensor_factories
@@ -76,6 +78,34 @@ def _world_of_copies():
     return _patched(comm.World, patches)
 
 
+@contextlib.contextmanager
+def _balanced_routing():
+    """MoE on the meta device: the real routing runs (its syncs and placements are recorded), then
+    its counts, read back as zeros, become an equal share per expert; the count exchange's
+    answer is every ep rank sending this rank's experts the same."""
+    from nanotrain.models import moe
+    from nanotrain.parallel import expert_parallel
+
+    route, exchange = moe.route, expert_parallel.exchange_counts
+
+    def balanced_route(logits, top_k, capacity_factor):
+        r = route(logits, top_k, capacity_factor)
+        tokens, experts = logits.shape
+        share = [tokens * top_k // experts + (e < tokens * top_k % experts) for e in range(experts)]
+        order = torch.empty(sum(share), dtype=r.order.dtype, device=r.order.device)
+        weights = torch.empty(sum(share), dtype=r.weights.dtype, device=r.weights.device)
+        return dataclasses.replace(r, order=order, counts=share, weights=weights)
+
+    def copies(counts, ep_pg, device):
+        exchange(counts, ep_pg, device)
+        ep, me = dist.get_world_size(ep_pg), dist.get_rank(ep_pg)
+        local = len(counts) // ep
+        return [counts[me * local:(me + 1) * local] for _ in range(ep)]
+
+    with _patched(moe, {"route": balanced_route}), _patched(expert_parallel, {"exchange_counts": copies}):
+        yield
+
+
 def _others_arrive_at_once():
     """Meetings of the whole job on its store (the data build's) end when this rank arrives."""
     from nanotrain.data import build
@@ -108,8 +138,9 @@ def _rehearsal_config(config, steps: int, work: Path):
     return cfg
 
 
-def rehearse_rank(config, rank: int, steps: int = 3) -> dict:
-    """The report of one rank (see ``report.py`` for its fields)."""
+def rehearse_rank(config, rank: int, steps: int = 3, train_only: bool = False) -> dict:
+    """The report of one rank (see ``report.py`` for its fields); ``train_only``: build and the
+    steps, no evaluation, save or load (a measurement of memory and traffic)."""
     from nanotrain.data import build_samplers
     from nanotrain.parallel.progress import PROGRESS
     from nanotrain.training import trainer as trainer_module
@@ -134,17 +165,18 @@ def rehearse_rank(config, rank: int, steps: int = 3) -> dict:
             windowed(f"step {steps_run[0]}")
             return original_step(*args, **kwargs)
 
-        report: dict = {"rank": rank, "world_size": world, "stubs": list(STUBS), "windows": []}
+        report: dict = {"rank": rank, "world_size": world, "stubs": list(STUBS), "train_only": train_only}
         loads = functools.partial(trainer_module.load_checkpoint, strict=False)
         pc = None
         try:
             with tracker, watch_tensor_factories(tracker), _world_of_copies(), _others_arrive_at_once(), \
-                    _patched(trainer_module, {"train_step": train_step, "load_checkpoint": loads}):
+                    _balanced_routing(), _patched(trainer_module, {"train_step": train_step, "load_checkpoint": loads}):
                 build_samplers(cfg, builder=True, needs_data=True)  # the token cache rank 0 would make
                 pc = build_parallel_context(cfg)
                 traffic.name_groups(pc)
                 report["coords"] = dict(zip(("ep", "pp", "dp", "cp", "tp"), map(int, pc.coords)))
-                _legs(cfg, steps, work, pc, tracker, windowed, report, trainer_module.DistributedTrainer)
+                _legs(cfg, steps, work, pc, tracker, windowed, report, trainer_module.DistributedTrainer,
+                      train_only)
         except Exception as exc:  # a defect that stops the rank on a GPU too: the report says where
             report["failed"] = {"window": tracker.window, "error": f"{type(exc).__name__}: {exc}"[:2000],
                                 "site": _innermost(exc)}
@@ -161,16 +193,21 @@ def rehearse_rank(config, rank: int, steps: int = 3) -> dict:
     return report
 
 
-def _legs(cfg, steps, work, pc, tracker, windowed, report, trainer_class) -> None:
+def _legs(cfg, steps, work, pc, tracker, windowed, report, trainer_class, train_only: bool) -> None:
     """Train ``steps`` steps (the last saves), evaluate, load into a fresh trainer, one more step."""
     with tracker.phase("other"):
         trainer = trainer_class(cfg, work / "run", pc, lambda: 0)
     _label(tracker, trainer)
     tracker.label = "activations"  # what the steps allocate, unless a phase says otherwise
     _watch_optimizer(tracker, trainer)
+    if train_only:
+        trainer.save = lambda wait=True: None  # the loop's final save: not measured
     trainer.train()
     report["peak"] = {"total": tracker.peak_total, **tracker.peak}
     report["max_by_category"] = dict(tracker.max_by_category)
+    if train_only:
+        trainer.close()
+        return
     windowed("eval")
     report["evaluated"] = trainer.val_batches is not None
     if trainer.val_batches is not None:

@@ -104,7 +104,7 @@ def defects(report: dict) -> list[str]:
             if not _expected(site):
                 out.append(f"host sync on silent {window}: {site}: {kind} (x{n})")
     out += [f"optimizer state after load: {what}" for what in report.get("optimizer_state_off_device", [])]
-    if not failed and report.get("resumed_at") != len(report["silent"]) + 1:
+    if not (failed or report.get("train_only")) and report.get("resumed_at") != len(report["silent"]) + 1:
         out.append(f"resume: the fresh trainer started at step {report.get('resumed_at')}, "
                    f"not at the saved step {len(report['silent']) + 1}")
     return out
@@ -132,7 +132,7 @@ def render(report: dict) -> list[str]:
     window = report["silent"][-1]
     lines.append(f"  bytes sent per step ({window}, ring algorithms):")
     for (group, coll, dtype), (b, n) in sorted(step_bytes(report).items()):
-        lines.append(f"    {group:<18} {coll:<15} {dtype:<9} {size(b):>12}  ({n} calls)")
+        lines.append(f"    {group:<18} {coll:<17} {dtype:<9} {size(b):>12}  ({n} calls)")
     synced = [(kind, site, n) for w in report["silent"] for kind, site, n in report["syncs"].get(w, [])]
     expected = sorted({f"{site}: {_expected(site)}" for _, site, _ in synced if _expected(site)})
     lines += [f"  host syncs on silent steps kept by design: {e}" for e in expected]

@@ -30,6 +30,9 @@ STUBS = (
     "the other ranks: a world of copies of this one (the checkpoint protocol's answers and the "
     "data build's meeting are this rank's own; it plays rank 0's part of the commit; the load does "
     "not check that some rank takes every saved parameter, which needs the other ranks' answers)",
+    "MoE routing: the meta device holds no logits to route by, so every expert gets an equal share "
+    "of the tokens (tokens x top_k / experts; bincount's length is its minlength), and each ep rank "
+    "sends its experts the same counts",
     "NCCL: torch's fake process-group backend (every collective and P2P returns at once; received "
     "buffers hold no data)",
     "CUDA streams and events: no-ops (ordering is not checked; every wait returns at once)",
@@ -228,6 +231,11 @@ def _local_scalar_dense(x):
     return False if x.dtype == torch.bool else 0
 
 
+def _bincount(x, weights=None, minlength=0):
+    # The length is data-dependent (max(x) + 1, at least minlength): the rehearsal assumes minlength.
+    return torch.zeros(minlength, dtype=torch.int64 if weights is None else weights.dtype, device=DEVICE)
+
+
 @contextlib.contextmanager
 def kernel_stubs():
     """Meta kernels that let values leave the device (as zeros) instead of raising; registered
@@ -238,6 +246,7 @@ def kernel_stubs():
         lib.impl("_to_copy", _to_copy, "Meta")
         lib.impl("copy_", _copy_, "Meta")
         lib.impl("_local_scalar_dense", _local_scalar_dense, "Meta")
+        lib.impl("bincount", _bincount, "Meta")
     try:
         yield
     finally:

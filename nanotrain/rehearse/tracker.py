@@ -33,7 +33,7 @@ _COPIES = {aten._to_copy.default, aten.copy_.default}
 _READS = {aten._local_scalar_dense.default}
 # Their output shape depends on values: on a GPU the host waits to learn it.
 _DATA_DEPENDENT = {aten.nonzero.default, aten.masked_select.default, aten.unique_dim.default,
-                   aten._unique2.default, aten.repeat_interleave.Tensor}
+                   aten._unique2.default, aten.repeat_interleave.Tensor, aten.bincount.default}
 _SKIP_FRAMES = ("nanotrain/rehearse/", "nanotrain/parallel/collectives.py", "torch/", "contextlib.py",
                 "threading.py")
 
