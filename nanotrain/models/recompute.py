@@ -32,6 +32,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from nanotrain.models.compile_check import compile_backend_problem
+from nanotrain.parallel import accelerator
 
 
 def recomputed(fn: Callable, *args: torch.Tensor, enabled: bool = True,
@@ -42,10 +43,23 @@ def recomputed(fn: Callable, *args: torch.Tensor, enabled: bool = True,
     ``context_fn``), e.g. so an MoE layer does not record its routing statistics twice."""
     if not enabled or not torch.is_grad_enabled():
         return fn(*args)
-    if replay is None:
+    contexts = [replay] if replay is not None else []
+    device_type = args[0].device.type if args and isinstance(args[0], torch.Tensor) else "cpu"
+    if accelerator.emulates_autocast(device_type):  # torch's checkpoint replays torch's autocast only
+        dtype = accelerator.autocast_dtype(device_type)
+        contexts.append(lambda: accelerator.autocast(device_type, dtype=dtype, enabled=dtype is not None))
+    if not contexts:
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
-                      context_fn=lambda: (contextlib.nullcontext(), replay()))
+                      context_fn=lambda: (contextlib.nullcontext(), _entered(contexts)))
+
+
+@contextlib.contextmanager
+def _entered(factories):
+    with contextlib.ExitStack() as stack:
+        for make in factories:
+            stack.enter_context(make())
+        yield
 
 
 # ----------------------------------------------------------------------------- compile

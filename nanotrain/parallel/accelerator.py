@@ -88,6 +88,13 @@ def autocast(device_type: str, dtype=None, enabled: bool = True):
     return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled)
 
 
+def emulates_autocast(device_type: str) -> bool:
+    """True where autocast is the stand-in's emulation, which torch's own machinery (checkpoint's
+    replay of the forward's autocast) does not know."""
+    acc = _BY_TYPE.get(device_type)
+    return acc is not None and hasattr(acc, "autocast")
+
+
 def autocast_dtype(device_type: str):
     """The dtype autocast computes matmuls in on ``device_type`` now, or None outside autocast."""
     acc = _BY_TYPE.get(device_type)

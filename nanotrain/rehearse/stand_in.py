@@ -41,8 +41,8 @@ STUBS = (
     "attention: flash (bf16/fp16, no mask) or memory-efficient attention's meta kernels, as SDPA "
     "picks on a GPU; a mask object (context parallelism's CausalBias) keeps torch's dispatch, on meta "
     "its math path (the attention matrix is counted)",
-    "autocast: CUDA's op lists emulated above autograd (torch has no autocast for meta); a region "
-    "recomputed in backward (training.recompute) replays it without autocast, in fp32",
+    "autocast: CUDA's op lists emulated above autograd (torch has no autocast for meta); recomputed "
+    "regions (training.recompute) replay it (nanotrain.models.recompute)",
 )
 
 
