@@ -46,7 +46,8 @@ temporary folder. Exit 0 only when every stage that ran passed (skipped and unav
    cost ~20 s on 2 cores: the layout's config is validated instead).
 5. rehearsal: ``submit.py CONFIG --rehearse --rank 0 --steps 3S --json`` on stage 3's config:
    rehearsed peak total / the uninterrupted run's ``max_memory_allocated``; "unavailable" while
-   submit.py has no --rehearse.
+   submit.py has no --rehearse. Skipped by --cpu-smoke (it starts a fresh interpreter for each
+   rehearsed rank: 6-20 s on 2 cores) unless GPU_CHECK_SMOKE_REHEARSE=1.
 6. bench: ``gpu_train_bench.py`` (the ~1.1 B model's tokens/s and MFU) only with GPU_CHECK_BENCH=1
    (GPU_CHECK_COMPILE=1: also compiled, in what is left); --cpu-smoke runs its own smoke.
 
@@ -741,6 +742,9 @@ def stage_multi_gpu(check: Check, deadline: float) -> dict:
 
 def stage_rehearsal(check: Check, deadline: float) -> dict:
     ws, steps = check.ws, 3 * check.ws.steps
+    if check.smoke and os.environ.get("GPU_CHECK_SMOKE_REHEARSE") != "1":
+        return {"status": "skipped", "note": "cpu-smoke: a fresh interpreter per rehearsed rank costs 6-20 s on 2 "
+                                             "cores (GPU_CHECK_SMOKE_REHEARSE=1 runs it)"}
     ws.token_cache()  # submit.py checks the data before anything else
     cfg = ws.config("rehearsal", {"logging.run_name": "rehearsal", "training.train_steps": steps})
     r = check.run([PY, "submit.py", str(cfg), "--rehearse", "--rank", "0", "--steps", str(steps), "--json"],

@@ -40,8 +40,8 @@ def test_gpu_scripts_run_on_cpu(tmp_path):
     path on a tiny CPU model: the real task entry in bf16 with `datasets` unimportable (as on the
     GPU machine: the check writes the token cache, byte for byte nanotrain's), a sync save and a
     resume, async saves and a resume from one, each resumed loss equal to the uninterrupted run's
-    (gloo on CPU is deterministic: exactly), the rehearsal, the benchmark; the summary is on disk
-    and no run directory reaches OUT."""
+    (gloo on CPU is deterministic: exactly), the benchmark; the summary is on disk and no run
+    directory reaches OUT."""
     for script in ("gpu_check.sh", "gpu_wheels.sh"):
         syntax = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / script)], capture_output=True, text=True)
         assert syntax.returncode == 0, (script, syntax.stderr)
@@ -67,7 +67,7 @@ def test_gpu_scripts_run_on_cpu(tmp_path):
         assert trainer[key]["max_abs_diff"] == 0.0
     assert trainer["compile"]["status"] == "skipped"
     assert all(r["tokens_per_sec"] > 0 and r["memory"]["peak_rss_bytes"] > 0 for r in runs.values())
-    assert stages["rehearsal"]["status"] in ("passed", "unavailable"), stages["rehearsal"]
+    assert stages["rehearsal"]["status"] == "skipped"  # GPU_CHECK_SMOKE_REHEARSE=1 runs it (6-20 s here)
     bench = stages["bench"]["gpu_bench"]["result"]
     assert bench["device"] == "cpu" and bench["tokens_per_step"] == 2 * 128 and bench["tokens_per_s"] > 0
     assert len(bench["step_ms"]) == 2 and all(x == x for x in bench["loss_first_last"])  # not NaN
