@@ -201,6 +201,40 @@ def _dp_worker(world: int) -> dict:
         "params": torch.cat([p.detach().flatten() for p in model.parameters()]),
         "ranges_all": [opt.param_ranges(r) for r in range(world)],
     }
+
+    # 5. ZeRO-1 built after its gradient sync (the trainer's order) takes the sync over: tiny
+    #    buckets padded to a multiple of dp, reduce-scattered (and all-gathered too until the
+    #    first update: whole gradients then), parameters all-gathered bucket by bucket; the same
+    #    10 steps as ZeRO-0 on all-reduced gradients, with a parameter that never gets a gradient
+    #    and one used on rank 0 only.
+    model, ref = _model(extras=True), _model(extras=True)
+    sync = BucketedGradSync(list(model.parameters()), group, TINY_CAP_MB)
+    ref_sync = BucketedGradSync(list(ref.parameters()), group, TINY_CAP_MB)
+    opt = build_optimizer(model.named_parameters(), args, group, zero_stage=1)
+    ref_opt = build_optimizer(ref.named_parameters(), args, group, zero_stage=0)
+    scheds = [build_lr_scheduler(o, args, 10) for o in (opt, ref_opt)]
+    diffs, gathered, whole = [], [], None
+    for step in range(10):
+        for m, s in ((model, sync), (ref, ref_sync)):
+            _loss(m, *_batch(1000 * step + rank), use_sometimes=rank == 0).backward()
+            s.finish_grad_sync()
+        gathered.append(sync.gather_grads)
+        if step == 0:
+            whole = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+        for o, s in zip((opt, ref_opt), scheds):
+            o.step()
+            s.step()
+        sync.zero_grad()
+        ref_sync.zero_grad()
+        diffs.append(max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
+    owned = sum(b - a for a, b in opt.param_ranges().values())
+    out["zero_sharded"] = {
+        "diffs": diffs, "gathered": gathered, "whole": whole, "shards": sync.shards, "n_buckets": len(sync.buckets),
+        "padding": [b.buffer.numel() - sum(p.numel() for p in b.params) for b in sync.buckets],
+        "owned": owned, "state_elems": sum(st["exp_avg"].numel() for st in opt.state.values()),
+        "params": torch.cat([p.detach().flatten() for p in model.parameters()]),
+        "total": sum(p.numel() for p in model.parameters()),
+    }
     return out
 
 
@@ -272,6 +306,21 @@ def test_zero1_equals_adamw_and_states_are_sharded(dp_results):
     for res in results[1:]:  # every dp rank holds the full, identical parameters
         assert torch.equal(res["zero"]["params"], results[0]["zero"]["params"])
         assert res["zero"]["ranges_all"] == results[0]["zero"]["ranges_all"]
+
+
+def test_zero1_over_its_reduce_scattering_sync_equals_adamw(dp_results):
+    world, results = dp_results
+    for res in results:
+        z = res["zero_sharded"]
+        assert z["shards"] == world and z["n_buckets"] >= 6
+        assert all(0 <= pad < world for pad in z["padding"]), z["padding"]
+        assert z["gathered"] == [True] + [False] * 9  # whole gradients until the first update
+        assert z["whole"] < 1e-6
+        assert max(z["diffs"]) <= 1e-6, z["diffs"]
+        assert z["state_elems"] == z["owned"]
+    assert sum(res["zero_sharded"]["owned"] for res in results) == results[0]["zero_sharded"]["total"]
+    for res in results[1:]:  # every dp rank holds the full, identical parameters
+        assert torch.equal(res["zero_sharded"]["params"], results[0]["zero_sharded"]["params"])
 
 
 # ----------------------------------------------------------------------------- single process

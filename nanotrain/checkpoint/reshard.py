@@ -6,9 +6,11 @@ new topology a *skeleton* ``LlamaModel`` is built on the meta device with stand-
 groups (size, rank) and no weight initialisation, which yields each parameter's name, local shape
 and ShardInfo exactly as the real run will have them (fused QKV / gate-up chunks, vocab padding,
 pipeline placement, tied replicas, the rank's experts). ZeRO-1 ranges come from
-``zero_partition`` over the parameters in ``build_optimizer``'s order, as ``ZeroOneOptimizer``
-cuts them: with ep > 1 the dense parameters over dp x ep (the rank's place in ``dp_cp_ep_pg``
-is ``ep_rank * dp + dp_rank``) and the routed experts over dp. Full tensors are assembled from
+``zero_ranges``, the partition ``ZeroOneOptimizer`` takes from the trainer's gradient buckets
+(``build_grad_sync``, default bucket size): with ep > 1 the dense parameters' buckets over
+dp x ep (the rank's place in ``dp_cp_ep_pg`` is ``ep_rank * dp + dp_rank``) and the routed
+experts' over dp. (Were they to differ from what a run holds, the loader cuts any saved ranges
+into its own: only slower.) Full tensors are assembled from
 the source shards with the loader's own functions, then cut into the new pieces: copies only,
 so values are bit-identical.
 
@@ -36,7 +38,8 @@ from nanotrain.config import Config
 from nanotrain.models import llama_arch
 from nanotrain.models.llama import LlamaModel
 from nanotrain.optim.optimizer import weight_decay_groups
-from nanotrain.parallel.data_parallel import is_expert_param, zero_partition
+from nanotrain.parallel.data_parallel import is_expert_param
+from nanotrain.parallel.data_parallel.buckets import DEFAULT_BUCKET_CAP_MB, zero_ranges
 from nanotrain.parallel.grid import GroupShape
 from nanotrain.parallel.sharding import ShardInfo, get_shard_info
 
@@ -80,20 +83,24 @@ def optimizer_order(model) -> list[str]:
     return [n for g in groups for n in g["param_names"]]
 
 
-def optimizer_ranges(model, zero: int, dp: int, dp_rank: int, ep: int, ep_rank: int) -> list[tuple[str, int, int]]:
+def optimizer_ranges(model, zero: int, dp: int, dp_rank: int, ep: int, ep_rank: int,
+                     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> list[tuple[str, int, int]]:
     """(name, start, stop) of the optimizer states one rank holds, in ``build_optimizer``'s order:
     whole parameters for ZeRO-0; for ZeRO-1 the ranges ``ZeroOneOptimizer`` gives rank
-    (dp_rank, ep_rank), the dense parameters sharded over dp x ep and the experts over dp."""
+    (dp_rank, ep_rank), the dense parameters' buckets sharded over dp x ep and the experts' over
+    dp (each set bucketed by its own gradient sync, in model order, ``bucket_cap_mb`` the
+    trainer's)."""
     params = dict(model.named_parameters())
     order = optimizer_order(model)
     if zero == 0:
         return [(n, 0, params[n].numel()) for n in order]
     out = []
-    dense = [n for n in order if ep == 1 or not is_expert_param(params[n])]
-    experts = [n for n in order if ep > 1 and is_expert_param(params[n])]
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]  # the gradient sync's order
+    dense = [n for n in trainable if ep == 1 or not is_expert_param(params[n])]
+    experts = [n for n in trainable if ep > 1 and is_expert_param(params[n])]
     for names, size, rank in ((dense, dp * ep, ep_rank * dp + dp_rank), (experts, dp, dp_rank)):
         if names:
-            pieces = zero_partition([params[n].numel() for n in names], size)[rank]
+            pieces = zero_ranges([params[n] for n in names], size, rank, bucket_cap_mb)
             out += [(names[i], a, b) for i, a, b in pieces]
     position = {n: i for i, n in enumerate(order)}
     return sorted(out, key=lambda r: position[r[0]])

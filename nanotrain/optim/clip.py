@@ -18,7 +18,14 @@ them up:
   parameter tied across stages (embeddings on the first and last stage) has a replica on the last
   stage (``pipeline_parallel.tied``): the replica is skipped, so the tied matrix counts once;
 * dp / cp replicas hold identical, already averaged gradients: they are not in ``mp_pg``, so each
-  replica computes the same norm and no dp reduction is needed.
+  replica computes the same norm and no dp reduction is needed;
+* except under ZeRO-1, where the gradient buckets are reduce-scattered and each dp rank holds the
+  average only on the pieces it owns (``shards``, from ``grad_sync.grad_shards()``): the squares of
+  those pieces are summed over the sync's group first (one 2-element fp64 all-reduce per sync, the
+  two sums below), which gives every rank of it the whole parameters' sum, and then go into the
+  same model-parallel sum. A parameter replicated over ep has different pieces on the ep ranks
+  of the dense group (dp x cp x ep), so its share is counted on ep rank 0 only AFTER that sum;
+  the tp and tied-replica rules apply per piece, as they apply per parameter.
 
 Then every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``, as torch does.
 """
@@ -36,40 +43,68 @@ from nanotrain.parallel.sharding import get_shard_info
 _REPLICA_AXES = ("tp", "ep")  # mp axes whose ranks may hold copies of the same parameter
 
 
-def _counted_here(p: torch.Tensor, pc) -> bool:
+def _sharded_over(p: torch.Tensor, axis: str) -> bool:
+    info = get_shard_info(p)
+    return bool(info.axis) and axis in info.axis.split("_")
+
+
+def _counted_here(p: torch.Tensor, pc, axes: tuple[str, ...] = _REPLICA_AXES) -> bool:
     if is_tied_replica(p):
         return False
-    info = get_shard_info(p)
-    sharded_over = set(info.axis.split("_")) if info.axis else set()
-    return all(ax in sharded_over or getattr(pc, f"{ax}_rank", 0) == 0 for ax in _REPLICA_AXES)
+    return all(_sharded_over(p, ax) or getattr(pc, f"{ax}_rank", 0) == 0 for ax in axes)
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], pc=None) -> torch.Tensor:
-    """L2 norm of the full model's gradient (fp32 0-d tensor; see module doc). ``pc`` None =
-    one process holding the whole model."""
-    params = list({id(p): p for p in params if p.grad is not None}.values())  # tied: once
-    device = params[0].grad.device if params else torch.device("cpu")
+def _sum_of_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
     sq = torch.zeros((), dtype=torch.float64, device=device)
-    counted = [p.grad.detach() for p in params if pc is None or _counted_here(p, pc)]
-    for grads in _by_device_and_dtype(counted).values():
+    for grads in _by_device_and_dtype(tensors).values():
         # One fused kernel per (device, dtype) for the per-tensor norms (accumulated in >= fp32,
         # fp64 for fp64 grads); their squares are summed in fp64.
         norms = torch._foreach_norm(grads, 2, dtype=torch.promote_types(grads[0].dtype, torch.float32))
         sq += torch.stack(norms).double().pow(2).sum()
+    return sq
+
+
+def _sharded_sum_of_squares(shards, pc, device) -> torch.Tensor:
+    """This rank's share of the squares of one reduce-scattered sync's parameters (module doc)."""
+    over_ep, others = [], []
+    for p, start, stop in shards.pieces:
+        if p.grad is not None and (pc is None or _counted_here(p, pc, ("tp",))):
+            (over_ep if _sharded_over(p, "ep") else others).append(p.grad.detach().reshape(-1)[start:stop])
+    part = torch.stack([_sum_of_squares(over_ep, device), _sum_of_squares(others, device)])
+    if dist.get_world_size(shards.group) > 1:
+        collectives.all_reduce(part, op=dist.ReduceOp.SUM, group=shards.group, what="all_reduce grad norm over dp")
+    return part[0] + part[1] if getattr(pc, "ep_rank", 0) == 0 else part[0]
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], pc=None, shards=None) -> torch.Tensor:
+    """L2 norm of the full model's gradient (fp32 0-d tensor; see module doc). ``pc`` None =
+    one process holding the whole model. ``shards``: ``grad_sync.grad_shards()`` (None: every
+    gradient holds the full average)."""
+    params = list({id(p): p for p in params if p.grad is not None}.values())  # tied: once
+    device = params[0].grad.device if params else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    covered: set[int] = set()
+    for sh in shards or ():
+        covered.update(id(p) for p in sh.params)
+        sq += _sharded_sum_of_squares(sh, pc, device)
+    counted = [p.grad.detach() for p in params if id(p) not in covered and (pc is None or _counted_here(p, pc))]
+    sq += _sum_of_squares(counted, device)
     group = getattr(pc, "mp_pg", None)
     if group is not None and dist.get_world_size(group) > 1:
         collectives.all_reduce(sq, op=dist.ReduceOp.SUM, group=group, what="all_reduce grad norm")
     return sq.sqrt().float()
 
 
-def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: Optional[float], pc=None) -> torch.Tensor:
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: Optional[float], pc=None,
+                    shards=None) -> torch.Tensor:
     """Clip gradients in place to the global norm ``max_norm``; return the norm before clipping.
 
     ``params``: this rank's parameters (after the dp gradient sync). ``max_norm`` None or <= 0
-    only computes the norm (for logging). Must be called by every rank of ``pc.mp_pg``.
+    only computes the norm (for logging). ``shards``: see ``global_grad_norm``. Must be called
+    by every rank of ``pc.mp_pg`` (and, with ``shards``, of their groups).
     """
     params = list({id(p): p for p in params if p.grad is not None}.values())
-    total_norm = global_grad_norm(params, pc)
+    total_norm = global_grad_norm(params, pc, shards)
     if max_norm is None or max_norm <= 0:
         return total_norm
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)

@@ -76,7 +76,7 @@ def optimizer_step(model: torch.nn.Module, grad_sync, optimizer, scheduler, pc,
     allreduce_sequence_parallel_grads_(model.sequence_parallel_params(), pc.tp_pg)
     if getattr(pc, "embedding_pg", None) is not None and pc.pp_size > 1:  # first and last stage
         allreduce_tied_grads_(model.parameters(), pc.embedding_pg)
-    grad_norm = clip_grad_norm_(model.parameters(), clip_grad, pc)
+    grad_norm = clip_grad_norm_(model.parameters(), clip_grad, pc, grad_sync.grad_shards())  # ZeRO-1: pieces
     lr = optimizer.param_groups[0]["lr"]
     if before_update is not None:
         PROGRESS.mark("optimizer (waiting for the checkpoint's host copy)")

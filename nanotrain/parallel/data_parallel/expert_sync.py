@@ -9,7 +9,8 @@ process training on the whole global batch (Megatron's expert gradient scaling).
 
 ``build_grad_sync`` returns one ``BucketedGradSync`` when there is nothing to split (ep = 1),
 else a ``GradSyncSet`` of two driven through the same calls (``no_sync``, ``finish_grad_sync``,
-``zero_grad``).
+``zero_grad``, ``grad_shards``). ZeRO-1 (``ZeroOneOptimizer``) turns each into a reduce-scatter
+over its own group.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Iterator
 
 from torch import nn
 
+from nanotrain.parallel.data_parallel.buckets import DEFAULT_BUCKET_CAP_MB
 from nanotrain.parallel.data_parallel.grad_sync import BucketedGradSync
 from nanotrain.parallel.sharding import get_shard_info
 
@@ -49,8 +51,13 @@ class GradSyncSet:
         for s in self.syncs:
             s.zero_grad()
 
+    def grad_shards(self):
+        """``BucketedGradSync.grad_shards`` of every sync that reduce-scatters (None: none does)."""
+        parts = [s.grad_shards() for s in self.syncs]
+        return None if all(p is None for p in parts) else [g for p in parts if p for g in p]
 
-def build_grad_sync(params: list[nn.Parameter], pc, bucket_cap_mb: float = 25.0):
+
+def build_grad_sync(params: list[nn.Parameter], pc, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
     """The gradient sync of this rank's ``params`` (see the module docstring)."""
     if getattr(pc, "ep_size", 1) == 1:
         return BucketedGradSync(params, pc.dp_cp_pg, bucket_cap_mb=bucket_cap_mb)

@@ -1,4 +1,5 @@
-"""Bucketed gradient all-reduce overlapped with backward (picotron's ``bucket.py`` design).
+"""Bucketed gradient all-reduce (or ZeRO-1 reduce-scatter) overlapped with backward
+(picotron's ``bucket.py`` design).
 
 Why buckets: one all-reduce per parameter pays the latency of hundreds of small messages; one
 all-reduce of everything after backward cannot overlap with compute. Grouping gradients into
@@ -6,10 +7,10 @@ all-reduce of everything after backward cannot overlap with compute. Grouping gr
 accumulated gets both: few large messages, sent while backward keeps computing earlier layers.
 
 Layout. Parameters are assigned to buckets in REVERSE order (the output layers' gradients are
-produced first in backward, so the first bucket fills first). Each bucket is one flat buffer and
-every parameter's ``.grad`` is a view into it, so autograd accumulates straight into the buffer
-(``AccumulateGrad`` adds in place into an existing ``.grad``): no copies, and gradient
-accumulation across micro-batches is free.
+produced first in backward, so the first bucket fills first; ``buckets.bucket_layout``). Each
+bucket is one flat buffer and every parameter's ``.grad`` is a view into it, so autograd
+accumulates straight into the buffer (``AccumulateGrad`` adds in place into an existing
+``.grad``): no copies, and gradient accumulation across micro-batches is free.
 
 Launch order (why it cannot deadlock). Collectives on one process group must be issued in the same
 order on every rank. Hooks fire in autograd's execution order, which is the same on every rank
@@ -28,14 +29,28 @@ result differs from sum-then-divide by at most about one ulp per element. Gradie
 the parameters' dtype (``.grad`` must match it); fp32 main-grad accumulation for bf16 models is
 the mixed-precision layer's job, not this one's.
 
+ZeRO-1. ``ZeroOneOptimizer`` finds this sync behind its parameters and calls ``shard()``: the
+buckets are rebuilt padded to a multiple of the group size n (tied parameters alone, see
+``buckets.py``), their pieces become the optimizer's partition, and each bucket's all-reduce
+becomes a reduce-scatter into piece r of it, the part rank r's optimizer updates: (n-1)/n of the
+bytes instead of 2(n-1)/n, and the optimizer's all-gather of the parameters makes up the rest
+(one all-reduce's worth in all). Only the owned pieces then hold the average; the rest of each
+buffer keeps this rank's own (divided) gradient, which elementwise sums over other groups (tp,
+tied copies) leave harmless and which nothing reads: ``grad_shards()`` says which pieces are
+valid, for the grad norm. Until the optimizer's first ``step()`` (``stop_gathering_grads()``)
+``finish_grad_sync`` also all-gathers the reduced pieces, so gradients taken before any update
+are whole (code that checks them against one process keeps working), at 1.5x the bytes for that
+one step; the pieces themselves, and so the update and the norm, are bitwise the same either way
+(a resumed run, whose first step gathers, matches the uninterrupted one exactly).
+
 Use::
 
     sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg)
     for micro_batch in batches[:-1]:
         with sync.no_sync():            # accumulate only
             loss_fn(model(micro_batch)).backward()
-    loss_fn(model(batches[-1])).backward()   # all-reduces launched from hooks, overlapped
-    sync.finish_grad_sync()             # wait: grads are averaged now (before clip / step)
+    loss_fn(model(batches[-1])).backward()   # all-reduces (reduce-scatters) from hooks, overlapped
+    sync.finish_grad_sync()             # wait: grads are averaged now (ZeRO-1: the owned pieces)
     optimizer.step(); sync.zero_grad()  # zero the buffers, keep the views (NOT set_to_none)
 """
 from __future__ import annotations
@@ -49,8 +64,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanotrain.parallel.collectives import all_reduce
+from nanotrain.parallel.collectives import all_gather_into, all_reduce, reduce_scatter_into
+from nanotrain.parallel.data_parallel import buckets as layout
 from nanotrain.parallel.progress import PROGRESS
+
+_SYNC = "_nanotrain_grad_sync"  # on each parameter: a weak reference to the sync of its gradient
+
+
+def grad_sync_of(p: nn.Parameter) -> Optional["BucketedGradSync"]:
+    """The live ``BucketedGradSync`` whose bucket holds ``p``'s gradient, if any."""
+    ref = getattr(p, _SYNC, None)
+    return ref() if ref is not None else None
+
+
+@dataclass
+class GradShards:
+    """After a sharded sync: of ``params`` (all of one sync's), only ``pieces`` (param, start,
+    stop of its flattened gradient) hold the average on this rank; the pieces of the ranks of
+    ``group`` together cover every parameter exactly once."""
+
+    group: Optional[dist.ProcessGroup]
+    params: list[nn.Parameter]
+    pieces: list[tuple[nn.Parameter, int, int]]
 
 
 @dataclass
@@ -78,7 +113,8 @@ def _same_storage(grad: Optional[torch.Tensor], view: torch.Tensor) -> bool:
 
 
 class BucketedGradSync:
-    """Average ``.grad`` of ``params`` over ``group`` with bucketed async all-reduces.
+    """Average ``.grad`` of ``params`` over ``group`` with bucketed async all-reduces (or, once a
+    ``ZeroOneOptimizer`` took it over, reduce-scatters into the pieces its rank owns).
 
     ``group``: the data-parallel group (``pc.dp_cp_pg`` in practice: cp ranks are replicas too);
     ``None`` means the default group when torch.distributed is initialised, else no communication.
@@ -86,7 +122,7 @@ class BucketedGradSync:
     """
 
     def __init__(self, params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup] = None,
-                 bucket_cap_mb: float = 25.0, divisor: Optional[int] = None):
+                 bucket_cap_mb: float = layout.DEFAULT_BUCKET_CAP_MB, divisor: Optional[int] = None):
         seen: set[int] = set()
         self.params: list[nn.Parameter] = []
         for p in params:
@@ -96,17 +132,16 @@ class BucketedGradSync:
         self.group = group
         initialised = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if initialised else 1
+        self.rank = dist.get_rank(group) if initialised else 0
+        self.shards = 1  # the group size once ``shard()`` cut the buckets: reduce-scatter
+        self.gather_grads = False  # after a reduce-scatter, all-gather the pieces (module doc)
+        self._pieces: list[tuple[nn.Parameter, int, int]] = []
         # The sum is divided by ``divisor`` (default the group size): expert parameters sum over
         # dp x cp but average over dp x cp x ep, the ranks whose tokens reached them.
         self.divisor = divisor or self.world_size
-        self.bucket_cap_bytes = max(1, int(bucket_cap_mb * 1024 * 1024))
+        self.bucket_cap_bytes = layout.cap_bytes(bucket_cap_mb)
         self.buckets: list[Bucket] = self._build_buckets()
-        self._bucket_of: dict[int, Bucket] = {}
-        self._view_of: dict[int, torch.Tensor] = {}
-        for b in self.buckets:
-            for p, off in zip(b.params, b.offsets):
-                self._bucket_of[id(p)] = b
-                self._view_of[id(p)] = b.buffer[off:off + p.numel()].view_as(p)
+        self._index_views()
         self._attach_views(copy_existing=True)
         # The hooks reach this object through a weak reference. A hook lives in the parameter's
         # C++ autograd metadata, which Python's cycle collector cannot see, so a bound method there
@@ -117,10 +152,11 @@ class BucketedGradSync:
         ref = weakref.ref(self)
         self._hooks = [p.register_post_accumulate_grad_hook(lambda p, ref=ref: ref()._on_grad_ready(p))
                        for p in self.params]
+        for p in self.params:  # how ZeroOneOptimizer finds the sync of its parameters
+            setattr(p, _SYNC, ref)
         self._sync_enabled = True
         self._next_launch = 0
         self._hooks_fired = 0
-        self._new_round = True
         self._new_round = True
         # (bucket index, hooks fired so far this round, launched from a backward hook?) for each
         # launch of the current (or last finished) sync round: evidence of overlap for tests
@@ -128,28 +164,26 @@ class BucketedGradSync:
         self.launch_log: list[tuple[int, int, bool]] = []
 
     # ------------------------------------------------------------------ construction
-    def _build_buckets(self) -> list[Bucket]:
-        groups: list[list[nn.Parameter]] = []
-        size = 0
-        for p in reversed(self.params):  # ~ the order backward produces gradients
-            nbytes = p.numel() * p.element_size()
-            # A new bucket when this one would overflow (a param larger than the cap gets a
-            # bucket of its own) or when dtype/device change (a buffer has one of each).
-            if (not groups or size + nbytes > self.bucket_cap_bytes
-                    or groups[-1][0].dtype != p.dtype or groups[-1][0].device != p.device):
-                groups.append([])
-                size = 0
-            groups[-1].append(p)
-            size += nbytes
+    def _build_buckets(self, shards: int = 1) -> list[Bucket]:
+        cut = layout.sharded_layout if shards > 1 else layout.bucket_layout
         buckets = []
-        for i, ps in enumerate(groups):
+        for i, indices in enumerate(cut(self.params, self.bucket_cap_bytes)):
+            ps = [self.params[j] for j in indices]
             offsets, n = [], 0
             for p in ps:
                 offsets.append(n)
                 n += p.numel()
-            buf = torch.zeros(n, dtype=ps[0].dtype, device=ps[0].device)
+            buf = torch.zeros(n if shards == 1 else layout.padded(n, shards), dtype=ps[0].dtype, device=ps[0].device)
             buckets.append(Bucket(i, ps, offsets, buf))
         return buckets
+
+    def _index_views(self) -> None:
+        self._bucket_of: dict[int, Bucket] = {}
+        self._view_of: dict[int, torch.Tensor] = {}
+        for b in self.buckets:
+            for p, off in zip(b.params, b.offsets):
+                self._bucket_of[id(p)] = b
+                self._view_of[id(p)] = b.buffer[off:off + p.numel()].view_as(p)
 
     def _attach_views(self, copy_existing: bool) -> None:
         for p in self.params:
@@ -177,7 +211,7 @@ class BucketedGradSync:
         if bucket.launched:
             raise RuntimeError(
                 "BucketedGradSync: a gradient was accumulated into a bucket that is already being "
-                "all-reduced. Run every micro-batch but the last inside `no_sync()`, and call "
+                "reduced. Run every micro-batch but the last inside `no_sync()`, and call "
                 "`finish_grad_sync()` before the next step's backward."
             )
         bucket.ready.add(id(p))
@@ -196,7 +230,9 @@ class BucketedGradSync:
     def _launch(self, b: Bucket, from_hook: bool) -> None:
         if self.divisor > 1:
             b.buffer.div_(self.divisor)
-        if self.world_size > 1:
+        if self.shards > 1:  # in place: the output is this rank's piece of the input
+            b.handle = reduce_scatter_into(self._owned(b), b.buffer, group=self.group, async_op=True)
+        elif self.world_size > 1:
             b.handle = all_reduce(b.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True,
                                   what=f"all_reduce gradient bucket {b.index}")
         b.launched = True
@@ -216,7 +252,8 @@ class BucketedGradSync:
     def finish_grad_sync(self) -> None:
         """Launch whatever backward did not (in index order), wait for every bucket, reset.
 
-        After it returns every ``.grad`` is the group average and is a view into its bucket (a
+        After it returns every ``.grad`` is the group average (after ``shard()``: on the owned
+        pieces, ``grad_shards()``) and is a view into its bucket (a
         parameter that got no gradient this step has zeros, identically on every rank, so dp
         replicas stay in lockstep). Calling it when backward ran entirely inside ``no_sync``
         also works: it then syncs everything here, without overlap.
@@ -234,13 +271,19 @@ class BucketedGradSync:
                     p.grad = view
         self._launch_in_order(from_hook=False, force=True)
         self._wait_and_reset()
+        if self.gather_grads:  # before the first update: the whole average (module doc)
+            handles = [all_gather_into(b.buffer, self._owned(b), group=self.group, async_op=True)
+                       for b in self.buckets]
+            for h in handles:
+                h.wait()
 
     wait = finish_grad_sync
 
     def _wait_and_reset(self) -> None:
         for b in self.buckets:
             if b.handle is not None:
-                PROGRESS.entering(f"wait all_reduce gradient bucket {b.index}", self.group)
+                op = "reduce_scatter" if self.shards > 1 else "all_reduce"
+                PROGRESS.entering(f"wait {op} gradient bucket {b.index}", self.group)
                 b.handle.wait()
             b.handle, b.launched = None, False
             b.ready.clear()
@@ -251,7 +294,7 @@ class BucketedGradSync:
     def zero_grad(self) -> None:
         """Zero the buckets in place and make sure every ``.grad`` is its bucket view again.
 
-        Waits for any in-flight all-reduce first (a skipped ``finish_grad_sync``), so the buffers
+        Waits for any in-flight reduction first (a skipped ``finish_grad_sync``), so the buffers
         are never zeroed under a running collective.
         """
         self._wait_and_reset()
@@ -260,6 +303,46 @@ class BucketedGradSync:
             b.buffer.zero_()
         self._attach_views(copy_existing=False)
 
+    # ------------------------------------------------------------------ ZeRO-1
+    def _idle(self) -> bool:
+        return not any(b.launched or b.handle is not None for b in self.buckets)
+
+    def shard(self) -> list[Bucket]:
+        """Cut every bucket into ``shards`` equal pieces, rank r owning piece r (module doc);
+        returns the buckets, whose layout is the ZeRO-1 partition. Called between steps
+        (gradients accumulated so far are kept); a group of one keeps its buckets as they are
+        (rank 0 owns everything) and nothing changes."""
+        if not self._idle():
+            raise RuntimeError("BucketedGradSync.shard() during a sync round")
+        if self.world_size > 1 and self.shards == 1:
+            self.shards, self.gather_grads = self.world_size, True
+            self.buckets = self._build_buckets(self.shards)
+            self._index_views()
+            self._attach_views(copy_existing=True)
+            self._next_launch = 0
+            sizes = [b.buffer.numel() for b in self.buckets]
+            numels = [[p.numel() for p in b.params] for b in self.buckets]
+            self._pieces = [(self.buckets[k].params[j], a, z)
+                            for k, j, a, z in layout.shard_pieces(numels, sizes, self.shards, self.rank)]
+        return self.buckets
+
+    def stop_gathering_grads(self) -> None:
+        """From now on leave each gradient reduced on its owner's piece only (after ``shard()``;
+        the optimizer calls it after each step)."""
+        self.gather_grads = False
+
+    def _owned(self, b: Bucket) -> torch.Tensor:
+        chunk = b.buffer.numel() // self.shards
+        return b.buffer[self.rank * chunk:(self.rank + 1) * chunk]
+
+    def grad_shards(self) -> Optional[list[GradShards]]:
+        """None when gradients are all-reduced; when reduce-scattered, this rank's pieces, which
+        hold the average (for the gradient norm: ``optim/clip.py``, the same whether or not the
+        pieces were all-gathered too)."""
+        if self.shards == 1:
+            return None
+        return [GradShards(self.group, list(self.params), list(self._pieces))]
+
     # ------------------------------------------------------------------ introspection
     def grad_view(self, p: nn.Parameter) -> torch.Tensor:
         return self._view_of[id(p)]
@@ -267,4 +350,4 @@ class BucketedGradSync:
     def __repr__(self) -> str:
         sizes = [b.buffer.numel() for b in self.buckets]
         return (f"BucketedGradSync(params={len(self.params)}, buckets={len(self.buckets)}, "
-                f"elements per bucket={sizes}, group size={self.world_size})")
+                f"elements per bucket={sizes}, group size={self.world_size}, shards={self.shards})")

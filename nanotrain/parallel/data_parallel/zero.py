@@ -1,36 +1,47 @@
-"""ZeRO-1: AdamW whose states are sharded across the data-parallel group (nanotron's ``optim/zero.py``).
+"""ZeRO-1: AdamW whose states are sharded across the data-parallel group (nanotron's ``optim/zero.py``,
+Megatron's distributed optimizer).
 
-Every dp rank holds the full parameters and, after the gradient all-reduce, the full averaged
-gradients; only the optimizer states (exp_avg, exp_avg_sq: 2x the parameters in fp32) are split.
+Every dp rank holds the full parameters; the gradients are reduce-scattered and the optimizer
+states (exp_avg, exp_avg_sq: 2x the parameters in fp32) split, so that each rank updates only the
+elements it owns and the updated parameters are all-gathered: per step the bytes of one DDP
+all-reduce, 2(n-1)/n of the gradient bytes per rank, instead of that plus the all-gather.
 
-Partition. The parameters are laid end to end in one flat element space (in the order of the
-param groups, then of the params within each group). That space is cut into ``dp`` contiguous
-chunks of ``ceil(total / dp)`` elements; rank r owns ``[r * chunk, min((r + 1) * chunk, total))``.
-A chunk may cut through a parameter, so a rank owns, per parameter, one contiguous range of that
-parameter's flattened elements (or none). ``zero_partition`` computes this from the sizes alone,
-for any dp, which is what a checkpoint resharder needs.
+Partition. The parameters' flat element space is cut into buckets, each padded to a multiple of
+the group size n and split into n equal contiguous pieces; rank r owns piece r of every bucket
+(``buckets.py``). A parameter lies in one bucket, so a rank owns, per parameter, one contiguous
+range of that parameter's flattened elements (or none). The buckets are those of the
+``BucketedGradSync`` that holds exactly this domain's gradients, over the same ranks: found
+through the parameters at construction and cut for it (``shard()``); the sync then
+reduce-scatters each gradient bucket straight into the piece this rank updates (and, until the
+first ``step()``, all-gathers the pieces too, so gradients taken before any update are whole:
+``grad_sync.py``). Without such a sync (the gradients are all-reduced by someone else) there is one bucket
+of every parameter in the optimizer's order (``zero_partition``). Both are arithmetic on the
+sizes, for any dp, which is what the offline resharder needs (``buckets.zero_ranges``);
+checkpoints carry the ranges anyway, and the loader cuts any saved ranges into the ones a rank
+holds.
 
 Update. For each owned range the optimizer holds a "shard": a view of the parameter's owned
-elements whose ``.grad`` is the same slice of the parameter's (already averaged) gradient, a view
+elements whose ``.grad`` is the same slice of the parameter's (averaged there) gradient, a view
 too. ``torch.optim.AdamW`` (this class IS an AdamW over the shards: the LR scheduler, param_groups
 and state_dict work as usual) updates the shards in place, i.e. the owned slice of the real
-parameters. Then one all-gather of the flat parameter buffer gives every rank the full updated
-parameters. AdamW is elementwise, so this equals plain AdamW on every rank (tested).
+parameters. Then one in-place all-gather per bucket of the flat parameter buffer gives every rank
+the full updated parameters. AdamW is elementwise, so this equals plain AdamW on every rank
+(tested).
 
-Flat parameter buffer. To all-gather in one collective with no per-step copy, the parameters'
-storage is moved into one flat buffer (padded to ``dp * chunk``) and each ``param.data`` becomes
-a view into it: the Parameter objects (and the model, hooks, shard info) are unchanged. Load
+Flat parameter buffer. To all-gather with no per-step copy, the parameters' storage is moved into
+one flat buffer laid out like the buckets (padding included) and each ``param.data`` becomes a
+view into it: the Parameter objects (and the model, hooks, shard info) are unchanged. Load
 weights with in-place copies (``param.copy_``); if ``param.data`` is replaced anyway, ``step()``
 notices and re-binds it. Shards have the parameters' dtype: with fp32 parameters they are the fp32
 shards of the design; fp32 master weights for bf16 parameters belong to the mixed-precision layer.
 
 Experts (ep > 1). Dense parameters are replicas over dp x cp x ep, expert shards over dp x cp
-only: each set is its own *domain* (flat buffer, partition, all-gather) over its own group, so a
-rank holds the states of 1/(dp cp ep) of the dense elements and 1/(dp cp) of its experts'.
+only: each set is its own *domain* (gradient sync, flat buffer, partition, all-gathers) over its
+own group, so a rank holds the states of 1/(dp cp ep) of the dense elements and 1/(dp cp) of its
+experts'.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -39,27 +50,16 @@ import torch.distributed as dist
 from torch import nn
 
 from nanotrain.parallel.collectives import all_gather_into
+from nanotrain.parallel.data_parallel.buckets import padded, shard_pieces
+from nanotrain.parallel.data_parallel.grad_sync import BucketedGradSync, grad_sync_of
 
 
 def zero_partition(numels: Sequence[int], dp: int) -> list[list[tuple[int, int, int]]]:
-    """For each dp rank, the pieces it owns: (param index, start, stop) in the flattened param.
-
-    ``numels`` are the parameter sizes in flat order. Ranks get equal chunks of
-    ``ceil(total / dp)`` elements (the last one shorter), so the all-gather needs no sizes.
-    """
-    total = sum(numels)
-    chunk = max(1, math.ceil(total / dp))
-    out: list[list[tuple[int, int, int]]] = []
-    for r in range(dp):
-        lo, hi = min(r * chunk, total), min((r + 1) * chunk, total)
-        pieces, offset = [], 0
-        for i, n in enumerate(numels):
-            a, b = max(lo, offset), min(hi, offset + n)
-            if a < b:
-                pieces.append((i, a - offset, b - offset))
-            offset += n
-        out.append(pieces)
-    return out
+    """For each dp rank, the pieces it owns of ONE bucket of parameters of sizes ``numels``:
+    (param index, start, stop) in the flattened param. Ranks get equal chunks of
+    ``ceil(total / dp)`` elements (the last one shorter, the rest is padding)."""
+    size = padded(sum(numels), dp)
+    return [[(j, a, b) for _, j, a, b in shard_pieces([numels], [size], dp, r)] for r in range(dp)]
 
 
 def placed_state(value, param: torch.Tensor, group: dict, key: str) -> torch.Tensor:
@@ -97,8 +97,10 @@ class ShardPiece:
 
 @dataclass
 class _Domain:
-    """Parameters sharded over one group: their flat buffer (padded to ``size`` equal chunks of
-    ``chunk`` elements), their partition, and this rank's place in the group."""
+    """Parameters sharded over one group: their flat buffer (``buckets``: the (start, length) of
+    each bucket in it, lengths multiples of ``size``), their partition, this rank's place in the
+    group and the gradient sync that reduce-scatters into this partition (None: gradients come
+    in whole)."""
 
     group: Optional[dist.ProcessGroup]
     size: int
@@ -106,14 +108,39 @@ class _Domain:
     indices: list[int]  # positions in the optimizer's flat parameter order
     offsets: list[int]  # element offset of each of them in ``flat``
     partition: list[list[tuple[int, int, int]]]  # per group rank: (position in indices, start, stop)
-    chunk: int
+    buckets: list[tuple[int, int]]
     flat: torch.Tensor
+    sync: Optional[BucketedGradSync] = None
 
     def all_gather(self) -> None:
+        """Every rank's pieces into every rank's buffer, in place, all buckets posted at once."""
         if self.size == 1:
             return
-        mine = self.flat[self.rank * self.chunk:(self.rank + 1) * self.chunk].clone()
-        all_gather_into(self.flat, mine, group=self.group)
+        handles = []
+        for start, length in self.buckets:
+            chunk = length // self.size
+            mine = self.flat[start + self.rank * chunk:start + (self.rank + 1) * chunk]
+            handles.append(all_gather_into(self.flat[start:start + length], mine, group=self.group, async_op=True))
+        for h in handles:
+            h.wait()
+
+
+def _ranks(group) -> list[int]:
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def _sync_to_follow(params: list[nn.Parameter], group, size: int) -> Optional[BucketedGradSync]:
+    """The one live ``BucketedGradSync`` holding the gradients of exactly ``params``, over the
+    ranks of ``group``: its buckets become the partition. None when there is no such sync."""
+    syncs = {id(s): s for s in map(grad_sync_of, params)}
+    if len(syncs) != 1:
+        return None
+    sync = next(iter(syncs.values()))
+    if sync is None or {id(p) for p in sync.params} != {id(p) for p in params} or sync.world_size != size:
+        return None
+    if size > 1 and _ranks(sync.group) != _ranks(group):
+        return None
+    return sync
 
 
 class ZeroOneOptimizer(torch.optim.AdamW):
@@ -123,13 +150,16 @@ class ZeroOneOptimizer(torch.optim.AdamW):
     ``"param_names"`` their names (same length), plus per-group options (``weight_decay``...).
     ``group``: the dp group (``pc.dp_cp_pg``: cp ranks are replicas too); None = default group if
     torch.distributed is initialised, else no sharding. ``defaults``: AdamW's keyword arguments.
+    Build the ``BucketedGradSync`` (``build_grad_sync``) first: the optimizer then takes its
+    partition from the sync's buckets and turns the sync's all-reduces into reduce-scatters
+    (module doc).
 
     Expert parallelism: with ``expert_group`` (``pc.dp_cp_pg``; ``group`` is then
     ``pc.dp_cp_ep_pg``, over which the dense parameters are replicas) the parameters that
-    ``is_expert`` selects form a second domain, sharded over ``expert_group`` with its own flat
-    buffer and all-gather: an expert shard exists once per (dp, cp) coordinate, so only those
-    ranks hold copies of it. The partition rule is the same in both domains (module docstring),
-    applied to each domain's parameters in the optimizer's order.
+    ``is_expert`` selects form a second domain, sharded over ``expert_group`` with its own
+    gradient sync, flat buffer and all-gathers: an expert shard exists once per (dp, cp)
+    coordinate, so only those ranks hold copies of it. The partition rule is the same in both
+    domains (module docstring).
 
     Every dp rank gets the same number of param groups (possibly empty), so ``param_groups`` and
     the LR scheduler's state have the same structure on every rank.
@@ -178,30 +208,44 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         size = dist.get_world_size(group) if initialised else 1
         rank = dist.get_rank(group) if initialised else 0
         ps = [self.params[i] for i in indices]
-        numels = [p.numel() for p in ps]
-        offsets = [sum(numels[:k]) for k in range(len(numels))]
-        total = sum(numels)
-        partition = zero_partition(numels, size)
+        sync = _sync_to_follow(ps, group, size)
+        if sync is not None:  # the sync's buckets, padded to a multiple of size
+            position = {id(p): j for j, p in enumerate(ps)}
+            layout = [[position[id(p)] for p in b.params] for b in sync.shard()]
+            lengths = [b.buffer.numel() for b in sync.buckets]
+        else:
+            layout, lengths = [list(range(len(ps)))], [padded(sum(p.numel() for p in ps), size)]
+        numels = [[ps[j].numel() for j in bucket] for bucket in layout]
+        partition = [[(layout[k][j], a, b) for k, j, a, b in shard_pieces(numels, lengths, size, r)]
+                     for r in range(size)]
         if indices and any(not pieces for pieces in partition):
-            raise ValueError(f"ZeroOneOptimizer: {total} {what}elements cannot give each of "
-                             f"{size} dp ranks a non-empty shard")
-        chunk = max(1, math.ceil(total / size))
+            raise ValueError(f"ZeroOneOptimizer: {sum(p.numel() for p in ps)} {what}elements cannot give "
+                             f"each of {size} dp ranks a non-empty shard")
+        offsets, buckets, start = [0] * len(ps), [], 0
+        for bucket, length in zip(layout, lengths):
+            off = start
+            for j in bucket:
+                offsets[j] = off
+                off += ps[j].numel()
+            buckets.append((start, length))
+            start += length
         ref = self.params[0]
-        flat = torch.zeros(chunk * size, dtype=ref.dtype, device=ref.device)
+        flat = torch.zeros(start, dtype=ref.dtype, device=ref.device)
         with torch.no_grad():
             for p, off in zip(ps, offsets):
                 view = flat[off:off + p.numel()].view_as(p)
                 view.copy_(p)
                 p.data = view
-        return _Domain(group, size, rank, indices, offsets, partition, chunk, flat)
+        return _Domain(group, size, rank, indices, offsets, partition, buckets, flat, sync)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure=None):
         """AdamW on this rank's shards, then all-gather so every rank has the full parameters.
 
-        Gradients must already be averaged over the dp group (``BucketedGradSync``). A parameter
-        whose ``.grad`` is None is skipped, as plain AdamW does.
+        Gradients must already be averaged over the dp group on this rank's pieces at least
+        (``BucketedGradSync.finish_grad_sync``). A parameter whose ``.grad`` is None is skipped,
+        as plain AdamW does.
         """
         self._rebind_if_replaced()
         for piece in self.pieces:
@@ -212,6 +256,8 @@ class ZeroOneOptimizer(torch.optim.AdamW):
             piece.shard.grad = None  # do not keep references to the model's grad buffers
         for d in self.domains:
             d.all_gather()
+            if d.sync is not None:  # from now on the gradients stay on their owners' pieces
+                d.sync.stop_gathering_grads()
         return loss
 
     def _rebind_if_replaced(self) -> None:
