@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nanotrain.rehearse.stand_in import STUBS, fake_world
+from nanotrain.parallel import accelerator
+from nanotrain.rehearse.stand_in import STUBS, LowerRight, fake_world, fused_attention
 from nanotrain.rehearse.tracker import DeviceTracker, watch_tensor_factories
 from nanotrain.rehearse.traffic import Traffic
 
@@ -80,11 +81,13 @@ def _world_of_copies():
 
 @contextlib.contextmanager
 def _balanced_routing():
-    """MoE on the meta device: the real routing runs (its syncs and placements are recorded), then
+    """Context parallelism's mask: a marker (``stand_in.LowerRight``) that its ``sdpa`` hands to
+    the stand-in's kernel choice. MoE on the meta device: the real routing runs (its syncs and
+    placements are recorded), then
     its counts, read back as zeros, become an equal share per expert; the count exchange's
     answer is every ep rank sending this rank's experts the same."""
     from nanotrain.models import moe
-    from nanotrain.parallel import expert_parallel
+    from nanotrain.parallel import context_parallel, expert_parallel
 
     route, exchange = moe.route, expert_parallel.exchange_counts
 
@@ -102,8 +105,19 @@ def _balanced_routing():
         local = len(counts) // ep
         return [counts[me * local:(me + 1) * local] for _ in range(ep)]
 
-    with _patched(moe, {"route": balanced_route}), _patched(expert_parallel, {"exchange_counts": copies}):
+    with _patched(moe, {"route": balanced_route}), _patched(expert_parallel, {"exchange_counts": copies}), \
+            _patched(context_parallel, {"causal_lower_right": LowerRight, "sdpa": _sdpa_of(context_parallel.sdpa)}):
         yield
+
+
+def _sdpa_of(sdpa):
+    def stand_in_sdpa(q, k, v, attn_mask=None, **kwargs):
+        if not isinstance(attn_mask, LowerRight):
+            return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+        dtype = accelerator.autocast_dtype(q.device.type)  # autocast's cast of SDPA's inputs
+        q, k, v = (t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in (q, k, v))
+        return fused_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+    return stand_in_sdpa
 
 
 def _others_arrive_at_once():

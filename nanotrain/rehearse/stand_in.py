@@ -39,8 +39,8 @@ STUBS = (
     "pinned host memory: pageable buffers (the copies still go the non-blocking way)",
     "fused AdamW's device check accepts the meta device (the fused kernel's meta version runs)",
     "attention: flash (bf16/fp16, no mask) or memory-efficient attention's meta kernels, as SDPA "
-    "picks on a GPU; a mask object (context parallelism's CausalBias) keeps torch's dispatch, on meta "
-    "its math path (the attention matrix is counted)",
+    "picks on a GPU; context parallelism's causal_lower_right mask becomes a marker that runs the "
+    "memory-efficient kernel's lower-right causal variant, as CausalBias does on a GPU",
     "autocast: CUDA's op lists emulated above autograd (torch has no autocast for meta); recomputed "
     "regions (training.recompute) replay it (nanotrain.models.recompute)",
 )
@@ -116,7 +116,7 @@ class Autocast(torch.overrides.TorchFunctionMode):
             args = tuple(self._cast(a, to) for a in args)
             kwargs = {k: self._cast(v, to) for k, v in kwargs.items()}
         if func is F.scaled_dot_product_attention and args and args[0].device == DEVICE:
-            return _fused_attention(*args, **kwargs)
+            return fused_attention(*args, **kwargs)
         return func(*args, **kwargs)
 
     def _cast(self, value, dtype):
@@ -131,16 +131,31 @@ class Autocast(torch.overrides.TorchFunctionMode):
 
     @contextlib.contextmanager
     def region(self, dtype, enabled: bool):
-        self.regions.append(dtype if enabled else None)
-        try:
-            yield
-        finally:
-            self.regions.pop()
-            if not any(r is not None for r in self.regions):
-                self.cache.clear()
+        """An autocast region; it also enters this mode where it is not active (a region replayed
+        by a recomputation in backward, where torch's checkpoint runs without the forward's
+        function modes)."""
+        with contextlib.ExitStack() as stack:
+            if self not in torch.overrides._get_current_function_mode_stack():
+                stack.enter_context(self)
+            self.regions.append(dtype if enabled else None)
+            try:
+                yield
+            finally:
+                self.regions.pop()
+                if not any(r is not None for r in self.regions):
+                    self.cache.clear()
 
 
-def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+class LowerRight:
+    """Stands in for ``torch.nn.attention.bias.causal_lower_right(q_len, kv_len)`` (context
+    parallelism's mask), which cannot be built under the rehearsal's dispatch mode; SDPA given
+    it runs the memory-efficient kernel's lower-right causal variant, as CausalBias does on a GPU."""
+
+    def __init__(self, q_len: int, kv_len: int):
+        self.q_len, self.kv_len = q_len, kv_len
+
+
+def fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """The attention kernel SDPA picks on a GPU, not its math fallback (which the meta device
     would run, materialising the attention matrix): flash attention for bf16/fp16 without a
     mask (it takes grouped k/v heads as they are), else the memory-efficient kernel. Both save
@@ -148,12 +163,16 @@ def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     ``CausalBias`` (context parallelism) keeps torch's own dispatch."""
     if attn_mask is None and dropout_p == 0.0 and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256:
         return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[0]
-    if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     if k.shape[-3] != q.shape[-3]:  # the memory-efficient kernel needs every head's k and v
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    if isinstance(attn_mask, LowerRight):  # [B, S, H, D] in and out; custom_mask_type 2: lower right
+        out = aten._efficient_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+                                                None, None, None, None, dropout_p, 2, True, scale=scale)[0]
+        return out.transpose(1, 2)
+    if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, dropout_p, is_causal,
                                                         scale=scale)[0]
 

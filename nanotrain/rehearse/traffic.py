@@ -79,7 +79,9 @@ class Traffic:
         for attr, value in vars(pc).items():
             if attr.endswith("_pg") and isinstance(value, dist.ProcessGroup):
                 names[id(value)].append(attr[:-3])
-        self.names = {key: "|".join(sorted(v, key=len)) for key, v in names.items()}
+        order = ("tp", "cp", "pp", "ep", "dp", "dp_cp", "dp_cp_ep", "mp", "embedding", "world")
+        rank = {name: i for i, name in enumerate(order)}
+        self.names = {key: "|".join(sorted(v, key=lambda n: (rank.get(n, len(order)), n))) for key, v in names.items()}
 
     def _group_name(self, group) -> str:
         if group is None or group is dist.GroupMember.WORLD:
