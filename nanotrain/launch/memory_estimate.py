@@ -12,7 +12,9 @@ own cost-balanced split, ``llama_arch.rank_blocks``), and the largest total is r
   micro-batches a stage holds at once (``micro_batches_in_flight``: all m for afab, pp - rank for
   1f1b, ((v+1)pp - 2 rank - 1)/v interleaved); the last stage adds the head's saved tensors
   (final norm, fp32 logits): once (its virtual stage runs each backward right after the
-  forward) or m times (afab), and the logits' gradient; plus, under recompute, the one layer
+  forward) or m times (afab), and what its backward adds (``head_backward_bytes``: the logits'
+  gradients, the LM head weight's gradient in bf16 and its fp32 cast), which is over before
+  the layers' backward begins; plus, under recompute, the one layer
   (one micro-batch) whose dropped tensors backward recomputes at a time.
 - MoE (``model.moe``): a rank holds num_experts/ep experts of each MoE layer; its extra activations
   (k routed copies of each token, the experts' intermediates) are ``llama_activations.moe_extra_activation_bytes``.
@@ -113,7 +115,7 @@ def _per_layer_bytes(config: Config) -> dict[str, float]:
     dense_layer = next((i for i in range(mdl.num_layers) if not llama_arch.is_moe_layer(mdl, i)), None)
     out.update({f"params/{kind}": llama_arch.layer_parameters(mdl, p.tp, i, p.ep)
                 for kind, i in (("moe", moe_layer), ("dense", dense_layer)) if i is not None})
-    out["logits_grad"] = llama_activations.logits_bytes(mdl, local, t.micro_batch_size, p.tp) / 2
+    out["logits_grad"] = llama_activations.head_backward_bytes(mdl, local, t.micro_batch_size, p.tp)
     return out
 
 
@@ -137,19 +139,22 @@ def _stage_estimate(config: Config, pp_rank: int, rank, bytes_of: dict[str, floa
     stack = layers * bytes_of[f"layer/{mode}"] + (moe_layers * bytes_of[f"moe/{mode}"] if moe_layers else 0.0)
     in_flight = micro_batches_in_flight(config, pp_rank)
     saved = in_flight * stack
-    logits_grad = 0.0
-    if "final_norm" in names:  # the head: final norm, fp32 logits, and the logits' gradient
-        # The head sits in the last virtual stage, which runs each micro-batch's backward right
-        # after its forward (1f1b, interleaved): one in flight; afab holds all m.
-        heads = float(t.batch_accumulation_per_replica) if p.pp > 1 and p.pp_engine == "afab" else 1.0
-        saved += heads * bytes_of["head"]
-        logits_grad = bytes_of["logits_grad"]
     # One layer's dropped tensors, rebuilt in backward (an MoE layer's when the stage has one).
     recomputing = bytes_of["layer/none"] - bytes_of[f"layer/{mode}"]
     if moe_layers:
         recomputing += bytes_of["moe/none"] - bytes_of[f"moe/{mode}"]
-    return MemoryEstimate(weights / GB, grads / GB, optimizer / GB, (saved + logits_grad + recomputing) / GB,
-                          in_flight, layers, saved / GB)
+    working = recomputing  # the largest of backward's working sets, beside what stays saved
+    head_kept = 0.0  # the head's saved tensors (autograd's, for saved_activations)
+    if "final_norm" in names:  # the head: final norm, fp32 logits, and its backward's gradients
+        # The head sits in the last virtual stage, which runs each micro-batch's backward right
+        # after its forward (1f1b, interleaved): one in flight; afab holds all m. Its backward
+        # (logits' gradients) ends before the layers' backward (and recomputation) begins.
+        heads = float(t.batch_accumulation_per_replica) if p.pp > 1 and p.pp_engine == "afab" else 1.0
+        saved += (heads - 1) * bytes_of["head"]
+        head_kept = bytes_of["head"]
+        working = max(working, bytes_of["head"] + bytes_of["logits_grad"])
+    return MemoryEstimate(weights / GB, grads / GB, optimizer / GB, (saved + working) / GB,
+                          in_flight, layers, (saved + head_kept) / GB)
 
 
 def describe(config: Config) -> list[str]:

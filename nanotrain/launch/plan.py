@@ -19,7 +19,7 @@ Cost model (per optimizer step, nothing overlapped: an upper bound that ranks la
 - pipeline bubble: compute x (pp - 1) / (v x m) for 1f1b and afab (v = 1) and interleaved 1f1b
   with v virtual stages, m = batch_accumulation_per_replica;
 - tp: per layer and micro-batch, 4 all-reduces (ALL_REDUCE) or 4 all-gather/reduce-scatter pairs
-  (REDUCE_SCATTER, the same volume) of the b x s/cp x h activation in bf16, 6 under full
+  (REDUCE_SCATTER, the same volume) of the b x s/cp x h activation in bf16, 5 under full
   recompute, each moving 2 (t - 1)/t of it (ring);
 - cp (keys and values all-gathered, ``context_parallel.py``): per layer and micro-batch, the
   all-gather of this rank's K and V in forward (again under full recompute) and the
@@ -121,8 +121,8 @@ def traffic_bytes(config: Config, pp_rank: int | None = None) -> dict[str, float
     moves, and what ``--rehearse`` measures on a rank (``tests/test_estimate_rehearsed.py``).
 
     tp: per layer and micro-batch 4 collectives of the b x s/cp x h activation in bf16 (an
-    all-reduce, or an all-gather and a reduce-scatter pair: the same bytes), 6 under full
-    recompute (the row-parallel forward runs again), plus the embedding's (first stage) and the
+    all-reduce, or an all-gather and a reduce-scatter pair: the same bytes), 5 under full
+    recompute (the first row-parallel forward collective runs again), plus the embedding's (first stage) and the
     LM head's (last stage); cp: the k/v all-gathers and their gradients' reduce-scatter;
     pp: each micro-batch's activation forward and its gradient backward (the whole activation:
     tp ranks hold it replicated, a 1/tp shard with sequence parallelism); dp: the fp32 gradients
@@ -145,7 +145,9 @@ def _rank_traffic(config: Config, pp_rank: int, rank) -> dict[str, float]:
     layer_ids = rank.layers
     activation = local * m.hidden_size * 2  # bf16, one micro-batch on one rank
     ring = lambda group: 2 * (group - 1) / group  # noqa: E731 - of the bytes, per rank
-    tp_ops = (6 if t.recompute == "full" else 4) * len(layer_ids)
+    # full recompute: the row-parallel forward collectives run again in backward, all but the
+    # layer's last one (torch's non-reentrant checkpoint stops once the saved tensors are rebuilt)
+    tp_ops = (5 if t.recompute == "full" else 4) * len(layer_ids)
     tp_ops += ("embed" in names and pp_rank == 0) + ("final_norm" in names)  # embedding fwd, head's input grad
     kv = 2 * local * llama_arch.kv_heads(m) * llama_arch.head_dim(m) * 2 / p.tp
     gathers = 3 if t.recompute == "full" else 2  # k/v all-gather (forward, again), grads' reduce-scatter
@@ -187,7 +189,7 @@ def step_time(config: Config, memory, hw: Hardware) -> tuple[float, float, dict]
     sent = traffic_bytes(config)
     layers = -(-m.num_layers // p.pp)
     latency = hw.latency_us * 1e-6
-    collectives = 6 if t.recompute == "full" else 4
+    collectives = 5 if t.recompute == "full" else 4
     ring_steps = lambda group: 2 * (group - 1)  # noqa: E731 - latency-bound steps of one ring
     parts["tp"] = (collectives * layers * acc * ring_steps(p.tp) * latency
                    + sent["tp"] / (_bandwidth(p.tp, hw) * 1e9))

@@ -105,6 +105,16 @@ def moe_extra_activation_bytes(args: ModelArgs, sequence_length: int, micro_batc
     return 2 * values + routed * 2 * m.num_experts * 4
 
 
+def head_backward_bytes(args: ModelArgs, local_tokens: int, micro_batch_size: int, tp: int = 1) -> int:
+    """What the head's backward adds at its peak, beside the saved logits: the logits' fp32
+    gradient and, under autocast, its copy in the compute dtype (the LM head's matmul output
+    was bf16), and the LM head weight's gradient in the compute dtype with its fp32 cast, both
+    alive while the latter is accumulated into the fp32 gradient buffer."""
+    c, rows = compute_bytes(args), vocab_rows_per_rank(args, tp)
+    low = c if c < 4 else 0  # autocast: the low-precision copies
+    return local_tokens * micro_batch_size * rows * (4 + low) + (rows * args.hidden_size * (low + 4) if low else 0)
+
+
 def logits_bytes(args: ModelArgs, local_tokens: int, micro_batch_size: int, tp: int = 1) -> int:
     """The last stage's fp32 logits and their gradient for ``local_tokens`` per sequence, over
     this tp rank's (padded) vocabulary rows."""

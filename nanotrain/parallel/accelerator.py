@@ -103,6 +103,14 @@ def autocast_dtype(device_type: str):
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` view the same elements of the same storage. Asked of the storage object,
+    not of ``data_ptr()``, which is 0 for every tensor of a device without memory (the
+    rehearsal's meta device), where all tensors would look alike."""
+    return (a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset()
+            and a.shape == b.shape and a.stride() == b.stride())
+
+
 def of(device) -> object | None:
     """The accelerator of ``device`` (a ``torch.device`` or its name), None for the CPU and for
     devices nothing registered (a plain ``meta`` tensor in a unit test)."""

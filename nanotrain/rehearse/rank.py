@@ -120,6 +120,17 @@ def _sdpa_of(sdpa):
     return stand_in_sdpa
 
 
+def _built_on(device, build_model):
+    """The model built on the stand-in device itself: a GPU rank builds it on the host and moves
+    it (the same parameter objects: CPU and CUDA tensors swap storage in place), but a move to
+    meta makes new parameters and drops what nanotrain records on them (shard info), and the
+    host copy of a 70B shard would cost the rehearsal gigabytes and seconds of initialisation."""
+    def build(*args, **kwargs):
+        with torch.device(device):
+            return build_model(*args, **kwargs)
+    return build
+
+
 def _others_arrive_at_once():
     """Meetings of the whole job on its store (the data build's) end when this rank arrives."""
     from nanotrain.data import build
@@ -183,8 +194,10 @@ def rehearse_rank(config, rank: int, steps: int = 3, train_only: bool = False) -
         loads = functools.partial(trainer_module.load_checkpoint, strict=False)
         pc = None
         try:
+            patches = {"train_step": train_step, "load_checkpoint": loads,
+                       "build_model": _built_on(device, trainer_module.build_model)}
             with tracker, watch_tensor_factories(tracker), _world_of_copies(), _others_arrive_at_once(), \
-                    _balanced_routing(), _patched(trainer_module, {"train_step": train_step, "load_checkpoint": loads}):
+                    _balanced_routing(), _patched(trainer_module, patches):
                 build_samplers(cfg, builder=True, needs_data=True)  # the token cache rank 0 would make
                 pc = build_parallel_context(cfg)
                 traffic.name_groups(pc)

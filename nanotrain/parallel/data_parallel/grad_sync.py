@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanotrain.parallel import accelerator
 from nanotrain.parallel.collectives import all_gather_into, all_reduce, reduce_scatter_into
 from nanotrain.parallel.data_parallel import buckets as layout
 from nanotrain.parallel.progress import PROGRESS
@@ -106,10 +107,7 @@ class Bucket:
 
 
 def _same_storage(grad: Optional[torch.Tensor], view: torch.Tensor) -> bool:
-    return grad is view or (
-        grad is not None and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
-        and grad.stride() == view.stride()
-    )
+    return grad is view or (grad is not None and accelerator.same_memory(grad, view))
 
 
 class BucketedGradSync:

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanotrain.parallel import accelerator
 from nanotrain.parallel.collectives import all_gather_into
 from nanotrain.parallel.data_parallel.buckets import padded, shard_pieces
 from nanotrain.parallel.data_parallel.grad_sync import BucketedGradSync, grad_sync_of
@@ -265,7 +266,7 @@ class ZeroOneOptimizer(torch.optim.AdamW):
             for i, off in zip(d.indices, d.offsets):
                 p = self.params[i]
                 view = d.flat[off:off + p.numel()]
-                if p.data_ptr() != view.data_ptr():
+                if not accelerator.same_memory(p.data.reshape(-1), view):
                     view.copy_(p.data.reshape(-1))
                     p.data = view.view_as(p)
 

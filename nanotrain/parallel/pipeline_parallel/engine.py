@@ -71,7 +71,7 @@ class _ActivationMeter:
     ``add()`` books the bytes measured the first time)."""
 
     def __init__(self, params):
-        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.param_storages = {p.untyped_storage()._cdata for p in params}  # the storage object: data_ptr
         self.live = 0
         self.peak = 0
         self._seen: set[int] = set()
@@ -81,7 +81,7 @@ class _ActivationMeter:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
+        ptr = storage._cdata  # is 0 on a device without memory (meta)
         if ptr not in self.param_storages and ptr not in self._seen:
             self._seen.add(ptr)
             self._bytes += storage.nbytes()

@@ -29,7 +29,7 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         v_local = logits.shape[-1]
         start = rank * v_local
         x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # >= fp32 math; a copy we may overwrite
-        if x.data_ptr() == logits.data_ptr():
+        if x is logits:  # .to() returns the tensor itself when nothing changes
             x = x.clone()
         real = max(0, min(v_local, vocab_size - start))  # this rank's real (unpadded) columns
         if real < v_local:
