@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nanotrain-installed
 
-.PHONY: run test lint venv cluster-up cluster-down clean bench
+.PHONY: run test test-full lint venv cluster-up cluster-down clean bench
 
 venv: $(STAMP)
 
@@ -40,6 +40,11 @@ lint: venv
 # PYTEST_WORKERS=0 runs serially.
 PYTEST_WORKERS ?= 2
 test: venv lint cluster-up
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --no-loadscope-reorder -m "not full" $(PYTEST_ARGS)
+
+# `make test` plus the larger grids marked `full` (the 8B- and 70B-shaped memory-estimate and
+# traffic checks against --rehearse, tests/test_estimate_rehearsed.py).
+test-full: venv lint cluster-up
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --no-loadscope-reorder $(PYTEST_ARGS)
 
 # nanotrain vs PyTorch-native parallelism, side by side (< 20 min on 2 cores; QUICK=1: < 4 min).
