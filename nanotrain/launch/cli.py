@@ -265,6 +265,14 @@ def _plan_flags(args) -> list[str]:
     return [flag for flag, value in given if value is not None]
 
 
+def refuse_run_flags(args, mode: str, what: str) -> None:
+    """``mode`` (--plan, --rehearse) takes a config: --resume, --status and --local do not apply."""
+    other = [flag for flag, given in (("--resume", args.resume is not None), ("--status", args.status is not None),
+                                      ("--local", args.local)) if given]
+    if other:
+        raise ConfigError(f"{mode} {what}; it cannot be combined with {other[0]}")
+
+
 def plan(args) -> int:
     """`--plan`: the best layouts for the GPUs asked (plan.py); one `error:` line and exit 2
     for a bad request, or when no layout fits (with what would help)."""
@@ -272,10 +280,7 @@ def plan(args) -> int:
 
     if not args.plan:
         raise ConfigError(f"{_plan_flags(args)[0]} only applies to --plan: add --plan")
-    other = [flag for flag, given in (("--resume", args.resume is not None), ("--status", args.status is not None),
-                                      ("--local", args.local)) if given]
-    if other:
-        raise ConfigError(f"--plan takes a config and proposes layouts; it cannot be combined with {other[0]}")
+    refuse_run_flags(args, "--plan", "takes a config and proposes layouts")
     if args.config is None:
         raise ConfigError("--plan needs a config: submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]")
     config = load_config(args.config, args.set)
@@ -301,10 +306,7 @@ def rehearse(args) -> int:
                                    ("--json", args.json)) if on]
     if not args.rehearse:
         raise ConfigError(f"{given[0]} only applies to --rehearse: add --rehearse")
-    other = [flag for flag, on in (("--resume", args.resume is not None), ("--status", args.status is not None),
-                                   ("--local", args.local)) if on]
-    if other:
-        raise ConfigError(f"--rehearse runs a config's ranks here; it cannot be combined with {other[0]}")
+    refuse_run_flags(args, "--rehearse", "runs a config's ranks here")
     if args.config is None:
         raise ConfigError("--rehearse needs a config: submit.py CONFIG --rehearse [--rank R] [--steps N]")
     config = load_config(args.config, args.set)

@@ -107,12 +107,14 @@ def moe_extra_activation_bytes(args: ModelArgs, sequence_length: int, micro_batc
 
 def head_backward_bytes(args: ModelArgs, local_tokens: int, micro_batch_size: int, tp: int = 1) -> int:
     """What the head's backward adds at its peak, beside the saved logits: the logits' fp32
-    gradient and, under autocast, its copy in the compute dtype (the LM head's matmul output
-    was bf16), and the LM head weight's gradient in the compute dtype with its fp32 cast, both
-    alive while the latter is accumulated into the fp32 gradient buffer."""
+    gradient and, under autocast, its copy in the compute dtype (the LM head's matmul output was
+    bf16). Without tp the loss is autograd's own and its saved tensors live on while the LM head
+    weight's gradient is made, in the compute dtype and then its fp32 cast; the vocab-parallel
+    loss (tp > 1) frees its logits first, so that later phase is the smaller one."""
     c, rows = compute_bytes(args), vocab_rows_per_rank(args, tp)
     low = c if c < 4 else 0  # autocast: the low-precision copies
-    return local_tokens * micro_batch_size * rows * (4 + low) + (rows * args.hidden_size * (low + 4) if low else 0)
+    weight = rows * args.hidden_size * (low + 4) if low and tp == 1 else 0
+    return local_tokens * micro_batch_size * rows * (4 + low) + weight
 
 
 def logits_bytes(args: ModelArgs, local_tokens: int, micro_batch_size: int, tp: int = 1) -> int:
