@@ -80,13 +80,13 @@ def _world_of_copies():
 
 
 @contextlib.contextmanager
-def _balanced_routing():
+def _model_stand_ins():
     """Context parallelism's mask: a marker (``stand_in.LowerRight``) that its ``sdpa`` hands to
     the stand-in's kernel choice. MoE on the meta device: the real routing runs (its syncs and
     placements are recorded), then
     its counts, read back as zeros, become an equal share per expert; the count exchange's
     answer is every ep rank sending this rank's experts the same."""
-    from nanotrain.models import moe
+    from nanotrain.models import llama, moe
     from nanotrain.parallel import context_parallel, expert_parallel
 
     route, exchange = moe.route, expert_parallel.exchange_counts
@@ -105,7 +105,10 @@ def _balanced_routing():
         local = len(counts) // ep
         return [counts[me * local:(me + 1) * local] for _ in range(ep)]
 
-    with _patched(moe, {"route": balanced_route}), _patched(expert_parallel, {"exchange_counts": copies}), \
+    inits = {m: {"init_from_full_": _drawn_on_meta(m.init_from_full_)} for m in (llama, moe)
+             if hasattr(m, "init_from_full_")}
+    with _patched(moe, {"route": balanced_route, **inits.get(moe, {})}), _patched(llama, inits.get(llama, {})), \
+            _patched(expert_parallel, {"exchange_counts": copies}), \
             _patched(context_parallel, {"causal_lower_right": LowerRight, "sdpa": _sdpa_of(context_parallel.sdpa)}):
         yield
 
@@ -118,6 +121,14 @@ def _sdpa_of(sdpa):
         q, k, v = (t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in (q, k, v))
         return fused_attention(q, k, v, attn_mask=attn_mask, **kwargs)
     return stand_in_sdpa
+
+
+def _drawn_on_meta(init_from_full_):
+    """Weight initialisation draws the full tensor on the host and keeps this rank's slices; on
+    meta there is nothing to keep, and an 8B model's draws cost the rehearsal half a minute."""
+    def init(param, fill_fn, dtype=None):
+        return None if param.device.type == "meta" else init_from_full_(param, fill_fn, dtype)
+    return init
 
 
 def _built_on(device, build_model):
@@ -197,7 +208,7 @@ def rehearse_rank(config, rank: int, steps: int = 3, train_only: bool = False) -
             patches = {"train_step": train_step, "load_checkpoint": loads,
                        "build_model": _built_on(device, trainer_module.build_model)}
             with tracker, watch_tensor_factories(tracker), _world_of_copies(), _others_arrive_at_once(), \
-                    _balanced_routing(), _patched(trainer_module, patches):
+                    _model_stand_ins(), _patched(trainer_module, patches):
                 build_samplers(cfg, builder=True, needs_data=True)  # the token cache rank 0 would make
                 pc = build_parallel_context(cfg)
                 traffic.name_groups(pc)

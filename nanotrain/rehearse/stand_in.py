@@ -26,7 +26,7 @@ DEVICE = torch.device("meta")
 STUBS = (
     "kernels: every op computes shapes only (the meta device); values are never computed",
     "the model is built on the device directly (a GPU rank builds it on the host and moves it; "
-    "the parameters and what they record are the same)",
+    "the parameters and what they record are the same), and its initialisation draws nothing",
     "device-to-host copies give zeros, item()/bool() of a device tensor 0/False: the run goes on "
     "(each such read is still counted as a host sync)",
     "the other ranks: a world of copies of this one (the checkpoint protocol's answers and the "
