@@ -127,6 +127,35 @@ def test_a_host_tensor_in_a_device_op_is_named(tiny, monkeypatch):
     assert any(d.startswith("placement:") and "host tensor" in d for d in _defects(report)), _defects(report)
 
 
+# torch.distributed functions that move tensors between ranks (the ones nanotrain may call)
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+               "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "gather", "scatter",
+               "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv"}
+
+
+def test_both_contracts_cover_every_collective_nanotrain_calls():
+    """Every ``dist.<collective>`` the package calls is checked by the rehearsal's wrapper and by
+    the test ranks' contract (``tests/helpers/contract.py``); a new one must be added to both."""
+    import ast
+
+    from nanotrain.rehearse import traffic
+
+    from helpers import contract
+
+    called = set()
+    for path in (ROOT / "nanotrain").rglob("*.py"):
+        if "rehearse" in path.parts:  # the wrapper itself
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in ("dist", "_dist") and node.attr in COLLECTIVES):
+                called.add(node.attr)
+    assert {"all_reduce", "gather", "batch_isend_irecv"} <= called  # the scan sees them
+    p2p = {"isend", "irecv", "batch_isend_irecv"}  # checked as the batch they go in
+    assert called - p2p <= set(traffic._SPECS), called - set(traffic._SPECS)
+    assert called - p2p <= set(contract.TENSOR_COLLECTIVES), called - set(contract.TENSOR_COLLECTIVES)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--rehearse", "--rank", "8"], "--rank 8: the world of this config has ranks 0..7"),
     (["--rehearse", "--steps", "1"], "--steps 1: at least 2"),

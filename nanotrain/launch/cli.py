@@ -300,7 +300,9 @@ def rehearse(args) -> int:
     defect, one `error:` line and exit 2 for a bad request or a config that cannot be built."""
     from nanotrain.data import check_data_config
     from nanotrain.launch.memory_estimate import describe
+    from nanotrain.launch.plan import traffic_bytes
     from nanotrain.rehearse.report import rehearse as run
+    from nanotrain.rehearse.report import size
 
     given = [flag for flag, on in (("--rank", args.rank is not None), ("--steps", args.steps is not None),
                                    ("--json", args.json)) if on]
@@ -317,6 +319,11 @@ def rehearse(args) -> int:
         print("beside --dry-run's estimate (the busiest rank):")
         for line in describe(config):
             print(f"  {line}")
+        print("beside --plan's volumes (bytes one rank of each pp stage sends per step):")
+        p = config.parallelism
+        for pp in sorted({0, p.pp // 2, p.pp - 1}):
+            sent = traffic_bytes(config, pp)
+            print(f"  pp rank {pp}: " + (", ".join(f"{axis} {size(b)}" for axis, b in sent.items() if b) or "none"))
     return code
 
 

@@ -19,8 +19,8 @@ Cost model (per optimizer step, nothing overlapped: an upper bound that ranks la
 - pipeline bubble: compute x (pp - 1) / (v x m) for 1f1b and afab (v = 1) and interleaved 1f1b
   with v virtual stages, m = batch_accumulation_per_replica;
 - tp: per layer and micro-batch, 4 all-reduces (ALL_REDUCE) or 4 all-gather/reduce-scatter pairs
-  (REDUCE_SCATTER, the same volume) of the b x s/cp x h activation in bf16, 5 under full
-  recompute, each moving 2 (t - 1)/t of it (ring);
+  (REDUCE_SCATTER, the same volume) of the b x s/cp x h activation in the compute dtype (bf16
+  under autocast), 5 under full recompute, each moving 2 (t - 1)/t of it (ring);
 - cp (keys and values all-gathered, ``context_parallel.py``): per layer and micro-batch, the
   all-gather of this rank's K and V in forward (again under full recompute) and the
   reduce-scatter of their gradients in backward, (cp - 1) chunks each;
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from nanotrain.config import Config, ConfigError, validate
 from nanotrain.config.schema import MAX_WORLD
 from nanotrain.launch.memory_estimate import estimate_memory
-from nanotrain.models import llama_arch
+from nanotrain.models import llama_activations, llama_arch
 
 MARGIN = 0.10  # of the GPU's memory, kept free
 RESERVED_GB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation: outside the estimate
@@ -120,7 +120,7 @@ def traffic_bytes(config: Config, pp_rank: int | None = None) -> dict[str, float
     ring algorithms (default: the most of any pp rank, axis by axis): what the cost model below
     moves, and what ``--rehearse`` measures on a rank (``tests/test_estimate_rehearsed.py``).
 
-    tp: per layer and micro-batch 4 collectives of the b x s/cp x h activation in bf16 (an
+    tp: per layer and micro-batch 4 collectives of the b x s/cp x h activation in the compute dtype (an
     all-reduce, or an all-gather and a reduce-scatter pair: the same bytes), 5 under full
     recompute (the first row-parallel forward collective runs again), plus the embedding's (first stage) and the
     LM head's (last stage); cp: the k/v all-gathers and their gradients' reduce-scatter;
@@ -143,13 +143,14 @@ def _rank_traffic(config: Config, pp_rank: int, rank) -> dict[str, float]:
     acc = t.batch_accumulation_per_replica
     local = t.micro_batch_size * (t.sequence_length // p.cp)  # tokens of one micro-batch on one rank
     layer_ids = rank.layers
-    activation = local * m.hidden_size * 2  # bf16, one micro-batch on one rank
+    c = llama_activations.compute_bytes(m)  # the wire's dtype: bf16 under autocast, else fp32
+    activation = local * m.hidden_size * c  # one micro-batch on one rank
     ring = lambda group: 2 * (group - 1) / group  # noqa: E731 - of the bytes, per rank
     # full recompute: the row-parallel forward collectives run again in backward, all but the
     # layer's last one (torch's non-reentrant checkpoint stops once the saved tensors are rebuilt)
     tp_ops = (5 if t.recompute == "full" else 4) * len(layer_ids)
     tp_ops += ("embed" in names and pp_rank == 0) + ("final_norm" in names)  # embedding fwd, head's input grad
-    kv = 2 * local * llama_arch.kv_heads(m) * llama_arch.head_dim(m) * 2 / p.tp
+    kv = 2 * local * llama_arch.kv_heads(m) * llama_arch.head_dim(m) * c / p.tp
     gathers = 3 if t.recompute == "full" else 2  # k/v all-gather (forward, again), grads' reduce-scatter
     v = p.pp_virtual_stages
     chunks = [s for s in range(pp_rank, p.pp * v, p.pp)]  # this rank's virtual stages

@@ -1,8 +1,10 @@
 """The device contract of every tensor handed to torch.distributed, checked in test ranks.
 
-What NCCL needs and gloo forgives: every tensor of a collective or a P2P op on the rank's own
-device (a CPU tensor into an NCCL collective is an error on a GPU), contiguous, of a dtype NCCL
-has (no bool, no complex), and no ``*_object`` collective (they pickle, and on NCCL they move
+What NCCL needs and gloo forgives (its device part can only fire where the rank's device is
+not the CPU: ``--rehearse`` checks the same on its stand-in device, ``rehearse/traffic.py``):
+every tensor of a collective or a P2P op on the rank's own device (a CPU tensor into an NCCL
+collective is an error on a GPU), contiguous, of a dtype NCCL has (no bool, no complex), and no
+``*_object`` collective (they pickle, and on NCCL they move
 their bytes through the GPU and sync the host). ``install(device)`` wraps torch.distributed's
 functions in this process: a violation raises at the call, and every call is recorded with its
 caller's module and the dtypes it moved, so a test can also check *what precision* crossed the
@@ -20,7 +22,7 @@ NCCL_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torc
                torch.int8, torch.uint8}
 TENSOR_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
                       "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
-                      "reduce", "all_to_all_single", "all_to_all", "send", "recv")
+                      "reduce", "all_to_all_single", "all_to_all", "send", "recv", "gather", "scatter")
 # isend/irecv stay unwrapped: P2POp accepts only the original functions; batch_isend_irecv, which
 # every P2P of ours goes through, is checked instead.
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
