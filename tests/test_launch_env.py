@@ -98,3 +98,15 @@ def test_every_launcher_exports_local_world_size(env, launcher):
     dist_env = setup_distributed_env()
     assert os.environ["LOCAL_WORLD_SIZE"] == str(dist_env.local_world_size)
     assert os.environ["LOCAL_RANK"] == str(dist_env.local_rank)
+
+
+def test_free_port_is_below_the_ephemeral_range():
+    """A port the kernel hands to no other socket between the launcher's check and rank 0's bind
+    (ephemeral ports are: another job's gloo connections took one now and then: EADDRINUSE)."""
+    from nanotrain.launch.env import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports), (low, ports)
+    assert len(ports) > 1  # drawn at random, not the same first free port for every launcher
+    assert _ephemeral_low("/nonexistent") == 32768

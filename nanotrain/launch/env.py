@@ -10,8 +10,10 @@ of the node's GPUs and picks `LOCAL_RANK` itself (see ParallelContext).
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
 _RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -47,10 +49,34 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> str:
 
 
 def free_port() -> int:
-    """A port free right now on this host (the local launcher hands it to every rank)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A port free right now on this host, below the kernel's ephemeral range (the local
+    launcher hands it to every rank; rank 0's store binds it moments later).
+
+    Why not port 0's answer: that is an ephemeral port, and between this check and rank 0's
+    bind the kernel may hand the same port to any other process's socket (another job's gloo
+    pairs open dozens each), so rank 0 failed now and then with EADDRINUSE. Ports below the
+    ephemeral range are only ever taken by an explicit bind, and this one is drawn at random."""
+    low = _ephemeral_low()
+    candidates = list(range(max(1024, low - 12000), low))
+    random.SystemRandom().shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # all taken: the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768, its default, elsewhere)."""
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def export_user_env(variables: Mapping[str, str]) -> None:
