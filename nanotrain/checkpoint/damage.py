@@ -5,7 +5,7 @@ every other part of the code counts as good (``latest``, the loader's candidates
 pruning, the save that skips a step ``latest`` already names). A checkpoint that failed
 verification and kept its name would go on being counted: the next save at that step was skipped
 because the directory "existed", pruning could delete the last good checkpoint to keep the
-damaged one, and every resume fell back past it again (issue 17, item 1). Renaming it to
+damaged one, and every resume fell back past it again. Renaming it to
 ``step_N.damaged`` (``step_N.damaged-2``, ... if that exists) takes it out of all of those at
 once — the name matches neither ``step_N`` nor the ``*.tmp`` leftovers that a save deletes — while
 the bytes stay on disk for inspection, with ``DAMAGED.txt`` saying what was wrong and when. A

@@ -3,7 +3,7 @@
 Why: a non-string or mixed text column, a binary or non-JSON `.jsonl`, a file of empty lines, a
 corrupt parquet file and too little data for one global batch were found only by the rank that
 tokenises — after the run directory was made, the ranks started and (on SLURM) the job waited in
-the queue (issue 17, item 6). Reading everything before launch would cost what tokenising costs,
+the queue. Reading everything before launch would cost what tokenising costs,
 so this reads at most ``SAMPLE_FILES`` files, from each the first ``HEAD_BYTES`` and the last
 ``TAIL_BYTES`` (or the first row group of the text column of a parquet file), plus file sizes and
 parquet footers. What the sample cannot see is still found by the rank, and reported there as

@@ -371,7 +371,7 @@ def _main(argv: list[str] | None) -> int:
         run_dir = rundir.resolve_run(config, config_arg)
         validate_names(config)  # again: the default run name is only known now
         check_paths(config, run_dir, args.emit)
-        from nanotrain.launch.preflight import before_launch  # live owner / job, resume target (issue 17)
+        from nanotrain.launch.preflight import before_launch  # live owner / job, resume target
 
         for note in before_launch(config, run_dir, launching=not (args.dry_run or args.emit)):
             print(f"warning: {note}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""The hang watchdog: a thread per rank that ends a stuck job loudly, with a report (issue 16).
+"""The hang watchdog: a thread per rank that ends a stuck job loudly, with a report.
 
 Why a thread of our own: a rank that waits for a peer that never comes (a stopped process, a
 dead node, a rank asleep in its own code) is only noticed by the process-group timeout, and

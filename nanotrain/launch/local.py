@@ -91,7 +91,7 @@ def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool
         ranks.start(stream_ranks=() if quiet else stream_ranks, stop_starting=lambda: bool(interrupts))
         # submit.py held stop signals pending since its start (the ranks inherited that mask and
         # release it once their own handler exists): deliver them now that every rank exists, so
-        # each gets them (issue 17 item 9). Ctrl-C is not held: it stops the start-up above.
+        # each gets them. Ctrl-C is not held: it stops the start-up above.
         unblock_stop_signals()
         status = _wait(ranks, interrupts, None if timeout_s is None else time.monotonic() + timeout_s)
         failed = ranks.failure()

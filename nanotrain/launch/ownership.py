@@ -1,4 +1,4 @@
-"""One owner at a time for a run directory and its checkpoint directory (issue 17, item 2).
+"""One owner at a time for a run directory and its checkpoint directory.
 
 Why: a second run started in a live run's directory resumed from its checkpoints, deleted its
 in-progress `step_N.tmp` as a "leftover" (the first then died) and interleaved logs; a run whose

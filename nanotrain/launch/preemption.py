@@ -17,8 +17,8 @@ together and return; the task (`task.py`) then decides, on rank 0, what the stop
   only needs `--resume`. (Measured on Slurm 22.05: shared/research and tests/test_slurm_cancel.py.)
 
 This module imports nothing but the standard library, so a task installs the handler before it
-imports torch or submitit (a signal during those seconds used to kill the process, issue 17 item
-9), and the local launcher blocks the stop signals until its ranks have their handlers.
+imports torch or submitit (a signal during those seconds used to kill the process), and the
+local launcher blocks the stop signals until its ranks have their handlers.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`submit.py`'s last checks before it queues a job or starts local ranks (issue 17, items 2, 3, 6).
+"""`submit.py`'s last checks before it queues a job or starts local ranks.
 
 Each of these used to be found only inside the ranks (after the run directory was rewritten and,
 on SLURM, after the job waited in the queue), or not at all:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 # Stop signals first: the handler's module is standard library only, and under
 # `python -m nanotrain.launch.task` a signal during the imports below (submitit, then torch:
-# seconds) would otherwise kill the task (issue 17, item 9).
+# seconds) would otherwise kill the task.
 from nanotrain.launch.preemption import (
     SIGNAL_STOP,
     PreemptionHandler,

@@ -1,4 +1,4 @@
-"""`perf/step_time_max_over_median`: the slowest rank's step time over the median rank's (issue 16).
+"""`perf/step_time_max_over_median`: the slowest rank's step time over the median rank's.
 
 Why: a node that slows down (thermal throttling, a failing link, a noisy neighbour) is the usual
 prelude to a hang, and it shows first as one rank taking longer than the rest. Every

@@ -1,4 +1,4 @@
-"""Where this rank is right now: step, phase, and the last collective it entered (issue 16).
+"""Where this rank is right now: step, phase, and the last collective it entered.
 
 Why: when a job hangs, every rank but one sits in a collective waiting for the one that never
 comes, and the process-group timeout only says "timed out" on the ranks that waited. The hang

@@ -1,4 +1,4 @@
-"""`training.profile: {start_step, num_steps}`: torch.profiler traces of the asked steps (issue 16).
+"""`training.profile: {start_step, num_steps}`: torch.profiler traces of the asked steps.
 
 Each rank writes `<run>/profile/rank-R.steps-S-E.pt.trace.json` (Chrome trace format: CPU ops,
 CUDA kernels on a GPU, memory events), which TensorBoard's profiler plugin

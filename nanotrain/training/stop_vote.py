@@ -24,7 +24,7 @@ event only. On the CPU the flags are read where they are.
 
 Why settle before every save: a step with a non-finite loss or gradient has already poisoned
 the weights (AdamW applied the NaN), so a save after it would overwrite the last finite
-checkpoint with garbage every resume then loads (issue 17, item 4). A step that saves (interval,
+checkpoint with garbage every resume then loads. A step that saves (interval,
 preemption, the end) reads its own vote first; saves are rare, so the sync is too.
 
 Why a third number: an asynchronous checkpoint (``checkpoints.async_save``) is committed with a
