@@ -338,7 +338,7 @@ def write_token_cache(config_path: Path, cache_dir: str | None = None, max_docum
 
     from nanotrain.config import load_config
     from nanotrain.config.files import atomic_write
-    from nanotrain.data.dataset import FORMAT_VERSION, cache_location, default_cache_dir
+    from nanotrain.data.dataset import cache_location, default_cache_dir, write_cache_meta
     from nanotrain.data.sources import STDLIB, resolve_source
     from nanotrain.data.tokenizer import load_tokenizer, token_dtype
 
@@ -368,13 +368,7 @@ def write_token_cache(config_path: Path, cache_dir: str | None = None, max_docum
 
     os.makedirs(path, exist_ok=True)
     atomic_write(os.path.join(path, "tokens.bin"), write)
-    meta = {"format_version": FORMAT_VERSION, "source": source.spec, "kind": source.kind,
-            "text_column": d.text_column, "tokenizer": tokenizer.name,
-            "tokenizer_fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
-            "separator_id": tokenizer.separator_id, "dtype": dtype.name,
-            "num_tokens": counts["tokens"], "num_documents": counts["docs"],
-            "max_documents": max_documents, "key": key}
-    atomic_write(meta_path, lambda fh: fh.write(json.dumps(meta, indent=1).encode()))
+    write_cache_meta(path, source, d.text_column, tokenizer, dtype, counts, max_documents, key)
     return {"path": path, "written": True, "tokens": counts["tokens"], "documents": counts["docs"]}
 
 

@@ -151,6 +151,19 @@ def validation_args(data_args):
     return replace(data_args, source=data_args.validation.source, sources=[])
 
 
+def write_cache_meta(path: str, source, text_column: str, tokenizer, dtype, counts: dict,
+                     max_documents: Optional[int], key: str) -> None:
+    """The cache's ``meta.json``, written last (atomically): what was tokenised, how, and how much;
+    a cache without it is not complete."""
+    meta = {"format_version": FORMAT_VERSION, "source": source.spec, "kind": source.kind,
+            "text_column": text_column, "tokenizer": tokenizer.name,
+            "tokenizer_fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
+            "separator_id": tokenizer.separator_id, "dtype": dtype.name,
+            "num_tokens": counts["tokens"], "num_documents": counts["docs"],
+            "max_documents": max_documents, "key": key}
+    atomic_write(os.path.join(path, "meta.json"), lambda fh: fh.write(json.dumps(meta, indent=1).encode()))
+
+
 def cache_location(source: Source, tokenizer: Tokenizer, data_args, cache_dir: str,
                    max_documents: Optional[int] = None) -> tuple[str, str]:
     """(cache folder, key) of a source: what `build` reads or writes, known without tokenising."""
@@ -267,11 +280,4 @@ def _tokenise(source: Source, tokenizer: Tokenizer, data_args, path: str, key: s
         os.remove(os.path.join(path, "tokens.bin"))
         raise DataError(f"data.source: {source.spec!r} has {len(texts)} documents but every "
                         f"{data_args.text_column!r} is empty; point data.source at data with text")
-    meta = {"format_version": FORMAT_VERSION, "source": source.spec, "kind": source.kind,
-            "text_column": data_args.text_column, "tokenizer": tokenizer.name,
-            "tokenizer_fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
-            "separator_id": tokenizer.separator_id, "dtype": dtype.name,
-            "num_tokens": counts["tokens"], "num_documents": counts["docs"],
-            "max_documents": max_documents, "key": key}
-    atomic_write(os.path.join(path, "meta.json"),
-                  lambda fh: fh.write(json.dumps(meta, indent=1).encode()))
+    write_cache_meta(path, source, data_args.text_column, tokenizer, dtype, counts, max_documents, key)
