@@ -18,7 +18,7 @@ import pytest
 
 from nanotrain.config import load_config
 from nanotrain.launch import memory_estimate
-from nanotrain.launch.plan import traffic_bytes
+from nanotrain.launch.comm_volume import traffic_bytes
 from nanotrain.models import llama_arch
 from nanotrain.rehearse.rank import rehearse_rank
 from nanotrain.rehearse.report import grid_of, step_bytes

@@ -99,7 +99,7 @@ def test_cost_model_ranks_what_it_should():
 
     def cost(**layout):
         config = load_config(CONFIG, LLAMA_8B + [f"{k.replace('__', '.')}={v}" for k, v in layout.items()])
-        return planner.step_time(config, estimate_memory(config), hw)
+        return planner.step_time(config, hw)
 
     one = cost(parallelism__dp=1, parallelism__pp=4, training__batch_accumulation_per_replica=8)
     more = cost(parallelism__dp=1, parallelism__pp=4, training__batch_accumulation_per_replica=16)
@@ -117,8 +117,8 @@ def test_cost_model_ranks_what_it_should():
     assert 1.25 < full[2]["compute"] / none[2]["compute"] < 1.4  # one more forward of the layers
     tp8 = load_config(CONFIG, LLAMA_8B + ["parallelism.dp=1", "parallelism.tp=8", "parallelism.pp=1",
                                           "training.batch_accumulation_per_replica=64"])
-    inside = planner.step_time(tp8, estimate_memory(tp8), hw)
-    across = planner.step_time(tp8, estimate_memory(tp8), planner.Hardware(gpus_per_node=4))
+    inside = planner.step_time(tp8, hw)
+    across = planner.step_time(tp8, planner.Hardware(gpus_per_node=4))
     assert across[2]["tp"] > 5 * inside[2]["tp"] > 0
 
 

@@ -299,8 +299,8 @@ def rehearse(args) -> int:
     """`--rehearse`: ranks of the job on the stand-in device (nanotrain/rehearse); exit 1 on a
     defect, one `error:` line and exit 2 for a bad request or a config that cannot be built."""
     from nanotrain.data import check_data_config
+    from nanotrain.launch.comm_volume import traffic_bytes
     from nanotrain.launch.memory_estimate import describe
-    from nanotrain.launch.plan import traffic_bytes
     from nanotrain.rehearse.report import rehearse as run
     from nanotrain.rehearse.report import size
 

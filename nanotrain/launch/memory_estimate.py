@@ -59,8 +59,7 @@ def stage_parameters(config: Config, pp_rank: int | None = None) -> tuple[int, i
     p = config.parallelism
     r = busiest_stage(config) if pp_rank is None else pp_rank
     rank = llama_arch.rank_summaries(config.model, p.pp, p.pp_virtual_stages)[r]
-    est = _stage_estimate(config, r, rank, _per_layer_bytes(config))
-    return round(est.weights * GB / 4), len(rank.layers)
+    return llama_arch.rank_parameters(config.model, rank, p.tp, p.ep)[0], len(rank.layers)
 
 
 def busiest_stage(config: Config) -> int:
@@ -111,10 +110,6 @@ def _per_layer_bytes(config: Config) -> dict[str, float]:
         out.update({f"moe/{mode}": llama_activations.moe_extra_activation_bytes(
             mdl, t.sequence_length, t.micro_batch_size, recompute=mode, **common) for mode in {"none", t.recompute}})
     out["head"] = llama_activations.head_saved_bytes(mdl, local, t.micro_batch_size, p.tp, p.tp_mode)
-    moe_layer = next((i for i in range(mdl.num_layers) if llama_arch.is_moe_layer(mdl, i)), None)
-    dense_layer = next((i for i in range(mdl.num_layers) if not llama_arch.is_moe_layer(mdl, i)), None)
-    out.update({f"params/{kind}": llama_arch.layer_parameters(mdl, p.tp, i, p.ep)
-                for kind, i in (("moe", moe_layer), ("dense", dense_layer)) if i is not None})
     out["logits_grad"] = llama_activations.head_backward_bytes(mdl, local, t.micro_batch_size, p.tp)
     return out
 
@@ -125,12 +120,10 @@ def _stage_estimate(config: Config, pp_rank: int, rank, bytes_of: dict[str, floa
     layers, names = len(rank.layers), rank.others
     # MoE layers (model.moe) add the routed token copies and the experts' intermediates.
     moe_layers = rank.moe_layers
-    params = (sum(llama_arch.block_parameters(mdl, name, p.tp, p.ep) for name in names)
-              + moe_layers * bytes_of.get("params/moe", 0) + (layers - moe_layers) * bytes_of.get("params/dense", 0))
+    params, experts = llama_arch.rank_parameters(mdl, rank, p.tp, p.ep)
     weights = grads = 4 * params
     # ZeRO-1 shards the dense states over dp x cp x ep (their replicas) and the routed experts'
     # over dp x cp (each expert shard's replicas).
-    experts = moe_layers * llama_arch.routed_expert_parameters(mdl, p.ep) if mdl.moe else 0
     if config.optimizer.zero_stage == 1:
         optimizer = 8 * ((params - experts) / (p.dp * p.cp * p.ep) + experts / (p.dp * p.cp))
     else:

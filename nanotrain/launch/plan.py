@@ -45,8 +45,9 @@ from dataclasses import dataclass
 
 from nanotrain.config import Config, ConfigError, validate
 from nanotrain.config.schema import MAX_WORLD
+from nanotrain.launch.comm_volume import cp_collectives_per_layer, tp_collectives_per_layer, traffic_bytes
 from nanotrain.launch.memory_estimate import estimate_memory
-from nanotrain.models import llama_activations, llama_arch
+from nanotrain.models import llama_arch
 
 MARGIN = 0.10  # of the GPU's memory, kept free
 RESERVED_GB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation: outside the estimate
@@ -115,67 +116,7 @@ def _bandwidth(span: int, hw: Hardware) -> float:
     return hw.intra_node_gbs if span <= hw.gpus_per_node else hw.inter_node_gbs
 
 
-def traffic_bytes(config: Config, pp_rank: int | None = None) -> dict[str, float]:
-    """Bytes one rank of pipeline rank ``pp_rank`` sends per optimizer step on each axis, under
-    ring algorithms (default: the most of any pp rank, axis by axis): what the cost model below
-    moves, and what ``--rehearse`` measures on a rank (``tests/test_estimate_rehearsed.py``).
-
-    tp: per layer and micro-batch 4 collectives of the b x s/cp x h activation in the compute dtype (an
-    all-reduce, or an all-gather and a reduce-scatter pair: the same bytes), 5 under full
-    recompute (the first row-parallel forward collective runs again), plus the embedding's (first stage) and the
-    LM head's (last stage); cp: the k/v all-gathers and their gradients' reduce-scatter;
-    pp: each micro-batch's activation forward and its gradient backward (the whole activation:
-    tp ranks hold it replicated, a 1/tp shard with sequence parallelism); dp: the fp32 gradients
-    of this rank's parameters over their replicas (dp x cp; experts over dp x cp, the dense
-    rest over dp x cp x ep), 2 (d - 1)/d of them (ZeRO-1's reduce-scatter + all-gather too)."""
-    p = config.parallelism
-    ranks = llama_arch.rank_summaries(config.model, p.pp, p.pp_virtual_stages)
-    if pp_rank is not None:
-        return _rank_traffic(config, pp_rank, ranks[pp_rank])
-    every = [_rank_traffic(config, r, ranks[r])
-             for r in llama_arch.distinct_ranks(config.model, p.pp, p.pp_virtual_stages)]
-    return {axis: max(e[axis] for e in every) for axis in every[0]}
-
-
-def _rank_traffic(config: Config, pp_rank: int, rank) -> dict[str, float]:
-    m, p, t = config.model, config.parallelism, config.training
-    names = rank.others
-    acc = t.batch_accumulation_per_replica
-    local = t.micro_batch_size * (t.sequence_length // p.cp)  # tokens of one micro-batch on one rank
-    layer_ids = rank.layers
-    c = llama_activations.compute_bytes(m)  # the wire's dtype: bf16 under autocast, else fp32
-    activation = local * m.hidden_size * c  # one micro-batch on one rank
-    ring = lambda group: 2 * (group - 1) / group  # noqa: E731 - of the bytes, per rank
-    # full recompute: the row-parallel forward collectives run again in backward, all but the
-    # layer's last one (torch's non-reentrant checkpoint stops once the saved tensors are rebuilt)
-    tp_ops = (5 if t.recompute == "full" else 4) * len(layer_ids)
-    tp_ops += ("embed" in names and pp_rank == 0) + ("final_norm" in names)  # embedding fwd, head's input grad
-    kv = 2 * local * llama_arch.kv_heads(m) * llama_arch.head_dim(m) * c / p.tp
-    gathers = 3 if t.recompute == "full" else 2  # k/v all-gather (forward, again), grads' reduce-scatter
-    v = p.pp_virtual_stages
-    chunks = [s for s in range(pp_rank, p.pp * v, p.pp)]  # this rank's virtual stages
-    sends = sum((s < p.pp * v - 1) + (s > 0) for s in chunks) * acc if p.pp > 1 else 0
-    message = activation / (p.tp if p.tp_mode == "REDUCE_SCATTER" else 1)
-    dense, experts = _replicated_parameters(config, rank)
-    return {"tp": tp_ops * acc * ring(p.tp) * activation,
-            "cp": gathers * (p.cp - 1) * kv * len(layer_ids) * acc,
-            "pp": sends * message,
-            "dp": 4 * (ring(p.dp * p.cp * p.ep) * dense + ring(p.dp * p.cp) * experts)}
-
-
-def _replicated_parameters(config: Config, rank) -> tuple[int, int]:
-    """(dense, routed-expert) parameters of one rank holding ``rank`` (a RankSummary)."""
-    m, p = config.model, config.parallelism
-    total = sum(llama_arch.block_parameters(m, n, p.tp, p.ep) for n in rank.others)
-    if rank.first_dense is not None:
-        total += (len(rank.layers) - rank.moe_layers) * llama_arch.layer_parameters(m, p.tp, rank.first_dense, p.ep)
-    if rank.first_moe is not None:
-        total += rank.moe_layers * llama_arch.layer_parameters(m, p.tp, rank.first_moe, p.ep)
-    experts = rank.moe_layers * llama_arch.routed_expert_parameters(m, p.ep) if m.moe else 0
-    return total - experts, experts
-
-
-def step_time(config: Config, memory, hw: Hardware) -> tuple[float, float, dict]:
+def step_time(config: Config, hw: Hardware) -> tuple[float, float, dict]:
     """(step seconds, model FLOPs per step, the parts) of the cost model in the module doc."""
     m, p, t = config.model, config.parallelism, config.training
     n = p.world_size
@@ -190,12 +131,11 @@ def step_time(config: Config, memory, hw: Hardware) -> tuple[float, float, dict]
     sent = traffic_bytes(config)
     layers = -(-m.num_layers // p.pp)
     latency = hw.latency_us * 1e-6
-    collectives = 5 if t.recompute == "full" else 4
     ring_steps = lambda group: 2 * (group - 1)  # noqa: E731 - latency-bound steps of one ring
-    parts["tp"] = (collectives * layers * acc * ring_steps(p.tp) * latency
+    parts["tp"] = (tp_collectives_per_layer(t.recompute) * layers * acc * ring_steps(p.tp) * latency
                    + sent["tp"] / (_bandwidth(p.tp, hw) * 1e9))
-    gathers = 3 if t.recompute == "full" else 2
-    parts["cp"] = gathers * (p.cp - 1) * layers * acc * latency + sent["cp"] / (_bandwidth(p.tp * p.cp, hw) * 1e9)
+    parts["cp"] = (cp_collectives_per_layer(t.recompute) * (p.cp - 1) * layers * acc * latency
+                   + sent["cp"] / (_bandwidth(p.tp * p.cp, hw) * 1e9))
     messages = 0 if p.pp == 1 else 2 * p.pp_virtual_stages * acc
     parts["pp"] = messages * latency + sent["pp"] / (_bandwidth(n, hw) * 1e9)
     parts["dp"] = ring_steps(p.dp * p.cp) * latency + sent["dp"] / (_bandwidth(p.tp * p.cp * p.dp, hw) * 1e9)
@@ -306,7 +246,7 @@ def make_plan(config: Config, gpus: int, gpu_memory_gb: float, hw: Hardware, sho
         if est.total > budget:
             leanest.append((est.total, cand))
             continue
-        seconds, flops, parts = step_time(cand, est, hw)
+        seconds, flops, parts = step_time(cand, hw)
         scored.append((seconds, est.total, cand, flops, parts))
     scored.sort(key=lambda s: (s[0], s[1]))
     proposals, rejected, seen = [], None, {}

@@ -143,9 +143,7 @@ def rank_blocks(args: ModelArgs, pp: int = 1, pp_rank: int = 0, virtual_stages: 
     return list(every_rank_blocks(args, pp, virtual_stages)[pp_rank])
 
 
-_EVERY_RANK: dict[tuple, list[list[str]]] = {}  # _split_key -> every_rank_blocks
-_DISTINCT: dict[tuple, list[int]] = {}  # _split_key -> distinct_ranks
-_SUMMARY: dict[tuple, list] = {}  # _split_key -> rank_summaries
+_MEMO: dict[tuple, object] = {}  # (what, _split_key) -> every_rank_blocks / rank_summaries / distinct_ranks
 
 
 def _split_key(args: ModelArgs, pp: int, virtual_stages: int) -> tuple:
@@ -154,6 +152,17 @@ def _split_key(args: ModelArgs, pp: int, virtual_stages: int) -> tuple:
     return (args.num_layers, args.hidden_size, args.intermediate_size, args.num_attention_heads,
             args.num_key_value_heads, args.vocab_size, args.max_position_embeddings, args.tie_word_embeddings,
             repr(args.moe) if args.moe else None, pp, virtual_stages)
+
+
+def _memoised(what: str, args: ModelArgs, pp: int, virtual_stages: int, build):
+    """``build()``, once per (``what``, split key): ``--plan`` asks for the same model's split at
+    every candidate layout. Callers must not modify what it returns."""
+    key = (what, _split_key(args, pp, virtual_stages))
+    if key not in _MEMO:
+        if len(_MEMO) > 3072:
+            _MEMO.clear()
+        _MEMO[key] = build()
+    return _MEMO[key]
 
 
 @dataclass(frozen=True)
@@ -169,11 +178,8 @@ class RankSummary:
 
 
 def rank_summaries(args: ModelArgs, pp: int = 1, virtual_stages: int = 1) -> list[RankSummary]:
-    """``RankSummary`` of every pp rank (memoised, like ``every_rank_blocks``)."""
-    key = _split_key(args, pp, virtual_stages)
-    if key not in _SUMMARY:
-        if len(_SUMMARY) > 1024:
-            _SUMMARY.clear()
+    """``RankSummary`` of every pp rank (memoised)."""
+    def build():
         out = []
         for names in every_rank_blocks(args, pp, virtual_stages):
             layers = tuple(int(n.split(".")[1]) for n in names if n.startswith("layers."))
@@ -181,37 +187,38 @@ def rank_summaries(args: ModelArgs, pp: int = 1, virtual_stages: int = 1) -> lis
             out.append(RankSummary(layers, sum(kinds), tuple(n for n in names if not n.startswith("layers.")),
                                    next((i for i, k in zip(layers, kinds) if not k), None),
                                    next((i for i, k in zip(layers, kinds) if k), None)))
-        _SUMMARY[key] = out
-    return _SUMMARY[key]
+        return out
+    return _memoised("summaries", args, pp, virtual_stages, build)
+
+
+def rank_parameters(args: ModelArgs, rank: RankSummary, tp: int = 1, ep: int = 1) -> tuple[int, int]:
+    """(all, routed-expert) parameters of one (tp, ep) rank holding ``rank``'s blocks."""
+    total = sum(block_parameters(args, n, tp, ep) for n in rank.others)
+    if rank.first_dense is not None:
+        total += (len(rank.layers) - rank.moe_layers) * layer_parameters(args, tp, rank.first_dense, ep)
+    if rank.first_moe is not None:
+        total += rank.moe_layers * layer_parameters(args, tp, rank.first_moe, ep)
+    return total, rank.moe_layers * routed_expert_parameters(args, ep) if args.moe else 0
 
 
 def every_rank_blocks(args: ModelArgs, pp: int = 1, virtual_stages: int = 1) -> list[list[str]]:
-    """``rank_blocks`` of every pp rank, from one stage split; memoised (``--plan`` asks for the
-    same model at every candidate layout). Callers must not modify the lists."""
-    key = _split_key(args, pp, virtual_stages)
-    if key not in _EVERY_RANK:
-        if len(_EVERY_RANK) > 1024:
-            _EVERY_RANK.clear()
-        _EVERY_RANK[key] = _every_rank_blocks(args, pp, virtual_stages)
-    return _EVERY_RANK[key]
+    """``rank_blocks`` of every pp rank, from one stage split (memoised)."""
+    return _memoised("blocks", args, pp, virtual_stages, lambda: _every_rank_blocks(args, pp, virtual_stages))
 
 
 def distinct_ranks(args: ModelArgs, pp: int = 1, virtual_stages: int = 1) -> list[int]:
     """The pp ranks whose blocks can differ in what planning asks of them: the first of each run
     of ranks holding the same count of (dense, MoE) layers and the same other blocks (a later
     one holds no more micro-batches in flight and sends no more), and the last. Memoised."""
-    key = _split_key(args, pp, virtual_stages)
-    if key not in _DISTINCT:
-        if len(_DISTINCT) > 1024:
-            _DISTINCT.clear()
+    def build():
         out, seen = [], set()
         for r, rank in enumerate(rank_summaries(args, pp, virtual_stages)):
             shape = (len(rank.layers), rank.moe_layers, rank.others)
             if shape not in seen or r == pp - 1:
                 seen.add(shape)
                 out.append(r)
-        _DISTINCT[key] = out
-    return _DISTINCT[key]
+        return out
+    return _memoised("distinct", args, pp, virtual_stages, build)
 
 
 def _every_rank_blocks(args: ModelArgs, pp: int, virtual_stages: int) -> list[list[str]]:

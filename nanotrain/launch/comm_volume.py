@@ -1,0 +1,67 @@
+"""Bytes one rank sends per optimizer step on each parallel axis: the communication part of
+``--plan``'s cost model (``plan.step_time`` turns them into seconds) and what ``--rehearse``
+measures on a rank, so the two are compared (``tests/test_estimate_rehearsed.py``). Pure
+arithmetic on the config and the model's own stage split (``llama_arch.rank_summaries``).
+"""
+from __future__ import annotations
+
+from nanotrain.config import Config
+from nanotrain.models import llama_activations, llama_arch
+
+
+def tp_collectives_per_layer(recompute: str) -> int:
+    """tp collectives of one layer and micro-batch: 2 row-parallel in forward, 2 column-parallel
+    in backward; full recompute runs the forward's again in backward, all but the layer's last
+    (torch's non-reentrant checkpoint stops once the saved tensors are rebuilt)."""
+    return 5 if recompute == "full" else 4
+
+
+def cp_collectives_per_layer(recompute: str) -> int:
+    """cp collectives of one layer and micro-batch: the k/v all-gather (again under full
+    recompute) and their gradients' reduce-scatter."""
+    return 3 if recompute == "full" else 2
+
+
+def traffic_bytes(config: Config, pp_rank: int | None = None) -> dict[str, float]:
+    """Bytes one rank of pipeline rank ``pp_rank`` sends per optimizer step on each axis, under
+    ring algorithms (default: the most of any pp rank, axis by axis).
+
+    tp: per layer and micro-batch ``tp_collectives_per_layer`` collectives of the b x s/cp x h
+    activation in the compute dtype (an all-reduce, or an all-gather and a reduce-scatter pair:
+    the same bytes), plus the embedding's (first stage) and the LM head's (last stage);
+    cp: the k/v all-gathers and their gradients' reduce-scatter;
+    pp: each micro-batch's activation forward and its gradient backward (the whole activation:
+    tp ranks hold it replicated, a 1/tp shard with sequence parallelism); dp: the fp32 gradients
+    of this rank's parameters over their replicas (dp x cp; experts over dp x cp, the dense
+    rest over dp x cp x ep), 2 (d - 1)/d of them (ZeRO-1's reduce-scatter + all-gather too)."""
+    p = config.parallelism
+    ranks = llama_arch.rank_summaries(config.model, p.pp, p.pp_virtual_stages)
+    if pp_rank is not None:
+        return _rank_traffic(config, pp_rank, ranks[pp_rank])
+    every = [_rank_traffic(config, r, ranks[r])
+             for r in llama_arch.distinct_ranks(config.model, p.pp, p.pp_virtual_stages)]
+    return {axis: max(e[axis] for e in every) for axis in every[0]}
+
+
+def _rank_traffic(config: Config, pp_rank: int, rank: llama_arch.RankSummary) -> dict[str, float]:
+    m, p, t = config.model, config.parallelism, config.training
+    names = rank.others
+    acc = t.batch_accumulation_per_replica
+    local = t.micro_batch_size * (t.sequence_length // p.cp)  # tokens of one micro-batch on one rank
+    layer_ids = rank.layers
+    c = llama_activations.compute_bytes(m)  # the wire's dtype: bf16 under autocast, else fp32
+    activation = local * m.hidden_size * c  # one micro-batch on one rank
+    ring = lambda group: 2 * (group - 1) / group  # noqa: E731 - of the bytes, per rank
+    tp_ops = tp_collectives_per_layer(t.recompute) * len(layer_ids)
+    tp_ops += ("embed" in names and pp_rank == 0) + ("final_norm" in names)  # embedding fwd, head's input grad
+    kv = 2 * local * llama_arch.kv_heads(m) * llama_arch.head_dim(m) * c / p.tp
+    v = p.pp_virtual_stages
+    chunks = [s for s in range(pp_rank, p.pp * v, p.pp)]  # this rank's virtual stages
+    sends = sum((s < p.pp * v - 1) + (s > 0) for s in chunks) * acc if p.pp > 1 else 0
+    message = activation / (p.tp if p.tp_mode == "REDUCE_SCATTER" else 1)
+    total, experts = llama_arch.rank_parameters(m, rank, p.tp, p.ep)
+    dense = total - experts
+    return {"tp": tp_ops * acc * ring(p.tp) * activation,
+            "cp": cp_collectives_per_layer(t.recompute) * (p.cp - 1) * kv * len(layer_ids) * acc,
+            "pp": sends * message,
+            "dp": 4 * (ring(p.dp * p.cp * p.ep) * dense + ring(p.dp * p.cp) * experts)}
