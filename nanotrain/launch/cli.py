@@ -19,6 +19,7 @@ from pathlib import Path
 from nanotrain.config import Config, ConfigError, SlurmLayout, load_config, validate
 from nanotrain.config.validate import validate_names
 from nanotrain.launch import rundir, sbatch
+from nanotrain.launch.config_commands import plan, plan_flags, rehearse
 from nanotrain.models.compile_check import compile_backend_problem
 
 EXIT_USER_ERROR = 2
@@ -258,79 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-def _plan_flags(args) -> list[str]:
-    given = [("--gpus", args.gpus), ("--gpu-memory-gb", args.gpu_memory_gb), ("--gpu-tflops", args.gpu_tflops),
-             ("--efficiency", args.efficiency), ("--intra-node-gbs", args.intra_node_gbs),
-             ("--inter-node-gbs", args.inter_node_gbs)]
-    return [flag for flag, value in given if value is not None]
-
-
-def refuse_run_flags(args, mode: str, what: str) -> None:
-    """``mode`` (--plan, --rehearse) takes a config: --resume, --status and --local do not apply."""
-    other = [flag for flag, given in (("--resume", args.resume is not None), ("--status", args.status is not None),
-                                      ("--local", args.local)) if given]
-    if other:
-        raise ConfigError(f"{mode} {what}; it cannot be combined with {other[0]}")
-
-
-def plan(args) -> int:
-    """`--plan`: the best layouts for the GPUs asked (plan.py); one `error:` line and exit 2
-    for a bad request, or when no layout fits (with what would help)."""
-    from nanotrain.launch import plan as planner
-
-    if not args.plan:
-        raise ConfigError(f"{_plan_flags(args)[0]} only applies to --plan: add --plan")
-    refuse_run_flags(args, "--plan", "takes a config and proposes layouts")
-    if args.config is None:
-        raise ConfigError("--plan needs a config: submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]")
-    config = load_config(args.config, args.set)
-    gpus, memory = planner.check_request(config, args.gpus, args.gpu_memory_gb)
-    hw = planner.hardware(config, peak_tflops=args.gpu_tflops, efficiency=args.efficiency,
-                          intra_node_gbs=args.intra_node_gbs, inter_node_gbs=args.inter_node_gbs)
-    result = planner.make_plan(config, gpus, memory, hw)
-    for line in planner.render(result, args.config, memory, args.set):
-        print(line)
-    if not result.proposals:
-        raise ConfigError(planner.explain_none(result, config))
-    return 0
-
-
-def rehearse(args) -> int:
-    """`--rehearse`: ranks of the job on the stand-in device (nanotrain/rehearse); exit 1 on a
-    defect, one `error:` line and exit 2 for a bad request or a config that cannot be built."""
-    from nanotrain.data import check_data_config
-    from nanotrain.launch.comm_volume import traffic_bytes
-    from nanotrain.launch.memory_estimate import describe
-    from nanotrain.rehearse.report import rehearse as run
-    from nanotrain.rehearse.report import size
-
-    given = [flag for flag, on in (("--rank", args.rank is not None), ("--steps", args.steps is not None),
-                                   ("--json", args.json)) if on]
-    if not args.rehearse:
-        raise ConfigError(f"{given[0]} only applies to --rehearse: add --rehearse")
-    refuse_run_flags(args, "--rehearse", "runs a config's ranks here")
-    if args.config is None:
-        raise ConfigError("--rehearse needs a config: submit.py CONFIG --rehearse [--rank R] [--steps N]")
-    config = load_config(args.config, args.set)
-    validate(config, slurm=config.slurm.gpus_per_node > 0)
-    check_data_config(config.data, vocab_size=config.model.vocab_size, config=config)
-    code = run(config, args.rank, 3 if args.steps is None else args.steps, args.json)
-    if not args.json:
-        print("beside --dry-run's estimate (the busiest rank):")
-        for line in describe(config):
-            print(f"  {line}")
-        print("beside --plan's volumes (bytes one rank of each pp stage sends per step):")
-        p = config.parallelism
-        for pp in sorted({0, p.pp // 2, p.pp - 1}):
-            sent = traffic_bytes(config, pp)
-            print(f"  pp rank {pp}: " + (", ".join(f"{axis} {size(b)}" for axis, b in sent.items() if b) or "none"))
-    return code
-
-
 def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        if args.plan or _plan_flags(args):
+        if args.plan or plan_flags(args):
             return plan(args)
         if args.rehearse or args.rank is not None or args.steps is not None or args.json:
             return rehearse(args)
