@@ -20,8 +20,9 @@ from nanotrain.config import load_config
 from nanotrain.launch import memory_estimate
 from nanotrain.launch.comm_volume import traffic_bytes
 from nanotrain.models import llama_arch
+from nanotrain.parallel.grid import RankGrid
 from nanotrain.rehearse.rank import rehearse_rank
-from nanotrain.rehearse.report import grid_of, step_bytes
+from nanotrain.rehearse.report import step_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2 ** 30
@@ -58,7 +59,7 @@ def config_of(shape: str, layout: str):
 def measured(shape: str, layout: str) -> dict[int, dict]:
     """The rehearsal of the first and the last pipeline rank (tp, cp, dp, ep rank 0): 2 steps."""
     config = config_of(shape, layout)
-    p, grid = config.parallelism, grid_of(config)
+    p, grid = config.parallelism, RankGrid.of(config.parallelism)
     reports = {pp: rehearse_rank(config, grid.rank(pp=pp), 2, train_only=True) for pp in sorted({0, p.pp - 1})}
     for pp, report in reports.items():
         assert "failed" not in report, report["failed"]

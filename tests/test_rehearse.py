@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from nanotrain.config import load_config
+from nanotrain.parallel.grid import RankGrid
 from nanotrain.rehearse import report as rehearsal
 from nanotrain.rehearse.rank import rehearse_rank
 
@@ -172,11 +173,11 @@ def test_bad_requests_get_one_line(args, message):
 
 def test_default_ranks_cover_every_role():
     config = load_config(ROOT / "configs" / "3d_16gpu.yaml")
-    grid = rehearsal.grid_of(config)
+    grid = RankGrid.of(config.parallelism)
     coords = [grid.coords(r) for r in rehearsal.default_ranks(config)]
     assert {c.pp for c in coords} == {0, 1} and {c.tp for c in coords} == {0, 1}
     moe = load_config(ROOT / "configs" / "moe_16gpu.yaml")
-    grid = rehearsal.grid_of(moe)
+    grid = RankGrid.of(moe.parallelism)
     coords = [grid.coords(r) for r in rehearsal.default_ranks(moe)]
     assert {c.ep for c in coords} == {0, moe.parallelism.ep - 1}
 

@@ -87,15 +87,13 @@ def metrics_rank(config: Config) -> int:
     """The rank that logs metrics: last pipeline stage, tp/dp/cp/ep 0 (the loss lives there)."""
     from nanotrain.parallel.grid import RankGrid
 
-    p = config.parallelism
-    return RankGrid(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep).rank(pp=p.pp - 1)
+    return RankGrid.of(config.parallelism).rank(pp=config.parallelism.pp - 1)
 
 
 def grid_summary(config: Config) -> str:
     from nanotrain.parallel.grid import RankGrid
 
-    p = config.parallelism
-    return RankGrid(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep).summary()
+    return RankGrid.of(config.parallelism).summary()
 
 
 def dry_run(config: Config, layout: SlurmLayout | None, run_dir: Path, config_arg: str) -> int:

@@ -68,6 +68,12 @@ class RankGrid:
                     f"{_FULL_NAMES[ax]} parallel size ({ax}) must be an integer >= 1, got {size!r}"
                 )
 
+    @classmethod
+    def of(cls, parallelism) -> "RankGrid":
+        """The grid of a config's ``parallelism`` section (its tp, cp, dp, pp, ep)."""
+        p = parallelism
+        return cls(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep)
+
     # ------------------------------------------------------------------ basic maps
     @property
     def sizes(self) -> Coords:

@@ -39,14 +39,9 @@ def size(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB / 4 else f"{n / 2**20:.2f} MiB"
 
 
-def grid_of(config: Config) -> RankGrid:
-    p = config.parallelism
-    return RankGrid(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep)
-
-
 def default_ranks(config: Config) -> list[int]:
     """One global rank per role (see the module doc), in rank order."""
-    p, grid = config.parallelism, grid_of(config)
+    p, grid = config.parallelism, RankGrid.of(config.parallelism)
     stages = sorted({0, p.pp // 2, p.pp - 1})
     ranks = set()
     for pp in stages:
