@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanotrain.config import ConfigError, load_config, validate
 from nanotrain.config.schema import TrainingArgs
@@ -24,6 +22,8 @@ from nanotrain.parallel import accelerator
 from nanotrain.parallel.context import ParallelContext
 from nanotrain.parallel.pipeline_parallel import TensorPointer
 from nanotrain.parallel.progress import PROGRESS
+from nanotrain.rehearse.stand_in import MetaAccelerator, kernel_stubs
+from nanotrain.rehearse.tracker import DeviceTracker, watch_tensor_factories
 from nanotrain.training import step
 from nanotrain.training.builder import build_parallel_context, hang_timeouts
 from nanotrain.training.stop_vote import StopVote, TrainingDiverged
@@ -243,102 +243,38 @@ def test_pp_loss_broadcast_runs_on_torch_2_4_signatures(monkeypatch):
 
 
 # ---------------------------------------------- the stop vote: no host sync on a silent step
-aten = torch.ops.aten
-
-
-class _FromHostData(TorchFunctionMode):
-    """``torch.tensor(data, device=d)`` and its kin: a blocking copy from pageable memory to a
-    device, done below the dispatcher (a dispatch mode sees no copy)."""
-
-    def __init__(self, blocking: list):
-        super().__init__()
-        self.blocking = blocking
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.tensor, torch.as_tensor, torch.asarray) and kwargs.get("device") is not None \
-                and torch.device(kwargs["device"]).type != "cpu":
-            self.blocking.append(f"{func.__name__}(..., device={kwargs['device']})")
-        return func(*args, **kwargs)
-
-
-class HostSyncs(TorchDispatchMode):
-    """Records what makes a host wait for a device: a blocking copy between the CPU and another
-    device (``torch.tensor(..., device=d)``, ``.to()``, ``copy_``; ``tolist()`` is one too) and
-    ``item()`` of a device tensor. The meta device holds no values, so a copy from it gives
-    zeros: the flags of a silent step."""
+class CountingStandIn(MetaAccelerator):
+    """The rehearsal's meta stand-in for CUDA (the stop vote takes its GPU branch), counting the
+    waits on its events."""
 
     def __init__(self):
         super().__init__()
-        self.blocking, self.non_blocking = [], []
-        self._factories = _FromHostData(self.blocking)
-
-    def __enter__(self):
-        self._factories.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self._factories.__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is aten._local_scalar_dense.default and args[0].device.type != "cpu":
-            self.blocking.append(f"item of a {args[0].device.type} tensor")
-            return 0
-        if func in (aten._to_copy.default, aten.copy_.default):
-            src = args[1] if func is aten.copy_.default else args[0]
-            dst = args[0].device if func is aten.copy_.default else torch.device(kwargs.get("device") or src.device)
-            if (src.device.type == "cpu") != (dst.type == "cpu"):
-                blocking = not (kwargs.get("non_blocking") or (len(args) > 2 and args[2]))
-                (self.blocking if blocking else self.non_blocking).append(f"{src.device.type} -> {dst.type}")
-                if src.device.type == "meta":  # no data to copy: what a silent step's flags hold
-                    if func is aten.copy_.default:
-                        return args[0].zero_()
-                    return torch.zeros(src.shape, dtype=kwargs.get("dtype") or src.dtype)
-        return func(*args, **kwargs)
-
-
-class MetaStandIn:
-    """CUDA's accelerator interface on the meta device, for one test: the stop vote then takes
-    its GPU branch; only the events (and pinned memory) are stubbed. Counts event waits."""
-
-    type, backends = "meta", ()
-
-    def __init__(self):
         self.synchronized = 0
 
-    def current_device(self):
-        return torch.device("meta")
-
-    def pinned_empty(self, shape, dtype):
-        return torch.empty(shape, dtype=dtype)
-
     def Event(self, enable_timing: bool = False):  # noqa: N802
-        stand_in = self
+        stand_in, event = self, super().Event(enable_timing)
 
-        class Event:
-            def record(self, stream=None):
-                pass
-
-            def synchronize(self):
-                stand_in.synchronized += 1
-        return Event()
+        def synchronize():
+            stand_in.synchronized += 1
+        event.synchronize = synchronize
+        return event
 
 
 def test_silent_steps_of_the_stop_vote_never_block_the_host():
-    stand_in, meta = MetaStandIn(), torch.device("meta")
+    """Recorded by the rehearsal's tracker: blocking copies either way, ``item()``/``tolist()``
+    of a device tensor and ``torch.tensor(data, device=...)``."""
+    stand_in, meta = CountingStandIn(), torch.device("meta")
     loss, grad_norm = torch.empty((), device=meta), torch.empty((), device=meta)
-    with accelerator.standing_in(stand_in):
+    with accelerator.standing_in(stand_in), kernel_stubs():
         vote = StopVote(lambda: 0, meta)
-        with HostSyncs() as syncs:
+        syncs = DeviceTracker(meta)
+        with syncs, watch_tensor_factories(syncs):
             for step_ in (1, 2, 3):
                 vote.post(step_, loss, grad_norm)
                 assert vote.settle(latest=False) == 0  # the previous step's vote
-    assert syncs.blocking == [], syncs.blocking
-    assert syncs.non_blocking == ["meta -> cpu"] * 3  # each vote's flags, behind its all-reduce
+    blocking = [kind for window in syncs.syncs.values() for kind in window]
+    assert blocking == [], blocking
+    assert syncs.async_copies == ["meta -> cpu"] * 3  # each vote's flags, behind its all-reduce
     assert stand_in.synchronized == 2 and vote.last_settled == (2, False)  # one event per read vote
 
 

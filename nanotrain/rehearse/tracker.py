@@ -61,6 +61,7 @@ class DeviceTracker(TorchDispatchMode):
         self.window = "build"  # which part of the rehearsal ops belong to ("step 2", "save", ...)
         self.placement: dict[str, str] = {}  # call site -> first description
         self.syncs: dict[str, Counter] = defaultdict(Counter)  # window -> {(kind, site): count}
+        self.async_copies: list[str] = []  # "src -> dst" of each non-blocking host/device copy
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.peak_total, self.peak = 0, dict(self.live)
         self.max_by_category = dict(self.live)
@@ -108,10 +109,13 @@ class DeviceTracker(TorchDispatchMode):
         else:
             src, dst = args[1].device, args[0].device
         blocking = not kwargs.get("non_blocking", False) and not (len(args) > 2 and args[2])
-        if src == self.device and dst.type == "cpu" and blocking:
-            self._sync("device-to-host copy (tolist/.cpu()/.to('cpu'))")
-        elif src.type == "cpu" and dst == self.device and blocking:
-            self._sync("blocking host-to-device copy")
+        if (src == self.device and dst.type == "cpu") or (src.type == "cpu" and dst == self.device):
+            if not blocking:
+                self.async_copies.append(f"{src.type} -> {dst.type}")
+            elif src == self.device:
+                self._sync("device-to-host copy (tolist/.cpu()/.to('cpu'))")
+            else:
+                self._sync("blocking host-to-device copy")
 
     def _check_placement(self, func, flat: list[torch.Tensor]) -> None:
         on_device = any(t.device == self.device for t in flat)
