@@ -15,12 +15,19 @@ def plan_flags(args) -> list[str]:
     return [flag for flag, value in given if value is not None]
 
 
-def refuse_run_flags(args, mode: str, what: str) -> None:
-    """``mode`` (--plan, --rehearse) takes a config: --resume, --status and --local do not apply."""
-    other = [flag for flag, given in (("--resume", args.resume is not None), ("--status", args.status is not None),
-                                      ("--local", args.local)) if given]
+def config_for(args, mode: str, given: list[str], what: str, usage: str):
+    """The config ``mode`` (--plan, --rehearse) works on, after the request's own checks: its
+    flags (``given``) need the mode, --resume, --status and --local do not apply, a config is
+    required (``usage`` says how to pass it)."""
+    if not getattr(args, mode.lstrip("-")):
+        raise ConfigError(f"{given[0]} only applies to {mode}: add {mode}")
+    other = [flag for flag, on in (("--resume", args.resume is not None), ("--status", args.status is not None),
+                                   ("--local", args.local)) if on]
     if other:
         raise ConfigError(f"{mode} {what}; it cannot be combined with {other[0]}")
+    if args.config is None:
+        raise ConfigError(f"{mode} needs a config: {usage}")
+    return load_config(args.config, args.set)
 
 
 def plan(args) -> int:
@@ -28,12 +35,8 @@ def plan(args) -> int:
     for a bad request, or when no layout fits (with what would help)."""
     from nanotrain.launch import plan as planner
 
-    if not args.plan:
-        raise ConfigError(f"{plan_flags(args)[0]} only applies to --plan: add --plan")
-    refuse_run_flags(args, "--plan", "takes a config and proposes layouts")
-    if args.config is None:
-        raise ConfigError("--plan needs a config: submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]")
-    config = load_config(args.config, args.set)
+    config = config_for(args, "--plan", plan_flags(args), "takes a config and proposes layouts",
+                        "submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]")
     gpus, memory = planner.check_request(config, args.gpus, args.gpu_memory_gb)
     hw = planner.hardware(config, peak_tflops=args.gpu_tflops, efficiency=args.efficiency,
                           intra_node_gbs=args.intra_node_gbs, inter_node_gbs=args.inter_node_gbs)
@@ -56,12 +59,8 @@ def rehearse(args) -> int:
 
     given = [flag for flag, on in (("--rank", args.rank is not None), ("--steps", args.steps is not None),
                                    ("--json", args.json)) if on]
-    if not args.rehearse:
-        raise ConfigError(f"{given[0]} only applies to --rehearse: add --rehearse")
-    refuse_run_flags(args, "--rehearse", "runs a config's ranks here")
-    if args.config is None:
-        raise ConfigError("--rehearse needs a config: submit.py CONFIG --rehearse [--rank R] [--steps N]")
-    config = load_config(args.config, args.set)
+    config = config_for(args, "--rehearse", given, "runs a config's ranks here",
+                        "submit.py CONFIG --rehearse [--rank R] [--steps N]")
     validate(config, slurm=config.slurm.gpus_per_node > 0)
     check_data_config(config.data, vocab_size=config.model.vocab_size, config=config)
     code = run(config, args.rank, 3 if args.steps is None else args.steps, args.json)
