@@ -216,6 +216,9 @@ def _become_rank(request: dict) -> None:
         importlib.reload(sys.modules["sitecustomize"])
     if request["kind"] == "module":
         sys.path[0] = os.getcwd()
+        # The server imported it (PRELOAD) for its imports' sake; `python -m` runs a module that is
+        # not imported yet, and runpy warns on stderr of every rank when it is.
+        sys.modules.pop(request["name"], None)
         runpy.run_module(request["name"], run_name="__main__", alter_sys=True)
     else:
         sys.path[0] = os.path.dirname(request["name"])
