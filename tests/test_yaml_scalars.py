@@ -85,3 +85,13 @@ def test_sbatch_values_refuse_bidi(capsys):
 def test_shipped_config_dry_run_still_passes(capsys):
     assert main(["configs/tiny_cpu.yaml", "--dry-run", "--set", "slurm.time=1:30:00"]) == 0
     assert "error" not in capsys.readouterr().err
+
+
+def test_validate_names_refuses_bidi_in_a_config_built_in_code():
+    from nanotrain.config.schema import Config
+    from nanotrain.config.validate import validate_names
+    config = Config()
+    config.slurm.setup = ["module load x\u2066y"]
+    with pytest.raises(ConfigError) as info:
+        validate_names(config)
+    assert str(info.value).startswith("slurm.setup[0]:") and "'\\u2066' at position 13" in str(info.value)
