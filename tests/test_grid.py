@@ -92,12 +92,12 @@ def test_tp_fastest_and_16_rank_layout():
 def test_4096_ranks_is_fast():
     g = RankGrid(tp=8, pp=8, dp=16, cp=2, ep=2)
     assert g.world_size == 4096
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for name in ("tp", "cp", "dp", "pp", "ep", "dp_cp", "mp", "world"):
         g.groups(name)
     coords = [g.coords(r) for r in range(4096)]
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 1.0, elapsed
+    elapsed = time.process_time() - t0
+    assert elapsed < 1.0, elapsed  # CPU seconds: another process's load does not count
     assert g.rank(**coords[4095]._asdict()) == 4095
     assert g.coords(4095) == Coords(1, 7, 15, 1, 7)
 

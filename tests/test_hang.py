@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from nanotrain.launch.hang import EXIT_HUNG, is_comm_failure, is_timeout
 from nanotrain.launch.hang_status import culprit
@@ -132,6 +133,24 @@ def test_culprit_from_reports(reports_, expected):
     (RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:23252"), True, False),
     (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"), False, False),
     (ValueError("timed out"), False, True),
+    # NCCL/c10d, as ProcessGroupNCCL and NCCL word them: a lost peer or a timed-out collective ...
+    (RuntimeError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, "
+                  "NumelIn=1, NumelOut=1, Timeout(ms)=60000) ran for 60003 milliseconds before timing out."),
+     True, True),
+    (dist.DistBackendError("NCCL communicator was aborted on rank 1."), True, False),
+    (dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a "
+                           "network error, NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to "
+                           "a network error or a remote process exiting prematurely."), True, False),
+    (dist.DistNetworkError("Connection reset by peer"), True, False),
+    (dist.DistStoreError("wait timeout after 300000ms, keys: /default_pg/0//cuda//0"), True, True),
+    # ... and bugs that merely mention the backend: not a hang, never requeued.
+    (dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, invalid argument (run with NCCL_DEBUG=WARN "
+                           "for details), NCCL version 2.21.5\nncclInvalidArgument: Invalid value for an argument."),
+     False, False),
+    (dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with "
+                           "NCCL_DEBUG=INFO for details), NCCL version 2.21.5\nncclUnhandledCudaError: Call to "
+                           "CUDA function failed."), False, False),
+    (RuntimeError("[gloo/transport/tcp/pair.cc:208] Invalid peer rank: 7"), False, False),
 ])
 def test_which_errors_count_as_a_hang(exc, comm, timeout):
     assert is_comm_failure(exc) is comm and is_timeout(exc) is timeout

@@ -1,7 +1,7 @@
 """YAML -> typed `Config`, with `--set section.field=value` overrides.
 
 Why not dacite/pydantic: we want every error to be one line that names the field and says how to
-fix it (closest valid key for typos), and YAML 1.1 quirks handled (`3e-4` is a *string* to PyYAML).
+fix it (closest valid key for typos); numbers are read as YAML 1.2 (see `strict_yaml`).
 The type hints of `schema.py` are the only source of truth; this module interprets them.
 """
 from __future__ import annotations
@@ -9,18 +9,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import re
 import typing
 from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
 
-from nanotrain.config import strict_yaml
+from nanotrain.config import slurm_time, strict_yaml
+from nanotrain.config import text as config_text
 from nanotrain.config.schema import MAX_INT, Config
 
 MAX_STRING = 4096  # the longest path Linux takes; no config string needs more
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class ConfigError(ValueError):
@@ -28,8 +27,9 @@ class ConfigError(ValueError):
 
 
 def _shown(key: Any) -> str:
+    """A user's key, bounded and with non-printable characters escaped, for an error message."""
     text = str(key)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return config_text.escaped(text if len(text) <= 60 else text[:57] + "...")
 
 
 def _closest(name: str, valid) -> str:
@@ -113,7 +113,7 @@ def _parse_float(where: str, value: Any) -> float:
             number = float(value)
         except OverflowError:  # an integer beyond 1.8e308
             return _fail(f"{where}: {_describe(value)} is too large for a number")
-    elif isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+    elif isinstance(value, str):  # e.g. a quoted "3e-4"
         try:
             number = float(value)
         except ValueError:
@@ -129,15 +129,9 @@ def _check_string(where: str, text: str) -> str:
     """Strings end up in paths, sbatch lines and shell: one printable line of sane length."""
     if len(text) > MAX_STRING:
         return _fail(f"{where}: a string of {len(text):,} characters; at most {MAX_STRING} are accepted")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:  # a lone surrogate ("\udc80"): no file system or log takes it
-        return _fail(f"{where}: contains {text[exc.start]!r} at position {exc.start}, which is not a Unicode "
-                     "character (a lone surrogate): remove it")
-    bad = _CONTROL.search(text)
-    if bad:
-        return _fail(f"{where}: contains the control character {bad.group()!r} at position {bad.start()}: "
-                     "one line of printable text, please")
+    problem = config_text.problem(text)
+    if problem:
+        return _fail(f"{where}: {problem}")
     return text
 
 
@@ -158,6 +152,18 @@ def _check_range(where: str, meta: typing.Mapping, value: Any) -> None:
         raise ConfigError(f"{where}: {value} is above the maximum {hi}")
 
 
+def _parse_slurm_time(where: str, value: Any) -> int:
+    try:
+        return slurm_time.minutes(value)
+    except ValueError:
+        return _fail(f"{where}: {_describe(value)} is not a time limit: give minutes or a SLURM time "
+                     f"{slurm_time.FORMS}")
+
+
+# Fields whose schema metadata names a "parse" hook are read by it instead of by their type hint.
+_PARSE_HOOKS = {"slurm_time": _parse_slurm_time}
+
+
 def _build_section(section: str, cls: type, raw: Any):
     if raw is None:
         raw = {}
@@ -172,7 +178,8 @@ def _build_section(section: str, cls: type, raw: Any):
             raise ConfigError(f"{section}.{_shown(key)}: unknown key in section '{section_name}'"
                               f"{_closest(str(key), fields)}")
         where = f"{section}.{key}"
-        parsed = _parse_value(where, hints[key], value)
+        hook = _PARSE_HOOKS.get(fields[key].metadata.get("parse"))
+        parsed = hook(where, value) if hook else _parse_value(where, hints[key], value)
         _check_range(where, fields[key].metadata, parsed)
         kwargs[key] = parsed
     return cls(**kwargs)
@@ -239,27 +246,28 @@ def apply_override(raw: dict, assignment: str) -> None:
     if not sep or not path:
         raise ConfigError(f"--set {assignment!r}: expected section.field=value, e.g. training.train_steps=200")
     keys = path.strip().split(".")
+    shown = config_text.escaped(path)
     known = sections()
     if len(keys) < 2:
         raise ConfigError(f"--set {assignment!r}: expected section.field=value, e.g. parallelism.tp=2")
     if keys[0] not in known:
-        raise ConfigError(f"--set {path}: unknown section '{keys[0]}'{_closest(keys[0], known)}")
+        raise ConfigError(f"--set {shown}: unknown section '{config_text.escaped(keys[0])}'{_closest(keys[0], known)}")
     field_names = [f.name for f in dataclasses.fields(known[keys[0]])]
     if keys[1] not in field_names:
-        raise ConfigError(f"--set {path}: unknown key in section '{keys[0]}'{_closest(keys[1], field_names)}")
+        raise ConfigError(f"--set {shown}: unknown key in section '{keys[0]}'{_closest(keys[1], field_names)}")
     hint = typing.get_type_hints(known[keys[0]])[keys[1]]
     sub = next((a for a in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(a)), None)  # model.moe
     if sub is not None and len(keys) == 3:
         sub_names = [f.name for f in dataclasses.fields(sub)]
         if keys[2] not in sub_names:
-            raise ConfigError(f"--set {path}: unknown key in '{keys[0]}.{keys[1]}'{_closest(keys[2], sub_names)}")
+            raise ConfigError(f"--set {shown}: unknown key in '{keys[0]}.{keys[1]}'{_closest(keys[2], sub_names)}")
     nested = typing.get_origin(hint) is dict or sub is not None
     if len(keys) > 3 or (len(keys) == 3 and not nested):
-        raise ConfigError(f"--set {path}: '{keys[0]}.{keys[1]}' has no sub-keys")
+        raise ConfigError(f"--set {shown}: '{keys[0]}.{keys[1]}' has no sub-keys")
     try:
         value = strict_yaml.load(text) if text.strip() else None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {path}: the value is not valid YAML "
+        raise ConfigError(f"--set {shown}: the value is not valid YAML "
                           f"({strict_yaml.error_line(exc, text)[1]})") from None
     node = raw.setdefault(keys[0], {})
     if node is None:

@@ -23,6 +23,13 @@ def bounded(default, lo=None, hi=None, doc: str = "", above: bool = False):
     return field(default=default, metadata={"min": lo, "max": hi, "min_exclusive": above, "doc": doc})
 
 
+def slurm_time(default: int, doc: str):
+    """Integer minutes that may also be given as a SLURM time string ("1:30:00", "1-00:00:00"),
+    read by the loader's "slurm_time" parse hook; at least a minute, at most a year."""
+    return field(default=default, metadata={"min": 1, "max": 525600, "min_exclusive": False, "doc": doc,
+                                            "parse": "slurm_time"})
+
+
 def doc(default, text: str):
     """A plain field with a one-line description; `list`/`dict` defaults become factories."""
     if default in (list, dict):
@@ -190,7 +197,7 @@ class PrepareArgs:
     """`slurm.prepare`: the CPU-only job of `submit.py CONFIG --prepare-data`."""
     partition: Optional[str] = doc(None, "SLURM partition; default slurm.partition")
     cpus: int = bounded(4, 1, 65536, doc="CPU cores of the one task (data.num_workers uses them)")
-    time: int = bounded(60, 1, 525600, doc="time limit, minutes")
+    time: int = slurm_time(60, doc="time limit, minutes")
     mem_gb: Optional[float] = bounded(None, 0.0, 1e6, doc="memory of the job", above=True)
 
 
@@ -201,7 +208,7 @@ class SlurmArgs:
     cpus_per_task: int = bounded(1, 1, 65536, doc="also OMP_NUM_THREADS of each task")
     mem_gb: Optional[float] = bounded(None, 0.0, 1e6, doc="memory per node", above=True)
     gpu_memory_gb: Optional[float] = bounded(None, 0.0, 1e6, doc="for the --dry-run memory estimate", above=True)
-    time: int = bounded(60, 1, 525600, doc="time limit, minutes (at most a year)")
+    time: int = slurm_time(60, doc="time limit, minutes (at most a year)")
     partition: Optional[str] = doc(None, "SLURM partition")
     account: Optional[str] = doc(None, "SLURM account")
     qos: Optional[str] = doc(None, "SLURM quality of service")

@@ -8,14 +8,22 @@ RecursionError, not a YAMLError). A config needs none of that. This loader refus
 while *composing* (before any Python object exists), each time with the line it was found on, as
 a `yaml.MarkedYAMLError` so that callers report it like any other YAML error. Aliases stay allowed
 while the document they expand to is config-sized (`<<: *defaults` is a fair use).
+
+Numbers follow YAML 1.2's core schema, not PyYAML's YAML 1.1: `1:30:00` stays the string it looks
+like (1.1 reads sexagesimal 5400), `010` is ten (1.1: octal 8), `0o17`/`0x1f` are octal/hex,
+`1_000` and `0b101` stay strings, and `3e-4` is a float (1.1 wants `3.0e-4`).
 """
 from __future__ import annotations
+
+import re
 
 import yaml
 from yaml.composer import ComposerError
 from yaml.constructor import ConstructorError
 from yaml.events import AliasEvent, CollectionStartEvent
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
+
+from nanotrain.config.text import escaped
 
 MAX_VALUES = 10_000   # values after expanding aliases; shipped configs hold about 120
 MAX_DEPTH = 32        # nesting; a config is 3 deep
@@ -92,7 +100,7 @@ class StrictLoader(yaml.SafeLoader):
                     continue
                 seen.setdefault(key, key_node.start_mark.line)
                 if first is not None:
-                    shown = str(key) if len(str(key)) <= 40 else str(key)[:37] + "..."
+                    shown = escaped(str(key) if len(str(key)) <= 40 else str(key)[:37] + "...")
                     raise ConstructorError(None, None, f"duplicate key '{shown}' (first given at line "
                                            f"{first + 1}): keep only one", key_node.start_mark)
         return super().construct_mapping(node, deep=deep)
@@ -102,10 +110,30 @@ class StrictLoader(yaml.SafeLoader):
         if digits > MAX_INT_DIGITS:
             raise ConstructorError(None, None, f"an integer of {digits} digits is far beyond any "
                                    "config value", node.start_mark)
-        return super().construct_yaml_int(node)
+        text = str(node.value)
+        sign = -1 if text.startswith("-") else 1
+        text = text.lstrip("+-")
+        if text.startswith("0o"):
+            return sign * int(text[2:], 8)
+        if text.startswith("0x"):
+            return sign * int(text[2:], 16)
+        return sign * int(text, 10)  # "010" is ten, as in YAML 1.2
 
 
-StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+# StrictLoader's own copy of the implicit resolvers, without YAML 1.1's int and float rules;
+# SafeLoader and the global yaml state stay as they are.
+StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+# YAML 1.2 core schema; int before float, since a plain integer matches both.
+StrictLoader.add_implicit_resolver(_INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+                                   list("-+0123456789"))
+StrictLoader.add_implicit_resolver(
+    _FLOAT, re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+.0123456789"))
+StrictLoader.add_constructor(_INT, StrictLoader.construct_yaml_int)
 
 
 def load(text: str):

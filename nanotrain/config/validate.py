@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 from nanotrain.config.loader import ConfigError, check_fields
 from nanotrain.config.schema import MAX_WORLD, Config
+from nanotrain.config.text import problem
 
 # SLURM names (partition, account, qos, constraint expressions) never need shell metacharacters.
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9_.,:|&*\[\]@+-]+$")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SBATCH_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # Options that nanotrain derives itself; setting them in sbatch_extra would contradict the grid.
 _DERIVED_SBATCH = {"nodes", "ntasks", "ntasks-per-node", "gpus-per-node", "gpus", "gres", "time",
                    "partition", "account", "qos", "constraint", "cpus-per-task", "mem", "signal",
@@ -201,8 +201,8 @@ def validate_names(config: Config) -> None:
                   "(letters, digits and _.,:|&*[]@+- only)")
     for where, path in (("logging.dir", config.logging.dir), ("checkpoints.path", config.checkpoints.path),
                         ("checkpoints.init_from_hf", config.checkpoints.init_from_hf)):
-        if path is not None and _CONTROL.search(path):
-            _fail(f"{where}: a path without newlines or control characters, please")
+        if path is not None and problem(path):
+            _fail(f"{where}: a path without newlines or control characters, please; it {problem(path)}")
     run = config.logging.run_name
     if run is not None and len(run) > MAX_RUN_NAME:
         _fail(f"logging.run_name: {len(run)} characters; at most {MAX_RUN_NAME} (it names a directory "
@@ -210,19 +210,21 @@ def validate_names(config: Config) -> None:
     if run is not None and not _RUN_NAME.match(run):
         _fail(f"logging.run_name: {run!r} must be letters, digits, '.', '_' or '-' (it is a directory name)")
     for i, line in enumerate(s.setup):
-        if _CONTROL.search(line):
-            _fail(f"slurm.setup[{i}]: one shell line per entry, without newlines or control characters")
+        if problem(line):
+            _fail(f"slurm.setup[{i}]: one shell line per entry, without newlines or control characters; "
+                  f"it {problem(line)}")
     for key, value in s.sbatch_extra.items():
         if not _SBATCH_KEY.match(key):
             _fail(f"slurm.sbatch_extra.{key}: not an sbatch option name (lowercase, e.g. mail-type)")
         check_sbatch_option(key, mem_set=s.mem_gb is not None)
-        if _CONTROL.search(value):
-            _fail(f"slurm.sbatch_extra.{key}: the value must be one line without control characters")
+        if problem(value):
+            _fail(f"slurm.sbatch_extra.{key}: the value must be one line without control characters; "
+                  f"it {problem(value)}")
     for key, value in s.env.items():
         if not _ENV_KEY.match(key):
             _fail(f"slurm.env.{key}: not a valid environment variable name")
-        if _CONTROL.search(value):
-            _fail(f"slurm.env.{key}: the value must be one line without control characters")
+        if problem(value):
+            _fail(f"slurm.env.{key}: the value must be one line without control characters; it {problem(value)}")
 
 
 def check_sbatch_option(key: str, mem_set: bool) -> None:

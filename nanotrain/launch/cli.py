@@ -271,7 +271,7 @@ def _main(argv: list[str] | None) -> int:
 
             return show_status(args.status)
         config, config_arg, resumed_mode = _config_of(args)
-        if args.emit and args.local:
+        if args.emit is not None and args.local:
             raise ConfigError("--emit writes a SLURM script; it cannot be combined with --local")
         has_sbatch = shutil.which("sbatch") is not None
         use_slurm = not args.local and (args.emit is not None or args.dry_run or
@@ -315,7 +315,7 @@ def _main(argv: list[str] | None) -> int:
             return prepare.submit_prepare(config, run_dir) if use_slurm else prepare.prepare_locally(config)
         if args.dry_run:
             return dry_run(config, layout, run_dir, config_arg)
-        if args.emit:
+        if args.emit is not None:
             return emit(config, layout, Path(args.emit))
         if use_slurm:
             return submit_slurm(config, layout, run_dir)

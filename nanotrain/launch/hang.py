@@ -38,15 +38,23 @@ from nanotrain.launch.hang_status import HANG_DIR
 from nanotrain.parallel.progress import PROGRESS, Progress
 
 EXIT_HUNG = 4  # the job hung (watchdog or a failed collective); reports under <run>/hang/
-# Words of the errors torch.distributed raises when a peer never answers or went away.
-_COMM_FAILURE_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "gloo", "nccl",
-                       "broken pipe", "peer")
+# Phrases of the errors a collective raises when a peer never answers or went away, as gloo, the
+# TCP store and NCCL/c10d word them ("Timed out waiting ... for recv", "Connection closed by peer",
+# "Watchdog caught collective operation timeout", "NCCL communicator was aborted on rank 3",
+# NCCL's "remote process exited or there was a network error" / ncclRemoteError). Not the bare
+# backend names: an NCCL "invalid argument" or "unhandled cuda error" is a bug, not a hang.
+_COMM_FAILURE_WORDS = ("timed out", "timeout", "connection closed", "remote peer closed", "connection reset",
+                       "broken pipe", "remote process exited", "ncclremoteerror", "communicator was aborted")
 
 
 def is_comm_failure(exc: BaseException) -> bool:
-    """A collective that failed because of a peer (timeout, closed connection), not our bug."""
-    dist_error = getattr(dist, "DistError", None)
-    if dist_error is not None and isinstance(exc, dist_error):
+    """A collective that failed because of a peer (timeout, closed connection), not our bug.
+
+    torch's network and store errors (``DistNetworkError``, ``DistStoreError``) always count; any
+    other ``RuntimeError`` (``DistBackendError`` included, which NCCL raises for bugs too) counts
+    only when its message says a peer timed out, closed or exited."""
+    kinds = tuple(k for k in (getattr(dist, "DistNetworkError", None), getattr(dist, "DistStoreError", None)) if k)
+    if kinds and isinstance(exc, kinds):
         return True
     return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _COMM_FAILURE_WORDS)
 
