@@ -2,6 +2,8 @@
 SLURM time strings for the time limits, and no control/bidi/line-separator characters in strings."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from nanotrain.config.loader import ConfigError, load_config
@@ -95,3 +97,13 @@ def test_validate_names_refuses_bidi_in_a_config_built_in_code():
     with pytest.raises(ConfigError) as info:
         validate_names(config)
     assert str(info.value).startswith("slurm.setup[0]:") and "'\\u2066' at position 13" in str(info.value)
+
+
+@pytest.mark.parametrize("argv", [["configs/tiny_cpu.yaml", "--emit", ""], ["configs/tiny_cpu.yaml", "--emit", " "],
+                                  ["--status", ""], ["--resume", ""], [""]])
+def test_an_empty_path_argument_is_refused_before_anything(argv, capsys, monkeypatch):
+    """`--emit $UNSET` once fell through to a real submission."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "empty path" in err

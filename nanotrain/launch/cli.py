@@ -244,6 +244,15 @@ def check_paths(config: Config, run_dir: Path, emit_dir: str | None) -> None:
         rundir.check_can_create(Path(emit_dir), "--emit")
 
 
+def _refuse_empty_paths(args) -> None:
+    """An empty path argument is an unset shell variable (`--emit $DIR`), never a choice: taken
+    as given it would mean the current directory, and taken as absent it would submit a job."""
+    for flag, value in (("config", args.config), ("--status", args.status), ("--resume", args.resume),
+                        ("--emit", args.emit)):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{flag}: an empty path (an unset shell variable?): give a path")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Ctrl-C before the ranks start (while validating, writing, submitting) is exit 130 with a
     line saying nothing was started, not a traceback; a broken stdout pipe (`| head`) is quiet."""
@@ -260,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        _refuse_empty_paths(args)
         if args.plan or plan_flags(args):
             return plan(args)
         if args.rehearse or args.rank is not None or args.steps is not None or args.json:
