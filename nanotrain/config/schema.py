@@ -197,7 +197,7 @@ class PrepareArgs:
     """`slurm.prepare`: the CPU-only job of `submit.py CONFIG --prepare-data`."""
     partition: Optional[str] = doc(None, "SLURM partition; default slurm.partition")
     cpus: int = bounded(4, 1, 65536, doc="CPU cores of the one task (data.num_workers uses them)")
-    time: int = slurm_time(60, doc="time limit, minutes")
+    time: int = slurm_time(60, doc="time limit: minutes, or a SLURM time (HH:MM:SS, D-HH:MM:SS)")
     mem_gb: Optional[float] = bounded(None, 0.0, 1e6, doc="memory of the job", above=True)
 
 
@@ -208,7 +208,7 @@ class SlurmArgs:
     cpus_per_task: int = bounded(1, 1, 65536, doc="also OMP_NUM_THREADS of each task")
     mem_gb: Optional[float] = bounded(None, 0.0, 1e6, doc="memory per node", above=True)
     gpu_memory_gb: Optional[float] = bounded(None, 0.0, 1e6, doc="for the --dry-run memory estimate", above=True)
-    time: int = slurm_time(60, doc="time limit, minutes (at most a year)")
+    time: int = slurm_time(60, doc="time limit: minutes (at most a year), or a SLURM time (HH:MM:SS, D-HH:MM:SS)")
     partition: Optional[str] = doc(None, "SLURM partition")
     account: Optional[str] = doc(None, "SLURM account")
     qos: Optional[str] = doc(None, "SLURM quality of service")
