@@ -17,17 +17,18 @@ MAX_INT = 2**53
 MAX_WORLD = 2**20
 
 
-def bounded(default, lo=None, hi=None, doc: str = "", above: bool = False):
+def bounded(default, lo=None, hi=None, doc: str = "", above: bool = False, parse: str | None = None):
     """A field with an inclusive numeric range (`above`: the minimum itself is excluded), checked
-    by the loader with the field's name. Floats must also be finite (the loader refuses NaN/inf)."""
-    return field(default=default, metadata={"min": lo, "max": hi, "min_exclusive": above, "doc": doc})
+    by the loader with the field's name. Floats must also be finite (the loader refuses NaN/inf).
+    `parse` names a loader hook that reads the value instead of its type hint."""
+    return field(default=default, metadata={"min": lo, "max": hi, "min_exclusive": above, "doc": doc,
+                                            "parse": parse})
 
 
 def slurm_time(default: int, doc: str):
-    """Integer minutes that may also be given as a SLURM time string ("1:30:00", "1-00:00:00"),
-    read by the loader's "slurm_time" parse hook; at least a minute, at most a year."""
-    return field(default=default, metadata={"min": 1, "max": 525600, "min_exclusive": False, "doc": doc,
-                                            "parse": "slurm_time"})
+    """Integer minutes that may also be given as a SLURM time string ("1:30:00", "1-00:00:00");
+    at least a minute, at most a year."""
+    return bounded(default, 1, 525600, doc=doc, parse="slurm_time")
 
 
 def doc(default, text: str):

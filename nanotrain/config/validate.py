@@ -201,8 +201,8 @@ def validate_names(config: Config) -> None:
                   "(letters, digits and _.,:|&*[]@+- only)")
     for where, path in (("logging.dir", config.logging.dir), ("checkpoints.path", config.checkpoints.path),
                         ("checkpoints.init_from_hf", config.checkpoints.init_from_hf)):
-        if path is not None and problem(path):
-            _fail(f"{where}: a path without newlines or control characters, please; it {problem(path)}")
+        if path is not None:
+            _one_line(where, path)
     run = config.logging.run_name
     if run is not None and len(run) > MAX_RUN_NAME:
         _fail(f"logging.run_name: {len(run)} characters; at most {MAX_RUN_NAME} (it names a directory "
@@ -210,21 +210,24 @@ def validate_names(config: Config) -> None:
     if run is not None and not _RUN_NAME.match(run):
         _fail(f"logging.run_name: {run!r} must be letters, digits, '.', '_' or '-' (it is a directory name)")
     for i, line in enumerate(s.setup):
-        if problem(line):
-            _fail(f"slurm.setup[{i}]: one shell line per entry, without newlines or control characters; "
-                  f"it {problem(line)}")
+        _one_line(f"slurm.setup[{i}]", line)
     for key, value in s.sbatch_extra.items():
         if not _SBATCH_KEY.match(key):
             _fail(f"slurm.sbatch_extra.{key}: not an sbatch option name (lowercase, e.g. mail-type)")
         check_sbatch_option(key, mem_set=s.mem_gb is not None)
-        if problem(value):
-            _fail(f"slurm.sbatch_extra.{key}: the value must be one line without control characters; "
-                  f"it {problem(value)}")
+        _one_line(f"slurm.sbatch_extra.{key}", value)
     for key, value in s.env.items():
         if not _ENV_KEY.match(key):
             _fail(f"slurm.env.{key}: not a valid environment variable name")
-        if problem(value):
-            _fail(f"slurm.env.{key}: the value must be one line without control characters; it {problem(value)}")
+        _one_line(f"slurm.env.{key}", value)
+
+
+def _one_line(where: str, text: str) -> None:
+    """Raise ConfigError naming `where` unless `text` is one line of printable text (it reaches the
+    sbatch script and the terminal)."""
+    found = problem(text)
+    if found:
+        _fail(f"{where}: {found}")
 
 
 def check_sbatch_option(key: str, mem_set: bool) -> None:
