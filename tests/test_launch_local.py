@@ -104,3 +104,25 @@ def test_fork_server_ranks_behave_as_their_own_interpreters(tmp_path):
             assert f"stderr of {rank}" in text
         assert sorted(pids["ranks"]) == ["0", "1", "2"]
     assert len(set(forked[2]["ranks"].values())) == 3
+
+
+def test_a_preloaded_rank_module_runs_without_runpy_warnings(tmp_path):
+    """The fork server imports the rank's module (PRELOAD) before forking; run as ``-m`` it must
+    behave as a fresh ``python -m``: its own output only, no runpy "found in sys.modules" warning."""
+    from nanotrain.launch.forkserver import PRELOAD
+    from nanotrain.launch.ranks import RankProcesses
+
+    module = "nanotrain.launch.task"
+    assert module in PRELOAD
+    with RankProcesses([sys.executable, "-m", module], 2, tmp_path, env={"NANOTRAIN_FORK_SERVER": "1"}) as ranks:
+        ranks.start()
+        assert ranks._server is not None
+        deadline = time.monotonic() + 60
+        while not ranks.done():
+            assert time.monotonic() < deadline, "the ranks did not exit"
+            time.sleep(0.05)
+        codes = ranks.codes()
+    assert codes == [2, 2]
+    for rank in (0, 1):
+        log = (tmp_path / f"rank-{rank}.log").read_text()
+        assert log == "usage: python -m nanotrain.launch.task CONFIG.yaml\n", log
