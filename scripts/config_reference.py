@@ -13,6 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nanotrain.config.cli_args import ArgParser, answer  # noqa: E402
 from nanotrain.config.loader import sections  # noqa: E402
 
 
@@ -72,5 +73,14 @@ def reference() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def main(argv: list[str] | None = None) -> int:
+    """No arguments (a stray one is refused in one `error:` line, exit 2, not ignored)."""
+    def body() -> int:
+        ArgParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+        sys.stdout.write(reference())
+        return 0
+    return answer(body)
+
+
 if __name__ == "__main__":
-    sys.stdout.write(reference())
+    sys.exit(main())

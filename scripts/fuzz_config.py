@@ -19,11 +19,11 @@ real `python submit.py ... --dry-run` processes, to prove the process-level cont
 status, no traceback on stderr). "Under 2 s" is judged in CPU seconds, as tests/test_memory_estimate.py
 judges the planner: wall time on a loaded machine measures the machine. Answers that took 2 s of
 wall time without the CPU are listed apart (I/O, such as a data path that is a huge tree, shows
-there). Exit status of this script: 0 when no mutation broke the contract, else 1.
+there). Exit status of this script: 0 when no mutation broke the contract, else 1 (2, with one
+`error:` line, for a wrong argument of its own).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import os
@@ -44,6 +44,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from nanotrain.config.cli_args import ArgParser, answer, non_negative_int  # noqa: E402
 from nanotrain.config.loader import sections  # noqa: E402
 from nanotrain.launch.cli import main as cli_main  # noqa: E402
 
@@ -324,9 +325,16 @@ def print_report(report: dict, stream=sys.stdout) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--limit", type=int, default=0, help="a seeded sample of this many mutations (0 = all)")
-    parser.add_argument("--subprocess", type=int, default=20, help="how many also run as real processes")
+    """Exit 0 when no mutation broke the contract, 1 when one did, 2 (one `error:` line) for a
+    wrong argument of this script."""
+    return answer(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = ArgParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--limit", type=non_negative_int, default=0,
+                        help="a seeded sample of this many mutations (0 = all)")
+    parser.add_argument("--subprocess", type=non_negative_int, default=20, help="how many also run as real processes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="print every answer")
     args = parser.parse_args(argv)

@@ -3,18 +3,22 @@
     python scripts/import_graph.py            # one line per package: what it imports
     python scripts/import_graph.py --modules  # the module-level edges that cross packages
 
-The layers, bottom up: config, parallel, models, data, optim, checkpoint, logging, training,
+The layers, bottom up: config, parallel, models, data, optim, checkpoint, logging, training, rehearse,
 launch. An edge that points up this list is marked `UP` (tests/test_layering.py fails on it).
 """
 from __future__ import annotations
 
-import argparse
 import ast
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ("config", "parallel", "models", "data", "optim", "checkpoint", "logging", "training", "launch")
+sys.path.insert(0, str(ROOT))
+
+from nanotrain.config.cli_args import ArgParser, answer  # noqa: E402
+
+ORDER = ("config", "parallel", "models", "data", "optim", "checkpoint", "logging", "training", "rehearse", "launch")
 
 
 def edges() -> dict[tuple[str, str], set[str]]:
@@ -37,10 +41,14 @@ def layer(module: str) -> str:
     return parts[1] if len(parts) > 1 else "(top)"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    return answer(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = ArgParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modules", action="store_true", help="module-level edges across packages")
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     packages: dict[str, set[str]] = defaultdict(set)
     for (src, dst), lines in sorted(edges().items()):
         a, b = layer(src), layer(dst)
@@ -53,7 +61,8 @@ def main() -> None:
     if not opts.modules:
         for name in sorted(packages, key=lambda p: ORDER.index(p) if p in ORDER else len(ORDER)):
             print(f"{name:>10} -> {', '.join(sorted(packages[name]))}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

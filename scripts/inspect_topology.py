@@ -10,36 +10,36 @@ arithmetic (nanotrain.parallel.grid), identical to what ParallelContext builds a
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanotrain.config import ConfigError, load_config, validate  # noqa: E402
+from nanotrain.config.cli_args import ArgParser, answer  # noqa: E402
 from nanotrain.parallel.grid import RankGrid  # noqa: E402
 
 GROUPS = ("tp", "cp", "dp", "pp", "ep", "dp_cp", "mp")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    return answer(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = ArgParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     parser.add_argument("--rank", type=int, help="show only the groups and coordinates of this rank")
     args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, args.set)
-        validate(config)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    config = load_config(args.config, args.set)
+    validate(config)
     p = config.parallelism
     grid = RankGrid(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep)
     if args.rank is not None:
         if not 0 <= args.rank < grid.world_size:
-            print(f"error: --rank {args.rank} is outside the world of {grid.world_size} ranks", file=sys.stderr)
-            return 2
+            raise ConfigError(f"--rank {args.rank} is outside the world of {grid.world_size} ranks: "
+                              f"give 0 to {grid.world_size - 1}")
         print(f"rank {args.rank}: {grid.coords(args.rank)._asdict()}")
         for name in GROUPS:
             print(f"  {name:>5}_pg: {list(grid.group_of(name, args.rank))}")

@@ -23,45 +23,22 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 from nanotrain.checkpoint import format as fmt
 from nanotrain.checkpoint.assemble import ShardReader, assemble_full
 from nanotrain.checkpoint.format import CheckpointError
 from nanotrain.checkpoint.hf_dir import INDEX, SINGLE
-from nanotrain.checkpoint.reshard import resolve_checkpoint
+from nanotrain.checkpoint.offline_checks import (  # noqa: F401 (re-exported: the script's names)
+    DEFAULT_MAX_SHARD,
+    DTYPES,
+    parse_size,
+    plan_export,
+    source_checkpoint,
+)
 from nanotrain.config import ModelArgs
+from nanotrain.config.files import removed_on_failure
 from nanotrain.data.hf_tokenizer import export_tokenizer
 from nanotrain.models import hf_llama
-
-DTYPES = ("float32", "bfloat16")  # --dtype choices, named as format.DTYPES names torch dtypes
-DEFAULT_MAX_SHARD = 5 * 10**9
-
-
-def parse_size(text: str) -> int:
-    """``5GB``, ``500MB``, ``20KB``, ``123`` (bytes) -> bytes (decimal units, as transformers)."""
-    t = text.strip().upper()
-    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
-        if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * mult)
-    return int(t)
-
-
-def source_checkpoint(src: str | Path) -> Path:
-    """A checkpoint directory, a checkpoints root, or a run directory (its ``checkpoints.path``)
-    -> the checkpoint to export (the newest complete one)."""
-    src = Path(src)
-    if not src.exists():
-        raise CheckpointError(f"{src}: no such run or checkpoint directory")
-    if (src / fmt.COMPLETE).is_file() or fmt.complete_checkpoints(src):
-        return resolve_checkpoint(src)
-    root = src / "checkpoints"
-    if (src / "config.yaml").is_file():
-        path = ((yaml.safe_load((src / "config.yaml").read_text()) or {}).get("checkpoints") or {}).get("path")
-        root = Path(path) if path else root
-    if fmt.complete_checkpoints(root):
-        return resolve_checkpoint(root)
-    raise CheckpointError(f"{src}: no complete checkpoint in it (looked in {root})")
 
 
 def _plan(args: ModelArgs, max_shard: int, itemsize: int) -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -116,28 +93,33 @@ def _write_file(path: Path, entries: list[tuple[str, tuple[int, ...]]], st_dtype
 
 def export_hf(src: str | Path, out_dir: str | Path, dtype: str = "float32",
               max_shard_size: int = DEFAULT_MAX_SHARD) -> dict:
-    """Write the HF directory; returns ``{"checkpoint", "files", "bytes", "seconds"}``."""
+    """Write the HF directory; returns ``{"checkpoint", "files", "bytes", "seconds"}``.
+
+    Raises CheckpointError for a wrong source or output (``offline_checks.plan_export``, before
+    anything is written) or a damaged checkpoint. A failure after writing began removes what
+    this call made: ``out_dir`` itself if it did not exist, else the files it added."""
     t0 = time.perf_counter()
-    if dtype not in DTYPES:
-        raise CheckpointError(f"--dtype {dtype!r}: choose one of {sorted(DTYPES)}")
-    ckpt = source_checkpoint(src)
-    meta = fmt.read_meta(ckpt)
-    config = meta.get("config") or {}
-    if not config.get("model"):
-        raise CheckpointError(f"{ckpt}: meta.json holds no config, so the model's shape is unknown")
-    if config["model"].get("moe"):
-        raise CheckpointError(f"{ckpt}: a model.moe checkpoint has no LlamaForCausalLM layout (export is for dense "
-                              "Llama models; a Mixtral mapping is not implemented)")
+    ckpt, meta = plan_export(src, out_dir, dtype)
+    config = meta["config"]
     args = ModelArgs(**config["model"])
     bad = [p for rel, rec in meta["files"].items() if rel.startswith("model/")
            and (p := fmt.verify_file(ckpt, rel, rec))]
     if bad:
         raise CheckpointError(f"{ckpt} is damaged: " + "; ".join(bad))
+    out = Path(out_dir)
+    with removed_on_failure(out):
+        out.mkdir(parents=True, exist_ok=True)
+        names, total = _write(ckpt, meta, args, dtype, max_shard_size, out)
+    return {"checkpoint": str(ckpt), "files": names, "bytes": total, "seconds": time.perf_counter() - t0}
+
+
+def _write(ckpt: Path, meta: dict, args: ModelArgs, dtype: str, max_shard_size: int,
+           out: Path) -> tuple[list[str], int]:
+    """The weight files, tokenizer and configs into ``out``; returns (weight files, bytes)."""
+    config = meta["config"]
     torch_dtype = fmt.DTYPES[dtype]
     st_dtype = fmt._ST_DTYPES[torch_dtype]
     itemsize = torch.tensor([], dtype=torch_dtype).element_size()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     plan = _plan(args, max_shard_size, itemsize)
     stream = _tensors(ckpt, meta, args, torch_dtype)
     total, names = 0, []
@@ -163,4 +145,4 @@ def export_hf(src: str | Path, out_dir: str | Path, dtype: str = "float32",
     (out / "nanotrain_export.json").write_text(json.dumps(
         {"checkpoint": str(ckpt), "step": meta.get("step"), "run_id": meta.get("run_id"),
          "topology": meta.get("topology"), "dtype": dtype}, indent=2) + "\n")
-    return {"checkpoint": str(ckpt), "files": names, "bytes": total, "seconds": time.perf_counter() - t0}
+    return names, total

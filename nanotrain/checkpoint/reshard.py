@@ -34,7 +34,9 @@ from nanotrain.checkpoint import shard_files
 from nanotrain.checkpoint.assemble import ShardReader, assemble_full, assemble_optimizer_full, cut_local
 from nanotrain.checkpoint.format import CheckpointError
 from nanotrain.checkpoint.items import named_params
-from nanotrain.config import Config
+from nanotrain.checkpoint.offline_checks import ReshardPlan, plan_reshard, resolve_checkpoint  # noqa: F401 (re-exported)
+from nanotrain.config import Config, config_to_dict
+from nanotrain.config.files import removed_on_failure
 from nanotrain.models import llama_arch
 from nanotrain.models.llama import LlamaModel
 from nanotrain.optim.optimizer import weight_decay_groups
@@ -106,17 +108,6 @@ def optimizer_ranges(model, zero: int, dp: int, dp_rank: int, ep: int, ep_rank: 
     return sorted(out, key=lambda r: position[r[0]])
 
 
-def resolve_checkpoint(src: str | Path) -> Path:
-    """A checkpoint directory (holding COMPLETE), or a checkpoints root (its latest complete one)."""
-    src = Path(src)
-    if (src / fmt.COMPLETE).is_file():
-        return src
-    candidates = fmt.load_candidates(src)
-    if not candidates:
-        raise CheckpointError(f"{src}: neither a complete checkpoint nor a directory holding one")
-    return candidates[0]
-
-
 def read_full_state(ckpt: str | Path, verify: bool = True) -> tuple[dict, dict, dict]:
     """(meta, {name: full parameter}, {name: {"exp_avg", "exp_avg_sq" (full shape), "step"}})."""
     ckpt = resolve_checkpoint(ckpt)
@@ -137,34 +128,39 @@ def read_full_state(ckpt: str | Path, verify: bool = True) -> tuple[dict, dict, 
 def reshard_offline(src: str | Path, dst_root: str | Path, overrides: list[str] = (),
                     granularity: str = "rank") -> Path:
     """Write ``dst_root/step_N`` (+ ``latest``) at the topology of the source config with
-    ``overrides`` (``parallelism.tp=4``, ``optimizer.zero_stage=0``...) applied."""
-    from nanotrain.config.loader import apply_override, config_from_dict, config_to_dict
+    ``overrides`` (``parallelism.tp=4``, ``optimizer.zero_stage=0``...) applied.
 
+    Raises ConfigError or CheckpointError for an impossible target or a wrong SRC/DST
+    (``offline_checks.plan_reshard``: meta.json only, before any tensor is read or a byte
+    written), CheckpointError for a damaged source. A failure after writing began removes
+    ``step_N.tmp`` and, if this call made it, ``dst_root``: nothing half-written is left."""
     t0 = time.perf_counter()
-    meta, full, full_opt = read_full_state(src)
-    if not meta.get("config"):
-        raise CheckpointError(f"{src}: meta.json holds no config (saved without `config=`), so the "
-                              f"model cannot be rebuilt at a new topology")
-    raw = {k: v for k, v in meta["config"].items()}
-    for assignment in overrides:
-        apply_override(raw, assignment)
-    config = config_from_dict(raw)
+    plan = plan_reshard(src, dst_root, overrides)
+    meta, full, full_opt = read_full_state(plan.checkpoint)
+    dst_root = Path(dst_root)
+    with removed_on_failure(dst_root):
+        dst_root.mkdir(parents=True, exist_ok=True)
+        name = fmt.step_dir_name(int(meta["step"]))
+        tmp = dst_root / f"{name}.tmp"
+        for stale in fmt.stale_entries(dst_root):
+            shutil.rmtree(stale, ignore_errors=True)
+        with removed_on_failure(tmp):
+            final = _write(plan, meta, full, full_opt, tmp, granularity, src)
+            fmt.update_latest(dst_root, final.name)
+    p = plan.config.parallelism
+    log.info("resharded %s -> %s (dp%d tp%d pp%d ep%d zero%s) in %.2f s", src, final, p.dp, p.tp, p.pp, p.ep,
+             plan.config.optimizer.zero_stage, time.perf_counter() - t0)
+    return final
+
+
+def _write(plan: ReshardPlan, meta: dict, full: dict, full_opt: dict, tmp: Path, granularity: str, src) -> Path:
+    """Every rank's shards and the new meta.json into ``tmp``, committed as ``step_N``."""
+    config = plan.config
     cfg = config_to_dict(config)
     par, zero = cfg["parallelism"], cfg["optimizer"]["zero_stage"]
     tp, pp, dp, ep = par["tp"], par["pp"], par["dp"], par["ep"]
-    if par["cp"] != 1:
-        raise CheckpointError("offline resharding supports cp = 1 (use the online loader)")
-    if full_opt and zero not in (0, 1):
-        raise CheckpointError(f"zero_stage must be 0 or 1, got {zero}")
-
-    dst_root = Path(dst_root)
-    dst_root.mkdir(parents=True, exist_ok=True)
-    name = fmt.step_dir_name(int(meta["step"]))
-    tmp, final = dst_root / f"{name}.tmp", dst_root / name
-    for stale in fmt.stale_entries(dst_root):
-        shutil.rmtree(stale, ignore_errors=True)
+    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
     tmp.mkdir()
-
     files, model_index, opt_index = {}, {}, {}
     seen: set[str] = set()  # records already written by a lower rank (replicas)
     for ep_rank in range(ep):  # global rank order: ep, pp, then dp, then tp (tp fastest)
@@ -199,14 +195,11 @@ def reshard_offline(src: str | Path, dst_root: str | Path, overrides: list[str] 
         "granularity": granularity, "created_unix": time.time(), "torch_version": torch.__version__,
         "files": dict(sorted(files.items())),
         "index": {"model": model_index, "optimizer": opt_index, "state": {}},
-        "resharded_from": {"path": str(resolve_checkpoint(src)), "topology": meta["topology"]},
+        "resharded_from": {"path": str(plan.checkpoint), "topology": meta["topology"]},
     })
     new_meta.pop("save_seconds_before_commit", None)
     fmt.write_meta_and_complete(tmp, new_meta)
     fmt.commit_rename(tmp, final)
-    fmt.update_latest(dst_root, name)
-    log.info("resharded %s -> %s (dp%d tp%d pp%d ep%d zero%s) in %.2f s", src, final, dp, tp, pp, ep, zero,
-             time.perf_counter() - t0)
     return final
 
 

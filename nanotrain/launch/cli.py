@@ -17,24 +17,18 @@ import sys
 from pathlib import Path
 
 from nanotrain.config import Config, ConfigError, SlurmLayout, load_config, validate
+from nanotrain.config.cli_args import EXIT_USER_ERROR, ArgParser
+from nanotrain.config.files import first_missing
 from nanotrain.config.validate import validate_names
 from nanotrain.launch import rundir, sbatch
 from nanotrain.launch.config_commands import plan, plan_flags, rehearse
 from nanotrain.models.compile_check import compile_backend_problem
 
-EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad command line is one `error:` line (no usage dump) and exit 2."""
-
-    def error(self, message: str):
-        raise ConfigError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="submit.py", description=__doc__.split("\n\n")[0],
+    parser = ArgParser(prog="submit.py", description=__doc__.split("\n\n")[0],
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", nargs="?", help="YAML config, e.g. configs/tiny_cpu.yaml")
     parser.add_argument("--status", metavar="RUN_DIR",
@@ -140,14 +134,6 @@ def emit(config: Config, layout: SlurmLayout, out_dir: Path) -> int:
     return 0
 
 
-def _first_missing(path: Path) -> Path | None:
-    """The outermost directory of `path` that does not exist yet (what a mkdir -p would make)."""
-    missing = None
-    while not path.exists() and path != path.parent:
-        missing, path = path, path.parent
-    return missing
-
-
 def _undo_run_dir(run_dir: Path, existed: set[Path] | None, old_config: bytes | None,
                   made: Path | None) -> None:
     """After a refused submission leave the run directory as it was: gone (with the parents we
@@ -169,7 +155,7 @@ def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
     from nanotrain.launch.task import TrainingTask
 
     existed = set(run_dir.rglob("*")) if run_dir.is_dir() else None
-    made = _first_missing(run_dir)
+    made = first_missing(run_dir)
     old_config = (run_dir / rundir.CONFIG_FILE).read_bytes() if (run_dir / rundir.CONFIG_FILE).is_file() else None
     config_path = rundir.write_run_dir(config, run_dir)
     executor = submitit.SlurmExecutor(folder=sbatch.job_folder(run_dir),

@@ -1,0 +1,152 @@
+"""What the offline tools (``scripts/reshard_checkpoint.py``, ``scripts/export_hf.py``) check
+before they read a tensor or write a byte: the source is a checkpoint (its meta.json, sha256
+checked), the output does not overlap it, the target topology is one a run could train with
+(the config validator's own rules and messages) and the arguments make sense.
+
+Standard library, yaml and ``nanotrain.config`` only (no torch): a script refuses a wrong input
+in a fraction of a second, before it imports the tensor code, and refuses it before anything is
+written, so a refusal leaves the file system as it was.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from nanotrain.checkpoint import layout
+from nanotrain.checkpoint.layout import CheckpointError
+from nanotrain.config import Config, ConfigError, config_from_dict, validate
+from nanotrain.config.loader import apply_override
+
+DTYPES = ("float32", "bfloat16")  # export's --dtype choices, named as format.DTYPES names torch dtypes
+DEFAULT_MAX_SHARD = 5 * 10**9
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``20KB``, ``123`` (bytes) -> bytes (decimal units, as transformers).
+    Raises ValueError for anything else (a ``float`` spelling of nan or inf included)."""
+    t = text.strip().upper()
+    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+        if t.endswith(unit):
+            number = float(t[: -len(unit)])
+            if number != number or number in (float("inf"), float("-inf")):
+                raise ValueError(text)
+            return int(number * mult)
+    return int(t)
+
+
+def shard_size(text: str) -> int:
+    """``--max-shard-size`` -> a positive byte count; raises ConfigError naming the flag."""
+    try:
+        size = parse_size(text)
+    except ValueError:
+        raise ConfigError(f"--max-shard-size {text!r}: give a size like 5GB, 500MB or 20KB") from None
+    if size <= 0:
+        raise ConfigError(f"--max-shard-size {text!r}: must be positive, e.g. 5GB")
+    return size
+
+
+def resolve_checkpoint(src: str | Path) -> Path:
+    """A checkpoint directory (holding COMPLETE), or a checkpoints root (its latest complete one)."""
+    src = Path(src)
+    if (src / layout.COMPLETE).is_file():
+        return src
+    candidates = layout.load_candidates(src)
+    if not candidates:
+        raise CheckpointError(f"{src}: neither a complete checkpoint nor a directory holding one")
+    return candidates[0]
+
+
+def source_checkpoint(src: str | Path) -> Path:
+    """A checkpoint directory, a checkpoints root, or a run directory (its ``checkpoints.path``)
+    -> the checkpoint to read (the newest complete one). Raises CheckpointError."""
+    src = Path(src)
+    if not src.exists():
+        raise CheckpointError(f"{src}: no such run or checkpoint directory")
+    if (src / layout.COMPLETE).is_file() or layout.complete_checkpoints(src):
+        return resolve_checkpoint(src)
+    root = src / "checkpoints"
+    if (src / "config.yaml").is_file():
+        try:
+            saved = yaml.safe_load((src / "config.yaml").read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise CheckpointError(f"{src / 'config.yaml'}: unreadable ({type(exc).__name__})") from None
+        path = ((saved if isinstance(saved, dict) else {}).get("checkpoints") or {}).get("path")
+        root = Path(path) if isinstance(path, str) and path else root
+    if layout.complete_checkpoints(root):
+        return resolve_checkpoint(root)
+    raise CheckpointError(f"{src}: no complete checkpoint in it (looked in {root})")
+
+
+def check_output_dir(out: str | Path, flag: str) -> None:
+    """The output directory is a directory or does not exist yet (a file there cannot become one)."""
+    if Path(out).exists() and not Path(out).is_dir():
+        raise CheckpointError(f"{flag} {out}: exists and is not a directory; give a directory")
+
+
+def check_apart(reads: list[Path], out: str | Path, flag: str) -> None:
+    """Refuse an output that is, lies inside, or holds any of the directories read: writing
+    there would rewrite the source in place (or make a root whose ``latest`` moves under it)."""
+    target = Path(out).resolve()
+    for read in reads:
+        source = Path(read).resolve()
+        if target == source:
+            raise CheckpointError(f"{flag} {out}: is the source {read}; write to a new directory")
+        if source in target.parents:
+            raise CheckpointError(f"{flag} {out}: lies inside the source {read}; write to a directory outside it")
+        if target in source.parents:
+            raise CheckpointError(f"{flag} {out}: holds the source {read}; write to a directory beside it")
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """A checked offline reshard: the checkpoint to read, its meta.json and the target config."""
+
+    checkpoint: Path
+    meta: dict
+    config: Config
+
+
+def plan_reshard(src: str | Path, dst_root: str | Path, overrides: list[str] = ()) -> ReshardPlan:
+    """The checkpoint ``src`` names, and the config of the target topology: the checkpoint's
+    stored config with ``overrides`` (``parallelism.tp=4``...) applied and validated as a launch
+    would validate it (tp dividing the heads, pp within the layers, ep only for a MoE model...).
+    Raises ConfigError (the validator's own line) or CheckpointError; reads only meta.json."""
+    ckpt = resolve_checkpoint(src)
+    check_output_dir(dst_root, "DST")
+    check_apart([Path(src), ckpt], dst_root, "DST")
+    meta = layout.read_meta(ckpt)
+    if not isinstance(meta.get("config"), dict) or not meta["config"]:
+        raise CheckpointError(f"{ckpt}: meta.json holds no config (saved without `config=`), so the "
+                              "model cannot be rebuilt at a new topology")
+    raw = dict(meta["config"])
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    config = config_from_dict(raw)
+    validate(config)
+    if config.parallelism.cp != 1:
+        raise ConfigError(f"parallelism.cp ({config.parallelism.cp}): offline resharding supports cp = 1; "
+                          "resume with cp > 1 instead (the loader reshards online)")
+    zero = config.optimizer.zero_stage
+    if (meta.get("index") or {}).get("optimizer") and zero not in (0, 1):
+        raise ConfigError(f"optimizer.zero_stage ({zero}): offline resharding writes ZeRO stage 0 or 1")
+    return ReshardPlan(ckpt, meta, config)
+
+
+def plan_export(src: str | Path, out_dir: str | Path, dtype: str) -> tuple[Path, dict]:
+    """(checkpoint, meta.json) to export from ``src`` into ``out_dir``: a dense Llama with its
+    config stored, and an output apart from it. Raises CheckpointError; reads only meta.json."""
+    if dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r}: choose one of {sorted(DTYPES)}")
+    ckpt = source_checkpoint(src)
+    check_output_dir(out_dir, "OUT_DIR")
+    check_apart([ckpt], out_dir, "OUT_DIR")
+    meta = layout.read_meta(ckpt)
+    config = meta.get("config") or {}
+    if not isinstance(config, dict) or not config.get("model"):
+        raise CheckpointError(f"{ckpt}: meta.json holds no config, so the model's shape is unknown")
+    if config["model"].get("moe"):
+        raise CheckpointError(f"{ckpt}: a model.moe checkpoint has no LlamaForCausalLM layout (export is for dense "
+                              "Llama models; a Mixtral mapping is not implemented)")
+    return ckpt, meta
