@@ -1,7 +1,7 @@
 """What the offline tools (``scripts/reshard_checkpoint.py``, ``scripts/export_hf.py``) check
 before they read a tensor or write a byte: the source is a checkpoint (its meta.json, sha256
-checked), the output does not overlap it, the target topology is one a run could train with
-(the config validator's own rules and messages) and the arguments make sense.
+checked), the output does not overlap it, the target topology is one the model can be cut into
+(the config validator's own layout rules and messages) and the arguments make sense.
 
 Standard library, yaml and ``nanotrain.config`` only (no torch): a script refuses a wrong input
 in a fraction of a second, before it imports the tensor code, and refuses it before anything is
@@ -16,8 +16,9 @@ import yaml
 
 from nanotrain.checkpoint import layout
 from nanotrain.checkpoint.layout import CheckpointError
-from nanotrain.config import Config, ConfigError, config_from_dict, validate
-from nanotrain.config.loader import apply_override
+from nanotrain.config import Config, ConfigError, config_from_dict
+from nanotrain.config.loader import apply_override, check_fields
+from nanotrain.config.validate import validate_layout
 
 DTYPES = ("float32", "bfloat16")  # export's --dtype choices, named as format.DTYPES names torch dtypes
 DEFAULT_MAX_SHARD = 5 * 10**9
@@ -110,8 +111,9 @@ class ReshardPlan:
 
 def plan_reshard(src: str | Path, dst_root: str | Path, overrides: list[str] = ()) -> ReshardPlan:
     """The checkpoint ``src`` names, and the config of the target topology: the checkpoint's
-    stored config with ``overrides`` (``parallelism.tp=4``...) applied and validated as a launch
-    would validate it (tp dividing the heads, pp within the layers, ep only for a MoE model...).
+    stored config with ``overrides`` (``parallelism.tp=4``...) applied, its fields checked and its
+    layout validated with the launch's own rules (``validate_layout``: tp dividing the heads, pp
+    within the layers, ep only for a MoE model...; the batch rules are the resuming run's).
     Raises ConfigError (the validator's own line) or CheckpointError; reads only meta.json."""
     ckpt = resolve_checkpoint(src)
     check_output_dir(dst_root, "DST")
@@ -124,7 +126,8 @@ def plan_reshard(src: str | Path, dst_root: str | Path, overrides: list[str] = (
     for assignment in overrides:
         apply_override(raw, assignment)
     config = config_from_dict(raw)
-    validate(config)
+    check_fields(config)
+    validate_layout(config)
     if config.parallelism.cp != 1:
         raise ConfigError(f"parallelism.cp ({config.parallelism.cp}): offline resharding supports cp = 1; "
                           "resume with cp > 1 instead (the loader reshards online)")

@@ -53,9 +53,12 @@ def parallel_product(config: Config) -> str:
     return f"dp*tp*pp*cp*ep = {p.dp}*{p.tp}*{p.pp}*{p.cp}*{p.ep} = {p.world_size}"
 
 
-def validate_model(config: Config) -> None:
-    """Rules that tie the model shape to the parallel layout and the batch."""
-    m, p, t = config.model, config.parallelism, config.training
+def validate_layout(config: Config) -> None:
+    """Rules that tie the model shape to the parallel layout alone (heads and widths over tp,
+    layers over pp stages, experts over ep): what a layout must satisfy for the model to be cut
+    into its ranks at all. Offline resharding checks its target with these (the batch and
+    sequence rules belong to the run that later resumes the checkpoint, with its own settings)."""
+    m, p = config.model, config.parallelism
     kv = m.num_key_value_heads or m.num_attention_heads
     if p.world_size > MAX_WORLD:
         _fail(f"parallelism: {parallel_product(config)} ranks; at most {MAX_WORLD:,} are supported: "
@@ -87,6 +90,19 @@ def validate_model(config: Config) -> None:
     if m.intermediate_size % p.tp:
         _fail(f"model.intermediate_size ({m.intermediate_size}) must be divisible by parallelism.tp "
               f"({p.tp})")
+    chunks = p.pp * p.pp_virtual_stages
+    if m.num_layers < chunks:
+        what = f"pp*pp_virtual_stages = {p.pp}*{p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else f"pp ({p.pp})"
+        _fail(f"model.num_layers ({m.num_layers}) must be at least parallelism.{what}: "
+              "every pipeline stage needs a layer")
+    if p.pp_virtual_stages > 1 and p.pp_engine != "interleaved_1f1b":
+        _fail(f"parallelism.pp_virtual_stages ({p.pp_virtual_stages}) needs pp_engine: interleaved_1f1b")
+
+
+def validate_model(config: Config) -> None:
+    """Rules that tie the model shape to the parallel layout (``validate_layout``) and the batch."""
+    validate_layout(config)
+    m, p, t = config.model, config.parallelism, config.training
     if t.sequence_length > m.max_position_embeddings:
         _fail(f"training.sequence_length ({t.sequence_length}) exceeds model.max_position_embeddings "
               f"({m.max_position_embeddings}): raise max_position_embeddings or shorten the sequence")
@@ -99,13 +115,6 @@ def validate_model(config: Config) -> None:
             else f"training.sequence_length ({t.sequence_length})"
         _fail(f"{what} must be divisible by parallelism.tp ({p.tp}) under tp_mode REDUCE_SCATTER "
               "(sequence shards)")
-    chunks = p.pp * p.pp_virtual_stages
-    if m.num_layers < chunks:
-        what = f"pp*pp_virtual_stages = {p.pp}*{p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else f"pp ({p.pp})"
-        _fail(f"model.num_layers ({m.num_layers}) must be at least parallelism.{what}: "
-              "every pipeline stage needs a layer")
-    if p.pp_virtual_stages > 1 and p.pp_engine != "interleaved_1f1b":
-        _fail(f"parallelism.pp_virtual_stages ({p.pp_virtual_stages}) needs pp_engine: interleaved_1f1b")
     m_micro = t.batch_accumulation_per_replica
     if p.pp > 1 and p.pp_engine == "1f1b" and m_micro < p.pp:
         _fail(f"training.batch_accumulation_per_replica ({m_micro}) must be >= parallelism.pp ({p.pp}) "

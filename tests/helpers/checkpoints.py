@@ -39,3 +39,15 @@ def damage(path: Path, how: str) -> None:
     else:  # flip a byte in the tensor data (past the header): the file still parses
         data[-5] ^= 0xFF
         path.write_bytes(bytes(data))
+
+
+def saved_tiny(root: Path, step: int = 1) -> Path:
+    """``tiny()`` (one process, ZeRO-0, with AdamW states) saved as ``root/step_<step>`` with its
+    config, as a run saves it: the source the offline tools (reshard, export) read. Returns the
+    checkpoint directory."""
+    from nanotrain.checkpoint import save_checkpoint
+    from nanotrain.config import Config, ParallelismArgs
+
+    model, opt, sched = tiny()
+    config = Config(parallelism=ParallelismArgs(dp=1, tp=1, pp=1), model=MODEL, optimizer=OPTIM)
+    return save_checkpoint(root, step, model, opt, sched, config=config)
