@@ -127,3 +127,23 @@ def test_a_failure_after_writing_began_removes_what_was_written(tmp_path):
         (tmp_path / "model.safetensors.partial").write_text("")
         raise OSError("disk full")
     assert listing(tmp_path) == ["kept"]
+
+
+def test_reshard_and_export_failing_midway_leave_nothing(place, tmp_path, monkeypatch):
+    """A write that fails after the first files are out (a full disk, Ctrl-C) leaves the output
+    as it was: reshard's step_N.tmp and the DST it made, export's OUT_DIR, are gone."""
+    from nanotrain.checkpoint import hf_export, reshard, shard_files
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shard_files, "write_optimizer_shards", disk_full)  # after the model shards
+    with pytest.raises(OSError, match="No space"):
+        reshard.reshard_offline(place / CKPT, tmp_path / "new" / "dst", ["parallelism.tp=2"])
+    (tmp_path / "dst").mkdir()
+    with pytest.raises(OSError, match="No space"):
+        reshard.reshard_offline(place / CKPT, tmp_path / "dst", ["parallelism.tp=2"])
+    monkeypatch.setattr(hf_export, "export_tokenizer", disk_full)  # after the weight files
+    with pytest.raises(OSError, match="No space"):
+        hf_export.export_hf(place / CKPT, tmp_path / "hf")
+    assert listing(tmp_path) == ["dst"]
