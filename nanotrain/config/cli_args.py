@@ -14,6 +14,7 @@ from typing import Callable
 from nanotrain.config.loader import ConfigError
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 class ArgParser(argparse.ArgumentParser):
@@ -37,11 +38,16 @@ def refuse(message: object) -> int:
 
 def answer(main: Callable[[], int], *errors: type[BaseException]) -> int:
     """Run ``main()``; a ``ConfigError`` (which a bad command line raises) or one of ``errors``
-    (the script's user errors, e.g. ``CheckpointError``) becomes one ``error:`` line and exit 2."""
+    (the script's user errors, e.g. ``CheckpointError``) becomes one ``error:`` line and exit 2;
+    Ctrl-C is one ``interrupted`` line and exit 130, not a traceback (whatever ``main`` was
+    writing, it removes itself as the interrupt passes: see ``files.removed_on_failure``)."""
     try:
         return main()
     except (ConfigError, *errors) as exc:
         return refuse(exc)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def non_negative_int(text: str) -> int:

@@ -17,14 +17,12 @@ import sys
 from pathlib import Path
 
 from nanotrain.config import Config, ConfigError, SlurmLayout, load_config, validate
-from nanotrain.config.cli_args import EXIT_USER_ERROR, ArgParser
+from nanotrain.config.cli_args import EXIT_INTERRUPTED, EXIT_USER_ERROR, ArgParser
 from nanotrain.config.files import first_missing
 from nanotrain.config.validate import validate_names
 from nanotrain.launch import rundir, sbatch
 from nanotrain.launch.config_commands import plan, plan_flags, rehearse
 from nanotrain.models.compile_check import compile_backend_problem
-
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 def build_parser() -> argparse.ArgumentParser:
