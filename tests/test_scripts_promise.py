@@ -9,6 +9,7 @@ The source checkpoint is the one-process tiny model saved with its config
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import resource
 import subprocess
@@ -28,10 +29,15 @@ TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 
 @pytest.fixture(scope="module")
 def place(tmp_path_factory) -> Path:
-    """A directory holding ``ckpts`` (a checkpoints root with ``step_000001``), and ``no-torch``
+    """A directory holding ``ckpts`` (a checkpoints root with ``step_000001``), ``alien/step_000001``
+    (COMPLETE and its meta.json checksum right, the meta.json not nanotrain's) and ``no-torch``
     (a ``torch`` package that refuses to be imported)."""
     base = tmp_path_factory.mktemp("scripts_promise")
     saved_tiny(base / "ckpts")
+    alien = base / "alien" / "step_000001"
+    alien.mkdir(parents=True)
+    (alien / "meta.json").write_text("[1]")
+    (alien / "COMPLETE").write_text(f"sha256 {hashlib.sha256(b'[1]').hexdigest()}\n")
     poison = base / "no-torch" / "torch"
     poison.mkdir(parents=True)
     (poison / "__init__.py").write_text('raise ImportError("torch was imported before the refusal")\n')
@@ -97,6 +103,8 @@ BAD = [  # (script, args, what the line says)
     ("reshard_checkpoint", [STEP, f"{STEP}/tp2"], "lies inside the source"),
     ("reshard_checkpoint", [STEP, CKPT, "--set", "parallelism.tp=2"], f"DST {CKPT}: holds the source"),
     ("reshard_checkpoint", [STEP, ".", "--set", "parallelism.tp=2"], "DST .: holds the source"),
+    ("reshard_checkpoint", ["alien", "out"], "alien/step_000001/meta.json: not a nanotrain-checkpoint"),
+    ("export_hf", ["alien", "out"], "alien/step_000001/meta.json: not a nanotrain-checkpoint"),
     ("hf_config", ["missing"], "missing"),
     ("inspect_topology", [TINY, "--rank", "8"], "--rank 8 is outside the world of 8 ranks"),
     ("inspect_topology", [TINY, "--rank", "x"], "argument --rank: invalid int value"),

@@ -124,14 +124,17 @@ def read_meta(ckpt_dir: Path) -> dict:
     try:
         complete = (ckpt_dir / COMPLETE).read_text().split()
         data = (ckpt_dir / META).read_bytes()
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{ckpt_dir}: cannot read {META}/{COMPLETE}: {e}") from None
     if len(complete) != 2 or complete[0] != "sha256":
         raise CheckpointError(f"{ckpt_dir / COMPLETE}: unexpected content")
     if hashlib.sha256(data).hexdigest() != complete[1]:
         raise CheckpointError(f"{ckpt_dir / META}: checksum mismatch (file altered or truncated)")
-    meta = json.loads(data)
-    if meta.get("format") != FORMAT:
+    try:
+        meta = json.loads(data)
+    except ValueError:  # written with its checksum, yet not JSON: not a file nanotrain wrote
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{ckpt_dir / META}: not a {FORMAT} checkpoint")
     if meta.get("format_version", 0) > FORMAT_VERSION:
         raise CheckpointError(f"{ckpt_dir / META}: format version {meta['format_version']} is newer "
