@@ -75,3 +75,41 @@ def test_a_slowed_rank_shows_above_and_even_ranks_near_one(tmp_path):
     assert len(ratios["slowed"]) == len(ratios["even"]) == STEPS // LOG_INTERVAL
     assert all(r > SLOWED_ABOVE for r in ratios["slowed"]), ratios
     assert all(r < EVEN_BELOW for r in ratios["even"]), ratios
+
+
+def test_the_wait_clock_counts_blocking_calls_inside_a_step_window_once(monkeypatch):
+    """What ``WAITS`` adds up: work-handle waits and synchronous collectives (nested ones once)
+    inside ``begin_step``..``end_step``, nothing outside; ``read`` empties it. A fake clock
+    advances only while a fake handle waits, so the sums are exact."""
+    import nanotrain.parallel.timing as timing
+    from nanotrain.parallel import collectives
+    from nanotrain.parallel.wait_clock import WAITS
+
+    now = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+
+    class Work:
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+        def wait(self):
+            now[0] += self.seconds
+
+    def all_reduce(tensor, async_op=False, **kwargs):  # synchronous: waits on a handle inside
+        if async_op:
+            now[0] += 8.0  # a post that took long: not a wait on peers, not counted
+            return Work(0.0)
+        collectives.wait(Work(2.0))
+
+    monkeypatch.setattr(collectives.dist, "all_reduce", all_reduce)
+
+    WAITS.reset()
+    collectives.wait(Work(1.0))  # no window open: not counted
+    WAITS.begin_step("cpu")
+    collectives.wait(Work(0.25))
+    collectives.all_reduce(None)  # counted once
+    collectives.all_reduce(None, async_op=True)  # only posts: its handle's wait is what counts
+    WAITS.end_step()
+    collectives.wait(Work(4.0))  # after the window: not counted
+    assert WAITS.read() == 2.25
+    assert WAITS.read() == 0.0
