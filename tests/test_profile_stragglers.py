@@ -1,6 +1,7 @@
 """Traces on demand and stragglers (issue 16, items 3-4): `training.profile: {start_step,
 num_steps}` writes one torch.profiler trace per rank holding exactly the asked steps; every
-log step the metrics rank logs `perf/step_time_max_over_median` (one all-gather of step times);
+log step the metrics rank logs `perf/step_time_max_over_median` (one all-gather of busy step
+times; that it sees a slowed rank: test_stragglers.py);
 a bad `training.profile` is one `error:` line and exit 2, before anything starts."""
 from __future__ import annotations
 

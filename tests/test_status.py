@@ -84,6 +84,9 @@ def test_scheduler_fallbacks(monkeypatch):
     answers["sacct"] = "7|REQUEUED|n1\n7|REQUEUED|n2\n7|FAILED|n[1-2]\n"
     info = status_mod.slurm_job_info("7")
     assert (info.state, info.source, info.restarts) == ("FAILED", "sacct", 2)
+    answers["sacct"] = "7|REQUEUED|n1|0:0\n7|FAILED|n[1-2]|75:0\n"  # the ExitCode column: status:signal
+    assert status_mod.slurm_job_info("7").exit_code == 75
+    answers["sacct"] = "7|REQUEUED|n1\n7|REQUEUED|n2\n7|FAILED|n[1-2]\n"
     answers["scontrol"] = None  # past MinJobAge: only accounting remembers, one record per run
     assert status_mod.slurm_job_info("7").restarts == 2
 

@@ -27,6 +27,14 @@ from nanotrain.launch.prepare import prepared_line
 from nanotrain.logging.metrics import PROGRESS_FILE, format_eta
 
 QUERY_TIMEOUT_S = 15
+# What a finished job's exit code means (the codes of `launch/task.py`).
+EXIT_MEANINGS = {
+    0: "completed",
+    2: "a user error found inside a rank: see the job log's `error:` line",
+    3: "training diverged: nothing saved after the last finite step",
+    4: "the job hung (see the hang lines below)",
+    75: "stopped and saved, but not requeued (a user's scancel, or slurm.max_requeues spent)",
+}
 RUN_DIR_MARKERS = (rundir.CONFIG_FILE, rundir.LAUNCH_FILE, PROGRESS_FILE)
 
 
@@ -40,6 +48,7 @@ class JobInfo:
     restarts: Optional[int] = None
     nodes: Optional[str] = None
     reason: Optional[str] = None
+    exit_code: Optional[int] = None  # the batch script's, once the job has ended
     asked: list[str] = field(default_factory=list)
 
 
@@ -68,13 +77,14 @@ def query_squeue(job_id: str) -> Optional[dict]:
 
 
 def query_sacct(job_id: str) -> Optional[dict]:
-    out = _query(["sacct", "-j", job_id, "-X", "-n", "-P", "-D", "-o", "JobID,State,NodeList"])
+    out = _query(["sacct", "-j", job_id, "-X", "-n", "-P", "-D", "-o", "JobID,State,NodeList,ExitCode"])
     rows = [line.split("|") for line in (out or "").splitlines() if line.strip()]
-    rows = [r for r in rows if len(r) >= 3 and r[0].split("_")[0] == job_id]
+    rows = [r + [""] for r in rows if len(r) >= 3 and r[0].split("_")[0] == job_id]
     if not rows:
         return None
-    _, state, nodes = rows[-1][:3]  # one record per incarnation; the last is the current one
-    return {"state": state.split()[0], "nodes": _nodes(nodes), "restarts": len(rows) - 1}
+    _, state, nodes, code = rows[-1][:4]  # one record per incarnation; the last is the current one
+    return {"state": state.split()[0], "nodes": _nodes(nodes), "restarts": len(rows) - 1,
+            "exit_code": _exit_code(code)}
 
 
 def query_scontrol(job_id: str) -> Optional[dict]:
@@ -86,7 +96,14 @@ def query_scontrol(job_id: str) -> Optional[dict]:
     reason = fields.get("Reason")
     return {"state": fields["JobState"], "nodes": _nodes(fields.get("NodeList", "")),
             "restarts": int(restarts) if restarts and restarts.isdigit() else None,
-            "reason": reason if reason not in (None, "", "None") else None}
+            "reason": reason if reason not in (None, "", "None") else None,
+            "exit_code": _exit_code(fields.get("ExitCode", ""))}
+
+
+def _exit_code(text: str) -> Optional[int]:
+    """The exit status of SLURM's ``ExitCode`` (``"75:0"``: status 75, no signal)."""
+    code = text.split(":")[0]
+    return int(code) if code.isdigit() else None
 
 
 def slurm_job_info(job_id: str) -> JobInfo:
@@ -105,6 +122,9 @@ def slurm_job_info(job_id: str) -> JobInfo:
         if info.state != "PENDING":
             info.nodes = next((answers[name]["nodes"] for name in (info.source, "squeue", "scontrol", "sacct")
                                if answers[name] and answers[name].get("nodes")), None)
+    if info.state not in (None, "PENDING", "RUNNING", "REQUEUED", "COMPLETING", "SUSPENDED"):
+        info.exit_code = next((answers[name]["exit_code"] for name in (info.source, "sacct", "scontrol")
+                               if answers[name] and answers[name].get("exit_code") is not None), None)
     for name in ("scontrol", "sacct"):  # scontrol counts requeues itself; sacct by records
         if answers[name] and answers[name].get("restarts") is not None:
             info.restarts = answers[name]["restarts"]
@@ -222,6 +242,11 @@ def show_status(run_dir: str | Path, out: TextIO | None = None) -> int:
         print(f"state: {state}", file=out)
         print(f"requeues: {info.restarts if info.restarts is not None else 'unknown'}", file=out)
         print(f"nodes: {info.nodes or '-'}", file=out)
+        if info.exit_code is not None:
+            meaning = EXIT_MEANINGS.get(info.exit_code, "killed or failed outside training: see the job log")
+            print(f"exit code: {info.exit_code}, {meaning}", file=out)
+            if info.exit_code == 75:
+                print(f"resume with: python submit.py --resume {run_dir}", file=out)
     elif mode == "slurm":
         print("state: unknown (no job id in launch.json or job/ logs)", file=out)
     elif mode == "local":

@@ -87,10 +87,11 @@ class MetricsLogger:
                  log_interval: int = 1, tensorboard: bool = True, device_name: Optional[str] = None,
                  start_step: int = 0, progress_bar: Optional[bool] = None,
                  stream: Optional[TextIO] = None, hardware_flops_per_token: Optional[float] = None,
-                 step_time_ratio: Optional[Callable[[float], float]] = None):
+                 step_time_ratio: Optional[Callable[[float, int], float]] = None):
         self.run_dir = Path(run_dir)
-        # Every rank's mean step time of the interval -> max / median over ranks, a collective
-        # that every rank joins on log steps (stragglers.py); None in one process.
+        # (every rank's summed step time of the interval, its steps) -> max / median over ranks
+        # of the time outside waits on peers, a collective every rank joins on log steps
+        # (stragglers.py); None in one process.
         self.step_time_ratio = step_time_ratio
         self.enabled = enabled
         self.total_steps = total_steps
@@ -147,7 +148,7 @@ class MetricsLogger:
         if not self.should_log(step):
             return None
         if self.step_time_ratio is not None:
-            ratio = self.step_time_ratio(self._interval_time / self._interval_steps)
+            ratio = self.step_time_ratio(self._interval_time, self._interval_steps)
             extra = {**(extra or {}), "perf/step_time_max_over_median": ratio}
         if not self.enabled:
             self._interval_steps, self._interval_time = 0, 0.0
@@ -285,8 +286,8 @@ def metrics_logger_for(config, run_dir, parallel_context=None, *, device=None,
     if parallel_context is not None:
         from nanotrain.logging.stragglers import step_time_max_over_median  # torch: not for the CLI's imports
 
-        def ratio(mean_step_s: float) -> float:
-            return step_time_max_over_median(mean_step_s, device)
+        def ratio(interval_s: float, steps: int) -> float:
+            return step_time_max_over_median(interval_s, steps, device)
     return MetricsLogger(
         run_dir, config_to_dict(config), enabled, total_steps=t.train_steps,
         tokens_per_step=p.batch_replicas * t.micro_batch_size * t.batch_accumulation_per_replica * t.sequence_length,

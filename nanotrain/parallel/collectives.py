@@ -14,6 +14,9 @@
   (``progress.py``) which collective on which group this rank enters. Every collective of
   training passes here, so a hang report names the one a rank waits in; one attribute write
   each, no cost.
+* ``wait``: a work handle's ``wait()``. It and every synchronous call above are timed as this
+  rank's time blocked on its peers (``wait_clock.py``) while the trainer holds a step window
+  open, so the straggler metric compares what each rank does outside those waits.
 """
 from __future__ import annotations
 
@@ -23,20 +26,42 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.parallel.progress import PROGRESS
+from nanotrain.parallel.wait_clock import WAITS
+
+
+def _blocking(fn, *args, async_op: bool = False, **kwargs):
+    """``fn(*args, **kwargs)``; timed as a wait on the peers unless it only posts (``async_op``:
+    its handle's ``wait`` is timed instead)."""
+    if async_op:
+        return fn(*args, async_op=True, **kwargs)
+    timer = WAITS.start()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        WAITS.stop(timer)
+
+
+def wait(work) -> None:
+    """``work.wait()`` of an asynchronous collective or send/receive, timed as a wait."""
+    timer = WAITS.start()
+    try:
+        work.wait()
+    finally:
+        WAITS.stop(timer)
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """``out`` = every rank's ``inp`` concatenated along dim 0, in rank order."""
     PROGRESS.entering("all_gather", group)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=async_op)
+    return _blocking(fn, out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """``out`` = this rank's dim-0 block of the sum of every rank's ``inp``."""
     PROGRESS.entering("reduce_scatter", group)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _blocking(fn, out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def allreduce_flat_(tensors: Sequence[torch.Tensor], group) -> None:
@@ -55,7 +80,7 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
                what: str = "all_reduce"):
     """``dist.all_reduce``; ``what`` names it in hang reports (e.g. "all_reduce grad bucket")."""
     PROGRESS.entering(what, group)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _blocking(dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, group_src: int | None = None,
@@ -66,24 +91,24 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, group_sr
     PROGRESS.entering(what, group)
     if group_src is not None:
         src = group_src if group is None else dist.get_global_rank(group, group_src)
-    return dist.broadcast(tensor, src=src, group=group)
+    return _blocking(dist.broadcast, tensor, src=src, group=group)
 
 
 def all_gather(out: list, tensor: torch.Tensor, group=None, what: str = "all_gather"):
     PROGRESS.entering(what, group)
-    return dist.all_gather(out, tensor, group=group)
+    return _blocking(dist.all_gather, out, tensor, group=group)
 
 
 def gather(tensor: torch.Tensor, out, dst: int, group=None, what: str = "gather"):
     PROGRESS.entering(what, group)
-    return dist.gather(tensor, out, dst=dst, group=group)
+    return _blocking(dist.gather, tensor, out, dst=dst, group=group)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group=None, out_splits: list[int] | None = None,
                       in_splits: list[int] | None = None, what: str = "all_to_all"):
     """``dist.all_to_all_single`` (equal splits when none are given)."""
     PROGRESS.entering(what, group)
-    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+    return _blocking(dist.all_to_all_single, out, inp, out_splits, in_splits, group=group)
 
 
 def batch_isend_irecv(ops: list, what: str, group=None):

@@ -46,6 +46,18 @@ class IntervalTimer:
             self._host += time.perf_counter() - self._t0
             self._t0 = None
 
+    def fold_done(self) -> None:
+        """Add the intervals whose end event has already happened, without waiting for the
+        others (on CUDA ``query()`` never blocks; events on one stream complete in order): it
+        keeps the events held to the last step or so, however long the timer is read after."""
+        while self._events and self._events[0][1].query():
+            start, end = self._events.pop(0)
+            self._host += start.elapsed_time(end) / 1e3
+
+    def pending(self) -> bool:
+        """Whether recorded intervals remain that ``seconds()`` would have to wait for."""
+        return bool(self._events)
+
     def seconds(self) -> float:
         """The summed intervals; on CUDA this waits for the recorded events (a sync point)."""
         if self.acc and self._events:

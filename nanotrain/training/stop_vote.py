@@ -100,7 +100,7 @@ class StopVote:
             else:
                 if work is not None:
                     PROGRESS.entering("wait all_reduce stop vote", self.group)
-                    work.wait()
+                    collectives.wait(work)
                 stop, bad, writing = flags.tolist()
             self.last_settled = (step, writing > 0)  # (its step, a rank still writing a checkpoint)
             if bad > 0:

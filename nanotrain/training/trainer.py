@@ -40,6 +40,7 @@ from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_group
 from nanotrain.parallel.context import ParallelContext
 from nanotrain.parallel.data_parallel import build_grad_sync
 from nanotrain.parallel.progress import PROGRESS
+from nanotrain.parallel.wait_clock import WAITS
 from nanotrain.training.builder import build_engine, build_model
 from nanotrain.training.evaluate import evaluate, perplexity
 from nanotrain.training.profile import StepProfiler
@@ -131,7 +132,9 @@ class DistributedTrainer:
     def _loop(self) -> str:
         t = self.config.training
         m = t.batch_accumulation_per_replica
+        WAITS.reset()
         start = time.perf_counter()
+        WAITS.begin_step(self.device)  # the step's waits on peers (the straggler metric)
         while self.step < t.train_steps:
             # Middle pipeline stages read no data: m placeholders.
             PROGRESS.mark("data")
@@ -146,6 +149,7 @@ class DistributedTrainer:
             self.consumed_samples += self.global_batch
             if self.batches and self.step < t.train_steps:
                 self.batches.prefetch(self.consumed_samples)  # overlaps this step's GPU work
+            WAITS.end_step()
             self.log_step(stats, time.perf_counter() - start)
             if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.train_steps):
                 self.evaluate()
@@ -173,6 +177,7 @@ class DistributedTrainer:
                     self.save()
                 return "preempted"
             start = time.perf_counter()
+            WAITS.begin_step(self.device)
         self.save()  # the final state (a no-op when the interval just wrote it)
         return "completed"
 
@@ -180,7 +185,8 @@ class DistributedTrainer:
         """The step's metrics. ``step_s``: host time of the step (data included, saves not); the
         stop vote keeps the host within a step of the GPU, so over a logging interval it is the
         device's time. On logging steps (the same on every rank) all ranks join one tiny gather
-        for the straggler ratio (in the logger) and, with MoE, every pp rank one for the routing
+        for the straggler ratio (in the logger: the step time less the step's waits on peers,
+        ``parallel/wait_clock.py``) and, with MoE, every pp rank one for the routing
         statistics."""
         PROGRESS.mark("metrics")
         self.metrics.log(self.step, stats.loss_tensor, stats.lr, stats.grad_norm_tensor, step_s)

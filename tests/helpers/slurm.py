@@ -63,3 +63,27 @@ def start_now_if_requeued(job_id: str) -> None:
     """A requeued job waits `cred_expire` (30 s here) in PENDING/BeginTime; start it at once."""
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True,
                    timeout=30)
+
+
+def run_seconds(job_id: str) -> int:
+    """How long the job's current incarnation has run (scontrol's ``RunTime``), in seconds."""
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
+    match = re.search(r"RunTime=(?:(\d+)-)?(\d+):(\d+):(\d+)", out)
+    assert match, f"no RunTime for job {job_id}: {out!r}"
+    days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def accounting(job_id: str) -> tuple[str, str]:
+    """(State, ExitCode) of the job's last incarnation from sacct, e.g. ("FAILED", "75:0")."""
+    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode"],
+                         capture_output=True, text=True, timeout=30).stdout
+    rows = [row.split("|") for row in out.splitlines() if row.strip()]
+    assert rows, f"sacct knows no job {job_id}"
+    return rows[-1][0].split()[0], rows[-1][1]
+
+
+def cancel(job_id: str | None) -> None:
+    """``scancel`` a job a test submitted (its ``finally``: nothing outlives a failed test)."""
+    if job_id is not None:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)

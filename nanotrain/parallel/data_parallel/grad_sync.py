@@ -65,7 +65,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanotrain.parallel import accelerator
-from nanotrain.parallel.collectives import all_gather_into, all_reduce, reduce_scatter_into
+from nanotrain.parallel.collectives import all_gather_into, all_reduce, reduce_scatter_into, wait
 from nanotrain.parallel.data_parallel import buckets as layout
 from nanotrain.parallel.progress import PROGRESS
 
@@ -273,7 +273,7 @@ class BucketedGradSync:
             handles = [all_gather_into(b.buffer, self._owned(b), group=self.group, async_op=True)
                        for b in self.buckets]
             for h in handles:
-                h.wait()
+                wait(h)
 
     wait = finish_grad_sync
 
@@ -282,7 +282,7 @@ class BucketedGradSync:
             if b.handle is not None:
                 op = "reduce_scatter" if self.shards > 1 else "all_reduce"
                 PROGRESS.entering(f"wait {op} gradient bucket {b.index}", self.group)
-                b.handle.wait()
+                wait(b.handle)
             b.handle, b.launched = None, False
             b.ready.clear()
         self._next_launch = 0

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanotrain.parallel import accelerator
-from nanotrain.parallel.collectives import all_gather_into
+from nanotrain.parallel.collectives import all_gather_into, wait
 from nanotrain.parallel.data_parallel.buckets import padded, shard_pieces
 from nanotrain.parallel.data_parallel.grad_sync import BucketedGradSync, grad_sync_of
 
@@ -123,7 +123,7 @@ class _Domain:
             mine = self.flat[start + self.rank * chunk:start + (self.rank + 1) * chunk]
             handles.append(all_gather_into(self.flat[start:start + length], mine, group=self.group, async_op=True))
         for h in handles:
-            h.wait()
+            wait(h)
 
 
 def _ranks(group) -> list[int]:

@@ -55,7 +55,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from nanotrain.parallel.collectives import batch_isend_irecv
+from nanotrain.parallel.collectives import batch_isend_irecv, wait
 from nanotrain.parallel.progress import PROGRESS
 
 # What NCCL can carry (it has no complex or bool types); gloo carries these too.
@@ -188,14 +188,14 @@ class P2P:
             self._record(sends, recvs)
         out = []
         for work, buf, requires_grad in waiting:
-            work.wait()
+            wait(work)
             out.append(buf.requires_grad_(requires_grad) if buf.is_floating_point() else buf)
         return out
 
     def wait_sends(self) -> None:
         """Wait until every posted send has left (its buffer may be reused or freed)."""
         for work, _ in self._inflight:
-            work.wait()
+            wait(work)
         self._inflight.clear()
 
     # ------------------------------------------------------------------ internals

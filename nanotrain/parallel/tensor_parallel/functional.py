@@ -227,7 +227,7 @@ class _ColumnLinearAsync(torch.autograd.Function):
         x_full, work = _all_gather_dim0(x, group, async_op=True)
         out = torch.empty((s * tp, *x.shape[1:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
         out[rank * s:(rank + 1) * s] = F.linear(x, weight, bias)  # own shard, while gathering
-        work.wait()
+        collectives.wait(work)
         if rank > 0:
             out[:rank * s] = F.linear(x_full[:rank * s], weight, bias)
         if rank < tp - 1:
@@ -253,7 +253,7 @@ class _ColumnLinearAsync(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
         if work is not None:
-            work.wait()
+            collectives.wait(work)
         return (*_in_dtypes((grad_x, grad_w, grad_b), ctx.dtypes), None, None)
 
 
@@ -284,7 +284,7 @@ class _RowLinearAsyncReduceScatter(torch.autograd.Function):
         if need_x:
             grad_x[own] = grad.matmul(weight)
         grad_w = _mm2d(grad).t().mm(_mm2d(x[own])) if need_w else None
-        work.wait()
+        collectives.wait(work)
         for part in (slice(0, rank * s), slice((rank + 1) * s, tp * s)):
             if part.stop <= part.start:
                 continue
