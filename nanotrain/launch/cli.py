@@ -19,7 +19,8 @@ from pathlib import Path
 from nanotrain.config import Config, ConfigError, SlurmLayout, load_config, validate
 from nanotrain.config.validate import validate_names
 from nanotrain.launch import rundir, sbatch
-from nanotrain.launch.config_commands import plan, plan_flags, rehearse
+from nanotrain.launch.config_commands import plan, rehearse
+from nanotrain.launch.flags import check_flags, given_flags
 from nanotrain.models.compile_check import compile_backend_problem
 
 EXIT_USER_ERROR = 2
@@ -220,8 +221,6 @@ def _config_of(args) -> tuple[Config, str, str | None]:
         if args.config is None:
             raise ConfigError("the following arguments are required: config (see --help)")
         return load_config(args.config, args.set), args.config, None
-    if args.config is not None:
-        raise ConfigError("--resume takes a run directory instead of a config (see --help)")
     run_dir = Path(args.resume)
     if not (run_dir / rundir.CONFIG_FILE).is_file():
         raise ConfigError(f"--resume {args.resume}: not a run directory (no {rundir.CONFIG_FILE}); "
@@ -268,21 +267,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        check_flags(given_flags(parser, args))  # before anything is read: flags.py's table
         _refuse_empty_paths(args)
-        if args.plan or plan_flags(args):
+        if args.plan:
             return plan(args)
-        if args.rehearse or args.rank is not None or args.steps is not None or args.json:
+        if args.rehearse:
             return rehearse(args)
         if args.status is not None:
-            if args.config is not None:
-                raise ConfigError("--status takes a run directory, not a config (see --help)")
             from nanotrain.launch.status import show_status
 
             return show_status(args.status)
         config, config_arg, resumed_mode = _config_of(args)
-        if args.emit is not None and args.local:
-            raise ConfigError("--emit writes a SLURM script; it cannot be combined with --local")
         has_sbatch = shutil.which("sbatch") is not None
         use_slurm = not args.local and (args.emit is not None or args.dry_run or
                                         (resumed_mode or ("slurm" if has_sbatch else "local")) == "slurm")
