@@ -8,11 +8,8 @@ reported as one `error:` line with exit status 2. With no flag the job goes to S
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -165,27 +162,20 @@ def _undo_run_dir(run_dir: Path, existed: set[Path] | None, old_config: bytes | 
 
 
 def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
-    import submitit
-
+    from nanotrain.launch.submission import SubmitRefused, submit
     from nanotrain.launch.task import TrainingTask
 
     existed = set(run_dir.rglob("*")) if run_dir.is_dir() else None
     made = _first_missing(run_dir)
     old_config = (run_dir / rundir.CONFIG_FILE).read_bytes() if (run_dir / rundir.CONFIG_FILE).is_file() else None
     config_path = rundir.write_run_dir(config, run_dir)
-    executor = submitit.SlurmExecutor(folder=sbatch.job_folder(run_dir),
-                                      max_num_timeout=config.slurm.max_requeues)
-    executor.update_parameters(**sbatch.executor_parameters(config, layout))
-    captured = io.StringIO()  # submitit prints sbatch's stderr itself; we say it in one line
     try:
-        with contextlib.redirect_stderr(captured):
-            job = executor.submit(TrainingTask(), str(config_path))
-    except (OSError, subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as exc:
+        job = submit(sbatch.job_folder(run_dir), config.slurm.max_requeues, sbatch.executor_parameters(config, layout),
+                     TrainingTask(), str(config_path))
+    except SubmitRefused as exc:
         _undo_run_dir(run_dir, existed, old_config, made)
-        detail = str(getattr(exc, "stderr", None) or exc) + "\n" + captured.getvalue()
-        print(f"error: sbatch refused the job: {sbatch.sbatch_error(detail)}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    sys.stderr.write(captured.getvalue())  # sbatch's warnings of an accepted job
     rundir.write_launch_record(run_dir, mode="slurm", job_id=job.job_id, argv=sys.argv[1:])
     print(f"submitted job {job.job_id}: {describe_layout(config, layout)}")
     print(f"run directory: {run_dir}")

@@ -1,0 +1,42 @@
+"""Every SLURM command the package runs is bounded (nanotrain/launch/slurm_commands.py): a hung
+`sbatch` is one `error:` line, exit 2, its process tree killed and the run directory undone;
+a missing command or a bad bound is one line too. The hung command is a stand-in on PATH
+(tests/helpers/fake_slurm.py): the real cluster cannot be made to hang. Hard timeouts throughout."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nanotrain.launch import slurm_commands
+
+from helpers.fake_slurm import env_with, hung_command, running
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_cpu.yaml"
+
+
+def test_hung_sbatch_is_one_line_and_leaves_nothing(tmp_path):
+    pid_file = hung_command(tmp_path / "bin", "sbatch")
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.run([sys.executable, str(ROOT / "submit.py"), str(TINY), "--set", "logging.run_name=hung"],
+                          cwd=work, env=env_with(tmp_path / "bin", 1), capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: sbatch did not answer in 1 s: is slurmctld up?"), lines[0]
+    assert lines[0].endswith("(nothing was submitted)"), lines[0]
+    assert pid_file.is_file() and not running(pid_file)  # the hung command's child was killed too
+    assert list(work.iterdir()) == []  # the run directory (and logs/) made for it is gone
+
+
+def test_missing_command_and_bad_bound(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(slurm_commands.SlurmCommandError, match="^squeue could not be run .*installed"):
+        slurm_commands.run(["squeue"])
+    assert slurm_commands.answer(["squeue"]) is None
+    monkeypatch.setenv(slurm_commands.TIMEOUT_ENV, "soon")
+    with pytest.raises(slurm_commands.SlurmCommandError, match="NANOTRAIN_SLURM_TIMEOUT_S='soon': give a positive"):
+        slurm_commands.run(["squeue"])
