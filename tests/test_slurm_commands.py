@@ -4,8 +4,11 @@ a missing command or a bad bound is one line too. The hung command is a stand-in
 (tests/helpers/fake_slurm.py): the real cluster cannot be made to hang. Hard timeouts throughout."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,3 +43,32 @@ def test_missing_command_and_bad_bound(monkeypatch, tmp_path):
     monkeypatch.setenv(slurm_commands.TIMEOUT_ENV, "soon")
     with pytest.raises(slurm_commands.SlurmCommandError, match="NANOTRAIN_SLURM_TIMEOUT_S='soon': give a positive"):
         slurm_commands.run(["squeue"])
+
+
+@pytest.mark.parametrize("hung, args, line", [
+    ("sinfo", ["--dry-run", "--set", "slurm.partition=p"], "terminated: no run was started"),
+    ("sbatch", [], "terminated: nothing was submitted"),
+])
+def test_sigterm_ends_a_command_stuck_in_slurm(hung, args, line, tmp_path):
+    """SIGTERM is held from submit.py's first line (for a local run's ranks), but a command still
+    checking or submitting ends at once with one line, exit 143, and nothing left behind."""
+    pid_file = hung_command(tmp_path / "bin", hung)
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "submit.py"), str(TINY), *args], cwd=work,
+                            env=env_with(tmp_path / "bin"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the command is stuck in the hung one
+        assert pid_file.is_file(), proc.communicate(timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=5)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM and err.strip() == line, err
+    assert not running(pid_file)
+    assert list(work.iterdir()) == []

@@ -8,6 +8,7 @@ reported as one `error:` line with exit status 2. With no flag the job goes to S
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import sys
@@ -18,10 +19,10 @@ from nanotrain.config.validate import validate_names
 from nanotrain.launch import rundir, sbatch
 from nanotrain.launch.config_commands import plan, rehearse
 from nanotrain.launch.flags import check_flags, given_flags
+from nanotrain.launch.stopping import EXIT_INTERRUPTED, Terminated, sigterm_ends_command, stop_line
 from nanotrain.models.compile_check import compile_backend_problem
 
 EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 class _Parser(argparse.ArgumentParser):
@@ -168,14 +169,29 @@ def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
     existed = set(run_dir.rglob("*")) if run_dir.is_dir() else None
     made = _first_missing(run_dir)
     old_config = (run_dir / rundir.CONFIG_FILE).read_bytes() if (run_dir / rundir.CONFIG_FILE).is_file() else None
-    config_path = rundir.write_run_dir(config, run_dir)
     try:
+        config_path = rundir.write_run_dir(config, run_dir)
         job = submit(sbatch.job_folder(run_dir), config.slurm.max_requeues, sbatch.executor_parameters(config, layout),
                      TrainingTask(), str(config_path))
     except SubmitRefused as exc:
         _undo_run_dir(run_dir, existed, old_config, made)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except (KeyboardInterrupt, Terminated) as stop:  # a running sbatch was killed before it answered
+        _undo_run_dir(run_dir, existed, old_config, made)
+        line, status = stop_line(stop, "nothing was submitted")
+        print(line, file=sys.stderr)
+        return status
+    try:
+        return _report_submitted(config, layout, run_dir, job)
+    except (KeyboardInterrupt, Terminated) as stop:
+        line, status = stop_line(stop, f"job {job.job_id} was submitted; see it with: "
+                                       f"python submit.py --status {run_dir}")
+        print(line, file=sys.stderr)
+        return status
+
+
+def _report_submitted(config: Config, layout: SlurmLayout, run_dir: Path, job) -> int:
     rundir.write_launch_record(run_dir, mode="slurm", job_id=job.job_id, argv=sys.argv[1:])
     print(f"submitted job {job.job_id}: {describe_layout(config, layout)}")
     print(f"run directory: {run_dir}")
@@ -243,19 +259,25 @@ def _refuse_empty_paths(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Ctrl-C before the ranks start (while validating, writing, submitting) is exit 130 with a
-    line saying nothing was started, not a traceback; a broken stdout pipe (`| head`) is quiet."""
+    """Ctrl-C or SIGTERM before the ranks start (while validating, writing, submitting) is exit
+    130 / 143 with a line saying nothing was started, not a traceback (stopping.py); a local run
+    starts its ranks after that window, with SIGTERM held as the entry point held it. A broken
+    stdout pipe (`| head`) is quiet."""
     try:
-        return _main(argv)
-    except KeyboardInterrupt:
-        print("\ninterrupted: no run was started", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        with sigterm_ends_command():
+            outcome = _main(argv)
+        return outcome() if callable(outcome) else outcome
+    except (KeyboardInterrupt, Terminated) as stop:
+        line, status = stop_line(stop, "no run was started")
+        print(line, file=sys.stderr)
+        return status
     except BrokenPipeError:  # the reader went away: nothing left to say; the flush at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # must not fail either
         return 0
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None):
+    """The command's exit status, or (a local run) the call that starts its ranks."""
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -316,13 +338,10 @@ def _main(argv: list[str] | None) -> int:
             return emit(config, layout, Path(args.emit))
         if use_slurm:
             return submit_slurm(config, layout, run_dir)
-        return run_locally(config, run_dir)
+        return functools.partial(run_locally, config, run_dir)  # after SIGTERM is held again
     except ConfigError as exc:  # a write that failed although the checks passed (a race, a quota)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except KeyboardInterrupt:  # while writing or submitting (a local run handles its own Ctrl-C)
-        print(f"\ninterrupted: see what was started with: python submit.py --status {run_dir}", file=sys.stderr)
-        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
