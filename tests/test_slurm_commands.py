@@ -72,3 +72,40 @@ def test_sigterm_ends_a_command_stuck_in_slurm(hung, args, line, tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM and err.strip() == line, err
     assert not running(pid_file)
     assert list(work.iterdir()) == []
+
+
+@pytest.fixture
+def tiny_submission(tmp_path):
+    from nanotrain.config import load_config, validate
+
+    config = load_config(TINY, [f"logging.dir={tmp_path / 'logs'}", "logging.run_name=stop"])
+    return config, validate(config, slurm=True), tmp_path / "logs" / "stop"
+
+
+def test_stop_while_sbatch_runs_undoes_the_run_dir(tiny_submission, monkeypatch, capsys):
+    from nanotrain.launch import cli, stopping, submission
+
+    def stopped(*_args, **_kwargs):
+        raise stopping.Terminated()
+    monkeypatch.setattr(submission, "submit", stopped)
+    config, layout, run_dir = tiny_submission
+    assert cli.submit_slurm(config, layout, run_dir) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip() == "terminated: nothing was submitted"
+    assert not run_dir.parent.exists()
+
+
+def test_stop_after_the_submission_names_the_job(tiny_submission, monkeypatch, capsys):
+    from nanotrain.launch import cli, rundir, submission
+
+    class Job:
+        job_id = "42"
+    monkeypatch.setattr(submission, "submit", lambda *_args, **_kwargs: Job())
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(rundir, "write_launch_record", interrupted)
+    config, layout, run_dir = tiny_submission
+    assert cli.submit_slurm(config, layout, run_dir) == 130
+    assert capsys.readouterr().err.strip() == f"interrupted: job 42 was submitted; see it with: " \
+                                              f"python submit.py --status {run_dir}"
+    assert (run_dir / rundir.CONFIG_FILE).is_file()  # the job's run directory stays
