@@ -16,9 +16,10 @@ together and return; the task (`task.py`) then decides, on rank 0, what the stop
   side: a cancel that requeues runs a job the user ended, a preemption that does not requeue
   only needs `--resume`. (Measured on Slurm 22.05: shared/research and tests/test_slurm_cancel.py.)
 
-This module imports nothing but the standard library, so a task installs the handler before it
-imports torch or submitit (a signal during those seconds used to kill the process), and the
-local launcher blocks the stop signals until its ranks have their handlers.
+This module imports nothing but the standard library (and `slurm_commands`, which runs the
+scheduler's commands with a bound and imports nothing else), so a task installs the handler
+before it imports torch or submitit (a signal during those seconds used to kill the process),
+and the local launcher blocks the stop signals until its ranks have their handlers.
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # what a shell reports for Ctrl-C
 EXIT_TERMINATED = 128 + signal.SIGTERM
@@ -29,7 +30,11 @@ def _terminate(_signum, _frame):
 @contextlib.contextmanager
 def sigterm_ends_command():
     """Within the block SIGTERM raises Terminated (a SIGTERM held pending since start-up at once);
-    after it, SIGTERM's previous action and the previous signal mask are back."""
+    after it, SIGTERM's previous action and the previous signal mask are back. Off the main
+    thread (where no handler can be set) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     previous = signal.signal(signal.SIGTERM, _terminate)
     mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
     try:
