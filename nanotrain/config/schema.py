@@ -15,6 +15,11 @@ MAX_INT = 2**53
 # The most ranks one job may have (the largest clusters have ~10^5 accelerators); keeps every
 # plan and rank-grid listing of --dry-run within a fraction of a second.
 MAX_WORLD = 2**20
+# The deepest model accepted. Trained decoders have ~100-200 layers (research ones up to ~500):
+# 1024 is beyond them all, and keeps what is computed per layer (the exact pipeline stage split,
+# about layers**2 / stages of work per layout, for --dry-run and each layout --plan tries) within
+# a fraction of a second; a typo (9007199254740991) is refused instead of computed.
+MAX_LAYERS = 1024
 
 
 def bounded(default, lo=None, hi=None, doc: str = "", above: bool = False, parse: str | None = None):
@@ -90,7 +95,7 @@ class ModelArgs:
     vocab_size: int = bounded(256, 1, doc="tokens; padded to a multiple of tp inside the model")
     hidden_size: int = bounded(128, 1, doc="model width")
     intermediate_size: int = bounded(512, 1, doc="SwiGLU MLP width")
-    num_layers: int = bounded(4, 1, doc="decoder layers")
+    num_layers: int = bounded(4, 1, MAX_LAYERS, doc="decoder layers")
     num_attention_heads: int = bounded(4, 1, doc="query heads")
     num_key_value_heads: Optional[int] = bounded(None, 1, doc="defaults to num_attention_heads")
     max_position_embeddings: int = bounded(2048, 1, doc="longest sequence RoPE is built for")

@@ -8,11 +8,9 @@ reported as one `error:` line with exit status 2. With no flag the job goes to S
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
+import functools
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +19,9 @@ from nanotrain.config.cli_args import EXIT_INTERRUPTED, EXIT_USER_ERROR, ArgPars
 from nanotrain.config.files import first_missing
 from nanotrain.config.validate import validate_names
 from nanotrain.launch import rundir, sbatch
-from nanotrain.launch.config_commands import plan, plan_flags, rehearse
+from nanotrain.launch.config_commands import plan, rehearse
+from nanotrain.launch.flags import check_flags, given_flags
+from nanotrain.launch.stopping import Terminated, sigterm_ends_command, stop_line
 from nanotrain.models.compile_check import compile_backend_problem
 
 
@@ -148,27 +148,35 @@ def _undo_run_dir(run_dir: Path, existed: set[Path] | None, old_config: bytes | 
 
 
 def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
-    import submitit
-
+    from nanotrain.launch.submission import SubmitRefused, submit
     from nanotrain.launch.task import TrainingTask
 
     existed = set(run_dir.rglob("*")) if run_dir.is_dir() else None
     made = first_missing(run_dir)
     old_config = (run_dir / rundir.CONFIG_FILE).read_bytes() if (run_dir / rundir.CONFIG_FILE).is_file() else None
-    config_path = rundir.write_run_dir(config, run_dir)
-    executor = submitit.SlurmExecutor(folder=sbatch.job_folder(run_dir),
-                                      max_num_timeout=config.slurm.max_requeues)
-    executor.update_parameters(**sbatch.executor_parameters(config, layout))
-    captured = io.StringIO()  # submitit prints sbatch's stderr itself; we say it in one line
     try:
-        with contextlib.redirect_stderr(captured):
-            job = executor.submit(TrainingTask(), str(config_path))
-    except (OSError, subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as exc:
+        config_path = rundir.write_run_dir(config, run_dir)
+        job = submit(sbatch.job_folder(run_dir), config.slurm.max_requeues, sbatch.executor_parameters(config, layout),
+                     TrainingTask(), str(config_path))
+    except SubmitRefused as exc:
         _undo_run_dir(run_dir, existed, old_config, made)
-        detail = str(getattr(exc, "stderr", None) or exc) + "\n" + captured.getvalue()
-        print(f"error: sbatch refused the job: {sbatch.sbatch_error(detail)}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    sys.stderr.write(captured.getvalue())  # sbatch's warnings of an accepted job
+    except (KeyboardInterrupt, Terminated) as stop:  # a running sbatch was killed before it answered
+        _undo_run_dir(run_dir, existed, old_config, made)
+        line, status = stop_line(stop, "nothing was submitted")
+        print(line, file=sys.stderr)
+        return status
+    try:
+        return _report_submitted(config, layout, run_dir, job)
+    except (KeyboardInterrupt, Terminated) as stop:
+        line, status = stop_line(stop, f"job {job.job_id} was submitted; see it with: "
+                                       f"python submit.py --status {run_dir}")
+        print(line, file=sys.stderr)
+        return status
+
+
+def _report_submitted(config: Config, layout: SlurmLayout, run_dir: Path, job) -> int:
     rundir.write_launch_record(run_dir, mode="slurm", job_id=job.job_id, argv=sys.argv[1:])
     print(f"submitted job {job.job_id}: {describe_layout(config, layout)}")
     print(f"run directory: {run_dir}")
@@ -204,8 +212,6 @@ def _config_of(args) -> tuple[Config, str, str | None]:
         if args.config is None:
             raise ConfigError("the following arguments are required: config (see --help)")
         return load_config(args.config, args.set), args.config, None
-    if args.config is not None:
-        raise ConfigError("--resume takes a run directory instead of a config (see --help)")
     run_dir = Path(args.resume)
     if not (run_dir / rundir.CONFIG_FILE).is_file():
         raise ConfigError(f"--resume {args.resume}: not a run directory (no {rundir.CONFIG_FILE}); "
@@ -238,35 +244,39 @@ def _refuse_empty_paths(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Ctrl-C before the ranks start (while validating, writing, submitting) is exit 130 with a
-    line saying nothing was started, not a traceback; a broken stdout pipe (`| head`) is quiet."""
+    """Ctrl-C or SIGTERM before the ranks start (while validating, writing, submitting) is exit
+    130 / 143 with a line saying nothing was started, not a traceback (stopping.py); a local run
+    starts its ranks after that window, with SIGTERM held as the entry point held it. A broken
+    stdout pipe (`| head`) is quiet."""
     try:
-        return _main(argv)
-    except KeyboardInterrupt:
-        print("\ninterrupted: no run was started", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        with sigterm_ends_command():
+            outcome = _main(argv)
+        return outcome() if callable(outcome) else outcome
+    except (KeyboardInterrupt, Terminated) as stop:
+        line, status = stop_line(stop, "no run was started")
+        print(line, file=sys.stderr)
+        return status
     except BrokenPipeError:  # the reader went away: nothing left to say; the flush at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # must not fail either
         return 0
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None):
+    """The command's exit status, or (a local run) the call that starts its ranks."""
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        check_flags(given_flags(parser, args))  # before anything is read: flags.py's table
         _refuse_empty_paths(args)
-        if args.plan or plan_flags(args):
+        if args.plan:
             return plan(args)
-        if args.rehearse or args.rank is not None or args.steps is not None or args.json:
+        if args.rehearse:
             return rehearse(args)
         if args.status is not None:
-            if args.config is not None:
-                raise ConfigError("--status takes a run directory, not a config (see --help)")
             from nanotrain.launch.status import show_status
 
             return show_status(args.status)
         config, config_arg, resumed_mode = _config_of(args)
-        if args.emit is not None and args.local:
-            raise ConfigError("--emit writes a SLURM script; it cannot be combined with --local")
         has_sbatch = shutil.which("sbatch") is not None
         use_slurm = not args.local and (args.emit is not None or args.dry_run or
                                         (resumed_mode or ("slurm" if has_sbatch else "local")) == "slurm")
@@ -313,13 +323,10 @@ def _main(argv: list[str] | None) -> int:
             return emit(config, layout, Path(args.emit))
         if use_slurm:
             return submit_slurm(config, layout, run_dir)
-        return run_locally(config, run_dir)
+        return functools.partial(run_locally, config, run_dir)  # after SIGTERM is held again
     except ConfigError as exc:  # a write that failed although the checks passed (a race, a quota)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except KeyboardInterrupt:  # while writing or submitting (a local run handles its own Ctrl-C)
-        print(f"\ninterrupted: see what was started with: python submit.py --status {run_dir}", file=sys.stderr)
-        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -7,24 +7,9 @@ from __future__ import annotations
 from nanotrain.config import ConfigError, load_config, validate
 
 
-def plan_flags(args) -> list[str]:
-    """The --plan-only flags given (each one alone asks for a plan)."""
-    given = [("--gpus", args.gpus), ("--gpu-memory-gb", args.gpu_memory_gb), ("--gpu-tflops", args.gpu_tflops),
-             ("--efficiency", args.efficiency), ("--intra-node-gbs", args.intra_node_gbs),
-             ("--inter-node-gbs", args.inter_node_gbs)]
-    return [flag for flag, value in given if value is not None]
-
-
-def config_for(args, mode: str, given: list[str], what: str, usage: str):
-    """The config ``mode`` (--plan, --rehearse) works on, after the request's own checks: its
-    flags (``given``) need the mode, --resume, --status and --local do not apply, a config is
-    required (``usage`` says how to pass it)."""
-    if not getattr(args, mode.lstrip("-")):
-        raise ConfigError(f"{given[0]} only applies to {mode}: add {mode}")
-    other = [flag for flag, on in (("--resume", args.resume is not None), ("--status", args.status is not None),
-                                   ("--local", args.local)) if on]
-    if other:
-        raise ConfigError(f"{mode} {what}; it cannot be combined with {other[0]}")
+def config_for(args, mode: str, usage: str):
+    """The config ``mode`` (--plan, --rehearse) works on; which flags may come with it was
+    checked by flags.py's table. Raises ConfigError without a config (``usage`` says how)."""
     if args.config is None:
         raise ConfigError(f"{mode} needs a config: {usage}")
     return load_config(args.config, args.set)
@@ -35,8 +20,7 @@ def plan(args) -> int:
     for a bad request, or when no layout fits (with what would help)."""
     from nanotrain.launch import plan as planner
 
-    config = config_for(args, "--plan", plan_flags(args), "takes a config and proposes layouts",
-                        "submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]")
+    config = config_for(args, "--plan", "submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]")
     gpus, memory = planner.check_request(config, args.gpus, args.gpu_memory_gb)
     hw = planner.hardware(config, peak_tflops=args.gpu_tflops, efficiency=args.efficiency,
                           intra_node_gbs=args.intra_node_gbs, inter_node_gbs=args.inter_node_gbs)
@@ -57,10 +41,7 @@ def rehearse(args) -> int:
     from nanotrain.rehearse.report import rehearse as run
     from nanotrain.rehearse.report import size
 
-    given = [flag for flag, on in (("--rank", args.rank is not None), ("--steps", args.steps is not None),
-                                   ("--json", args.json)) if on]
-    config = config_for(args, "--rehearse", given, "runs a config's ranks here",
-                        "submit.py CONFIG --rehearse [--rank R] [--steps N]")
+    config = config_for(args, "--rehearse", "submit.py CONFIG --rehearse [--rank R] [--steps N]")
     validate(config, slurm=config.slurm.gpus_per_node > 0)
     check_data_config(config.data, vocab_size=config.model.vocab_size, config=config)
     code = run(config, args.rank, 3 if args.steps is None else args.steps, args.json)

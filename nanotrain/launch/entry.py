@@ -5,7 +5,9 @@ importing the CLI takes a good part of a second (submitit, YAML), a local run's 
 seconds to import torch. So the signals are blocked before anything is imported; they stay
 pending until a local run's ranks exist (`local.run_local` unblocks after it installed its
 forwarding handlers, and the ranks inherit the mask until their own handler exists), or until
-any other command is done. The CLI is imported inside `main` on purpose: after the block.
+any other command is done. While the command checks, writes or submits, the CLI lets SIGTERM
+through to end it with one line (`stopping.py`; a pending one at once), and holds it again
+before a local run starts its ranks. The CLI is imported inside `main` on purpose: after the block.
 """
 from __future__ import annotations
 

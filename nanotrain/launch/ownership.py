@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
-import subprocess
 import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from nanotrain.launch import slurm_commands
 
 LOCK = "owner.lock"
 RUN_ID = "run_id"
@@ -70,12 +70,9 @@ def describe(holder: dict) -> str:
 
 def job_state(job_id: str) -> str | None:
     """squeue's state of a job, "" when squeue no longer lists it, None when squeue can't say."""
-    if shutil.which("squeue") is None:
-        return None
     try:
-        proc = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True,
-                              timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
+        proc = slurm_commands.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"])
+    except slurm_commands.SlurmCommandError:
         return None
     if proc.returncode != 0:  # "Invalid job id specified": finished and purged
         return "" if "Invalid job id" in proc.stderr else None

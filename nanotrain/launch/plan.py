@@ -107,6 +107,12 @@ def gb(value: float) -> str:
     return f"{value:.1f}" if value >= 1 else f"{value:.3g}"
 
 
+def _divisors_up_to(n: int, limit: int) -> list[int]:
+    """The divisors of ``n`` up to ``limit``: ``limit`` steps whatever ``n`` is (a global batch of
+    2**53 samples has ~10**8 candidates below its square root)."""
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
@@ -183,7 +189,7 @@ def candidates(config: Config, gpus: int, hw: Hardware):
     """Every layout of ``gpus`` that keeps the global batch (structurally; validation decides)."""
     batch = global_batch(config)
     for tp, cp, pp, dp in _grids(config, gpus, hw):
-        for mbs in (d for d in _divisors(batch // dp) if d <= MAX_MICRO_BATCH):
+        for mbs in _divisors_up_to(batch // dp, MAX_MICRO_BATCH):
             acc = batch // (dp * mbs)
             for engine, v in _engines(config, pp, acc):
                 for mode in ("ALL_REDUCE", "REDUCE_SCATTER") if tp > 1 else (config.parallelism.tp_mode,):

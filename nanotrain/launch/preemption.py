@@ -16,18 +16,19 @@ together and return; the task (`task.py`) then decides, on rank 0, what the stop
   side: a cancel that requeues runs a job the user ended, a preemption that does not requeue
   only needs `--resume`. (Measured on Slurm 22.05: shared/research and tests/test_slurm_cancel.py.)
 
-This module imports nothing but the standard library, so a task installs the handler before it
-imports torch or submitit (a signal during those seconds used to kill the process), and the
-local launcher blocks the stop signals until its ranks have their handlers.
+This module imports nothing but the standard library (and `slurm_commands`, which runs the
+scheduler's commands with a bound and imports nothing else), so a task installs the handler
+before it imports torch or submitit (a signal during those seconds used to kill the process),
+and the local launcher blocks the stop signals until its ranks have their handlers.
 """
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
-import subprocess
 import sys
+
+from nanotrain.launch import slurm_commands
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)  # what a launcher forwards
 NO_STOP, TERM_STOP, SIGNAL_STOP = 0, 1, 2  # agreed with MAX: the configured signal wins
@@ -117,13 +118,7 @@ class PreemptionHandler:
 
 
 def _run(argv: list[str]) -> str:
-    if shutil.which(argv[0]) is None:
-        return ""
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return proc.stdout if proc.returncode == 0 else ""
+    return slurm_commands.answer(argv) or ""
 
 
 def classify_sigterm(job_id: str, restart_count: int) -> tuple[str, str]:
@@ -159,7 +154,11 @@ def request_requeue(max_requeues: int) -> bool:
     if requeued_by_slurm(job_id, restarts):
         print(f"preemption: SLURM requeued job {job_id} itself (restart {restarts + 1})", flush=True)
         return True
-    proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    try:
+        proc = slurm_commands.run(["scontrol", "requeue", job_id])
+    except slurm_commands.SlurmCommandError as exc:
+        print(f"preemption: scontrol requeue {job_id} failed: {exc}", file=sys.stderr, flush=True)
+        return False
     if proc.returncode != 0:
         print(f"preemption: scontrol requeue {job_id} failed: {proc.stderr.strip()}", file=sys.stderr, flush=True)
         return False

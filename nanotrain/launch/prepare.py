@@ -12,16 +12,13 @@ atomic rename of a complete file, and the two files are the same bytes.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from nanotrain.config import Config, ConfigError, load_config
+from nanotrain.config import Config, load_config
 from nanotrain.data import TokenDataset, default_cache_dir
 from nanotrain.data.check import all_source_args
 from nanotrain.launch import rundir, sbatch
@@ -94,19 +91,12 @@ def executor_parameters(config: Config) -> dict:
 
 def submit_prepare(config: Config, run_dir: Path) -> int:
     """Submit the CPU job; `--status <run dir>-prepare` follows it."""
-    import submitit
+    from nanotrain.launch.submission import submit
 
     job_dir = prepare_dir(run_dir)
     config_path = rundir.write_run_dir(config, job_dir)
-    executor = submitit.SlurmExecutor(folder=sbatch.job_folder(job_dir), max_num_timeout=0)
-    executor.update_parameters(**executor_parameters(config))
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured):
-            job = executor.submit(PrepareTask(), str(config_path))
-    except (OSError, subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as exc:
-        detail = str(getattr(exc, "stderr", None) or exc) + "\n" + captured.getvalue()
-        raise ConfigError(f"sbatch refused the preparation job: {sbatch.sbatch_error(detail)}") from None
+    job = submit(sbatch.job_folder(job_dir), 0, executor_parameters(config), PrepareTask(), str(config_path),
+                 what="the preparation job")
     rundir.write_launch_record(job_dir, mode="slurm", job_id=job.job_id, argv=sys.argv[1:], kind="prepare")
     print(f"submitted data preparation job {job.job_id} (1 CPU task, {config.slurm.prepare.cpus} cpus)")
     print(f"status: python submit.py --status {job_dir}")

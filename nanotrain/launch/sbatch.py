@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import functools
 import shlex
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from submitit.slurm.slurm import _make_sbatch_string
 
 from nanotrain.config import Config, SlurmLayout
+from nanotrain.launch import slurm_commands
 
 
 def job_folder(run_dir: Path) -> Path:
@@ -92,15 +91,10 @@ def render_sbatch(config: Config, layout: SlurmLayout, run_dir: Path, command: s
 @functools.lru_cache(maxsize=1)
 def cluster_partitions() -> tuple[str, ...] | None:
     """The partitions of the SLURM cluster here, or None when there is no `sinfo` to ask."""
-    if shutil.which("sinfo") is None:
+    out = slurm_commands.answer(["sinfo", "-h", "-o", "%P"])
+    if out is None:
         return None
-    try:
-        res = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if res.returncode != 0:
-        return None
-    return tuple(sorted({p.strip().rstrip("*") for p in res.stdout.split() if p.strip()}))
+    return tuple(sorted({p.strip().rstrip("*") for p in out.split() if p.strip()}))
 
 
 def partition_problem(config: Config) -> str | None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,12 +19,11 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from nanotrain.config import ConfigError
-from nanotrain.launch import rundir
+from nanotrain.launch import rundir, slurm_commands
 from nanotrain.launch.hang_status import hang_lines
 from nanotrain.launch.prepare import prepared_line
 from nanotrain.logging.metrics import PROGRESS_FILE, format_eta
 
-QUERY_TIMEOUT_S = 15
 # What a finished job's exit code means (the codes of `launch/task.py`).
 EXIT_MEANINGS = {
     0: "completed",
@@ -54,13 +51,7 @@ class JobInfo:
 
 def _query(argv: list[str]) -> Optional[str]:
     """stdout of a scheduler command, or None when it is missing, fails, or hangs."""
-    if shutil.which(argv[0]) is None:
-        return None
-    try:
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=QUERY_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return res.stdout if res.returncode == 0 else None
+    return slurm_commands.answer(argv)
 
 
 def _nodes(value: str) -> Optional[str]:

@@ -74,7 +74,9 @@ def is_moe_layer(args: ModelArgs, index: int) -> bool:
 
 
 def moe_layer_indices(args: ModelArgs) -> list[int]:
-    return [i for i in range(args.num_layers) if is_moe_layer(args, i)]
+    """The MoE layers (``is_moe_layer``), as a range: ``--plan`` asks for every layout it scores."""
+    moe = args.moe
+    return [] if moe is None else list(range(moe.first_dense_layers, args.num_layers, moe.layer_frequency))
 
 
 def _per_rank(features: int, tp: int, what: str) -> int:

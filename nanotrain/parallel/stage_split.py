@@ -16,9 +16,15 @@ Attach = Optional[Literal["next", "prev"]]
 def balanced_split(costs: Sequence[int], parts: int) -> list[int]:
     """Sizes of the contiguous, non-empty groups of ``costs`` that minimise the largest group sum.
 
-    Exact dynamic programming on integers (identical on every rank). Among the splits with that
-    optimum it takes the most even one (least sum of squared group costs), so spare capacity is
-    spread out rather than dumped on one stage; remaining ties go to the earliest cut.
+    Exact and on integers (identical on every rank). Among the splits with that optimum it takes
+    the most even one (least sum of squared group costs), so spare capacity is spread out rather
+    than dumped on one stage; remaining ties go to the earliest cut.
+
+    The optimum largest group is found by bisection (a greedy packing says whether a bound
+    fits); the most even split is a dynamic programme that only visits cuts which keep every
+    group within that bound and leave the rest splittable within it. Any other cut cannot lie on
+    an optimal split, so the answer is the full programme's, but the work is near
+    ``parts * n * (n / parts)`` instead of ``parts * n**2``: a plan of a deep model stays fast.
     """
     n = len(costs)
     if not 1 <= parts <= n:
@@ -26,31 +32,51 @@ def balanced_split(costs: Sequence[int], parts: int) -> list[int]:
     prefix = [0]
     for c in costs:
         prefix.append(prefix[-1] + int(c))
-
-    def solve(score, combine, cap=None):
-        # best[k][i]: best score splitting the first i units into k groups; cut[k][i]: last cut.
-        inf = float("inf")
-        best = [[inf] * (n + 1) for _ in range(parts + 1)]
-        cut = [[0] * (n + 1) for _ in range(parts + 1)]
-        best[0][0] = 0
-        for k in range(1, parts + 1):
-            for i in range(k, n - (parts - k) + 1):
-                for j in range(k - 1, i):
-                    group = prefix[i] - prefix[j]
-                    if cap is not None and group > cap:
-                        continue
-                    value = combine(best[k - 1][j], score(group))
-                    if value < best[k][i]:
-                        best[k][i], cut[k][i] = value, j
-        return best[parts][n], cut
-
-    largest, _ = solve(lambda g: g, max)
-    _, cut = solve(lambda g: g * g, lambda a, b: a + b, cap=largest)
+    cap = _smallest_largest(prefix, parts)
+    total = prefix[n]
+    inf = float("inf")
+    # best[k][i]: least sum of squares splitting the first i units into k groups; cut[k][i]: last cut.
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        prev, row, cuts, room = best[k - 1], best[k], cut[k], (parts - k) * cap
+        low = 0  # the first j whose group (j, i] is within cap: it only moves right as i grows
+        for i in range(k, n - (parts - k) + 1):
+            if prefix[i] > k * cap or total - prefix[i] > room:
+                continue  # no split of the first i into k groups, or of the rest, fits the cap
+            while prefix[i] - prefix[low] > cap:
+                low += 1
+            for j in range(max(k - 1, low), i):
+                if prev[j] == inf:
+                    continue
+                group = prefix[i] - prefix[j]
+                value = prev[j] + group * group
+                if value < row[i]:
+                    row[i], cuts[i] = value, j
     sizes, i = [], n
     for k in range(parts, 0, -1):
         sizes.append(i - cut[k][i])
         i = cut[k][i]
     return sizes[::-1]
+
+
+def _smallest_largest(prefix: list[int], parts: int) -> int:
+    """The least bound on a group's sum for which ``parts`` contiguous non-empty groups exist."""
+    n = len(prefix) - 1
+    lo = max(prefix[i + 1] - prefix[i] for i in range(n))
+    hi = prefix[n]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        groups, start = 1, 0
+        for i in range(1, n + 1):
+            if prefix[i] - prefix[start] > mid:
+                groups, start = groups + 1, i - 1
+        if groups <= parts:  # fewer groups can always be split further: n >= parts
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _units(attach: Sequence[Attach]) -> list[list[int]]:

@@ -1,0 +1,104 @@
+"""Which of `submit.py`'s flags go together: one table, checked right after parsing.
+
+Each row is a mode (what the command does) and the flags it accepts. A command line is accepted
+when one row holds every flag given and that row's own flag is among them; a command without any
+mode flag is the run of a config (the `CONFIG` row), whose missing config is reported later. A
+flag no row pairs with another (`--status` with `--set`, `--gpus` with `--rank`) is one `error:`
+line naming both; a mode's flag given without its mode (`--gpus` without `--plan`) is one line
+saying which mode to add. Nothing is loaded before this check, so a refused combination never
+reads a config, writes a run directory or asks the scheduler anything.
+
+A new mode is one more row (and its flag in the parser); tests/test_cli_flags.py pairs every flag
+the parser has, so a flag missing from the table is caught there.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from nanotrain.config import ConfigError
+
+CONFIG = "CONFIG"  # the positional config file, as the usage line names it
+PLAN_FLAGS = ("--gpus", "--gpu-memory-gb", "--gpu-tflops", "--efficiency", "--intra-node-gbs", "--inter-node-gbs")
+REHEARSE_FLAGS = ("--rank", "--steps", "--json")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One row: the mode's flag; what it does (the start of its error lines); what it works on,
+    at most one of ``targets`` (a config, or the run directory of --resume); the other flags it
+    accepts."""
+
+    flag: str
+    does: str
+    targets: tuple[str, ...]
+    accepts: tuple[str, ...]
+
+    def holds(self, flags) -> bool:
+        flags = set(flags)
+        return flags <= {self.flag, *self.targets, *self.accepts} and len(flags & set(self.targets)) <= 1
+
+
+EITHER = (CONFIG, "--resume")  # a config file, or the config a run directory was launched with
+# Order matters only for the wording: of two clashing flags the earlier row's speaks.
+MODES = (
+    Mode("--plan", "takes a config and proposes layouts", (CONFIG,), ("--set", *PLAN_FLAGS)),
+    Mode("--rehearse", "runs a config's ranks here", (CONFIG,), ("--set", *REHEARSE_FLAGS)),
+    Mode("--prepare-data", "tokenises a config's data sources", (CONFIG,), ("--set", "--local")),
+    Mode("--status", "takes a run directory and shows where it stands", (), ()),
+    Mode("--resume", "takes a run directory instead of a config", (), ("--set", "--local")),
+    Mode("--emit", "writes a SLURM script", EITHER, ("--set",)),
+    Mode("--dry-run", "validates and shows the launch", EITHER, ("--set", "--local")),
+    Mode("--local", "runs the ranks as local processes", EITHER, ("--set",)),
+    Mode(CONFIG, "runs a config", (), ("--set", "--local")),
+)
+DEFAULT = MODES[-1]  # no mode flag given: run a config
+_ROW = {mode.flag: mode for mode in MODES}
+
+
+def flag_name(action: argparse.Action) -> str:
+    """How the table (and its error lines) names a parser argument."""
+    return action.option_strings[0] if action.option_strings else CONFIG
+
+
+def given_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The flags set on this command line (a value other than the parser's default)."""
+    return [flag_name(a) for a in parser._actions
+            if a.dest != "help" and getattr(args, a.dest, a.default) != a.default]
+
+
+def owners(flag: str) -> list[str]:
+    """The modes whose row accepts ``flag`` besides the default run."""
+    return [mode.flag for mode in MODES if flag in mode.accepts and mode is not DEFAULT]
+
+
+def together(a: str, b: str) -> bool:
+    """Whether some mode accepts both flags (the pairwise view of the table)."""
+    return any(mode.holds((a, b)) for mode in MODES)
+
+
+def _speaks(flag: str) -> str:
+    if flag in _ROW:
+        return f"{flag} {_ROW[flag].does}"
+    return f"{flag} only applies to {' or '.join(owners(flag))}"
+
+
+def _order(flag: str) -> int:
+    return list(_ROW).index(flag) if flag in _ROW else len(_ROW)
+
+
+def check_flags(flags: list[str]) -> None:
+    """Raise ConfigError (one line naming the flags) unless one mode accepts all of ``flags``."""
+    modes = [_ROW[f] for f in flags if f in _ROW] or [DEFAULT]
+    if any(mode.holds(flags) for mode in modes):
+        return
+    ordered = sorted(flags, key=_order)
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1:]:
+            if not together(a, b):
+                raise ConfigError(f"{_speaks(a)}; it cannot be combined with {b} (see --help)")
+    for flag in ordered:
+        if not any(mode.holds((mode.flag, flag)) for mode in modes):
+            wanted = owners(flag) or [DEFAULT.flag]
+            raise ConfigError(f"{flag} only applies to {' or '.join(wanted)}: add {wanted[0]}")
+    raise ConfigError(f"{' '.join(ordered)}: no mode takes these flags together (see --help)")
