@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanotrain.checkpoint.format import CheckpointError  # noqa: E402
 from nanotrain.checkpoint.hf_export import DEFAULT_MAX_SHARD, export_hf, parse_size  # noqa: E402
+from nanotrain.config.paths import CREATE_DIR, DIR, check_path  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --max-shard-size must be positive", file=sys.stderr)
         return 2
     try:
+        check_path("SRC", args.src, DIR, CheckpointError)
+        check_path("OUT_DIR", args.out_dir, CREATE_DIR, CheckpointError)
         result = export_hf(args.src, args.out_dir, args.dtype, max_shard)
     except (CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanotrain.checkpoint import CheckpointError  # noqa: E402
 from nanotrain.checkpoint.reshard import reshard_offline  # noqa: E402
 from nanotrain.config import ConfigError  # noqa: E402
+from nanotrain.config.paths import CREATE_DIR, DIR, check_path  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        check_path("SRC", args.src, DIR, CheckpointError)
+        check_path("DST", args.dst, CREATE_DIR, CheckpointError)
         out = reshard_offline(args.src, args.dst, args.overrides, args.granularity)
     except (CheckpointError, ConfigError) as e:
         print(f"reshard_checkpoint: {e}", file=sys.stderr)
