@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         check_path("DST", args.dst, CREATE_DIR, CheckpointError)
         out = reshard_offline(args.src, args.dst, args.overrides, args.granularity)
     except (CheckpointError, ConfigError) as e:
-        print(f"reshard_checkpoint: {e}", file=sys.stderr)
-        return 1
+        print(f"error: {e}", file=sys.stderr)  # submit.py's promise: one error: line, exit 2
+        return 2
     print(out)
     return 0
 
