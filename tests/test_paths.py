@@ -18,7 +18,6 @@ from nanotrain.config.path_fields import path_fields
 from nanotrain.config.paths import MAX_DIRS, PathError, bounded_glob, pseudo_fs, walk_files
 from nanotrain.config.schema import DATA_SOURCE, HF_DIR, TOKENIZER
 
-
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
 BAD = ("fifo", "loop", "long", "proc")
