@@ -151,17 +151,20 @@ def test_a_recursive_glob_from_the_root_is_bounded(tmp_path, capsys, monkeypatch
 
 
 def test_bounded_glob_and_walk(tmp_path):
-    """As glob.glob(recursive=True) on plain trees, but regular files only (a FIFO matching the
-    pattern is left out, never opened), no link loop walked, no pseudo file system entered, and a
-    cap on directories visited."""
+    """As glob.glob(recursive=True) (which follows links to directories) and os.walk (which does
+    not), but regular files only (a FIFO matching the pattern is left out, never opened), no link
+    loop walked round, no pseudo file system entered, and a cap on directories listed."""
     (tmp_path / "a" / "b").mkdir(parents=True)
-    for rel in ("a/1.txt", "a/b/2.txt", "a/.hidden.txt", "top.txt"):
+    (tmp_path / "other").mkdir()
+    for rel in ("a/1.txt", "a/b/2.txt", "a/.hidden.txt", "top.txt", "other/3.txt"):
         (tmp_path / rel).write_text("x")
     os.mkfifo(tmp_path / "a" / "pipe.txt")
     os.symlink("..", tmp_path / "a" / "b" / "up")  # a loop for anything that follows links
-    want = sorted(str(tmp_path / r) for r in ("a/1.txt", "a/b/2.txt", "top.txt"))
-    assert bounded_glob("data.source", f"{tmp_path}/**/*.txt") == want
+    os.symlink(tmp_path / "other", tmp_path / "a" / "ext")
+    os.symlink("/proc", tmp_path / "a" / "kernel")
+    want = sorted(str(tmp_path / r) for r in ("a/1.txt", "a/b/2.txt", "top.txt", "other/3.txt"))
     assert walk_files("data.source", str(tmp_path)) == want
+    assert bounded_glob("data.source", f"{tmp_path}/**/*.txt") == sorted(want + [str(tmp_path / "a/ext/3.txt")])
     assert bounded_glob("data.source", f"{tmp_path}/a/*.txt") == [str(tmp_path / "a" / "1.txt")]
     with pytest.raises(PathError, match=r"^data.source: the pattern .* visits more than 2 directories: narrow it$"):
         bounded_glob("data.source", f"{tmp_path}/**/*.txt", max_dirs=2)

@@ -18,9 +18,9 @@ catches such a file system wherever it is mounted and through symbolic links; th
 /sys and /dev catch what containers mount there as plain tmpfs (here /sys/fs/cgroup; Docker's
 /dev). /dev/shm, the conventional RAM scratch space, is allowed.
 
-`bounded_glob` expands a data-file pattern with the same care: it visits at most `MAX_DIRS`
-directories, never follows a symbolic link while expanding ``**``, and never enters a pseudo
-file system. Torch-free and dependency-free: the config layer is the bottom one.
+`bounded_glob` expands a data-file pattern with the same care: it lists at most `MAX_DIRS`
+directories, enters each directory once while expanding ``**`` (a link loop is not walked round),
+and never enters a pseudo file system. Torch-free and dependency-free: the config layer is the bottom one.
 """
 from __future__ import annotations
 
@@ -215,10 +215,11 @@ def pseudo_mount_points() -> frozenset[str]:
 def bounded_glob(name: str, pattern: str, max_dirs: int = MAX_DIRS) -> list[str]:
     """The regular files matching `pattern` (glob syntax, ``**`` = any directories), sorted.
 
-    As ``glob.glob(recursive=True)`` except that names starting with '.' match only a component
-    that starts with '.', symbolic links to directories are not entered by ``**`` (so a loop is
-    never walked), pseudo file systems are never entered, and more than `max_dirs` directories
-    visited raise PathError: "the pattern ... visits more than N directories: narrow it"."""
+    As ``glob.glob(recursive=True)`` (names starting with '.' match only a component that starts
+    with '.'; ``**`` follows links to directories), except that ``**`` never enters a directory
+    that is its own ancestor (by device and inode: a link loop is not walked round), pseudo file
+    systems are never entered, FIFOs, sockets and devices never match, and more than `max_dirs`
+    directories listed raise PathError: "the pattern ... visits more than N directories: narrow it"."""
     path = os.path.expanduser(pattern)
     found = _name_problem(name, path)
     if found:
@@ -230,17 +231,18 @@ def bounded_glob(name: str, pattern: str, max_dirs: int = MAX_DIRS) -> list[str]
         found = _pseudo_problem(name, os.path.abspath(root))
         if found:
             raise PathError(found)
-    walk = _Walk(max_dirs, f"{name}: the pattern {pattern} visits more than {max_dirs:,} directories: narrow it")
-    return sorted(set(walk.expand(root, [p for p in parts[magic:] if p])))
+    walk = _Walk(max_dirs, f"{name}: the pattern {pattern} visits more than {max_dirs:,} directories: narrow it",
+                 follow=True)
+    return sorted(set(walk.expand(root, [p for p in parts[magic:] if p], False, frozenset())))
 
 
 def walk_files(name: str, directory: str, max_dirs: int = MAX_DIRS) -> list[str]:
     """The regular files below `directory` (names not starting with '.'), sorted, walked as
-    `bounded_glob` walks ``**``: no links to directories, no pseudo file system, at most
-    `max_dirs` directories (else PathError naming `name`)."""
+    ``os.walk`` walks (links to directories are not entered), never into a pseudo file system,
+    at most `max_dirs` directories (else PathError naming `name`)."""
     walk = _Walk(max_dirs, f"{name}: {directory} holds more than {max_dirs:,} directories: "
-                           "give a narrower directory or a glob")
-    return sorted(walk.expand(directory, ["**", "*"]))
+                           "give a narrower directory or a glob", follow=False)
+    return sorted(walk.expand(directory, ["**", "*"], False, frozenset()))
 
 
 def _is_magic(part: str) -> bool:
@@ -248,14 +250,18 @@ def _is_magic(part: str) -> bool:
 
 
 class _Walk:
-    """One bounded expansion: counts the directories it lists and raises `too_many` past the cap."""
+    """One bounded expansion: counts the directories it lists and raises `too_many` past the cap;
+    `follow`: whether ``**`` enters links to directories (never one that is its own ancestor)."""
 
-    def __init__(self, max_dirs: int, too_many: str):
-        self.max_dirs, self.too_many, self.skip, self.visited = max_dirs, too_many, pseudo_mount_points(), 0
+    def __init__(self, max_dirs: int, too_many: str, follow: bool):
+        self.max_dirs, self.too_many, self.follow = max_dirs, too_many, follow
+        self.skip, self.visited = pseudo_mount_points(), 0
 
-    def _entries(self, directory: str) -> list[os.DirEntry]:
-        if os.path.normpath(os.path.abspath(directory)) in self.skip:
-            return []  # ** does not follow links, so below the (checked) root a path is where it is
+    def _entries(self, directory: str, linked: bool) -> list[os.DirEntry]:
+        # Reached through a link, a path's text says nothing of where it is: ask the kernel.
+        where = os.path.realpath(directory) if linked else os.path.normpath(os.path.abspath(directory))
+        if where in self.skip:
+            return []
         self.visited += 1
         if self.visited > self.max_dirs:
             raise PathError(self.too_many)
@@ -265,25 +271,35 @@ class _Walk:
         except OSError:
             return []  # unreadable or vanished: glob skips it too
 
-    def expand(self, base: str, parts: list[str]) -> list[str]:
+    def expand(self, base: str, parts: list[str], linked: bool, ancestors: frozenset) -> list[str]:
+        """Matches of `parts` below `base`; `linked`: a link was followed on the way; `ancestors`:
+        (device, inode) of the directories ``**`` went through, so a loop ends at once."""
         if not parts:
             return [base] if _regular(base) else []
         head, rest = parts[0], parts[1:]
         if head == "**":
-            out = self.expand(base, rest)
-            for entry in self._entries(base):
-                if not entry.name.startswith(".") and entry.is_dir(follow_symlinks=False):
-                    out += self.expand(entry.path, parts)
+            try:
+                st = os.stat(base)
+            except OSError:
+                return []
+            if (st.st_dev, st.st_ino) in ancestors:
+                return []
+            ancestors = ancestors | {(st.st_dev, st.st_ino)}
+            out = self.expand(base, rest, linked, ancestors)
+            for entry in self._entries(base, linked):
+                link = entry.is_symlink()
+                if not entry.name.startswith(".") and (self.follow or not link) and _is_dir(entry):
+                    out += self.expand(entry.path, parts, linked or link, ancestors)
             return out
         if not _is_magic(head):
             nxt = os.path.join(base, head)
-            return self.expand(nxt, rest) if os.path.lexists(nxt) else []
+            return self.expand(nxt, rest, linked or _is_link(nxt), ancestors) if os.path.lexists(nxt) else []
         out = []
-        for entry in self._entries(base):
+        for entry in self._entries(base, linked):
             if entry.name.startswith(".") and not head.startswith("."):
                 continue
             if fnmatch.fnmatchcase(entry.name, head) and (not rest or _is_dir(entry)):
-                out += self.expand(entry.path, rest)
+                out += self.expand(entry.path, rest, linked or entry.is_symlink(), ancestors)
         return out
 
 

@@ -74,7 +74,7 @@ def _kind_of(path: str) -> str:
 
 def _looks_like_path(spec: str) -> bool:
     """Whether `spec` is meant as a local path (so a missing one is an error, not a hub name)."""
-    return (os.path.exists(spec) or any(c in spec for c in "*?[")
+    return (os.path.lexists(os.path.expanduser(spec)) or any(c in spec for c in "*?[")
             or spec.startswith(("/", "./", "../", "~")) or spec.endswith(os.sep)
             or _ext(spec) in BUILDERS or not _HUB_NAME.match(spec))
 
