@@ -9,13 +9,24 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
 import pytest
 
 from nanotrain.config.path_fields import path_fields
-from nanotrain.config.paths import MAX_DIRS, PathError, bounded_glob, pseudo_fs, walk_files
+from nanotrain.config.paths import (
+    CREATE_DIR,
+    DIR,
+    FILE,
+    MAX_DIRS,
+    PathError,
+    bounded_glob,
+    path_problem,
+    pseudo_fs,
+    walk_files,
+)
 from nanotrain.config.schema import DATA_SOURCE, HF_DIR, TOKENIZER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,3 +187,31 @@ def test_pseudo_file_systems():
     assert pseudo_fs("/sys") == "sysfs"
     assert pseudo_fs("/dev/null") is not None
     assert pseudo_fs("/dev/shm") is None and pseudo_fs(str(ROOT)) is None
+
+
+def test_each_kind_of_wrong_path(tmp_path):
+    """path_problem's other answers, one line each, naming the field."""
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "d").mkdir()
+    os.symlink(tmp_path / "gone", tmp_path / "broken")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "s"))
+    cases = [("", FILE, "an empty path"), ("a\0b", FILE, "NUL byte"),
+             (f"{tmp_path}/d", FILE, "is a directory, not a regular file"),
+             (f"{tmp_path}/f", DIR, "is a file, not a directory"),
+             (f"{tmp_path}/f/sub", CREATE_DIR, "is a file, not a directory"),
+             (f"{tmp_path}/broken", FILE, "broken symbolic link"),
+             (f"{tmp_path}/broken/x", CREATE_DIR, "broken symbolic link"),
+             (f"{tmp_path}/s", FILE, "is a socket, not a regular file"),
+             ("/dev/null", FILE, "pseudo file system"),
+             (f"{tmp_path}/missing", DIR, "no such file or directory"),
+             ("/" + "a/" * 2100, CREATE_DIR, "bytes long")]
+    try:
+        for path, expect, fragment in cases:
+            line = path_problem("the.field", path, expect)
+            assert line and line.startswith("the.field: ") and fragment in line and "\n" not in line, (path, line)
+        for path, expect in ((f"{tmp_path}/f", FILE), (f"{tmp_path}/d", DIR), (f"{tmp_path}/d/new/er", CREATE_DIR),
+                             *([("/dev/shm", CREATE_DIR)] if os.access("/dev/shm", os.W_OK) else [])):
+            assert path_problem("the.field", path, expect) is None, path
+    finally:
+        sock.close()

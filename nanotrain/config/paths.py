@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import fnmatch
 import os
+import re
 import stat
 from functools import lru_cache
 
@@ -200,7 +201,7 @@ def _mount_table() -> dict[str, str]:
                 left, _, right = line.partition(" - ")
                 fields, types = left.split(), right.split()
                 if len(fields) >= 5 and types:
-                    point = fields[4].encode().decode("unicode_escape")  # \040 is a space
+                    point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040: space
                     table[point] = types[0]
     except OSError:
         pass
