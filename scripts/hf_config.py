@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanotrain.checkpoint.hf_dir import HFError, open_hf_dir  # noqa: E402
 from nanotrain.config.cli_args import ArgParser, answer  # noqa: E402
+from nanotrain.config.paths import DIR, check_path  # noqa: E402
 from nanotrain.models import hf_llama  # noqa: E402
 
 
@@ -26,6 +27,7 @@ def _main(argv: list[str] | None) -> int:
     parser = ArgParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path", help="Hugging Face model directory (config.json + *.safetensors)")
     args = parser.parse_args(argv)
+    check_path("PATH", args.path, DIR, HFError)
     hf = open_hf_dir(args.path)
     problems = hf_llama.unsupported(hf.config)
     if problems:  # all of them, on the one line

@@ -3,7 +3,6 @@ no traceback, and nothing submitted or started (these run with no SLURM needed: 
 validation happen before any submission)."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -333,15 +332,17 @@ def test_aliases_within_budget_and_merges_still_work(tmp_path, capsys):
     assert "--mail-type=FAIL" in out
 
 
-def test_unreadable_config_names_the_file(tmp_path, capsys):
-    if Path("/proc/self/mem").is_file():  # a regular file whose read fails, even for root
-        path = Path("/proc/self/mem")
-    elif os.geteuid() != 0:
-        path = tmp_path / "secret.yaml"
-        path.write_text("parallelism: {dp: 1}\n")
-        path.chmod(0)
-    else:
-        pytest.skip("no way to make an unreadable file here")
+def test_unreadable_config_names_the_file(tmp_path, capsys, monkeypatch):
+    """A regular file whose read fails (permissions; root reads anything, so the failure is made
+    by the open itself). /proc/self/mem, once used here, is now refused before any read: a
+    config on a pseudo file system is the path checker's (tests/test_paths.py)."""
+    path = tmp_path / "secret.yaml"
+    path.write_text("parallelism: {dp: 1}\n")
+    from nanotrain.config import loader
+
+    def refuse(*_args, **_kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(loader, "open", refuse, raising=False)
     code, _, err = run_cli([path, "--dry-run"], capsys)
     assert code == 2 and err.startswith(f"error: {path}: cannot read the config file") and len(err.splitlines()) == 1
 

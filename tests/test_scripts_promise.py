@@ -86,7 +86,7 @@ BAD = [  # (script, args, what the line says)
     ("export_hf", [CKPT, CKPT], f"OUT_DIR {CKPT}: holds the source"),
     ("export_hf", [CKPT, STEP], f"OUT_DIR {STEP}: is the source"),
     ("export_hf", [CKPT, f"{STEP}/hf"], "lies inside the source"),
-    ("export_hf", [CKPT, f"{CKPT}/latest"], "exists and is not a directory"),
+    ("export_hf", [CKPT, f"{CKPT}/latest"], "is a file, not a directory"),
     ("reshard_checkpoint", [CKPT, "out", "--granularity", "x"], "argument --granularity: invalid choice"),
     ("reshard_checkpoint", [CKPT, "out", "--set", "parallelism.tp=two"], "parallelism.tp"),
     ("reshard_checkpoint", [CKPT, "out", "--set", "parallelism"], "expected section.field=value"),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from nanotrain.checkpoint.layout import CheckpointMismatch, read_safetensors_header
 from nanotrain.config import ModelArgs
+from nanotrain.config.paths import DIR, FILE, check_path
 from nanotrain.models import hf_llama
 
 SINGLE = "model.safetensors"
@@ -39,16 +40,22 @@ class HFDir:
         return int(self.config["vocab_size"])
 
 
+FIELD = "checkpoints.init_from_hf"
+
+
 def _where(path: Path) -> str:
-    return f"checkpoints.init_from_hf: {path}"
+    return f"{FIELD}: {path}"
 
 
 def open_hf_dir(path: str | Path) -> HFDir:
     """config.json and the tensor directory of the safetensors files (headers only)."""
     path = Path(path).expanduser()
-    if not path.is_dir():
-        raise HFError(f"{_where(path)} is not a directory: point it at a local Hugging Face model "
-                      "directory (config.json + *.safetensors)")
+    check_path(FIELD, path, DIR, HFError,
+               missing=f"{_where(path)} is not a directory: point it at a local Hugging Face model "
+                       "directory (config.json + *.safetensors)")
+    # Every file is checked before it is opened: a FIFO named config.json would block the read.
+    check_path(FIELD, path / "config.json", FILE, HFError,
+               missing=f"{_where(path)} has no readable config.json: not a Hugging Face model directory")
     try:
         config = json.loads((path / "config.json").read_text())
     except OSError:
@@ -71,8 +78,7 @@ def open_hf_dir(path: str | Path) -> HFDir:
         hint = " (it has PyTorch .bin files: re-save with safe_serialization=True)" if found else ""
         raise HFError(f"{_where(path)} has neither {SINGLE} nor {INDEX}{hint}")
     for rel in files:
-        if not (path / rel).is_file():
-            raise HFError(f"{_where(path)}: {INDEX} names {rel}, which is missing")
+        check_path(FIELD, path / rel, FILE, HFError, missing=f"{_where(path)}: {INDEX} names {rel}, which is missing")
         for name, rec in read_safetensors_header(path / rel, HFError)[1].items():
             if name != "__metadata__":
                 out.tensors[name] = {"file": rel, "dtype": rec["dtype"], "shape": tuple(rec["shape"])}

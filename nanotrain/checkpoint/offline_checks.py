@@ -18,6 +18,7 @@ from nanotrain.checkpoint import layout
 from nanotrain.checkpoint.layout import CheckpointError
 from nanotrain.config import Config, ConfigError, config_from_dict
 from nanotrain.config.loader import apply_override, check_fields
+from nanotrain.config.paths import CREATE_DIR, DIR, check_path
 from nanotrain.config.validate import validate_layout
 
 DTYPES = ("float32", "bfloat16")  # export's --dtype choices, named as format.DTYPES names torch dtypes
@@ -115,6 +116,9 @@ def plan_reshard(src: str | Path, dst_root: str | Path, overrides: list[str] = (
     layout validated with the launch's own rules (``validate_layout``: tp dividing the heads, pp
     within the layers, ep only for a MoE model...; the batch rules are the resuming run's).
     Raises ConfigError (the validator's own line) or CheckpointError; reads only meta.json."""
+    check_path("SRC", src, DIR, CheckpointError,
+               missing=f"{src}: neither a complete checkpoint nor a directory holding one")
+    check_path("DST", dst_root, CREATE_DIR, CheckpointError)
     ckpt = resolve_checkpoint(src)
     check_output_dir(dst_root, "DST")
     check_apart([Path(src), ckpt], dst_root, "DST")
@@ -142,6 +146,8 @@ def plan_export(src: str | Path, out_dir: str | Path, dtype: str) -> tuple[Path,
     config stored, and an output apart from it. Raises CheckpointError; reads only meta.json."""
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r}: choose one of {sorted(DTYPES)}")
+    check_path("SRC", src, DIR, CheckpointError, missing=f"{src}: no such run or checkpoint directory")
+    check_path("OUT_DIR", out_dir, CREATE_DIR, CheckpointError)
     ckpt = source_checkpoint(src)
     check_output_dir(out_dir, "OUT_DIR")
     check_apart([ckpt], out_dir, "OUT_DIR")

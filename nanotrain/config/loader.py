@@ -17,6 +17,7 @@ import yaml
 
 from nanotrain.config import slurm_time, strict_yaml
 from nanotrain.config import text as config_text
+from nanotrain.config.paths import FILE, check_path
 from nanotrain.config.schema import MAX_INT, Config
 
 MAX_STRING = 4096  # the longest path Linux takes; no config string needs more
@@ -285,10 +286,9 @@ def apply_override(raw: dict, assignment: str) -> None:
 def read_yaml(path: str | Path) -> dict:
     """The YAML document of a config file; every way a file can be wrong is one ConfigError
     that names the file (and the line, for YAML problems)."""
+    check_path("config file", path, FILE, ConfigError,  # a FIFO is never opened
+               missing=f"config file {str(path)!r} not found: pass the path of a YAML file, e.g. configs/tiny_cpu.yaml")
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found: pass the path of a YAML file, "
-                          "e.g. configs/tiny_cpu.yaml")
     try:
         with open(path, "rb") as f:
             data = f.read(strict_yaml.MAX_BYTES + 1)

@@ -20,6 +20,11 @@ MAX_WORLD = 2**20
 # about layers**2 / stages of work per layout, for --dry-run and each layout --plan tries) within
 # a fraction of a second; a typo (9007199254740991) is refused instead of computed.
 MAX_LAYERS = 1024
+# Path kinds of `doc(path=...)` beyond those of config/paths.py, each checked by the layer that
+# knows it: a data source is a file, a directory or a glob unless it is 'stdlib' or a hub name,
+# a tokenizer a file unless 'byte' (data); a Hugging Face directory is read only on a first start
+# (checkpoint.hf_dir, from launch.preflight), so a resumed run does not need it any more.
+DATA_SOURCE, TOKENIZER, HF_DIR = "data source", "tokenizer", "hf dir"
 
 
 def bounded(default, lo=None, hi=None, doc: str = "", above: bool = False, parse: str | None = None):
@@ -36,11 +41,15 @@ def slurm_time(default: int, doc: str):
     return bounded(default, 1, 525600, doc=doc, parse="slurm_time")
 
 
-def doc(default, text: str):
-    """A plain field with a one-line description; `list`/`dict` defaults become factories."""
+def doc(default, text: str, path: str | None = None):
+    """A plain field with a one-line description; `list`/`dict` defaults become factories.
+    `path` marks a path-typed field with what it must be (a kind of `paths.py`, or DATA_SOURCE /
+    TOKENIZER, whose keywords and hub names are not paths): every such field gets the path
+    checker, and a test enumerates them from here."""
+    meta = {"doc": text} if path is None else {"doc": text, "path": path}
     if default in (list, dict):
-        return field(default_factory=default, metadata={"doc": text})
-    return field(default=default, metadata={"doc": text})
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -149,7 +158,7 @@ class OptimizerArgs:
 class SourceArgs:
     """One entry of `data.sources`: a corpus and its share of the training samples."""
     name: str = doc("", "label of the source in logs and TensorBoard (data/tokens/<name>); unique")
-    source: str = doc("", "files/dir/glob, a hub dataset name, or 'stdlib', as data.source")
+    source: str = doc("", "files/dir/glob, a hub dataset name, or 'stdlib', as data.source", path=DATA_SOURCE)
     weight: float = bounded(1.0, 0.0, above=True, doc="relative share of training samples (normalised)")
     text_column: Optional[str] = doc(None, "column holding the text; default data.text_column")
 
@@ -157,16 +166,17 @@ class SourceArgs:
 @dataclass
 class ValidationArgs:
     """`data.validation`: a held-out set, either a source of its own or a tail of each source."""
-    source: Optional[str] = doc(None, "files/dir/glob or hub name of a validation corpus")
+    source: Optional[str] = doc(None, "files/dir/glob or hub name of a validation corpus", path=DATA_SOURCE)
     fraction: Optional[float] = bounded(None, 0.0, 1.0, above=True,
                                         doc="share of each training source's windows held out (< 1)")
 
 
 @dataclass
 class DataArgs:
-    source: str = doc("stdlib", "files/dir/glob, a hub dataset name, or 'stdlib' (Python's own sources)")
+    source: str = doc("stdlib", "files/dir/glob, a hub dataset name, or 'stdlib' (Python's own sources)",
+                      path=DATA_SOURCE)
     text_column: str = doc("text", "column holding the text")
-    tokenizer: str = doc("byte", "'byte' or a path to a tokenizer.json")
+    tokenizer: str = doc("byte", "'byte' or a path to a tokenizer.json", path=TOKENIZER)
     num_workers: int = bounded(0, 0, 1024, doc="tokenisation processes")
     sources: list[SourceArgs] = doc(list, "weighted mixture; when set, data.source is not used")
     validation: Optional[ValidationArgs] = doc(None, "held-out set for training.eval_interval")
@@ -177,7 +187,7 @@ class DataArgs:
 
 @dataclass
 class CheckpointArgs:
-    path: Optional[str] = doc(None, "default <run dir>/checkpoints")
+    path: Optional[str] = doc(None, "default <run dir>/checkpoints", path="create dir")
     interval: int = bounded(0, 0, doc="save every N steps; 0 = only on demand / preemption")
     keep_last: int = bounded(2, 1, doc="complete checkpoints kept")
     resume: bool = doc(True, "continue from the latest complete checkpoint in the run dir")
@@ -187,12 +197,12 @@ class CheckpointArgs:
                                   "the copy) and write it from a background thread while training goes on "
                                   "(committed at a later step)")
     init_from_hf: Optional[str] = doc(None, "local Hugging Face Llama directory the weights start from when the "
-                                      "run has no checkpoint yet (optimizer and step start fresh)")
+                                      "run has no checkpoint yet (optimizer and step start fresh)", path=HF_DIR)
 
 
 @dataclass
 class LoggingArgs:
-    dir: str = doc("logs", "parent of run directories")
+    dir: str = doc("logs", "parent of run directories", path="create dir")
     run_name: Optional[str] = doc(None, "run directory name; default <config name>-<timestamp>")
     log_interval: int = bounded(1, 1, doc="steps between metric lines")
     tensorboard: bool = doc(True, "write <run dir>/tb/ event files")

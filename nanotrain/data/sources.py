@@ -13,7 +13,6 @@ any installed packages.
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -22,6 +21,7 @@ import sysconfig
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from nanotrain.config.paths import FILE_OR_DIR, PathError, bounded_glob, check_path, walk_files
 from nanotrain.data.errors import DataError
 
 STDLIB = "stdlib"
@@ -74,7 +74,7 @@ def _kind_of(path: str) -> str:
 
 def _looks_like_path(spec: str) -> bool:
     """Whether `spec` is meant as a local path (so a missing one is an error, not a hub name)."""
-    return (os.path.exists(spec) or any(c in spec for c in "*?[")
+    return (os.path.lexists(os.path.expanduser(spec)) or any(c in spec for c in "*?[")
             or spec.startswith(("/", "./", "../", "~")) or spec.endswith(os.sep)
             or _ext(spec) in BUILDERS or not _HUB_NAME.match(spec))
 
@@ -90,13 +90,16 @@ def stdlib_files() -> tuple[str, ...]:
 
 
 def _directory_files(path: str) -> list[str]:
-    """Data files under a directory, recursively, skipping hidden entries (e.g. a `.cache`)."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        found += [os.path.join(dirpath, f) for f in filenames
-                  if not f.startswith(".") and _ext(f) in BUILDERS]
-    return found
+    """Regular data files under a directory, recursively, skipping hidden entries (e.g. a `.cache`);
+    bounded like a glob (config.paths.walk_files), so `data.source: /` cannot walk the file system."""
+    return [f for f in _bounded(walk_files, path) if _ext(f) in BUILDERS]
+
+
+def _bounded(walk, path: str) -> list[str]:
+    try:
+        return walk("data.source", path)
+    except PathError as exc:
+        raise DataError(str(exc)) from None
 
 
 def resolve_source(spec: str) -> Source:
@@ -113,18 +116,17 @@ def resolve_source(spec: str) -> Source:
 
     path = os.path.expanduser(spec)
     if any(c in path for c in "*?["):
-        files = [f for f in glob.glob(path, recursive=True) if os.path.isfile(f)]
+        files = _bounded(bounded_glob, path)  # regular files only: a FIFO is never opened
         if not files:
             raise DataError(f"data.source: the glob {spec!r} matches no files; {_FIX}")
-    elif os.path.isdir(path):
+    elif os.path.isdir(check_path("data.source", path, FILE_OR_DIR, DataError,
+                                  missing=f"data.source: no such file or directory {spec!r}; {_FIX}")):
         files = _directory_files(path)
         if not files:
             raise DataError(f"data.source: directory {spec!r} holds no "
                             f"{'/'.join(sorted(BUILDERS))} files; {_FIX}")
-    elif os.path.isfile(path):
-        files = [path]
     else:
-        raise DataError(f"data.source: no such file or directory {spec!r}; {_FIX}")
+        files = [path]
 
     files = sorted(os.path.abspath(f) for f in files)
     kinds = sorted({_kind_of(f) for f in files})

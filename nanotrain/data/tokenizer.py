@@ -16,6 +16,7 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
+from nanotrain.config.paths import FILE, check_path
 from nanotrain.data.errors import DataError
 
 BYTE = "byte"
@@ -91,10 +92,11 @@ class JsonTokenizer:
 
 
 def check_tokenizer_path(spec: str) -> None:
-    """The cheap part of loading: the file is there (used before a job is submitted)."""
-    if spec != BYTE and not os.path.isfile(os.path.expanduser(spec)):
-        raise DataError(f"data.tokenizer: no such file {spec!r}; "
-                        f"use 'byte' or a path to a tokenizer.json")
+    """The cheap part of loading: the file is there, a regular file we may read (a FIFO is never
+    opened), by the one path checker; used before a job is submitted."""
+    if spec != BYTE:
+        check_path("data.tokenizer", spec, FILE, DataError,
+                   missing=f"data.tokenizer: no such file {spec!r}; use 'byte' or a path to a tokenizer.json")
 
 
 def load_tokenizer(spec: str, vocab_size: Optional[int] = None) -> Tokenizer:

@@ -17,6 +17,8 @@ from pathlib import Path
 from nanotrain.config import Config, ConfigError, SlurmLayout, load_config, validate
 from nanotrain.config.cli_args import EXIT_INTERRUPTED, EXIT_USER_ERROR, ArgParser
 from nanotrain.config.files import first_missing
+from nanotrain.config.path_fields import check_path_fields
+from nanotrain.config.paths import CREATE_DIR, DIR, check_path
 from nanotrain.config.validate import validate_names
 from nanotrain.launch import rundir, sbatch
 from nanotrain.launch.config_commands import plan, rehearse
@@ -234,13 +236,18 @@ def check_paths(config: Config, run_dir: Path, emit_dir: str | None) -> None:
         rundir.check_can_create(Path(emit_dir), "--emit")
 
 
-def _refuse_empty_paths(args) -> None:
-    """An empty path argument is an unset shell variable (`--emit $DIR`), never a choice: taken
-    as given it would mean the current directory, and taken as absent it would submit a job."""
-    for flag, value in (("config", args.config), ("--status", args.status), ("--resume", args.resume),
-                        ("--emit", args.emit)):
-        if value is not None and not value.strip():
-            raise ConfigError(f"{flag}: an empty path (an unset shell variable?): give a path")
+def check_path_arguments(args) -> None:
+    """Every path argument, by the one path checker, before anything runs: an empty one is an
+    unset shell variable (`--emit $DIR`), never a choice (taken as given it would mean the current
+    directory, taken as absent it would submit a job); a FIFO, a link loop, an over-long name or
+    /proc is one line instead of a hang or a traceback. The config file is checked where it is
+    read (`config.loader.read_yaml`), which keeps the wording of a missing one."""
+    if args.config is not None and not args.config.strip():
+        raise ConfigError("config: an empty path (an unset shell variable?): give a path")
+    for flag, value, kind in (("--status", args.status, DIR), ("--resume", args.resume, DIR),
+                              ("--emit", args.emit, CREATE_DIR)):
+        if value is not None:
+            check_path(flag, value, kind, ConfigError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,7 +274,7 @@ def _main(argv: list[str] | None):
         parser = build_parser()
         args = parser.parse_args(argv)
         check_flags(given_flags(parser, args))  # before anything is read: flags.py's table
-        _refuse_empty_paths(args)
+        check_path_arguments(args)
         if args.plan:
             return plan(args)
         if args.rehearse:
@@ -284,6 +291,7 @@ def _main(argv: list[str] | None):
             raise ConfigError("this run was launched on SLURM but `sbatch` is not on PATH: "
                               "resume it where SLURM runs, or add --local")
         layout = validate(config, slurm=use_slurm)
+        check_path_fields(config)
         if not use_slurm:
             from nanotrain.launch.local import check_process_count
 

@@ -10,11 +10,11 @@ checkpoints live, so that `--status` and `--resume` need nothing but its path.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from nanotrain.config import Config, ConfigError, dump_config, load_config
+from nanotrain.config.paths import CREATE_DIR, check_path
 
 CONFIG_FILE = "config.yaml"
 LAUNCH_FILE = "launch.json"
@@ -29,27 +29,10 @@ def check_can_create(path: Path, what: str) -> None:
     """Raise ConfigError unless `path` is, or can be made, a directory we may write in.
 
     Checked before anything is submitted or created, so that a `logging.dir` that is a file, a
-    read-only file system or an over-long name is one line at `--dry-run` time instead of a
-    traceback after the job is queued. (Writes still catch OSError: permissions can change.)"""
-    path = Path(path)
-    for part in path.parts:
-        if len(part.encode(errors="replace")) > 255:
-            raise ConfigError(f"{what}: the name {part[:40]!r}... is {len(part.encode(errors='replace'))} "
-                              "bytes; file systems allow 255: choose a shorter name")
-    if len(str(path).encode(errors="replace")) >= 4000:
-        raise ConfigError(f"{what}: the path is {len(str(path))} characters long; choose a shorter one")
-    probe = path
-    while not os.path.lexists(probe) and probe != probe.parent:
-        probe = probe.parent
-    if os.path.islink(probe) and not probe.exists():
-        raise ConfigError(f"{what}: {probe} is a broken symbolic link: fix it or choose another directory")
-    if not probe.is_dir():
-        raise ConfigError(f"{what}: {probe} is a file, not a directory: choose another {what} "
-                          "(or move the file away)")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
-        why = "is on a read-only file system" if read_only else "is not writable by you"
-        raise ConfigError(f"{what}: {probe} {why}: choose a writable {what}")
+    read-only file system, an over-long name, a symbolic-link loop or a pseudo file system
+    (/proc) is one line at `--dry-run` time instead of a traceback after the job is queued: the
+    one path checker, `config.paths`. (Writes still catch OSError: permissions can change.)"""
+    check_path(what, path, CREATE_DIR, ConfigError)
 
 
 def os_error(what: str, exc: OSError) -> ConfigError:
