@@ -34,6 +34,7 @@ class Case:
     after: str = ""
     process: bool = False
     fake: dict = field(default_factory=dict)   # command name -> shell body, first on PATH
+    env: dict = field(default_factory=dict)    # environment of a process case
     timeout_s: float = 0.0
     edits: tuple = ()    # (section, name, text, key) edits of tiny_cpu.yaml, rendered when run
 

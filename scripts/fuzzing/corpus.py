@@ -10,7 +10,7 @@ from fuzzing.cases import Case
 
 CORPUS = Path(__file__).with_name("corpus.yaml")
 KEYS = {"id", "target", "argv", "set", "expect", "names", "stdout_has", "value", "after", "process", "fake",
-        "timeout_s"}
+        "env", "timeout_s"}
 
 
 def corpus_cases(path: Path = CORPUS) -> list[Case]:
@@ -28,5 +28,6 @@ def corpus_cases(path: Path = CORPUS) -> list[Case]:
                         names=entry.get("names", []), stdout_has=entry.get("stdout_has", ""),
                         value=entry.get("value"), after=entry.get("after", ""),
                         process=entry.get("process", False), fake=entry.get("fake", {}),
+                        env={k: str(v) for k, v in (entry.get("env") or {}).items()},
                         timeout_s=float(entry.get("timeout_s", 0))))
     return out

@@ -160,7 +160,7 @@ def run_case(case, ws, hang_s: float, as_process: bool = False) -> tuple[str, st
         path = str(_fake_dir(ws.root / f"fakes_{case.label.split()[0]}", case.fake)) + os.pathsep + path
     timeout = case.timeout_s or hang_s
     if case.process or as_process:
-        env = dict(os.environ, PATH=path, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, **case.env, PATH=path, PYTHONPATH=str(ROOT))
         o = harness.run_process(target_command(case.target) + argv, ws.cwd, ws.watched(), timeout, env)
     else:
         old_path, old_cwd = os.environ.get("PATH", ""), os.getcwd()
