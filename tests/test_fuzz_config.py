@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import fuzz_config  # noqa: E402
 from fuzzing import cases, categories, corpus, harness, runner, suite, values  # noqa: E402
-from fuzzing.workspace import HOSTILE  # noqa: E402
+from fuzzing.workspace import hostile_for  # noqa: E402
 
 
 def test_every_field_and_kind_is_mutated():
@@ -129,12 +129,15 @@ def test_every_path_field_and_argument_gets_every_hostile_path():
     fields = {(s, n) for s, n, _ in cases.PATH_FIELDS}
     assert _path_like_fields() <= fields
     labels = {c.label for c in cases.path_cases()}
-    for section, name in fields:
-        for what in HOSTILE.values():
+    for section, name, role in cases.PATH_FIELDS:
+        for what in hostile_for(role).values():
             assert {f"{section}.{name} = {what} [file]", f"{section}.{name} = {what} [set]"} <= labels
     for arg in ("config", "--status", "--resume", "--emit"):
-        assert all(f"submit.py {arg} {what}" in labels for what in HOSTILE.values())
-    assert {"fifo", "loop", "long", "proc_file", "proc_dir", "sys_new", "broken", "dir", "unreadable"} <= set(HOSTILE)
+        role = "out" if arg == "--emit" else "in"
+        assert all(f"submit.py {arg} {what}" in labels for what in hostile_for(role).values())
+    for role in ("in", "out"):
+        assert {"fifo", "loop", "long", "proc_file", "proc_dir", "sys_new", "broken", "dir", "unreadable"} \
+            <= set(hostile_for(role))
 
 
 def test_every_script_and_its_arguments_are_mutated():
@@ -144,7 +147,7 @@ def test_every_script_and_its_arguments_are_mutated():
     for script, (_, roles) in cases.SCRIPT_ARGS.items():
         assert {f"{script} missing-all", f"{script} extra", f"{script} unknown-flag", f"{script} help"} <= labels
         for i, role in enumerate(roles):
-            assert all(f"{script} arg {i + 1} ({role}) = {what}" in labels for what in HOSTILE.values())
+            assert all(f"{script} arg {i + 1} ({role}) = {what}" in labels for what in hostile_for(role).values())
     assert {s for s, *_ in cases.BAD_FLAGS} == set(cases.SCRIPTS) - {"hf_config"}  # hf_config has no flag
     assert sum("SRC = DST" in label for label in labels) == 6
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from fuzzing.workspace import HOSTILE, TINY
+from fuzzing.workspace import TINY, hostile_for
 
 SCRIPTS = ("export_hf", "reshard_checkpoint", "hf_config", "inspect_topology", "fuzz_config")
 
@@ -146,7 +146,7 @@ def script_cases() -> list[Case]:
         for kind, argv, expect in variants:
             out.append(Case("scripts", script, argv, f"{script} {kind}", expect=expect))
         for i, role in enumerate(kinds):
-            for name, what in HOSTILE.items():
+            for name, what in hostile_for(role).items():
                 argv = list(base)
                 argv[i] = f"@{name}@"
                 expect = "any" if role == "out" and name == "dir" else "ok-2"
@@ -192,7 +192,7 @@ def path_cases() -> list[Case]:
     hostile path; a folder is a fine value for a field that names an output folder."""
     out = []
     for section, name, role in PATH_FIELDS:
-        for hostile, what in HOSTILE.items():
+        for hostile, what in hostile_for(role).items():
             field_name, text = _path_yaml(section, name, f"@{hostile}@")
             expect = "any" if role == "out" and hostile == "dir" else "ok-2"
             out.append(Case("paths", "submit", ["@cfg@", "--dry-run"], f"{section}.{name} = {what} [file]",
@@ -200,7 +200,7 @@ def path_cases() -> list[Case]:
             out.append(Case("paths", "submit", ["@cfg@", "--dry-run", "--set", f"{section}.{field_name}={text}"],
                             f"{section}.{name} = {what} [set]", expect=expect))
     for arg, argv in CLI_PATH_ARGS.items():
-        for hostile, what in HOSTILE.items():
+        for hostile, what in hostile_for("out" if arg == "--emit" else "in").items():
             expect = "any" if arg == "--emit" and hostile == "dir" else "ok-2"
             out.append(Case("paths", "submit", [a.replace("@P@", f"@{hostile}@") for a in argv],
                             f"submit.py {arg} {what}", expect=expect))

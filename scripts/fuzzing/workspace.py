@@ -43,6 +43,14 @@ HOSTILE = {
     "devnull": "/dev/null",
     "glob_root": "a recursive glob of the whole file system",
 }
+# Given to outputs instead of HOSTILE's glob: a folder may be created under a glob's name, and a
+# glob of the root then writes into the real "/**" (never outside the workspace).
+HOSTILE_OUT = {**{k: v for k, v in HOSTILE.items() if k != "glob_root"}, "glob_ws": "a glob as a folder name"}
+
+
+def hostile_for(role: str) -> dict[str, str]:
+    """The hostile paths given to an input ("in", "name") or an output ("out") path."""
+    return HOSTILE_OUT if role == "out" else HOSTILE
 
 
 class Workspace:
@@ -73,7 +81,7 @@ class Workspace:
             "proc_dir": "/proc/self", "proc_new": "/proc/nanotrain_fuzz/x", "sys_new": "/sys/kernel/nanotrain_fuzz/x",
             "sys_dir": "/sys/kernel", "broken": str(h / "broken"), "dir": str(h / "adir"),
             "file": str(h / "afile"), "unreadable": str(h / "unreadable"), "devnull": "/dev/null",
-            "glob_root": "/**/*.parquet",
+            "glob_root": "/**/*.parquet", "glob_ws": str(h / "**" / "*.parquet"),
             "long_name": long, "cfg": str(self.root / "cfg.yaml"), "out": str(self.outs / "new"), "tmp": str(self.root),
         }
         self.ckpt = self.root / "ckpt"
