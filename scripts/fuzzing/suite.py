@@ -2,6 +2,7 @@
 before (and beside) its config mutations."""
 from __future__ import annotations
 
+import os
 import random
 import sys
 import time
@@ -15,6 +16,14 @@ from fuzzing.workspace import Workspace
 
 CATEGORIES = {"scripts": script_cases, "paths": path_cases, "yaml11": yaml11_cases, "unicode": unicode_cases}
 CASE_HANG_S = 8.0  # wall-clock guard of one case: the answer is due in 2 CPU s; a FIFO waits without CPU
+
+
+def _argv_encodable(arg: str) -> bool:
+    """Whether a process can get `arg` (a high surrogate or a NUL cannot be an argv byte string)."""
+    try:
+        return b"\0" not in os.fsencode(arg)
+    except UnicodeEncodeError:
+        return False
 
 
 def select(categories, limit: int = 0, seed: int = 0, corpus: bool = True) -> list:
@@ -35,7 +44,8 @@ def run_suite(categories=tuple(CATEGORIES), limit: int = 0, subprocess_sample: i
     t0 = time.perf_counter()
     todo = select(categories, limit, seed, corpus)
     rng = random.Random(seed + 1)
-    eligible = [i for i, c in enumerate(todo) if c.category != "corpus" and c.target != "fuzz_config"]
+    eligible = [i for i, c in enumerate(todo) if c.category != "corpus" and c.target != "fuzz_config"
+                and all(_argv_encodable(a) for a in c.argv)]
     sampled = set(rng.sample(eligible, min(subprocess_sample, len(eligible))))
     counts: Counter = Counter()
     failures: list[str] = []
