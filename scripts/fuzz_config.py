@@ -34,6 +34,7 @@ there). Exit status of this script: 0 when no mutation broke the contract, else 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import subprocess
@@ -304,10 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="print every answer")
     parser.add_argument("--category", action="append", choices=ALL_CATEGORIES,
                         help="run only this category (repeatable; default all); the corpus always runs first")
+    parser.add_argument("--json", metavar="PATH", help="also write the whole report (every failure) to PATH")
     args = parser.parse_args(argv)
     report = fuzz(args.limit, args.subprocess, args.seed, args.verbose, progress=1000,
                   categories=tuple(args.category or ALL_CATEGORIES))
     print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     return 0 if not report["failures"] else 1
 
 
