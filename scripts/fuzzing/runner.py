@@ -109,7 +109,10 @@ def _loaded(cfg: str, argv: list[str]):
 def expectation(case, o: harness.Outcome, v: str, cfg: str, argv: list[str]) -> tuple[str, str]:
     """(verdict, detail) once the case's own expectations are applied to a contract-keeping answer."""
     if not v.startswith("ok"):
-        return v, (o.crash or o.stderr or " ".join(o.wrote)).strip()[:800]
+        text = (o.crash or o.stderr or " ".join(o.wrote)).strip()
+        if o.crash and "\n" in text:  # the exception itself first: the frames may not fit
+            text = text.splitlines()[-1] + "\n" + text
+        return v, text[:800]
     line = o.stderr.strip()
     if case.expect == "ok-2" and v == "ok-0":
         return "accepted", (o.stdout.strip().splitlines() or [""])[0][:200]
