@@ -35,6 +35,7 @@ class Case:
     process: bool = False
     fake: dict = field(default_factory=dict)   # command name -> shell body, first on PATH
     env: dict = field(default_factory=dict)    # environment of a process case
+    writes: bool = False  # an accepted answer writes its output (export, reshard, --emit): not a fault
     timeout_s: float = 0.0
     edits: tuple = ()    # (section, name, text, key) edits of tiny_cpu.yaml, rendered when run
 
@@ -87,7 +88,14 @@ def _q(path: str) -> str:
     return json.dumps(path)
 
 
-# Inputs (read) and outputs (written) of every script; "dir" is a fine output folder.
+def fine(role: str, hostile: str) -> bool:
+    """Whether a hostile path is nevertheless a valid value there (either answer is right; a hang,
+    a traceback or a write on refusal still is not): a folder, even one holding a FIFO or named
+    like a glob, as an output folder; a text file as a corpus."""
+    return (role == "out" and hostile in ("dir", "fifo_hf", "glob_ws")) or (role == "data" and hostile == "file")
+
+
+# Inputs (read) and outputs (written) of every script.
 SCRIPT_ARGS = {
     "export_hf": (["@ckpt@", "@out@"], ["in", "out"]),
     "reshard_checkpoint": (["@ckpt@", "@out@", "--set", "parallelism.tp=2"], ["in", "out"]),
@@ -149,8 +157,8 @@ def script_cases() -> list[Case]:
             for name, what in hostile_for(role).items():
                 argv = list(base)
                 argv[i] = f"@{name}@"
-                expect = "any" if role == "out" and name == "dir" else "ok-2"
-                out.append(Case("scripts", script, argv, f"{script} arg {i + 1} ({role}) = {what}", expect=expect))
+                out.append(Case("scripts", script, argv, f"{script} arg {i + 1} ({role}) = {what}",
+                                expect="any" if fine(role, name) else "ok-2"))
     for script, flags, expect, names in BAD_FLAGS:
         base, kinds = SCRIPT_ARGS[script]
         bounded = script == "fuzz_config" and "--limit" not in flags  # never a whole run if accepted
@@ -165,9 +173,11 @@ def script_cases() -> list[Case]:
     return out
 
 
-# Path-typed config fields: (section, field, role, how to write it in YAML / --set).
+# Path-typed config fields: (section, field, role). Roles: "in" (read), "data" (read; a plain text
+# file is a corpus too), "out" (a folder written into), "name" (a name component).
 PATH_FIELDS = [
-    ("data", "source", "in"), ("data", "tokenizer", "in"), ("data", "sources", "in"), ("data", "validation", "in"),
+    ("data", "source", "data"), ("data", "tokenizer", "in"), ("data", "sources", "data"),
+    ("data", "validation", "data"),
     ("checkpoints", "path", "out"), ("checkpoints", "init_from_hf", "in"), ("logging", "dir", "out"),
     ("logging", "run_name", "name"),
 ]
@@ -194,14 +204,15 @@ def path_cases() -> list[Case]:
     for section, name, role in PATH_FIELDS:
         for hostile, what in hostile_for(role).items():
             field_name, text = _path_yaml(section, name, f"@{hostile}@")
-            expect = "any" if role == "out" and hostile == "dir" else "ok-2"
+            expect = "any" if fine(role, hostile) else "ok-2"
             out.append(Case("paths", "submit", ["@cfg@", "--dry-run"], f"{section}.{name} = {what} [file]",
                             edits=config_with(section, field_name, text), expect=expect))
             out.append(Case("paths", "submit", ["@cfg@", "--dry-run", "--set", f"{section}.{field_name}={text}"],
                             f"{section}.{name} = {what} [set]", expect=expect))
     for arg, argv in CLI_PATH_ARGS.items():
         for hostile, what in hostile_for("out" if arg == "--emit" else "in").items():
-            expect = "any" if arg == "--emit" and hostile == "dir" else "ok-2"
+            role = "out" if arg == "--emit" else "in"
             out.append(Case("paths", "submit", [a.replace("@P@", f"@{hostile}@") for a in argv],
-                            f"submit.py {arg} {what}", expect=expect))
+                            f"submit.py {arg} {what}", expect="any" if fine(role, hostile) else "ok-2",
+                            writes=arg == "--emit"))
     return out

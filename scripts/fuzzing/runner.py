@@ -176,10 +176,10 @@ def run_case(case, ws, hang_s: float, as_process: bool = False) -> tuple[str, st
             os.environ["PATH"] = old_path
             os.chdir(old_cwd)
     v = harness.verdict(o, strict=True)
-    writes = case.target in ("export_hf", "reshard_checkpoint")
+    writes = case.writes or case.target in ("export_hf", "reshard_checkpoint")
     if v == "wrote-files" and o.code == 0 and case.expect != "ok-2" and writes \
             and not any(w.startswith(str(ws.ckpt)) for w in o.wrote):
-        v = "ok-0"  # a successful export / reshard writes its output (never into the checkpoint)
+        v = "ok-0"  # a successful export, reshard or --emit writes its output (never into the checkpoint)
     v, detail = expectation(case, o, v, cfg, argv)
     touched_ckpt = any(w.startswith(str(ws.ckpt)) for w in o.wrote)
     ws.reset()

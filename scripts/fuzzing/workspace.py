@@ -50,7 +50,7 @@ HOSTILE_OUT = {**{k: v for k, v in HOSTILE.items() if k != "glob_root"}, "glob_w
 
 def hostile_for(role: str) -> dict[str, str]:
     """The hostile paths given to an input ("in", "name") or an output ("out") path."""
-    return HOSTILE_OUT if role == "out" else HOSTILE
+    return HOSTILE_OUT if role == "out" else HOSTILE  # "in", "data", "name": read, never created
 
 
 class Workspace:
