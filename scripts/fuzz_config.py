@@ -1,8 +1,18 @@
 #!/usr/bin/env python3
-"""Fuzz `submit.py --dry-run` with hostile configs: every field of the shipped configs mutated.
+"""Fuzz `submit.py` and the scripts with hostile input: configs, paths, YAML 1.1 scalars, Unicode.
 
-    python scripts/fuzz_config.py                    # every mutation (~16,700), in-process, + a subprocess sample
+    python scripts/fuzz_config.py                    # everything, in-process, + a subprocess sample
     python scripts/fuzz_config.py --limit 60 --subprocess 3 --seed 1
+    python scripts/fuzz_config.py --category paths --category scripts --limit 20
+
+First, always, the fixed corpus (scripts/fuzzing/corpus.yaml): every known example of a wrong
+input, each with the answer it must get (refused with a line naming what; or accepted meaning
+what the user meant: `slurm.time=1:30:00` is 90 minutes, `dp=010` never 8). Then the categories:
+"scripts" (each script's `main(argv)` with arguments missing, extra, unknown, bad values, hostile
+paths, SRC = DST), "paths" (every path field and path argument given a FIFO, a symlink loop, a
+256-byte component, /proc and /sys paths, a broken link, a folder for a file, an unreadable file),
+"yaml11" (scalars YAML 1.1 reads otherwise than a user means, in every field), "unicode" (one
+character of each category that can hide in a line, in values, keys and --set paths) and "config":
 
 Each mutation replaces one field of `configs/*.yaml` (every field of the schema, present in the
 file or not, and the entries of list/mapping fields) by a wrong type, null, a non-finite, huge,
@@ -24,32 +34,28 @@ there). Exit status of this script: 0 when no mutation broke the contract, else 
 """
 from __future__ import annotations
 
-import contextlib
-import io
+import json
 import os
 import random
-import resource
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-import traceback
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from fuzzing.harness import HANG_S, LIMIT_S, Outcome, run_main, run_process, verdict  # noqa: E402,F401
+from fuzzing.suite import CATEGORIES, run_suite  # noqa: E402
 
 from nanotrain.config.cli_args import ArgParser, answer, non_negative_int  # noqa: E402
 from nanotrain.config.loader import sections  # noqa: E402
 from nanotrain.launch.cli import main as cli_main  # noqa: E402
-
-LIMIT_S = 2.0   # the contract: every answer in under 2 s (CPU seconds)
-HANG_S = 20     # in-process wall-clock guard (SIGALRM) so one hang cannot stall the run
 
 _BOMB = "[&a [l, l, l, l, l, l, l, l, l], " + ", ".join(
     f"&{b} [{', '.join([f'*{a}'] * 9)}]" for a, b in zip("abcdefgh", "bcdefghi")) + "]"
@@ -170,81 +176,40 @@ def render(raw: dict, m: Mutation) -> str:
     return "\n".join(lines) + "\n"
 
 
-@dataclass
-class Outcome:
-    code: int | None
-    stderr: str
-    cpu_s: float
-    wall_s: float
-    crash: str = ""
-    wrote: list[str] = field(default_factory=list)
-
-
-class _Hang(Exception):
-    pass
-
-
-def _alarm(_signum, _frame):
-    raise _Hang()
-
-
 def run_in_process(argv: list[str], cwd: Path) -> Outcome:
-    out, err = io.StringIO(), io.StringIO()
-    before = set(os.listdir(cwd))
-    cpu, wall = time.process_time(), time.perf_counter()
-    crash, code = "", None
-    old = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(HANG_S)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli_main(argv)
-    except _Hang:
-        crash = f"no answer after {HANG_S} s"
-    except BaseException:  # noqa: BLE001 - anything escaping main is what we are looking for
-        crash = traceback.format_exc(limit=-3)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-    wrote = sorted(set(os.listdir(cwd)) - before)
-    return Outcome(code, err.getvalue(), time.process_time() - cpu, time.perf_counter() - wall, crash, wrote)
+    """`submit.py ARGV` as `main(argv)` in this process (nothing may appear in `cwd`)."""
+    return run_main(cli_main, argv, [cwd], HANG_S)
 
 
 def run_subprocess(argv: list[str], cwd: Path) -> Outcome:
-    before_usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    before = set(os.listdir(cwd))
-    wall = time.perf_counter()
-    try:
-        proc = subprocess.run([sys.executable, str(ROOT / "submit.py"), *argv], cwd=cwd, capture_output=True,
-                              text=True, timeout=HANG_S)
-        code, stderr, crash = proc.returncode, proc.stderr, ""
-    except subprocess.TimeoutExpired:
-        code, stderr, crash = None, "", f"no answer after {HANG_S} s"
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = usage.ru_utime + usage.ru_stime - before_usage.ru_utime - before_usage.ru_stime
-    if "Traceback" in stderr:
-        crash = stderr[-600:]
-    return Outcome(code, stderr, cpu, time.perf_counter() - wall, crash, sorted(set(os.listdir(cwd)) - before))
+    """`python submit.py ARGV` as a real process in `cwd`."""
+    return run_process([sys.executable, str(ROOT / "submit.py"), *argv], cwd, [cwd], HANG_S,
+                       dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
-def verdict(o: Outcome) -> str:
-    """'ok-0', 'ok-2', or what broke the contract."""
-    if o.crash:
-        return "traceback" if "no answer" not in o.crash else "hang"
-    if o.wrote:
-        return "wrote-files"
-    if o.cpu_s >= LIMIT_S:
-        return "slow"
-    if o.code == 0:
-        return "ok-0"
-    lines = o.stderr.strip().splitlines()
-    if o.code == 2 and len(lines) == 1 and lines[0].startswith("error: "):
-        return "ok-2"
-    return "bad-output"
+ALL_CATEGORIES = ("config", *CATEGORIES)
 
 
 def fuzz(limit: int = 0, subprocess_sample: int = 20, seed: int = 0, verbose: bool = False,
-         stream=sys.stdout, progress: int = 0) -> dict:
-    """Run the mutations (all, or a seeded sample of `limit`); returns the counts."""
+         stream=sys.stdout, progress: int = 0, categories=ALL_CATEGORIES, corpus: bool = True) -> dict:
+    """The fixed corpus first (fuzzing/corpus.yaml, in full; `corpus=False` only for tests of the
+    rest), then each of `categories`: "config" (the config mutations) and those of
+    fuzzing.suite.CATEGORIES. `limit`: a seeded sample of that many of each category (0 = all);
+    `subprocess_sample`: that many of each also run as real processes. Returns the counts and
+    the failures (the suite's under "suite", and all of them in "failures")."""
+    suite = run_suite([c for c in categories if c != "config"], limit, subprocess_sample, seed, corpus,
+                      progress, verbose, stream)
+    report = _mutate(limit, subprocess_sample, seed, verbose, stream, progress) if "config" in categories else {
+        "mutations": 0, "subprocess_runs": 0, "counts": {}, "failures": [], "by_kind": {}, "wall_slow": [],
+        "worst_cpu_s": {"in-process": 0.0, "subprocess": 0.0, "subprocess-wall": 0.0},
+        "slowest": {"in-process": "", "subprocess": ""}}
+    report["suite"] = suite
+    report["failures"] = suite["failures"] + report["failures"]
+    return report
+
+
+def _mutate(limit: int, subprocess_sample: int, seed: int, verbose: bool, stream, progress: int) -> dict:
+    """Run the config mutations (all, or a seeded sample of `limit`); returns the counts."""
     configs = sorted((ROOT / "configs").glob("*.yaml"))
     raws = {p.stem: yaml.safe_load(p.read_text()) for p in configs}
     todo = mutations(configs)
@@ -299,6 +264,14 @@ def fuzz(limit: int = 0, subprocess_sample: int = 20, seed: int = 0, verbose: bo
 
 
 def print_report(report: dict, stream=sys.stdout) -> None:
+    suite = report.get("suite")
+    if suite and suite["cases"]:
+        print(f"corpus and categories: {suite['cases']} cases in {suite['seconds']:.1f} s (each in-process; "
+              f"{suite['subprocess_runs']} also as a process)", file=stream)
+        for key, n in sorted(suite["counts"].items()):
+            print(f"  {key}: {n}", file=stream)
+        for how, (cpu, label) in suite["worst_cpu_s"].items():
+            print(f"  slowest {how}: {cpu:.3f} s CPU: {ascii(label)[1:-1]}", file=stream)
     print(f"mutations: {report['mutations']} (each in-process; {report['subprocess_runs']} also as a "
           "`python submit.py --dry-run` process)", file=stream)
     for key, n in sorted(report["counts"].items()):
@@ -325,7 +298,7 @@ def print_report(report: dict, stream=sys.stdout) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit 0 when no mutation broke the contract, 1 when one did, 2 (one `error:` line) for a
+    """Exit 0 when no case broke the contract, 1 when one did, 2 (one `error:` line) for a
     wrong argument of this script."""
     return answer(lambda: _main(argv))
 
@@ -333,13 +306,19 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     parser = ArgParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--limit", type=non_negative_int, default=0,
-                        help="a seeded sample of this many mutations (0 = all)")
+                        help="a seeded sample of this many cases of each category (0 = all); the corpus runs in full")
     parser.add_argument("--subprocess", type=non_negative_int, default=20, help="how many also run as real processes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="print every answer")
+    parser.add_argument("--category", action="append", choices=ALL_CATEGORIES,
+                        help="run only this category (repeatable; default all); the corpus always runs first")
+    parser.add_argument("--json", metavar="PATH", help="also write the whole report (every failure) to PATH")
     args = parser.parse_args(argv)
-    report = fuzz(args.limit, args.subprocess, args.seed, args.verbose, progress=1000)
+    report = fuzz(args.limit, args.subprocess, args.seed, args.verbose, progress=1000,
+                  categories=tuple(args.category or ALL_CATEGORIES))
     print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     return 0 if not report["failures"] else 1
 
 
