@@ -61,6 +61,9 @@ def _parse_value(where: str, hint: Any, value: Any) -> Any:
         return _parse_value(where, inner[0], value)
     if value is None:
         raise ConfigError(f"{where}: must be set (null is not allowed here)")
+    if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _check_string(where, strict_yaml.written(value))  # `010` stays '010', never '10'
+    value = strict_yaml.plain(value)
     if dataclasses.is_dataclass(hint):  # a sub-section: model.moe, data.sources[i], data.validation
         return _build_section(where, hint, value)
     if origin is Literal:
@@ -96,7 +99,7 @@ def _parse_value(where: str, hint: Any, value: Any) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             return _fail(f"{where}: expected a mapping of key: value, got {_describe(value)}")
-        return {_check_string(f"{where} key", str(k)): _parse_value(f"{where}.{k}", args[1], v)
+        return {_check_string(f"{where} key", strict_yaml.written(k)): _parse_value(f"{where}.{k}", args[1], v)
                 for k, v in value.items()}
     raise TypeError(f"unsupported config type {hint!r} for {where}")  # a bug in schema.py
 

@@ -31,6 +31,42 @@ MAX_INT_DIGITS = 30   # larger integers only arrive by mistake (and 4300+ digits
 MAX_BYTES = 1 << 20   # a config is a few KB
 
 
+class WrittenInt(int):
+    """An integer whose YAML text is not its decimal form (`010`, `0x1F`, `+1`): a string field
+    given it keeps the text as written (`slurm.partition: 010` is the partition '010', not '10')."""
+
+    written: str
+
+
+class WrittenFloat(float):
+    """A float whose YAML text is not how Python prints it (`1e3`, `.5`): as WrittenInt."""
+
+    written: str
+
+
+def _keeping_text(value, text: str):
+    """`value`, remembering `text` when str(value) would not give it back."""
+    if str(value) == text:
+        return value
+    kept = (WrittenInt if isinstance(value, int) else WrittenFloat)(value)
+    kept.written = text
+    return kept
+
+
+def plain(value):
+    """A number as its base type (what every field but a string one gets), anything else as is."""
+    if isinstance(value, WrittenInt):
+        return int(value)
+    if isinstance(value, WrittenFloat):
+        return float(value)
+    return value
+
+
+def written(value) -> str:
+    """The text a scalar was written as in YAML."""
+    return getattr(value, "written", None) or str(value)
+
+
 class StrictLoader(yaml.SafeLoader):
     """SafeLoader that counts values (aliases by what they expand to), bounds nesting, and
     refuses duplicate keys and absurdly long integers."""
@@ -110,14 +146,17 @@ class StrictLoader(yaml.SafeLoader):
         if digits > MAX_INT_DIGITS:
             raise ConstructorError(None, None, f"an integer of {digits} digits is far beyond any "
                                    "config value", node.start_mark)
-        text = str(node.value)
+        source = text = str(node.value)
         sign = -1 if text.startswith("-") else 1
         text = text.lstrip("+-")
         if text.startswith("0o"):
-            return sign * int(text[2:], 8)
+            return _keeping_text(sign * int(text[2:], 8), source)
         if text.startswith("0x"):
-            return sign * int(text[2:], 16)
-        return sign * int(text, 10)  # "010" is ten, as in YAML 1.2
+            return _keeping_text(sign * int(text[2:], 16), source)
+        return _keeping_text(sign * int(text, 10), source)  # "010" is ten, as in YAML 1.2
+
+    def construct_yaml_float(self, node):
+        return _keeping_text(super().construct_yaml_float(node), str(node.value))
 
 
 _INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
@@ -134,6 +173,7 @@ StrictLoader.add_implicit_resolver(
                        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
     list("-+.0123456789"))
 StrictLoader.add_constructor(_INT, StrictLoader.construct_yaml_int)
+StrictLoader.add_constructor(_FLOAT, StrictLoader.construct_yaml_float)
 
 
 def load(text: str):
