@@ -87,15 +87,15 @@ def open_hf_dir(path: str | Path) -> HFDir:
 
 def check_hf_dir(path: str | Path, args: ModelArgs) -> HFDir:
     """The directory, if nanotrain's model ``args`` can start from it; else HFError whose message
-    has one line per problem (the CLI prefixes each with ``error:``)."""
+    names every problem, joined by ``; `` on one line (the CLI prints it after ``error:``)."""
     hf = open_hf_dir(path)
     where = _where(hf.path)
     problems = [f"{where}: {p}" for p in hf_llama.unsupported(hf.config)]
     if problems:  # another architecture: its fields and tensors mean something else
-        raise HFError("\nerror: ".join(problems))
+        raise HFError("; ".join(problems))
     problems += hf_llama.mismatches(args, hf.config)
     if problems:
-        raise HFError("\nerror: ".join(problems))
+        raise HFError("; ".join(problems))
     biases = sorted(n for n in hf.tensors if n.endswith(".bias"))
     if biases:
         problems.append(f"{where}: bias tensors present ({', '.join(biases[:3])}{', ...' if len(biases) > 3 else ''}): "
@@ -114,5 +114,5 @@ def check_hf_dir(path: str | Path, args: ModelArgs) -> HFDir:
         elif rec["dtype"] not in FLOAT_DTYPES:
             problems.append(f"{where}: {name} is {rec['dtype']} (quantized?); only float tensors can be imported")
     if problems:
-        raise HFError("\nerror: ".join(problems))
+        raise HFError("; ".join(problems))
     return hf

@@ -12,6 +12,7 @@ import sys
 from typing import Callable
 
 from nanotrain.config.loader import ConfigError
+from nanotrain.config.text import escaped
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -26,8 +27,11 @@ class ArgParser(argparse.ArgumentParser):
 
 
 def one_line(message: object) -> str:
-    """``message`` as a single line: a multi-line one (several problems) joined with ``; ``."""
-    return "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    """``message`` as a single printable line: a multi-line one (several problems) joined with
+    ``; ``, and any character a terminal would not show as itself (a control, a format or
+    private-use character, a lone surrogate: what a user's value may have carried into the
+    message) written as its escape, ``\\u200b``."""
+    return "; ".join(escaped(part.strip()) for part in str(message).splitlines() if part.strip())
 
 
 def refuse(message: object) -> int:

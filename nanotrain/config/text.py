@@ -3,15 +3,18 @@
 Config strings end up in paths, log lines, terminals and the sbatch script. Besides the ASCII
 controls, Unicode has characters that break a line (NEL U+0085, U+2028, U+2029), C1 controls
 that terminals act on, and bidi overrides/isolates/marks that make a shown value read differently
-from what it is ("Trojan Source"). None belongs in a config value, so all are refused here.
+from what it is ("Trojan Source"), and other format characters (zero-width spaces and joiners,
+the byte-order mark, soft hyphens) that make two different values look the same in a path, a
+partition or a batch script. None belongs in a config value, so all are refused here.
 """
 from __future__ import annotations
 
 import unicodedata
 
-# Cc: C0/C1 controls and DEL; Zl/Zp: line and paragraph separators; Cs: lone surrogates.
-_REFUSED_CATEGORIES = {"Cc", "Zl", "Zp", "Cs"}
-# Bidi embeddings/overrides, isolates, and marks (LRM, RLM, ALM): category Cf, refused by name.
+# Cc: C0/C1 controls and DEL; Zl/Zp: line and paragraph separators; Cs: lone surrogates;
+# Cf: format characters (invisible: zero-width space/joiners, BOM, soft hyphen, bidi controls).
+_REFUSED_CATEGORIES = {"Cc", "Zl", "Zp", "Cs", "Cf"}
+# Bidi embeddings/overrides, isolates, and marks (LRM, RLM, ALM): named apart in the message.
 _BIDI = {chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x200E, 0x200F, 0x061C)}
 
 
@@ -43,6 +46,8 @@ def problem(text: str) -> str | None:
         kind = "a bidirectional-text control character"
     elif unicodedata.category(ch) in ("Zl", "Zp"):
         kind = "a line separator"
+    elif unicodedata.category(ch) == "Cf":
+        kind = "an invisible format character"
     else:
         kind = "a control character"
     return f"contains '{shown}' at position {i} ({kind}): one line of printable text, please"

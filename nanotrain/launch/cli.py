@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from nanotrain.config import Config, ConfigError, SlurmLayout, load_config, validate
-from nanotrain.config.cli_args import EXIT_INTERRUPTED, EXIT_USER_ERROR, ArgParser
+from nanotrain.config.cli_args import EXIT_INTERRUPTED, ArgParser, refuse
 from nanotrain.config.files import first_missing
 from nanotrain.config.path_fields import check_path_fields
 from nanotrain.config.paths import CREATE_DIR, DIR, check_path
@@ -162,8 +162,7 @@ def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
                      TrainingTask(), str(config_path))
     except SubmitRefused as exc:
         _undo_run_dir(run_dir, existed, old_config, made)
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return refuse(exc)
     except (KeyboardInterrupt, Terminated) as stop:  # a running sbatch was killed before it answered
         _undo_run_dir(run_dir, existed, old_config, made)
         line, status = stop_line(stop, "nothing was submitted")
@@ -318,8 +317,7 @@ def _main(argv: list[str] | None):
         for note in before_launch(config, run_dir, launching=not (args.dry_run or args.emit)):
             print(f"warning: {note}", file=sys.stderr)
     except ValueError as exc:  # ConfigError, DataError: user errors
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return refuse(exc)
     try:
         if args.prepare_data:
             from nanotrain.launch import prepare
@@ -333,8 +331,7 @@ def _main(argv: list[str] | None):
             return submit_slurm(config, layout, run_dir)
         return functools.partial(run_locally, config, run_dir)  # after SIGTERM is held again
     except ConfigError as exc:  # a write that failed although the checks passed (a race, a quota)
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return refuse(exc)
 
 
 if __name__ == "__main__":
