@@ -1,8 +1,11 @@
 """The memory estimate against what autograd really saves, in-process (one model, CPU): for each
 recompute mode, fp32 and bf16 autocast, a whole model and a pipeline stage, the bytes of saved
 tensors (``benchmarks/memory.py``'s hooks: each storage once, parameters excluded) are within
-15% of ``estimate_memory`` / ``llama_activations.activation_bytes_per_layer``. The multi-rank layouts
-(tp, cp, pp engines) are in the benchmark's table (README)."""
+9% of ``estimate_memory`` / ``llama_activations.activation_bytes_per_layer`` (the README's figure),
+and within 15% under full recompute: at hidden 64 the few bytes a fully recomputed model keeps
+are matched by the ids, targets and RoPE tables the formula leaves out (measured 0.87-0.88; none
+and selective 0.98-1.00). The multi-rank layouts (tp, cp, pp engines) are in the benchmark's
+table (README)."""
 from __future__ import annotations
 
 import sys
@@ -23,6 +26,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from memory import peak_saved_bytes  # noqa: E402
 
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
+TOLERANCE = {"none": 0.09, "selective": 0.09, "full": 0.15}
 BASE = ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "model.hidden_size=64",
         "model.intermediate_size=256", "training.sequence_length=64", "model.max_position_embeddings=64"]
 
@@ -35,17 +39,17 @@ def batch(config) -> torch.Tensor:
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 @pytest.mark.parametrize("extra", [["training.micro_batch_size=2"], ["model.dtype=bfloat16"]], ids=["fp32", "bf16"])
-def test_whole_model_within_15_percent(mode, extra):
+def test_whole_model_within_9_percent_or_15_under_full_recompute(mode, extra):
     config = load_config(TINY, [*BASE, *extra, f"training.recompute={mode}"])
     model = build_model(config, None)
     ids = batch(config)
     measured = peak_saved_bytes(model, lambda: model(ids, ids).backward())
     estimate = estimate_memory(config).saved_activations * GB
-    assert estimate == pytest.approx(measured, rel=0.15), (estimate, measured)
+    assert estimate == pytest.approx(measured, rel=TOLERANCE[mode]), (estimate, measured)
 
 
 @pytest.mark.parametrize("mode", ["none", "full"])
-def test_first_pipeline_stage_layers_within_15_percent(mode):
+def test_first_pipeline_stage_layers_within_9_percent_or_15_under_full_recompute(mode):
     """The first of two stages (two layers, no head): one micro-batch forward and backward."""
     config = load_config(TINY, [*BASE, f"training.recompute={mode}"])
     m, t = config.model, config.training
@@ -60,4 +64,4 @@ def test_first_pipeline_stage_layers_within_15_percent(mode):
     layers = sum(name.startswith("layers.") for name in llama_arch.rank_blocks(m, 2, 0))
     estimate = layers * llama_activations.activation_bytes_per_layer(m, t.sequence_length, t.micro_batch_size,
                                                                recompute=mode, cpu=True)
-    assert estimate == pytest.approx(measured, rel=0.15), (estimate, measured)
+    assert estimate == pytest.approx(measured, rel=TOLERANCE[mode]), (estimate, measured)
