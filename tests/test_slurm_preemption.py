@@ -86,7 +86,7 @@ def test_preempted_three_times_completes_with_identical_losses(slurm_cluster, tm
     assert [s for s, _ in got] == list(range(1, steps + 1))  # no step lost, none repeated
     assert got == expected
     logs = "".join(p.read_text() for p in (run_dir / "job").glob(f"{job_id}_0_log.out"))
-    assert logs.count("preempted at step") >= 3 and logs.count("same topology, bit-exact") >= 3
+    assert logs.count("preempted at step") >= 3 and logs.count("(same topology)") >= 3
 
 
 @pytest.mark.timeout(900)
@@ -132,6 +132,6 @@ def test_time_limit_saves_requeues_and_finishes(slurm_cluster, tmp_path):
     saved = re.findall(r"preempted at step (\d+)", logs)
     if saved:  # the warning came while training: saved there, and the next incarnation resumed there
         assert int(saved[0]) < steps
-        assert f"at step {saved[0]} (same topology, bit-exact)" in logs
+        assert f"at step {saved[0]} (same topology)" in logs
     else:  # it came before the first step (a slow start-up): rank 0 requeued at once, nothing to save
         assert "during start-up, before any step: nothing to save, requeueing now" in logs, logs[-3000:]
