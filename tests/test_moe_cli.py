@@ -77,9 +77,12 @@ def test_moe_cli_ep2_equals_one_process_and_resumes_across_ep(tmp_path):
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"moe/aux_loss", "moe/z_loss", "moe/load_max_over_mean"} <= tags and "moe/dropped_tokens" not in tags
+    # The busiest expert's tokens over the mean: 1 when balanced, at most num_experts / top_k = 2
+    # (every token picks the same 2 of 4 experts). Measured 1.38 to 1.92 over these 10 steps (a
+    # barely trained router), so no tighter bound holds with margin; above 2 means a wrong
+    # normalisation (per token instead of per token-expert pair gives up to 4).
     loads = [e.value for e in events.Scalars("moe/load_max_over_mean")]
-    print("MEASURED load_max_over_mean", loads)
-    assert all(1.0 <= v <= 4 / 2 for v in loads), loads
+    assert len(loads) == STEPS and all(1.0 <= v <= 4 / 2 for v in loads), loads
     assert all(0.9 < e.value < 4.0 for e in events.Scalars("moe/aux_loss"))  # E * sum f p: 1 when balanced
     files = sorted(p.name for p in (ep2 / "checkpoints" / "step_000010" / "model").iterdir())
     assert files == ["pp-00_tp-00_ep-00.safetensors", "pp-00_tp-00_ep-01.safetensors"]
