@@ -90,6 +90,22 @@ def resumes(log: str) -> list[tuple[int, int | None]]:
     return found
 
 
+def tb_first_steps(run_dir: Path) -> list[int]:
+    """The first `train/loss` step of each process that wrote `<run_dir>/tb` (one event file
+    each), oldest first. A process that resumed a checkpoint of step S logs S + 1 first, one that
+    started over logs 1: evidence of a resume where no step lines reach the log (SLURM jobs)."""
+    def started(path: Path) -> tuple[int, str]:  # events.out.tfevents.<unix time>.<host>.<pid>...
+        return int(path.name.split(".")[3]), path.name
+
+    firsts = []
+    for path in sorted((run_dir / "tb").glob("events.out.tfevents.*"), key=started):
+        events = EventAccumulator(str(path))
+        events.Reload()
+        if "train/loss" in events.Tags()["scalars"]:
+            firsts.append(events.Scalars("train/loss")[0].step)
+    return firsts
+
+
 def final_weights(run_dir: Path) -> dict:
     latest = (run_dir / "checkpoints" / "latest")
     step_dir = latest.resolve() if latest.is_symlink() else run_dir / "checkpoints" / latest.read_text().strip()
