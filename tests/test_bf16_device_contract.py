@@ -2,8 +2,8 @@
 
 * The trainer (``DistributedTrainer``, the real one) runs ``model.dtype: bfloat16`` under CPU
   autocast at dp2 x tp2 x pp2 (1f1b, ZeRO-1) and at cp2 x tp2 x pp2 (interleaved 1f1b), in both
-  tp modes, synchronous and async: losses stay within ``BF16_REL_TOL`` of the fp32 run of the same
-  layout, and every activation that crosses the wire (tp linears and embedding, cp key/value
+  tp modes, synchronous and async: losses stay within ``BF16_REL_TOL`` (3e-4) of the fp32 run of
+  the same layout, and every activation that crosses the wire (tp linears and embedding, cp key/value
   gathers, pipeline messages) is bf16 — half the bytes of fp32.
 * Every tensor handed to torch.distributed in those runs is on the rank's device, contiguous and
   of an NCCL dtype, and no object collective is used (``helpers/contract.py``).
@@ -27,9 +27,12 @@ from helpers.dist import run_distributed
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
 # bf16 keeps 8 mantissa bits (relative rounding 2^-9 per operation), and the loss is an average
-# over thousands of such products: over 4 steps of the tiny model it moved by < 1e-4 relative
-# (measured); 1% leaves room for other seeds and shapes while still catching a wrong cast.
-BF16_REL_TOL = 1e-2
+# over thousands of such products: over 4 steps of the tiny model it moved by at most 2.9e-5
+# relative (measured at both layouts here and five other dp/cp/tp-mode/schedule mixes). 3e-4 is
+# ten times that, for other data (the corpus is this repository's code, which changes), and a
+# missing fp32 round trip in the loss (cross-entropy math in bf16) fails it: 1.6e-3 to 4.2e-3 at
+# step 1. Smaller faults (RMSNorm in bf16: <= 7e-5) are below it; the wire checks are exact.
+BF16_REL_TOL = 3e-4
 # Where activations are communicated: tp linears and the embedding's reductions, cp's k/v gather
 # (all in functional), pipeline messages. (layers.py's sequence-parallel gradient sum is fp32, as
 # every gradient is; cross_entropy's per-token statistics are fp32 on purpose.)

@@ -3,7 +3,8 @@
 expert-shard owner; resuming at ep2 is bit-exact; resuming at ep1 (ZeRO-0), ep4 and ep2·tp2
 (resharding the expert axis, tp and the ZeRO ranges) continues within rel. 1e-5; the step-5
 checkpoint resharded offline to ep4 (scripts/reshard_checkpoint.py) resumes to the very losses of
-the online ep4 resume. Every layout keeps the global batch of 8 samples."""
+the online ep4 resume. Every resume is shown by its first logged step (6) and its losses, not by
+the label it prints. Every layout keeps the global batch of 8 samples."""
 from __future__ import annotations
 
 import shutil
@@ -13,7 +14,7 @@ import sys
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers.runs import ROOT, TINY, cli, set_args, tb_losses
+from helpers.runs import ROOT, TINY, cli, resumes, set_args, tb_losses
 
 STEPS = 10
 BASE = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "model.num_attention_heads=4",
@@ -58,6 +59,7 @@ def _resume_from_step5(source, dest, layout: str, offline: bool = False) -> str:
     proc = subprocess.run(cli("--resume", str(dest), "--local", *_sets(LAYOUTS[layout])),
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert resumes(proc.stdout) == [(5, 6)], proc.stdout[-2000:]  # trained on from step 5, not from step 1
     return proc.stdout
 
 
@@ -75,28 +77,33 @@ def test_moe_cli_ep2_equals_one_process_and_resumes_across_ep(tmp_path):
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"moe/aux_loss", "moe/z_loss", "moe/load_max_over_mean"} <= tags and "moe/dropped_tokens" not in tags
-    assert all(e.value >= 1.0 for e in events.Scalars("moe/load_max_over_mean"))
+    # The busiest expert's tokens over the mean: 1 when balanced, at most num_experts / top_k = 2
+    # (every token picks the same 2 of 4 experts). Measured 1.38 to 1.92 over these 10 steps (a
+    # barely trained router), so no tighter bound holds with margin; above 2 means a wrong
+    # normalisation (per token instead of per token-expert pair gives up to 4).
+    loads = [e.value for e in events.Scalars("moe/load_max_over_mean")]
+    assert len(loads) == STEPS and all(1.0 <= v <= 4 / 2 for v in loads), loads
     assert all(0.9 < e.value < 4.0 for e in events.Scalars("moe/aux_loss"))  # E * sum f p: 1 when balanced
     files = sorted(p.name for p in (ep2 / "checkpoints" / "step_000010" / "model").iterdir())
     assert files == ["pp-00_tp-00_ep-00.safetensors", "pp-00_tp-00_ep-01.safetensors"]
 
     # resume at the same topology: bit-exact
     out = _resume_from_step5(ep2, tmp_path / "again-ep2", "ep2")
-    assert "at step 5 (same topology, bit-exact)" in out, out[-2000:]
+    assert "at step 5 (same topology)" in out, out[-2000:]
     again = dict(tb_losses(tmp_path / "again-ep2"))
     assert [again[s] for s in range(6, STEPS + 1)] == [got[s] for s in range(6, STEPS + 1)]
 
     # resharded: the expert axis (ep1, ep4) and tp
     for layout in ("ep1", "ep4", "ep2-tp2"):
         out = _resume_from_step5(ep2, tmp_path / f"re-{layout}", layout)
-        assert "at step 5 (resharded from another topology)" in out, out[-2000:]
+        assert "at step 5 (resharded from another topology: dp1 tp1 pp1 cp1 ep2)" in out, out[-2000:]
         resumed = dict(tb_losses(tmp_path / f"re-{layout}"))
         for step in range(6, STEPS + 1):
             assert abs(resumed[step] - got[step]) <= 1e-5 * abs(got[step]), (layout, step, resumed[step], got[step])
 
     # resharded offline to ep4 ZeRO-1 first: loaded as it is, the same state as the online reshard
     out = _resume_from_step5(ep2, tmp_path / "offline-ep4", "ep4", offline=True)
-    assert "at step 5 (same topology, bit-exact)" in out, out[-2000:]
+    assert "at step 5 (same topology; resharded offline from dp1 tp1 pp1 cp1 ep2)" in out, out[-2000:]
     offline = dict(tb_losses(tmp_path / "offline-ep4"))
     online = dict(tb_losses(tmp_path / "re-ep4"))
     assert [offline[s] for s in range(6, STEPS + 1)] == [online[s] for s in range(6, STEPS + 1)]

@@ -34,7 +34,8 @@ def test_resume_at_other_topologies(tmp_path, shared_runs):
         resumed = subprocess.run(cli("--resume", str(run_dir), "--local", *args), capture_output=True,
                                  text=True, timeout=400)
         assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-        assert f"at step {stopped} (resharded from another topology)" in resumed.stdout, resumed.stdout[-2000:]
+        assert f"at step {stopped} (resharded from another topology: dp2 tp2 pp2 cp1 ep1)" in resumed.stdout, \
+            resumed.stdout[-2000:]
         got = dict(tb_losses(run_dir))
         assert sorted(got) == list(range(1, STEPS + 1))
         for step in range(stopped + 1, STEPS + 1):

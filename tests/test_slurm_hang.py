@@ -4,6 +4,7 @@ collective_timeout_s + 60 s, one of them requeues it, the next incarnation resum
 complete checkpoint and completes; `--status` counts the requeue and names the culprit."""
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers.processes import rank_pid, signal_rank, step_of
-from helpers.runs import TINY, cli, set_args, tb_losses, warm_data_cache
+from helpers.runs import TINY, cli, set_args, tb_first_steps, tb_losses, warm_data_cache
 from helpers.slurm import job_state, restart_count, start_now_if_requeued, submitted_job_id, wait_for_job, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +54,10 @@ def test_sigstop_on_slurm_requeues_and_completes(slurm_cluster, tmp_path):
     assert restart_count(job_id) == 1
     assert [s for s, _ in tb_losses(run_dir)][-1] == steps and step_of(run_dir) == steps
     log = (run_dir / "job" / f"{job_id}_0_log.out").read_text()
-    assert "(same topology, bit-exact)" in log  # resumed from the last complete checkpoint
+    # the requeued incarnation loaded a complete checkpoint (interval 5) and trained on from it
+    loaded = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+) \(same topology\)", log)]
+    assert len(loaded) == 1 and loaded[0] in (5, 10), log[-3000:]
+    assert tb_first_steps(run_dir) == [1, loaded[0] + 1]
     status = subprocess.run(cli("--status", str(run_dir)), capture_output=True, text=True, timeout=60).stdout
     assert "requeues: 1" in status and "hangs requeued: 1" in status, status
     assert "rank 5 did not reach" in status, status

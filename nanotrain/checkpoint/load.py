@@ -63,6 +63,24 @@ class LoadedCheckpoint:
     skipped: list[str] = field(default_factory=list)  # damaged newer checkpoints, with the files
     meta: dict = field(default_factory=dict, repr=False)
 
+    def provenance(self) -> str:
+        """What is known of how the loaded state relates to the run that saved it, for the
+        "resumed from" line: resharded here from the saved topology, or the same topology as the
+        files, which `scripts/reshard_checkpoint.py` may have written offline from another one
+        (its meta records the source). No claim of bit-exactness: nothing here compares values
+        with the run that saved them (the resume tests do)."""
+        if self.resharded:
+            return f"resharded from another topology: {topology_text(self.meta.get('topology') or {})}"
+        offline = self.meta.get("resharded_from")
+        if offline:
+            return f"same topology; resharded offline from {topology_text(offline.get('topology') or {})}"
+        return "same topology"
+
+
+def topology_text(topology: dict) -> str:
+    """`dp2 tp2 pp1 cp1 ep1` of a checkpoint meta's topology (its grid axes that it records)."""
+    return " ".join(f"{axis}{topology[axis]}" for axis in GRID_AXES if axis in topology)
+
 
 def load_checkpoint(root: str | Path, model: Models, optimizer=None, scheduler=None, pc=None, *,
                     config=None, path: str | Path | None = None, load_rng: bool = True,

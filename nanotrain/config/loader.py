@@ -142,16 +142,18 @@ def _check_string(where: str, text: str) -> str:
 def _check_range(where: str, meta: typing.Mapping, value: Any) -> None:
     """Inclusive `min`/`max` (`min_exclusive` makes the minimum strict); integers without a
     `max` are bounded by `MAX_INT`, beyond which the arithmetic of a plan stops being exact.
-    Written as `not (value >= lo)` so that a NaN could never pass (it is refused earlier too)."""
+    Written as `not (value >= lo)` so that a NaN could never pass (it is refused earlier too).
+    The field's `why`, when it has one, follows the bound: what the value would do, and the fix."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return
     lo, hi = meta.get("min"), meta.get("max")
+    why = f": {meta['why']}" if meta.get("why") else ""
     if hi is None and isinstance(value, int):
         hi = MAX_INT
     if lo is not None and meta.get("min_exclusive") and not value > lo:
-        raise ConfigError(f"{where}: {value} must be above {lo}")
+        raise ConfigError(f"{where}: {value} must be above {lo} (the minimum, itself excluded){why}")
     if lo is not None and not value >= lo:
-        raise ConfigError(f"{where}: {value} is below the minimum {lo}")
+        raise ConfigError(f"{where}: {value} is below the minimum {lo}{why}")
     if hi is not None and not value <= hi:
         raise ConfigError(f"{where}: {value} is above the maximum {hi}")
 

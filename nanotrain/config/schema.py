@@ -25,14 +25,19 @@ MAX_LAYERS = 1024
 # a tokenizer a file unless 'byte' (data); a Hugging Face directory is read only on a first start
 # (checkpoint.hf_dir, from launch.preflight), so a resumed run does not need it any more.
 DATA_SOURCE, TOKENIZER, HF_DIR = "data source", "tokenizer", "hf dir"
+# The smallest normal float32: a smaller epsilon added to a float32 tensor is lost (0 or a
+# denormal), so it no longer keeps a division by a zero second moment away from 0/0.
+FLOAT32_TINY = 2.0**-126
 
 
-def bounded(default, lo=None, hi=None, doc: str = "", above: bool = False, parse: str | None = None):
+def bounded(default, lo=None, hi=None, doc: str = "", above: bool = False, parse: str | None = None,
+            why: str = ""):
     """A field with an inclusive numeric range (`above`: the minimum itself is excluded), checked
     by the loader with the field's name. Floats must also be finite (the loader refuses NaN/inf).
-    `parse` names a loader hook that reads the value instead of its type hint."""
+    `parse` names a loader hook that reads the value instead of its type hint. `why` is added to
+    the error of a value out of range: what the value would do in the ranks, and the fix."""
     return field(default=default, metadata={"min": lo, "max": hi, "min_exclusive": above, "doc": doc,
-                                            "parse": parse})
+                                            "parse": parse, "why": why})
 
 
 def slurm_time(default: int, doc: str):
@@ -114,7 +119,9 @@ class ModelArgs:
     dtype: Literal["float32", "bfloat16", "float16"] = doc(
         "bfloat16", "compute dtype (autocast, on GPU and CPU); weights, grads and optimizer stay "
         "float32; float16 is refused (no loss scaler)")
-    init_std: float = bounded(0.02, 0.0, 1.0, doc="std of the normal init of weights")
+    init_std: float = bounded(0.02, 0.0, 1.0, above=True, doc="std of the normal init of weights",
+                              why="all-zero weights get zero gradients, so the model would never learn; "
+                                  "the usual value is 0.02")
     moe: Optional[MoEArgs] = doc(None, "mixture of experts (absent = dense): the model.moe fields")
 
 
@@ -139,12 +146,16 @@ class TrainingArgs:
 
 @dataclass
 class OptimizerArgs:
-    lr: float = bounded(3e-4, 0.0, 10.0, doc="peak learning rate (a larger one is a typo: 3e4 for 3e-4)")
-    weight_decay: float = bounded(0.1, 0.0, doc="AdamW decay of matrices (not norms)")
+    lr: float = bounded(3e-4, 0.0, 10.0, above=True, doc="peak learning rate (a larger one is a typo: 3e4 for 3e-4)",
+                        why="a learning rate of 0 never changes the weights: set a positive one, e.g. 3e-4")
+    weight_decay: float = bounded(0.1, 0.0, doc="AdamW decay of matrices (not norms); lr * weight_decay < 1")
     betas: tuple[float, float] = doc((0.9, 0.95), "AdamW (beta1, beta2), each in [0, 1)")
-    eps: float = bounded(1e-8, 0.0, 1.0, doc="AdamW epsilon")
-    clip_grad: Optional[float] = bounded(1.0, 0.0, doc="global grad-norm clip; null disables")
-    warmup_steps: int = bounded(0, 0, doc="linear warm-up steps")
+    eps: float = bounded(1e-8, FLOAT32_TINY, 1.0, doc="AdamW epsilon",
+                         why="AdamW divides by sqrt(second moment) + eps, and a parameter whose gradient is "
+                             "zero (an embedding row no token used) would become 0/0 = NaN; the usual value is 1e-8")
+    clip_grad: Optional[float] = bounded(1.0, 0.0, above=True, doc="global grad-norm clip; null disables",
+                                         why="set null to disable clipping, or a positive norm such as 1.0")
+    warmup_steps: int = bounded(0, 0, doc="linear warm-up steps (more than train_steps: lr rises all run)")
     lr_decay_style: Literal["cosine", "linear", "constant", "wsd"] = doc(
         "cosine", "decay to min_lr at train_steps; wsd = warmup, stable at lr, decay in the last decay_fraction")
     decay_fraction: float = bounded(0.2, 0.0, 1.0, above=True,

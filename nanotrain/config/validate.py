@@ -151,6 +151,11 @@ def validate_optimizer(config: Config) -> None:
             _fail(f"optimizer.betas[{i}]: {beta} must be in [0, 1)")
     if o.min_lr > o.lr:
         _fail(f"optimizer.min_lr ({o.min_lr}) must not exceed optimizer.lr ({o.lr})")
+    # AdamW multiplies the decayed weights by 1 - lr * weight_decay every step.
+    if o.lr * o.weight_decay >= 1.0:
+        _fail(f"optimizer.weight_decay ({o.weight_decay:g}) x optimizer.lr ({o.lr:g}) = {o.lr * o.weight_decay:g} "
+              "must be below 1: AdamW multiplies the weights by 1 - lr*weight_decay each step, which would zero "
+              "or flip them; the usual weight_decay is 0.1")
     if o.lr_decay_style == "wsd":
         steps = config.training.train_steps
         decay = wsd_decay_steps(o.decay_fraction, steps)
@@ -277,6 +282,10 @@ def slurm_layout(config: Config) -> SlurmLayout:
         if s.tasks_per_node is None:
             _fail("slurm.tasks_per_node: must be set when slurm.gpus_per_node is 0 (CPU-only nodes)")
         per_node, field = s.tasks_per_node, "tasks_per_node"
+    if s.signal_delay_s >= s.time * 60:
+        _fail(f"slurm.signal_delay_s ({s.signal_delay_s}) is not shorter than slurm.time ({s.time} min = "
+              f"{s.time * 60} s): SLURM would signal the job as it starts, so it would save and requeue "
+              "without training; lower signal_delay_s or raise slurm.time")
     if world < per_node:
         _fail(f"parallelism: {parallel_product(config)} is smaller than slurm.{field} ({per_node}): "
               f"set slurm.{field}: {world} or raise dp")

@@ -11,13 +11,12 @@ are aborted (SIGABRT, no message) when tokenising a real corpus takes longer tha
 """
 from __future__ import annotations
 
-import math
 from datetime import timedelta
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from nanotrain.data.dataset import TokenDataset, default_cache_dir, per_source_args, validation_args
+from nanotrain.data.dataset import TokenDataset, default_cache_dir, per_source_args, validation_args, validation_windows
 from nanotrain.data.sampler import DEFAULT_NAME, GlobalSampler, SourcePart
 
 # How long a rank waits for the builder: tokenising a corpus on one rank may take hours. A builder
@@ -79,12 +78,6 @@ def source_args(data_args) -> list[tuple[str, object, float]]:
     if not data_args.sources:
         return [(DEFAULT_NAME, data_args, 1.0)]
     return [(s.name, args, s.weight) for s, args in zip(data_args.sources, per_source_args(data_args))]
-
-
-def validation_windows(num_windows: int, fraction: float) -> int:
-    """Windows held out of a source for `data.validation.fraction`: the last
-    ceil(fraction * W) of its stream (at least 1, and at least 1 left for training)."""
-    return min(max(1, math.ceil(fraction * num_windows)), num_windows - 1)
 
 
 def build_samplers(config, *, dp: Optional[int] = None, cache_dir: Optional[str] = None,

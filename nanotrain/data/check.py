@@ -10,8 +10,16 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from nanotrain.data.dataset import cache_location, default_cache_dir, per_source_args, too_big_to_build, validation_args
+from nanotrain.data.dataset import (
+    cache_location,
+    default_cache_dir,
+    per_source_args,
+    too_big_to_build,
+    validation_args,
+    validation_windows,
+)
 from nanotrain.data.errors import DataError
+from nanotrain.data.mixture import integer_counts
 from nanotrain.data.sample_check import check_sample, check_volume
 from nanotrain.data.sources import Source, peek_columns, resolve_source
 from nanotrain.data.tokenizer import BYTE, check_tokenizer_path, load_tokenizer
@@ -19,12 +27,18 @@ from nanotrain.data.tokenizer import BYTE, check_tokenizer_path, load_tokenizer
 
 def check_data_config(data_args, vocab_size: Optional[int] = None, config=None) -> Source:
     """`check_source` for the one `data.source`, or for every entry of `data.sources` and the
-    `data.validation.source`, each error naming the entry (`data.sources[1].source: ...`)."""
-    entries = [(w, a) for w, a in all_source_args(data_args) if w != "data"]
-    first = None if data_args.sources else check_source(data_args, vocab_size, config)
-    for where, args in entries:
+    `data.validation.source`, each error naming the entry (`data.sources[1].source: ...`); the
+    mixture's weights (`mixture.integer_counts`); with the whole `config`, the validation windows
+    that evaluation reads (`check_eval_volume`)."""
+    if data_args.sources:
+        integer_counts([src.weight for src in data_args.sources])
+    bounds = {}
+    first = None
+    if not data_args.sources:
+        first, bounds["data"] = _checked(data_args, vocab_size, config)
+    for where, args in [(w, a) for w, a in all_source_args(data_args) if w != "data"]:
         try:
-            source = check_source(args, vocab_size, None)
+            source, bounds[where] = _checked(args, vocab_size, None)
         except DataError as exc:
             message = str(exc)
             for field in ("data.source", "data.text_column"):
@@ -32,7 +46,41 @@ def check_data_config(data_args, vocab_size: Optional[int] = None, config=None) 
                     message = where + "." + field.split(".")[1] + message[len(field):]
             raise DataError(message) from None
         first = first or source
+    if config is not None:
+        check_eval_volume(config, bounds)
     return first
+
+
+def check_eval_volume(config, bounds: dict) -> None:
+    """Raise DataError when evaluation would read validation windows more than once: it reads
+    `training.eval_batches` global batches, and the held-out windows (by the sources' upper
+    bounds `bounds`, {where: tokens or None}) are certainly fewer. Nothing is said where a bound
+    is unknown (hub data, compressed files)."""
+    t, v = config.training, config.data.validation
+    if not t.eval_interval or v is None:
+        return
+    seq = t.sequence_length
+    if v.fraction is not None:
+        trained = [b for w, b in bounds.items() if w != "data.validation"]
+        if any(b is None for b in trained):
+            return
+        windows = [max(0, (b - 1) // seq) for b in trained]
+        held = sum(validation_windows(w, v.fraction) for w in windows if w > 1)
+        what = f"data.validation.fraction={v.fraction:g} holds out at most {held} windows"
+        fix = "raise data.validation.fraction or lower training.eval_batches"
+    else:
+        bound = bounds.get("data.validation")
+        if bound is None:
+            return
+        held = max(0, (bound - 1) // seq)
+        what = f"data.validation.source {v.source!r} holds at most {held} windows"
+        fix = "add validation data or lower training.eval_batches"
+    per_batch = config.parallelism.batch_replicas * t.micro_batch_size * t.batch_accumulation_per_replica
+    need = t.eval_batches * per_batch
+    if held < need:
+        raise DataError(f"training.eval_batches: {t.eval_batches} global batches of {per_batch} samples = {need} "
+                        f"validation windows of training.sequence_length+1={seq + 1} tokens, but {what}: "
+                        f"evaluation would read windows twice; {fix}")
 
 
 def all_source_args(data_args) -> list[tuple[str, object]]:
@@ -72,6 +120,11 @@ def check_source(data_args, vocab_size: Optional[int] = None, config=None) -> So
     with the whole `config`, the data can fill one global batch (an upper bound, never a guess).
     A hub name cannot be checked offline.
     """
+    return _checked(data_args, vocab_size, config)[0]
+
+
+def _checked(data_args, vocab_size: Optional[int], config) -> tuple[Source, Optional[int]]:
+    """`check_source`'s work; returns the source and its upper bound of tokens (or None)."""
     check_tokenizer_path(data_args.tokenizer)
     if data_args.tokenizer != BYTE or vocab_size is not None:
         load_tokenizer(data_args.tokenizer, vocab_size)
@@ -88,4 +141,4 @@ def check_source(data_args, vocab_size: Optional[int] = None, config=None) -> So
         check_volume(bound, source, seq_len=t.sequence_length, global_batch=global_batch,
                      detail=f"parallelism.dp={config.parallelism.dp} x training.batch_accumulation_per_replica="
                             f"{t.batch_accumulation_per_replica} x training.micro_batch_size={t.micro_batch_size}")
-    return source
+    return source, bound

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -142,6 +143,13 @@ def per_source_args(data_args) -> list:
     column (or `data.text_column`), everything else from `data`."""
     return [replace(data_args, source=s.source, sources=[], text_column=s.text_column or data_args.text_column)
             for s in data_args.sources]
+
+
+def validation_windows(num_windows: int, fraction: float) -> int:
+    """Windows held out of a source for `data.validation.fraction`: the last ceil(fraction * W)
+    of its stream (at least 1, and at least 1 left for training). Pure arithmetic: the sampler
+    and the pre-submit check (`check.check_eval_volume`) share it."""
+    return min(max(1, math.ceil(fraction * num_windows)), num_windows - 1)
 
 
 def validation_args(data_args):

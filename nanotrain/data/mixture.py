@@ -27,14 +27,28 @@ PERIOD = 10_000
 
 
 def integer_counts(weights, period: int = PERIOD) -> np.ndarray:
-    """Counts per source that sum to `period`, proportional to `weights` (largest remainder)."""
+    """Counts per source that sum to `period`, proportional to `weights` (largest remainder).
+
+    Raises DataError, naming `data.sources[i].weight`, for weights whose sum overflows a float
+    (every share would be 0) and for a source whose share rounds to no sample in a period: it
+    would never be read, silently. `check_data_config` calls this before launch."""
     w = np.asarray(weights, dtype=np.float64)
     if w.size == 0 or not np.all(np.isfinite(w)) or np.any(w <= 0):
         raise DataError(f"data.sources: weights must be positive numbers, got {list(weights)}")
-    exact = w / w.sum() * period
+    with np.errstate(over="ignore"):  # an overflowing sum is refused just below, not warned about
+        total = w.sum()
+    if not np.isfinite(total):
+        raise DataError(f"data.sources: the weights sum to more than a float holds ({list(weights)}): "
+                        "scale them down (only their ratios matter), e.g. to shares that sum to 1")
+    exact = w / total * period
     counts = np.floor(exact).astype(np.int64)
     short = period - int(counts.sum())
     counts[np.argsort(-(exact - counts), kind="stable")[:short]] += 1
+    if not np.all(counts > 0):
+        i = int(np.argmin(counts))
+        raise DataError(f"data.sources[{i}].weight: {weights[i]:g} is {w[i] / total:.2g} of the total weight, "
+                        f"less than one sample in {period}, so the source would never be read: raise its "
+                        "weight or drop the source")
     return counts
 
 

@@ -13,7 +13,8 @@ The size check is an upper bound, so it never rejects data that would fit: a tok
 least one byte of text (byte tokenizer: exactly one; BPE / WordPiece: one or more), every byte of
 text is at least one byte of the file (JSON and CSV add quotes and keys), and each document adds
 one separator. A parquet file's bound is the uncompressed size of the text column plus a
-separator per row.
+separator per row. The `stdlib` source's bound is its files' sizes plus a separator each (a file
+that is not UTF-8 counts three bytes per byte: each invalid byte becomes U+FFFD, three bytes).
 """
 from __future__ import annotations
 
@@ -142,6 +143,8 @@ def _parquet_bound(path: str) -> int:
 def check_sample(source: Source, text_column: str) -> Optional[int]:
     """Raise DataError for what a sample shows; return an upper bound of the source's tokens
     (None where there is none: hub datasets, compressed files)."""
+    if source.kind == "stdlib":
+        return sum(_stdlib_file_bound(path) for path in source.files)
     if source.kind != "files":
         return None
     bound, sampled = 0, set(_sampled(source.files))
@@ -160,6 +163,18 @@ def check_sample(source: Source, text_column: str) -> Optional[int]:
             with open(path, "rb") as fh:
                 _check_binary(path, fh.read(65536))
     return bound
+
+
+def _stdlib_file_bound(path: str) -> int:
+    """Tokens of one stdlib file at most: its bytes (tripled where they are not UTF-8, see the
+    module doc) and the document separator."""
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return 3 * len(raw) + 1
+    return len(raw) + 1
 
 
 def check_volume(bound: Optional[int], source: Source, *, seq_len: int, global_batch: int, detail: str) -> None:

@@ -106,8 +106,7 @@ class DistributedTrainer:
                 self.step, self.consumed_samples = resumed.step, resumed.extra["consumed_samples"]
                 self.saved_step = resumed.step
                 if self.pc.world_rank == 0:
-                    how = "resharded from another topology" if resumed.resharded else "same topology, bit-exact"
-                    print(f"resumed from {resumed.path} at step {self.step} ({how})", flush=True)
+                    print(f"resumed from {resumed.path} at step {self.step} ({resumed.provenance()})", flush=True)
         if self.saved_step is None and config.checkpoints.init_from_hf:  # first start: HF weights
             loaded = load_hf_weights(config.checkpoints.init_from_hf, self.model, config.model)
             if self.pc.world_rank == 0:

@@ -11,6 +11,7 @@ one preempted (2,2,2) run is copied by every test that resumes it.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -65,6 +66,44 @@ def tb_losses(run_dir: Path) -> list[tuple[int, float]]:
     events = EventAccumulator(str(run_dir / "tb"))
     events.Reload()
     return [(e.step, e.value) for e in events.Scalars("train/loss")]
+
+
+def resumes(log: str) -> list[tuple[int, int | None]]:
+    """(step resumed at, first step the resumed process then logged; None if none) for every
+    "resumed from ... at step S (...)" line of a run's console log, in order. A process that
+    loaded step S trains step S + 1 next; one that started over would log step 1: real evidence
+    of a resume, where the printed label is only the product's claim."""
+    found, pending = [], None
+    for line in log.splitlines():
+        loaded = re.search(r"resumed from \S+ at step (\d+) \(", line)
+        if loaded:
+            if pending is not None:
+                found.append((pending, None))
+            pending = int(loaded.group(1))
+            continue
+        stepped = re.match(r"step (\d+)/\d+ ", line)
+        if stepped and pending is not None:
+            found.append((pending, int(stepped.group(1))))
+            pending = None
+    if pending is not None:
+        found.append((pending, None))
+    return found
+
+
+def tb_first_steps(run_dir: Path) -> list[int]:
+    """The first `train/loss` step of each process that wrote `<run_dir>/tb` (one event file
+    each), oldest first. A process that resumed a checkpoint of step S logs S + 1 first, one that
+    started over logs 1: evidence of a resume where no step lines reach the log (SLURM jobs)."""
+    def started(path: Path) -> tuple[int, str]:  # events.out.tfevents.<unix time>.<host>.<pid>...
+        return int(path.name.split(".")[3]), path.name
+
+    firsts = []
+    for path in sorted((run_dir / "tb").glob("events.out.tfevents.*"), key=started):
+        events = EventAccumulator(str(path))
+        events.Reload()
+        if "train/loss" in events.Tags()["scalars"]:
+            firsts.append(events.Scalars("train/loss")[0].step)
+    return firsts
 
 
 def final_weights(run_dir: Path) -> dict:
