@@ -75,7 +75,9 @@ def test_512_node_plan_under_2_seconds(tmp_path):
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "submit.py"), str(ROOT / "configs" / "3d_16gpu.yaml"), "--dry-run",
-         "--set", "parallelism.dp=1024", "--set", "slurm.gpus_per_node=8", "--set", f"logging.dir={tmp_path}"],
+         "--set", "parallelism.dp=1024", "--set", "slurm.gpus_per_node=8", "--set", f"logging.dir={tmp_path}",
+         # one global batch of 1024 replicas must fit in the config's 'stdlib' data (~12M tokens)
+         "--set", "training.micro_batch_size=1", "--set", "training.batch_accumulation_per_replica=4"],
         capture_output=True, text=True, timeout=60)
     wall = time.monotonic() - start
     cpu = _children_cpu_seconds() - cpu_before

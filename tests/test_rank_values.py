@@ -22,7 +22,6 @@ from helpers.runs import TINY
 REFUSED = [
     ("eps-zero", ["optimizer.eps=0"], ["optimizer.eps", "NaN", "1e-8"]),
     ("eps-below-float32", ["optimizer.eps=1e-300"], ["optimizer.eps", "minimum"]),
-    ("lr-zero", ["optimizer.lr=0", "optimizer.min_lr=0"], ["optimizer.lr", "never changes the weights"]),
     ("clip-zero", ["optimizer.clip_grad=0"], ["optimizer.clip_grad", "null to disable"]),
     ("decay-flips-weights", ["optimizer.weight_decay=1000"], ["optimizer.weight_decay", "below 1"]),
     ("decay-overflows", ["optimizer.weight_decay=1e308"], ["optimizer.weight_decay", "below 1"]),

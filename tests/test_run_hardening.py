@@ -156,15 +156,18 @@ def test_one_owner_per_run_directory_and_no_foreign_checkpoints(tmp_path):
 def test_non_finite_grad_norm_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_path):
     run = submit(str(TINY), "--local", *sets(*ONE, f"logging.dir={tmp_path}", "logging.run_name=nan",
                                               "training.train_steps=20", "checkpoints.interval=1",
-                                              # eps 0: AdamW divides 0 by 0 for the embedding rows of
-                                              # bytes step 1 did not see, and step 2 reads one (the
-                                              # old provocation, lr=1e30, is refused by validation now)
-                                              "optimizer.eps=0", "optimizer.warmup_steps=0"))
+                                              # beta2 = 0 and the smallest eps validation accepts: an
+                                              # embedding row with a momentum but no gradient this
+                                              # step moves by m / eps ~ 1e34; the next step that
+                                              # reads it overflows (deterministic on CPU: step 5).
+                                              # lr=1e30 and eps=0 are refused by validation now.
+                                              "optimizer.betas=[0.9, 0.0]", "optimizer.eps=1.2e-38",
+                                              "optimizer.warmup_steps=0"))
     assert run.returncode == 3, run.stdout[-2000:] + run.stderr[-2000:]
-    line = one_error_line(run, "training diverged at step 2:", "grad norm nan", "step_000001 is untouched")
+    line = one_error_line(run, "training diverged at step 5:", "grad norm nan", "step_000004 is untouched")
     assert "--resume" in line
     root = tmp_path / "nan" / "checkpoints"
-    assert read_latest(root) == "step_000001" and not (root / "step_000002").exists()
+    assert read_latest(root) == "step_000004" and not (root / "step_000005").exists()
 
 
 # ----------------------------------------------------------------------------- item 6 (inside a rank)

@@ -31,7 +31,7 @@ TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 def place(tmp_path_factory) -> Path:
     """A directory holding ``ckpts`` (a checkpoints root with ``step_000001``), ``alien/step_000001``
     (COMPLETE and its meta.json checksum right, the meta.json not nanotrain's) and ``no-torch``
-    (a ``torch`` package that refuses to be imported)."""
+    (a ``torch`` package that refuses to be imported) and ``fifo-out`` (a FIFO named config.json)."""
     base = tmp_path_factory.mktemp("scripts_promise")
     saved_tiny(base / "ckpts")
     alien = base / "alien" / "step_000001"
@@ -41,6 +41,8 @@ def place(tmp_path_factory) -> Path:
     poison = base / "no-torch" / "torch"
     poison.mkdir(parents=True)
     (poison / "__init__.py").write_text('raise ImportError("torch was imported before the refusal")\n')
+    (base / "fifo-out").mkdir()
+    os.mkfifo(base / "fifo-out" / "config.json")  # opened to write, it would block the export
     return base
 
 
@@ -87,6 +89,7 @@ BAD = [  # (script, args, what the line says)
     ("export_hf", [CKPT, STEP], f"OUT_DIR {STEP}: is the source"),
     ("export_hf", [CKPT, f"{STEP}/hf"], "lies inside the source"),
     ("export_hf", [CKPT, f"{CKPT}/latest"], "is a file, not a directory"),
+    ("export_hf", [CKPT, "fifo-out"], "holds config.json, which is not a regular file"),
     ("reshard_checkpoint", [CKPT, "out", "--granularity", "x"], "argument --granularity: invalid choice"),
     ("reshard_checkpoint", [CKPT, "out", "--set", "parallelism.tp=two"], "parallelism.tp"),
     ("reshard_checkpoint", [CKPT, "out", "--set", "parallelism"], "expected section.field=value"),

@@ -9,6 +9,7 @@ written, so a refusal leaves the file system as it was.
 """
 from __future__ import annotations
 
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,23 @@ def check_output_dir(out: str | Path, flag: str) -> None:
         raise CheckpointError(f"{flag} {out}: exists and is not a directory; give a directory")
 
 
+def check_plain_entries(out: str | Path, flag: str) -> None:
+    """Refuse an existing output directory holding a FIFO, socket or device: the export writes
+    its files by name (config.json, tokenizer.json, ...), and opening a FIFO to write blocks until
+    some reader comes, so the command would hang with files half written."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    for entry in out.iterdir():
+        try:
+            mode = entry.stat().st_mode
+        except OSError:  # a broken or looping link: replaced by a file of that name, never opened
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise CheckpointError(f"{flag} {out}: holds {entry.name}, which is not a regular file (a FIFO, "
+                                  "socket or device): remove it or write to another directory")
+
+
 def check_apart(reads: list[Path], out: str | Path, flag: str) -> None:
     """Refuse an output that is, lies inside, or holds any of the directories read: writing
     there would rewrite the source in place (or make a root whose ``latest`` moves under it)."""
@@ -150,6 +168,7 @@ def plan_export(src: str | Path, out_dir: str | Path, dtype: str) -> tuple[Path,
     check_path("OUT_DIR", out_dir, CREATE_DIR, CheckpointError)
     ckpt = source_checkpoint(src)
     check_output_dir(out_dir, "OUT_DIR")
+    check_plain_entries(out_dir, "OUT_DIR")
     check_apart([ckpt], out_dir, "OUT_DIR")
     meta = layout.read_meta(ckpt)
     config = meta.get("config") or {}

@@ -146,8 +146,8 @@ class TrainingArgs:
 
 @dataclass
 class OptimizerArgs:
-    lr: float = bounded(3e-4, 0.0, 10.0, above=True, doc="peak learning rate (a larger one is a typo: 3e4 for 3e-4)",
-                        why="a learning rate of 0 never changes the weights: set a positive one, e.g. 3e-4")
+    lr: float = bounded(3e-4, 0.0, 10.0, doc="peak learning rate (a larger one is a typo: 3e4 for 3e-4; 0 "
+                        "trains nothing: an evaluation-only or round-trip run)")
     weight_decay: float = bounded(0.1, 0.0, doc="AdamW decay of matrices (not norms); lr * weight_decay < 1")
     betas: tuple[float, float] = doc((0.9, 0.95), "AdamW (beta1, beta2), each in [0, 1)")
     eps: float = bounded(1e-8, FLOAT32_TINY, 1.0, doc="AdamW epsilon",

@@ -102,13 +102,19 @@ class Workspace:
         return [self.cwd, self.outs, self.ckpt]
 
     def reset(self) -> None:
-        """Remove what a case wrote in the scratch folders (the checkpoint is rebuilt if touched)."""
-        for top in (self.cwd, self.outs, self.root / "h" / "adir"):
+        """Remove what a case wrote in the scratch folders and the hostile folders an accepted
+        output may legitimately fill (a reshard into the FIFO folder writes a checkpoint there,
+        which would make it a valid data source for the cases after it); the checkpoint is
+        rebuilt if touched."""
+        fifo_hf = self.root / "h" / "fifohf"
+        for top in (self.cwd, self.outs, self.root / "h" / "adir", fifo_hf):
             for entry in top.iterdir():
                 if entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry, ignore_errors=True)
-                else:
+                elif not (top == fifo_hf and entry.name == "config.json" and entry.is_fifo()):
                     entry.unlink(missing_ok=True)
+        if not (fifo_hf / "config.json").is_fifo():
+            os.mkfifo(fifo_hf / "config.json")
 
     def rebuild_checkpoint(self) -> None:
         shutil.rmtree(self.ckpt, ignore_errors=True)
