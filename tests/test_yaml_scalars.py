@@ -44,6 +44,22 @@ def test_leading_zero_is_decimal_in_set_and_file(tmp_path):
     assert load_config(None, ["parallelism.dp=0o10"]).parallelism.dp == 8
 
 
+@pytest.mark.parametrize("written", ["010", "0x1F", "0o17", "+1", "1e3", ".5", "1.50"])
+def test_a_number_in_a_string_field_keeps_its_text(written, tmp_path):
+    """YAML reads these as numbers; a string field must hold what the user wrote, not str(number)."""
+    assert load_config(None, [f"slurm.partition={written}"]).slurm.partition == written
+    path = tmp_path / "c.yaml"
+    path.write_text(f"slurm:\n  partition: {written}\n  env:\n    NCCL_X: {written}\n")
+    config = load_config(path)
+    assert config.slurm.partition == written and config.slurm.env["NCCL_X"] == written
+
+
+def test_an_error_line_escapes_what_a_terminal_would_not_show():
+    from nanotrain.config.cli_args import one_line
+
+    assert one_line("a\u200bb\nc\x9bd") == "a\\u200bb; c\\x9bd"
+
+
 def test_float_exponent_without_dot():
     assert load_config(None, ["optimizer.lr=3e-4"]).optimizer.lr == pytest.approx(3e-4)
 
@@ -55,7 +71,8 @@ def test_yaml11_only_integers_are_refused(given):
     assert str(info.value).startswith("parallelism.dp: expected an integer") and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("char", ["\x85", "\x9b", "\u202e", "\u2066", "\u200f", "\u061c", "\u2028", "\u2029"])
+@pytest.mark.parametrize("char", ["\x85", "\x9b", "\u202e", "\u2066", "\u200f", "\u061c", "\u2028", "\u2029",
+                                  "\u200b", "\ufeff", "\xad"])  # the last three: format (Cf), invisible
 @pytest.mark.parametrize("field", ["logging.run_name", "slurm.partition"])
 def test_unicode_controls_refused_with_field_and_escape(field, char, tmp_path):
     path = tmp_path / "c.yaml"
