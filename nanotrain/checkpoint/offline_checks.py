@@ -82,12 +82,6 @@ def source_checkpoint(src: str | Path) -> Path:
     raise CheckpointError(f"{src}: no complete checkpoint in it (looked in {root})")
 
 
-def check_output_dir(out: str | Path, flag: str) -> None:
-    """The output directory is a directory or does not exist yet (a file there cannot become one)."""
-    if Path(out).exists() and not Path(out).is_dir():
-        raise CheckpointError(f"{flag} {out}: exists and is not a directory; give a directory")
-
-
 def check_plain_entries(out: str | Path, flag: str) -> None:
     """Refuse an existing output directory holding a FIFO, socket or device: the export writes
     its files by name (config.json, tokenizer.json, ...), and opening a FIFO to write blocks until
@@ -138,7 +132,6 @@ def plan_reshard(src: str | Path, dst_root: str | Path, overrides: list[str] = (
                missing=f"{src}: neither a complete checkpoint nor a directory holding one")
     check_path("DST", dst_root, CREATE_DIR, CheckpointError)
     ckpt = resolve_checkpoint(src)
-    check_output_dir(dst_root, "DST")
     check_apart([Path(src), ckpt], dst_root, "DST")
     meta = layout.read_meta(ckpt)
     if not isinstance(meta.get("config"), dict) or not meta["config"]:
@@ -167,7 +160,6 @@ def plan_export(src: str | Path, out_dir: str | Path, dtype: str) -> tuple[Path,
     check_path("SRC", src, DIR, CheckpointError, missing=f"{src}: no such run or checkpoint directory")
     check_path("OUT_DIR", out_dir, CREATE_DIR, CheckpointError)
     ckpt = source_checkpoint(src)
-    check_output_dir(out_dir, "OUT_DIR")
     check_plain_entries(out_dir, "OUT_DIR")
     check_apart([ckpt], out_dir, "OUT_DIR")
     meta = layout.read_meta(ckpt)

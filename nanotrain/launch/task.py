@@ -37,12 +37,12 @@ from pathlib import Path  # noqa: E402
 import submitit.helpers  # noqa: E402
 
 from nanotrain.config import ConfigError, check_world_size, load_config, validate  # noqa: E402
+from nanotrain.config.cli_args import EXIT_USER_ERROR  # noqa: E402
 from nanotrain.launch import ownership  # noqa: E402
 from nanotrain.launch.env import export_user_env, setup_distributed_env  # noqa: E402
 from nanotrain.launch.hang_status import requeue_marker  # noqa: E402
 from nanotrain.launch.rundir import resolve_run, write_run_dir  # noqa: E402
 
-EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
 EXIT_STOPPED = 75  # EX_TEMPFAIL: saved, but not requeued; resume with --resume
 
