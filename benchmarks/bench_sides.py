@@ -23,7 +23,7 @@ class Ours:
 
     def __init__(self, bench: Bench, dp=1, tp=1, pp=1, mode="ALL_REDUCE", engine="1f1b", v=1, micro=MICRO_SEQS,
                  spec: dict = MODEL, pc=None):
-        from nanotrain.models.llama import LlamaModel
+        from nanotrain.models.llama_parallelize import build_llama
         from nanotrain.optim import build_lr_scheduler, build_optimizer
         from nanotrain.parallel.context import ParallelContext
         from nanotrain.parallel.data_parallel import BucketedGradSync
@@ -32,7 +32,7 @@ class Ours:
         self.bench, self.micro = bench, micro
         self.pc = pc or ParallelContext(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp)
         self.args = model_args(spec)
-        self.model = LlamaModel(self.args, self.pc.tp_pg, mode=mode, pp_rank=self.pc.pp_rank, pp_size=pp,
+        self.model = build_llama(self.args, self.pc.tp_pg, mode=mode, pp_rank=self.pc.pp_rank, pp_size=pp,
                                 virtual_stages=v, seed=SEED)
         self.grad_sync = BucketedGradSync(list(self.model.parameters()), self.pc.dp_cp_pg)
         self.optimizer = build_optimizer(self.model.named_parameters(), optim_args(), self.pc.dp_cp_pg)

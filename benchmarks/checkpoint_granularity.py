@@ -48,12 +48,11 @@ def _build(config: Config, pc):
     """Model, optimizer and scheduler of this rank (``pc=None``: one process) after one step."""
     import torch
 
-    from nanotrain.models import llama_arch
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.family import LLAMA
     from nanotrain.optim import build_lr_scheduler, build_optimizer
 
     zero = config.optimizer.zero_stage
-    model = LlamaModel(**llama_arch.model_kwargs(config, pc))
+    model = LLAMA.build_part(config, pc)
     dp_pg = pc.dp_cp_pg if pc is not None else None
     optimizer = build_optimizer(model.named_parameters(), config.optimizer, dp_pg, zero_stage=zero)
     scheduler = build_lr_scheduler(optimizer, config.optimizer, 100)

@@ -35,7 +35,7 @@ from bench_launch import entry, run_workers, same_loss  # noqa: E402
 # Imported before any process group exists (the model pulls in torch._dynamo, whose import takes
 # references to an existing default group that live until interpreter exit).
 from nanotrain.config import ModelArgs, OptimizerArgs  # noqa: E402
-from nanotrain.models.llama import LlamaModel  # noqa: E402
+from nanotrain.models.llama_parallelize import build_llama  # noqa: E402
 from nanotrain.optim import build_lr_scheduler, build_optimizer  # noqa: E402
 from nanotrain.parallel.context import ParallelContext, destroy_process_groups  # noqa: E402
 from nanotrain.parallel.data_parallel import BucketedGradSync  # noqa: E402
@@ -57,7 +57,7 @@ def run_layout(layout: str, seq: int, steps: int, warmup: int) -> dict:
 
 
 def measure(pc, seq: int, steps: int, warmup: int) -> dict:
-    model = LlamaModel(ModelArgs(**MODEL), pc.tp_pg, seed=0, cp_pg=pc.cp_pg)
+    model = build_llama(ModelArgs(**MODEL), pc.tp_pg, seed=0, cp_pg=pc.cp_pg)
     optim_args = OptimizerArgs(lr=1e-3, warmup_steps=0)
     grad_sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg)
     optimizer = build_optimizer(model.named_parameters(), optim_args, pc.dp_cp_pg)

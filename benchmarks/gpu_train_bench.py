@@ -67,8 +67,8 @@ def main() -> int:
 
     from nanotrain.config import OptimizerArgs
     from nanotrain.logging.flops import peak_bf16_tflops
-    from nanotrain.models.llama import LlamaModel
     from nanotrain.models.llama_arch import parameter_count, training_flops_per_token
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
     from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.data_parallel import BucketedGradSync
@@ -87,11 +87,9 @@ def main() -> int:
         args = ModelArgs(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=opts.seq)
     t0 = time.perf_counter()
-    model = LlamaModel(args, pc.tp_pg, seed=0, device=device, compute_dtype=torch.bfloat16)
+    model = build_llama(args, pc.tp_pg, seed=0, device=device, compute_dtype=torch.bfloat16,
+                        compile_layers=opts.compile)
     init_s = time.perf_counter() - t0
-    if opts.compile:
-        for layer in model.layers.values():
-            layer.module.compile()
     optim_args = OptimizerArgs(lr=3e-4, weight_decay=0.1, clip_grad=1.0, warmup_steps=0, lr_decay_style="constant")
     grad_sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg)
     optimizer = build_optimizer(model.named_parameters(), optim_args, pc.dp_cp_pg, zero_stage=0)

@@ -45,13 +45,13 @@ def prepare(size: str, ckpt_root: str) -> dict:
 
     from nanotrain.checkpoint import save_checkpoint
     from nanotrain.config import Config
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
 
     torch.manual_seed(0)
     config = Config()
     config.model = _args(size)
     t0 = time.perf_counter()
-    model = LlamaModel(config.model, None)
+    model = build_llama(config.model, None)
     save_checkpoint(ckpt_root, 1, model, None, None, None, extra={"consumed_samples": 0}, config=config)
     params = sum(p.numel() for p in model.parameters())
     return {"params": params, "seconds": time.perf_counter() - t0}
@@ -65,10 +65,10 @@ def export(ckpt_root: str, out: str, dtype: str) -> dict:
 
 def import_(size: str, hf_dir: str) -> dict:
     from nanotrain.checkpoint.hf_import import load_hf_weights
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
 
     args = _args(size)
-    model = LlamaModel(args, None)
+    model = build_llama(args, None)
     before = _peak_mb()
     result = load_hf_weights(hf_dir, model, args)
     model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20

@@ -33,8 +33,8 @@ from bench_common import max_over_ranks, saved_bytes  # noqa: E402
 from bench_launch import entry, run_workers, same_loss  # noqa: E402
 
 from nanotrain.config import ModelArgs, MoEArgs, OptimizerArgs  # noqa: E402
-from nanotrain.models.llama import LlamaModel  # noqa: E402
-from nanotrain.models.moe import step_scalars  # noqa: E402
+from nanotrain.logging.moe_stats import step_scalars  # noqa: E402
+from nanotrain.models.llama_parallelize import build_llama  # noqa: E402
 from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups  # noqa: E402
 from nanotrain.parallel.context import ParallelContext, destroy_process_groups  # noqa: E402
 from nanotrain.parallel.data_parallel import build_grad_sync  # noqa: E402
@@ -78,7 +78,7 @@ def measure(layout: str, seq: int, steps: int, warmup: int) -> dict:
 
 def _measure(pc, seq: int, steps: int, warmup: int) -> dict:
     args = ModelArgs(**MODEL, moe=MoEArgs(**MOE))
-    model = LlamaModel(args, pc.tp_pg, seed=0, ep_pg=pc.ep_pg)
+    model = build_llama(args, pc.tp_pg, seed=0, ep_pg=pc.ep_pg)
     optim_args = OptimizerArgs(lr=1e-3, warmup_steps=0)
     grad_sync = build_grad_sync(list(model.parameters()), pc)
     optimizer = build_optimizer(model.named_parameters(), optim_args, **optimizer_groups(pc))

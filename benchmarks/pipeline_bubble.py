@@ -39,7 +39,7 @@ ENGINES = ("afab", "1f1b", "interleaved_1f1b")
 
 def run_config(pc, engine_name: str, m: int, steps: int, warmup: int) -> dict:
     from nanotrain.config import ModelArgs, OptimizerArgs
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
     from nanotrain.parallel.data_parallel import BucketedGradSync
     from nanotrain.parallel.pipeline_parallel import PipelineEngine
@@ -47,7 +47,7 @@ def run_config(pc, engine_name: str, m: int, steps: int, warmup: int) -> dict:
 
     args = ModelArgs(**MODEL)
     v = VIRTUAL if engine_name == "interleaved_1f1b" else 1
-    model = LlamaModel(args, pc.tp_pg, pp_rank=pc.pp_rank, pp_size=pc.pp_size, virtual_stages=v, seed=0)
+    model = build_llama(args, pc.tp_pg, pp_rank=pc.pp_rank, pp_size=pc.pp_size, virtual_stages=v, seed=0)
     optim_args = OptimizerArgs(lr=1e-3, warmup_steps=0)
     grad_sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg)
     optimizer = build_optimizer(model.named_parameters(), optim_args, pc.dp_cp_pg)

@@ -39,7 +39,7 @@ def worker(dp: int, tp: int, mode: str, async_comm: bool, steps: int, warmup: in
     import torch.distributed as dist
 
     from nanotrain.config import load_config
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
     from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.data_parallel import BucketedGradSync
@@ -48,7 +48,7 @@ def worker(dp: int, tp: int, mode: str, async_comm: bool, steps: int, warmup: in
     torch.set_num_threads(1)
     config = load_config(ROOT / "configs" / "tiny_cpu.yaml")
     pc = ParallelContext(tensor_parallel_size=tp, data_parallel_size=dp)
-    model = LlamaModel(config.model, pc.tp_pg, mode=mode, async_communication=async_comm, seed=1)
+    model = build_llama(config.model, pc.tp_pg, mode=mode, async_communication=async_comm, seed=1)
     grad_sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg)
     optimizer = build_optimizer(model.named_parameters(), config.optimizer, pc.dp_cp_pg)
     scheduler = build_lr_scheduler(optimizer, config.optimizer, warmup + steps)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from nanotrain.config import ModelArgs
-from nanotrain.models.llama import LlamaModel
+from nanotrain.models.llama_parallelize import build_llama
 
 from helpers.contract import install
 from helpers.dist import run_distributed
@@ -108,7 +108,7 @@ def test_bf16_trainer_within_tolerance_of_fp32_with_bf16_on_the_wire(layout, tmp
 
 
 def test_model_refuses_inputs_on_another_device():
-    model = LlamaModel(ModelArgs(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
+    model = build_llama(ModelArgs(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
                                  num_attention_heads=2, max_position_embeddings=8), None)
     ids = torch.zeros(1, 8, dtype=torch.int64, device="meta")
     with pytest.raises(RuntimeError, match="input_ids is on meta, the model on cpu; move batches"):

@@ -70,12 +70,12 @@ class Run:
 
 
 def setup(pc, zero: int, seed: int = 5, args=MODEL) -> Run:
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
     from nanotrain.parallel.data_parallel import BucketedGradSync
     from nanotrain.parallel.pipeline_parallel import PipelineEngine
 
-    model = LlamaModel(args, pc.tp_pg, pp_rank=pc.pp_rank, pp_size=pc.pp_size, seed=seed)
+    model = build_llama(args, pc.tp_pg, pp_rank=pc.pp_rank, pp_size=pc.pp_size, seed=seed)
     grad_sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg, bucket_cap_mb=0.05)
     optimizer = build_optimizer(model.named_parameters(), OPTIM, pc.dp_cp_pg, zero_stage=zero)
     scheduler = build_lr_scheduler(optimizer, OPTIM, TOTAL)
@@ -583,16 +583,16 @@ def test_keep_last_prunes_older_complete_checkpoints(tmp_path):
 def test_wrong_model_is_an_error_not_a_fallback(tmp_path):
     from dataclasses import replace
 
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     root = tmp_path / "ck"
     save_checkpoint(root, 1, *tiny(), config=config_for())
-    wider = LlamaModel(replace(MODEL, intermediate_size=2 * MODEL.intermediate_size), None)
+    wider = build_llama(replace(MODEL, intermediate_size=2 * MODEL.intermediate_size), None)
     with pytest.raises(CheckpointError, match="shape mismatch.*mlp"):
         load_checkpoint(root, wider)
-    deeper = LlamaModel(replace(MODEL, num_layers=MODEL.num_layers + 1), None)
+    deeper = build_llama(replace(MODEL, num_layers=MODEL.num_layers + 1), None)
     with pytest.raises(CheckpointError, match="missing.*layers.2"):
         load_checkpoint(root, deeper)
-    shallower = LlamaModel(replace(MODEL, num_layers=1), None)
+    shallower = build_llama(replace(MODEL, num_layers=1), None)
     with pytest.raises(CheckpointError, match="no rank of this model has"):
         load_checkpoint(root, shallower)
     with pytest.raises(CheckpointError, match="model config differs.*rope_theta"):
@@ -604,11 +604,11 @@ def _offline_round_trip(tmp_path, args, there: list[str], back: list[str]) -> di
     to ``back``, load into a fresh model: every weight and AdamW state must be bit-identical.
     Returns the meta.json of the ``there`` checkpoint."""
     from nanotrain.checkpoint.reshard import reshard_offline
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
 
     def build(seed):
-        model = LlamaModel(args, None, seed=seed)
+        model = build_llama(args, None, seed=seed)
         opt = build_optimizer(model.named_parameters(), OPTIM, zero_stage=0)
         return model, opt, build_lr_scheduler(opt, OPTIM, 10)
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from nanotrain.config import ModelArgs
-from nanotrain.models.compile_check import compile_backend_problem
-from nanotrain.models.llama import LlamaModel
-from nanotrain.models.recompute import compile_layers_
+from nanotrain.models.llama_parallelize import build_llama
+from nanotrain.parallel.compile_check import compile_backend_problem
+from nanotrain.parallel.recompute import compile_layers_
 
 from helpers.needs import unavailable
 from helpers.runs import TINY, cli
@@ -27,7 +27,7 @@ def test_compiled_layer_matches_eager():
     if problem is not None:  # a machine without a C++ compiler (CI's has gcc: a failure there)
         unavailable("C++ compiler for inductor", problem)
     ids = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    eager, compiled = LlamaModel(ARGS, None, seed=1), LlamaModel(ARGS, None, seed=1, compile_layers=True)
+    eager, compiled = build_llama(ARGS, None, seed=1), build_llama(ARGS, None, seed=1, compile_layers=True)
     assert [n for n, _ in eager.named_parameters()] == [n for n, _ in compiled.named_parameters()]
     assert eager.state_dict().keys() == compiled.state_dict().keys()
     with torch.no_grad():  # the forward graph only: compiling the backward too takes minutes on 2 cores

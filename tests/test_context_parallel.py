@@ -37,7 +37,7 @@ def test_sequence_not_divisible_is_an_error():
 
 
 def model_outputs(cp: int, tp: int) -> dict:
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.parallel.context import ParallelContext
 
     pc = ParallelContext(tensor_parallel_size=tp, context_parallel_size=cp)
@@ -46,7 +46,7 @@ def model_outputs(cp: int, tp: int) -> dict:
     positions = cp_positions(SEQ, cp, pc.cp_rank)
     results = {}
     for mode, tied in CASES:
-        model = LlamaModel(ModelArgs(**{**ARGS, "tie_word_embeddings": tied}), pc.tp_pg, mode=mode, seed=7,
+        model = build_llama(ModelArgs(**{**ARGS, "tie_word_embeddings": tied}), pc.tp_pg, mode=mode, seed=7,
                            cp_pg=pc.cp_pg)
         logits = model(ids)  # [S/cp, B, V/tp] of this rank's tokens
         parts = [torch.empty_like(logits) for _ in range(tp)]
@@ -93,12 +93,12 @@ def test_cp_model_equals_single_process(cp, tp):
 
 
 def loss_without_cp_group() -> float:
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.parallel.context import ParallelContext
 
     pc = ParallelContext(data_parallel_size=2)
     ids = torch.randint(0, ARGS["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    model = LlamaModel(ModelArgs(**ARGS), pc.tp_pg, seed=7)  # no cp_pg: whole sequences, no collective
+    model = build_llama(ModelArgs(**ARGS), pc.tp_pg, seed=7)  # no cp_pg: whole sequences, no collective
     loss = model(ids, ids).item()
     pc.destroy()
     return loss
@@ -108,8 +108,8 @@ def loss_without_cp_group() -> float:
 def test_no_cp_group_means_no_context_parallelism():
     """``cp_pg=None`` in a multi-rank world is one rank's whole sequence (it once meant the default
     group: every rank then split the sequence and waited in an all-gather)."""
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
 
     ids = torch.randint(0, ARGS["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    reference = LlamaModel(ModelArgs(**ARGS), None, seed=7)(ids, ids).item()
+    reference = build_llama(ModelArgs(**ARGS), None, seed=7)(ids, ids).item()
     assert run_distributed(loss_without_cp_group, 2, timeout=90) == [reference, reference]

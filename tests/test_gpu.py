@@ -36,9 +36,9 @@ TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=512, num_layers=2
 
 def _model(device, compute_dtype=None, seed=0):
     from nanotrain.config import ModelArgs
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
 
-    return LlamaModel(ModelArgs(**TINY), None, seed=seed, device=device, compute_dtype=compute_dtype)
+    return build_llama(ModelArgs(**TINY), None, seed=seed, device=device, compute_dtype=compute_dtype)
 
 
 def _batch(n=4, seq=64):

@@ -96,14 +96,14 @@ def trained_checkpoint(hf_dirs, tmp_path_factory) -> tuple[Path, dict]:
 
 def test_import_first_step_loss_equals_hf(hf_dirs, trained_checkpoint):
     from nanotrain.checkpoint.hf_import import load_hf_weights
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
 
     ids = batch()
     losses = dict(trained_checkpoint[1])
     losses.update(run_distributed(first_step_losses, 4, hf_dirs, LAYOUTS4, None, timeout=400)[0])
     for name, model in (("gqa", GQA), ("mha", MHA)):
         args = ModelArgs(**model, dtype="float32")
-        single = LlamaModel(args, None)
+        single = build_llama(args, None)
         load_hf_weights(hf_dirs[name], single, args)
         with torch.no_grad():
             losses[("single", name)] = single(ids[:, :-1], ids[:, 1:]).item()
@@ -117,7 +117,7 @@ def test_export_after_3d_zero1_training_matches_nanotrain_logits(hf_dirs, traine
     from nanotrain.checkpoint import load_checkpoint
     from nanotrain.checkpoint.hf_export import export_hf, parse_size
     from nanotrain.data.tokenizer import ByteTokenizer
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
 
     ckpts, _ = trained_checkpoint
     out, sharded = tmp_path / "out", tmp_path / "sharded"
@@ -130,7 +130,7 @@ def test_export_after_3d_zero1_training_matches_nanotrain_logits(hf_dirs, traine
     assert len(set(index["weight_map"].values())) > 3 and not (sharded / "model.safetensors").exists()
 
     args = ModelArgs(**GQA, dtype="float32")
-    mine = LlamaModel(args, None)
+    mine = build_llama(args, None)
     load_checkpoint(ckpts, mine)
     ids = batch()[:, :-1]
     hf = transformers.LlamaForCausalLM.from_pretrained(str(out))

@@ -30,7 +30,7 @@ def full_logits(logits: torch.Tensor, tp_group, vocab: int) -> torch.Tensor:
 
 
 def model_outputs(tp: int) -> dict:
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.parallel.context import ParallelContext
 
     torch.manual_seed(0)
@@ -40,7 +40,7 @@ def model_outputs(tp: int) -> dict:
     results = {}
     for mode, async_comm, tied, kv in CASES:
         args = ModelArgs(**{**ARGS, "tie_word_embeddings": tied, "num_key_value_heads": kv})
-        model = LlamaModel(args, pc.tp_pg, mode=mode, async_communication=async_comm, seed=7)
+        model = build_llama(args, pc.tp_pg, mode=mode, async_communication=async_comm, seed=7)
         logits = full_logits(model(ids), pc.tp_pg, args.vocab_size)
         loss = model(ids, targets)
         loss.backward()

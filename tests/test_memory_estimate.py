@@ -19,11 +19,11 @@ TINY = ROOT / "configs" / "tiny_cpu.yaml"
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_parameter_count_matches_the_model(tied):
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
 
     config = load_config(TINY, ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1",
                                 f"model.tie_word_embeddings={str(tied).lower()}"])
-    model = LlamaModel(config.model, None)
+    model = build_llama(config.model, None)
     numel = sum(p.numel() for p in model.parameters())
     assert estimate_memory(config).weights * GB == pytest.approx(4 * numel)
 

@@ -1,7 +1,7 @@
 """The memory estimate against what autograd really saves, in-process (one model, CPU): for each
 recompute mode, fp32 and bf16 autocast, a whole model and a pipeline stage, the bytes of saved
 tensors (``benchmarks/memory.py``'s hooks: each storage once, parameters excluded) are within
-9% of ``estimate_memory`` / ``llama_activations.activation_bytes_per_layer`` (the README's figure),
+9% of ``estimate_memory`` / ``llama_parallelize_costs.activation_bytes_per_layer`` (the README's figure),
 and within 15% under full recompute: at hidden 64 the few bytes a fully recomputed model keeps
 are matched by the ids, targets and RoPE tables the formula leaves out (measured 0.87-0.88; none
 and selective 0.98-1.00). The multi-rank layouts (tp, cp, pp engines) are in the benchmark's
@@ -16,8 +16,8 @@ import torch
 
 from nanotrain.config import load_config
 from nanotrain.launch.memory_estimate import GB, estimate_memory
-from nanotrain.models import llama_activations, llama_arch
-from nanotrain.models.llama import LlamaModel
+from nanotrain.models import llama_arch, llama_parallelize_costs
+from nanotrain.models.llama_parallelize import build_llama
 from nanotrain.training.builder import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def test_first_pipeline_stage_layers_within_9_percent_or_15_under_full_recompute
     """The first of two stages (two layers, no head): one micro-batch forward and backward."""
     config = load_config(TINY, [*BASE, f"training.recompute={mode}"])
     m, t = config.model, config.training
-    model = LlamaModel(m, None, pp_rank=0, pp_size=2, seed=0, recompute=mode)
+    model = build_llama(m, None, pp_rank=0, pp_size=2, seed=0, recompute=mode)
     ids = batch(config)
 
     def step():
@@ -62,6 +62,6 @@ def test_first_pipeline_stage_layers_within_9_percent_or_15_under_full_recompute
 
     measured = peak_saved_bytes(model, step)
     layers = sum(name.startswith("layers.") for name in llama_arch.rank_blocks(m, 2, 0))
-    estimate = layers * llama_activations.activation_bytes_per_layer(m, t.sequence_length, t.micro_batch_size,
+    estimate = layers * llama_parallelize_costs.activation_bytes_per_layer(m, t.sequence_length, t.micro_batch_size,
                                                                recompute=mode, cpu=True)
     assert estimate == pytest.approx(measured, rel=TOLERANCE[mode]), (estimate, measured)

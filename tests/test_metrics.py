@@ -19,12 +19,8 @@ import pytest
 
 from nanotrain.config import ModelArgs, load_config
 from nanotrain.logging import SCALAR_TAGS, MetricsLogger, metrics_logger_for, peak_bf16_tflops
-from nanotrain.models.llama_arch import (
-    attention_flops_per_token,
-    hardware_flops_per_token,
-    parameter_count,
-    training_flops_per_token,
-)
+from nanotrain.models.llama_arch import attention_flops_per_token, parameter_count, training_flops_per_token
+from nanotrain.models.llama_parallelize_costs import hardware_flops_per_token
 
 TOKENS_PER_STEP = 4 * 2 * 3 * 64      # dp 4 x micro-batch 2 x accumulation 3 x seq 64
 FLOPS_PER_TOKEN = 3.0e9
@@ -187,10 +183,10 @@ def test_flops_of_the_1b_config():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_parameter_count_equals_the_model(tied):
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
 
     args = ModelArgs(**{**SMALL, "tie_word_embeddings": tied})
-    model = LlamaModel(args, None)  # no process group: tp = 1
+    model = build_llama(args, None)  # no process group: tp = 1
     assert parameter_count(args).total == sum(p.numel() for p in model.parameters())
 
 

@@ -11,7 +11,7 @@ import torch
 
 from nanotrain.config import ModelArgs, MoEArgs
 from nanotrain.models import llama_arch
-from nanotrain.models.llama import LlamaModel
+from nanotrain.models.llama_parallelize import build_llama
 from nanotrain.models.moe import route
 
 MOE = MoEArgs(num_experts=4, top_k=2, aux_loss_coef=0.02, z_loss_coef=0.001)
@@ -20,7 +20,7 @@ ARGS = ModelArgs(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers
                  dtype="float32", moe=MOE)
 
 
-def _mixtral(args: ModelArgs, ours: LlamaModel):
+def _mixtral(args: ModelArgs, ours):
     """A tiny random MixtralForCausalLM loaded with our model's weights (mapped here)."""
     import transformers  # a dev dependency, imported when used (seconds: not at collection)
     kv = args.num_key_value_heads
@@ -58,7 +58,7 @@ def test_same_logits_and_load_balancing_loss_as_transformers_mixtral():
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     torch.manual_seed(0)
-    ours = LlamaModel(ARGS, None, seed=3)
+    ours = build_llama(ARGS, None, seed=3)
     hf = _mixtral(ARGS, ours)
     ids = torch.randint(0, ARGS.vocab_size, (2, 24))
     ours.begin_step(1)
@@ -74,7 +74,7 @@ def test_same_logits_and_load_balancing_loss_as_transformers_mixtral():
     # Our model-level loss is the mean of the layers' (decomposable over pipeline stages); with a
     # single MoE layer that is exactly HF's aux_loss of the whole model.
     one = dataclasses.replace(ARGS, num_layers=1)
-    ours1 = LlamaModel(one, None, seed=3)
+    ours1 = build_llama(one, None, seed=3)
     hf1 = _mixtral(one, ours1)
     ours1.begin_step(1)
     with torch.no_grad():
@@ -88,10 +88,10 @@ def test_aux_losses_reach_the_gradient_with_their_coefficients():
     explicitly (micro-batch scale 1/m included)."""
     torch.manual_seed(0)
     ids = torch.randint(0, ARGS.vocab_size, (2, 16))
-    a = LlamaModel(ARGS, None, seed=1)
+    a = build_llama(ARGS, None, seed=1)
     a.begin_step(2)
     (a(ids, ids) / 2).backward()
-    b = LlamaModel(ARGS, None, seed=1)
+    b = build_llama(ARGS, None, seed=1)
     b.begin_step(1)
     b.moe_state.loss_scale = 0.0  # no injection: add the same terms by hand
     losses = []
@@ -116,7 +116,7 @@ def test_arithmetic_matches_the_built_model():
                                  layer_frequency=2)
     args = dataclasses.replace(ARGS, num_layers=4, moe=shared)
     assert llama_arch.moe_layer_indices(args) == [1, 3]
-    model = LlamaModel(args, None)
+    model = build_llama(args, None)
     count = llama_arch.parameter_count(args)
     assert count.total == sum(p.numel() for p in model.parameters())
     assert count.total == llama_arch.stage_parameters(args)
@@ -125,7 +125,7 @@ def test_arithmetic_matches_the_built_model():
     assert count.active == count.total - unused
     dense = dataclasses.replace(args, moe=None)
     assert llama_arch.parameter_count(dense).total == sum(
-        p.numel() for p in LlamaModel(dense, None).parameters())
+        p.numel() for p in build_llama(dense, None).parameters())
     blocks = {b.name: b.cost for b in llama_arch.pipeline_blocks(args)}
     assert blocks["layers.1"] != blocks["layers.0"]
     # FLOPs count active weights only
@@ -189,12 +189,12 @@ def test_dry_run_of_the_16gpu_moe_config_counts_total_and_active_parameters(caps
 def test_capacity_in_the_model_drops_what_the_load_exceeds():
     """A capacity no expert reaches gives the dropless model's logits exactly; a small one drops
     sum_e max(0, load_e - C) assignments per layer, reported as moe/dropped_tokens."""
-    from nanotrain.models.moe import step_scalars
+    from nanotrain.logging.moe_stats import step_scalars
 
     ids = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     runs = {}
     for factor in (None, 100.0, 0.5):
-        model = LlamaModel(dataclasses.replace(ARGS, moe=dataclasses.replace(MOE, capacity_factor=factor)), None,
+        model = build_llama(dataclasses.replace(ARGS, moe=dataclasses.replace(MOE, capacity_factor=factor)), None,
                            seed=3)
         model.begin_step(1)
         with torch.no_grad():

@@ -63,7 +63,7 @@ def train(dp: int, tp: int, pp: int, ep: int, cp: int = 1, mode: str = "ALL_REDU
           zero: int = 0) -> dict:
     import torch.distributed as dist
 
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups
     from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.data_parallel import ZeroOneOptimizer, build_grad_sync
@@ -74,7 +74,7 @@ def train(dp: int, tp: int, pp: int, ep: int, cp: int = 1, mode: str = "ALL_REDU
     pc = ParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                          expert_parallel_size=ep, context_parallel_size=cp)
     per_rank = GLOBAL_BATCH // (dp * ep)
-    model = LlamaModel(_model(aux), pc.tp_pg, mode=mode, pp_rank=pc.pp_rank, pp_size=pp, seed=11, ep_pg=pc.ep_pg,
+    model = build_llama(_model(aux), pc.tp_pg, mode=mode, pp_rank=pc.pp_rank, pp_size=pp, seed=11, ep_pg=pc.ep_pg,
                        cp_pg=pc.cp_pg)
     grad_sync = build_grad_sync(list(model.parameters()), pc, bucket_cap_mb=0.01)
     optimizer = build_optimizer(model.named_parameters(), OPTIM, zero_stage=zero, **optimizer_groups(pc))

@@ -231,7 +231,7 @@ def groups_freed_on_destroy_2():
     import torch
 
     from nanotrain.config import ModelArgs, OptimizerArgs
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
     from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.data_parallel import BucketedGradSync
@@ -240,7 +240,7 @@ def groups_freed_on_destroy_2():
     pc = ParallelContext(data_parallel_size=2)
     args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=16)
-    model = LlamaModel(args, pc.tp_pg, seed=0)
+    model = build_llama(args, pc.tp_pg, seed=0)
     grad_sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg)
     optim_args = OptimizerArgs(lr=1e-3, warmup_steps=0)
     optimizer = build_optimizer(model.named_parameters(), optim_args, pc.dp_cp_pg)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanotrain.config import ModelArgs
-from nanotrain.parallel.pipeline_parallel import TensorPointer, balanced_split, schedule_actions, theoretical_bubble
+from nanotrain.parallel.pipeline_parallel import balanced_split, schedule_actions, theoretical_bubble
 
 from helpers.dist import run_distributed
 
@@ -99,36 +99,40 @@ def test_balanced_split_counts_head_and_embedding():
 
 
 def test_llama_stage_split_balances_lm_head():
-    from nanotrain.models.llama_arch import block_costs
-    from nanotrain.parallel.pipeline_parallel import PipelineBlock, place_blocks
+    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_arch import block_costs, pipeline_blocks
+    from nanotrain.parallel.pipeline_parallel import keep_blocks_, place_stages
 
     # A vocabulary large enough that the head costs about two layers: the last stage gets fewer layers.
-    args = ModelArgs(**{**MODEL, "vocab_size": 640})
+    args = ModelArgs(**{**MODEL, "vocab_size": 640, "num_layers": 8})
     cost = block_costs(args)
     assert 1.5 < cost["head"] / cost["layer"] < 2.5
-    blocks = ([PipelineBlock(torch.nn.Identity, cost["embed"], attach="next")]
-              + [PipelineBlock(torch.nn.Identity, cost["layer"]) for _ in range(8)]
-              + [PipelineBlock(torch.nn.Identity, cost["head"], attach="prev")])
-    place_blocks(blocks, 0, 4)
-    per_stage = [sum(1 for b in blocks[1:9] if b.virtual_stage == s) for s in range(4)]
+    blocks = pipeline_blocks(args)
+    names, costs, attaches = [b.name for b in blocks], [b.cost for b in blocks], [b.attach for b in blocks]
+    stage_of = {name: chunk.virtual_stage for r in range(4)
+                for chunk in place_stages(names, costs, attaches, r, 4) for name in chunk.blocks}
+    per_stage = [sum(1 for i in range(8) if stage_of[f"layers.{i}"] == s) for s in range(4)]
     assert per_stage in ([2, 2, 3, 1], [2, 3, 2, 1])  # head ~ 2 layers: max stage cost 3 layers, evenly
-    assert blocks[0].virtual_stage == 0 and blocks[-1].virtual_stage == 3
-    assert blocks[0].is_built and not blocks[-1].is_built  # rank 0 builds only its own blocks
-    assert blocks[-1](torch.zeros(2)) == TensorPointer(3)  # a block held elsewhere points to its owner
+    assert stage_of["embed"] == 0 and stage_of["lm_head"] == 3
+    with torch.device("meta"):
+        model = LlamaModel(args)
+    (chunk,) = place_stages(names, costs, attaches, 0, 4)
+    keep_blocks_(model, names, chunk.blocks)
+    assert model.embed is not None and model.lm_head is None  # rank 0 builds only its own blocks
+    assert sorted(model.layers) == sorted(n.split(".")[1] for n in chunk.blocks if n.startswith("layers."))
 
 
-def test_pipeline_block_adopts_names_and_follows_dtype_moves():
-    from nanotrain.parallel.pipeline_parallel import PipelineBlock
+def test_adopting_wrapper_keeps_names_and_follows_dtype_moves():
+    from nanotrain.parallel.adopt import Adopting
 
-    block = PipelineBlock(lambda: torch.nn.Sequential(torch.nn.Linear(3, 2, bias=False)), cost=1)
-    assert list(dict(block.named_parameters())) == []  # declared, not built: no parameters
-    block.set_rank(0, 0, my_rank=0)
+    block = Adopting(torch.nn.Sequential(torch.nn.Linear(3, 2, bias=False)))
     assert list(dict(block.named_parameters())) == ["0.weight"]  # the module's own names, no prefix
-    lone = PipelineBlock(lambda: torch.nn.Linear(3, 2), cost=1)
-    lone.set_rank(0, 0, my_rank=0)
+    lone = Adopting(torch.nn.Sequential(torch.nn.Linear(3, 2)))
     lone.double()
-    assert lone.module.weight is lone.weight and lone.weight.dtype == torch.float64
+    assert lone.inner[0].weight is getattr(lone, "0").weight and lone.inner[0].weight.dtype == torch.float64
     assert lone(torch.ones(1, 3, dtype=torch.float64)).shape == (1, 2)
+    with pytest.raises(ValueError, match="directly"):
+        Adopting(torch.nn.Linear(3, 2))  # a module's own tensors cannot be adopted
 
 
 # ----------------------------------------------------------------------------- distributed
@@ -184,7 +188,7 @@ def full_grads(model) -> dict[str, torch.Tensor]:
 
 
 def run_cases(pp: int) -> dict:
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.data_parallel import BucketedGradSync
     from nanotrain.parallel.pipeline_parallel import PipelineEngine, allreduce_tied_grads_, is_tied_replica
@@ -195,7 +199,7 @@ def run_cases(pp: int) -> dict:
     for engine_name, v, m, tied in cases(pp):
         args = ModelArgs(**{**MODEL, "tie_word_embeddings": tied})
         data = microbatches(m, args.vocab_size)
-        model = LlamaModel(args, pc.tp_pg, pp_rank=pc.pp_rank, pp_size=pp, virtual_stages=v, seed=3)
+        model = build_llama(args, pc.tp_pg, pp_rank=pc.pp_rank, pp_size=pp, virtual_stages=v, seed=3)
         sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg, bucket_cap_mb=0.01)
         engine = PipelineEngine(engine_name, pc.pp_pg)
         loss = engine.forward_backward(model, data, sync, model.pipeline_message(MICRO_BATCH, SEQ))
@@ -217,7 +221,7 @@ def run_cases(pp: int) -> dict:
             "bubble": stats.bubble,
         }
         if pc.pp_rank == 0:  # the single-process reference, same seed and data
-            ref = LlamaModel(args, pc.tp_pg, seed=3)
+            ref = build_llama(args, pc.tp_pg, seed=3)
             ref_loss = sum(ref(ids, targets) / m for ids, targets in data)
             ref_loss.backward()
             results[(engine_name, v, m, tied)]["reference"] = {"loss": ref_loss.item(), "grads": full_grads(ref)}
@@ -231,20 +235,20 @@ def nccl_posting_steps(pc) -> dict:
     """The posting NCCL gets — receives posted only when needed, one batch per communication
     point on the pp group — run for real here on gloo (and the gloo posting, every receive
     ahead, beside it): same loss as one process."""
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.parallel.pipeline_parallel import P2P, PipelineEngine, TorchP2PTransport
 
     args, m = ModelArgs(**MODEL), 2 * pc.pp_size
     data = microbatches(m, args.vocab_size)
     out = {}
     for posts_ahead in (True, False):
-        model = LlamaModel(args, pc.tp_pg, pp_rank=pc.pp_rank, pp_size=pc.pp_size, virtual_stages=2, seed=3)
+        model = build_llama(args, pc.tp_pg, pp_rank=pc.pp_rank, pp_size=pc.pp_size, virtual_stages=2, seed=3)
         transport = TorchP2PTransport(pc.pp_pg)
         transport.matches_by_tag = posts_ahead
         loss = PipelineEngine("interleaved_1f1b", p2p=P2P(transport)).forward_backward(model, data, None)
         out[posts_ahead] = loss.item() if torch.is_tensor(loss) else None
     if pc.is_pipeline_first_stage:
-        ref = LlamaModel(args, pc.tp_pg, seed=3)  # tp group of size 1 (None would mean the world)
+        ref = build_llama(args, pc.tp_pg, seed=3)  # tp group of size 1 (None would mean the world)
         out["reference"] = sum(ref(ids, targets) / m for ids, targets in data).item()
     return out
 
@@ -254,7 +258,7 @@ def config_driven_steps(pc) -> dict:
     ``train_step`` with no data on middle stages and the model's ``pipeline_message``) give the
     losses of a hand-built model and engine, bit for bit."""
     from nanotrain.config.loader import config_from_dict
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
     from nanotrain.parallel.data_parallel import BucketedGradSync
     from nanotrain.parallel.pipeline_parallel import PipelineEngine
@@ -273,7 +277,7 @@ def config_driven_steps(pc) -> dict:
         if api == "config":
             model, engine = build_model(config, pc), build_engine(config, pc)
         else:
-            model = LlamaModel(ModelArgs(**{**MODEL, "tie_word_embeddings": True}), pc.tp_pg, pp_rank=pc.pp_rank,
+            model = build_llama(ModelArgs(**{**MODEL, "tie_word_embeddings": True}), pc.tp_pg, pp_rank=pc.pp_rank,
                                pp_size=pc.pp_size, virtual_stages=2, seed=3)
             engine = PipelineEngine("interleaved_1f1b", pc.pp_pg)
         sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg)

@@ -25,7 +25,7 @@ import torch
 
 import nanotrain.parallel.pipeline_parallel.engine as engine_module
 from nanotrain.config import ModelArgs
-from nanotrain.models.llama import LlamaModel
+from nanotrain.models.llama_parallelize import build_llama
 from nanotrain.parallel.pipeline_parallel import P2P, PipelineEngine, schedule_actions
 
 from helpers.nccl_sim import Deadlock, NcclSemanticsWorld, run_ranks
@@ -57,7 +57,7 @@ def _data(m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 @functools.lru_cache(maxsize=None)
 def _reference(m: int, compute_dtype=None) -> tuple[float, dict]:
-    model = LlamaModel(ModelArgs(**MODEL), None, seed=5, compute_dtype=compute_dtype)
+    model = build_llama(ModelArgs(**MODEL), None, seed=5, compute_dtype=compute_dtype)
     loss = sum(model(ids, targets) / m for ids, targets in _data(m))
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -71,7 +71,7 @@ def _run(engine: str, pp: int, v: int, m: int, eager_sends: bool = False, post_a
 
     def rank_main(rank: int):
         torch.set_num_threads(1)
-        model = LlamaModel(ModelArgs(**MODEL), None, pp_rank=rank, pp_size=pp, virtual_stages=v, seed=5,
+        model = build_llama(ModelArgs(**MODEL), None, pp_rank=rank, pp_size=pp, virtual_stages=v, seed=5,
                            compute_dtype=compute_dtype)
         transport = world.transport(rank)
         if post_ahead:

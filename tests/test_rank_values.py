@@ -90,7 +90,7 @@ STEPS, SEQ, BATCH = 4, 16, 4
 
 def train_edges() -> dict:
     """A 1-rank run of a tiny Llama at the edge values of EDGE; its losses and weights."""
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups
     from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.data_parallel import build_grad_sync
@@ -100,7 +100,7 @@ def train_edges() -> dict:
     args = ModelArgs(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
                      max_position_embeddings=SEQ, dtype="float32", **EDGE["model"])
     optim = OptimizerArgs(**EDGE["optim"])
-    model = LlamaModel(args, pc.tp_pg, seed=0, compute_dtype="float32")
+    model = build_llama(args, pc.tp_pg, seed=0, compute_dtype="float32")
     sync = build_grad_sync(list(model.parameters()), pc)
     optimizer = build_optimizer(model.named_parameters(), optim, **optimizer_groups(pc))
     scheduler = build_lr_scheduler(optimizer, optim, STEPS)

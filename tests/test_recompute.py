@@ -45,8 +45,8 @@ def train(grid: dict, cases: list[dict]) -> list:
 
 def train_one(pc, case: dict, mode: str) -> dict:
     from nanotrain.config import MoEArgs
-    from nanotrain.models.llama import LlamaModel
-    from nanotrain.models.moe import step_scalars
+    from nanotrain.logging.moe_stats import step_scalars
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups
     from nanotrain.parallel.data_parallel import build_grad_sync
     from nanotrain.parallel.pipeline_parallel import PipelineEngine
@@ -54,7 +54,7 @@ def train_one(pc, case: dict, mode: str) -> dict:
 
     dtype = case.get("dtype", "float32")
     moe = MoEArgs(**case["moe"]) if "moe" in case else None
-    model = LlamaModel(ModelArgs(**MODEL, tie_word_embeddings=case.get("tied", False), dtype=dtype, moe=moe),
+    model = build_llama(ModelArgs(**MODEL, tie_word_embeddings=case.get("tied", False), dtype=dtype, moe=moe),
                        pc.tp_pg, mode=case.get("tp_mode", "ALL_REDUCE"), async_communication=case.get("async", False),
                        pp_rank=pc.pp_rank, pp_size=pc.pp_size, virtual_stages=case.get("v", 1), seed=3,
                        compute_dtype=dtype, cp_pg=pc.cp_pg, ep_pg=pc.ep_pg, recompute=mode)
@@ -128,9 +128,9 @@ def test_moe_ep2_pp2_zero1_bit_identical():
 def saved_storages(mode: str) -> tuple[int, list[int]]:
     """(bytes autograd holds after one forward of a 4-layer model, the element counts of what it
     keeps) — unique storages of the saved tensors, parameters left out."""
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
 
-    model = LlamaModel(ModelArgs(**MODEL), None, seed=3, recompute=mode)
+    model = build_llama(ModelArgs(**MODEL), None, seed=3, recompute=mode)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 

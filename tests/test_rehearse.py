@@ -114,16 +114,16 @@ def test_a_host_tensor_into_a_collective_is_named(tiny, monkeypatch):
 
 def test_a_host_tensor_in_a_device_op_is_named(tiny, monkeypatch):
     """A host tensor of several elements meeting device tensors (CUDA refuses it; meta too)."""
-    from nanotrain.models import llama
+    from nanotrain.parallel import model_part
 
-    original = llama.LlamaModel.forward
+    original = model_part.ModelPart.forward
 
     def forward(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         bias = torch.zeros(out.shape[-1]) if out.dim() else torch.zeros(2)
         return out + bias.sum() * 0 if not out.dim() else out + bias * 0
 
-    monkeypatch.setattr(llama.LlamaModel, "forward", forward)
+    monkeypatch.setattr(model_part.ModelPart, "forward", forward)
     report = rehearse_rank(tiny, 0, 2)  # the first stage: its forward returns hidden states
     assert any(d.startswith("placement:") and "host tensor" in d for d in _defects(report)), _defects(report)
 

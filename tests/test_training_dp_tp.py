@@ -23,7 +23,7 @@ from helpers.models import GLOBAL_BATCH, MICRO_BATCH, MODEL, OPTIM, STEPS, globa
 
 def train(dp: int, tp: int, zero_stages: tuple[int, ...], mode: str = "ALL_REDUCE",
           dtype: str = "float32") -> dict:
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
     from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.data_parallel import BucketedGradSync
@@ -34,7 +34,7 @@ def train(dp: int, tp: int, zero_stages: tuple[int, ...], mode: str = "ALL_REDUC
     per_replica = GLOBAL_BATCH // dp
     results = {}
     for zero in zero_stages:
-        model = LlamaModel(MODEL, pc.tp_pg, mode=mode, seed=5)
+        model = build_llama(MODEL, pc.tp_pg, mode=mode, seed=5)
         grad_sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg, bucket_cap_mb=0.05)
         optimizer = build_optimizer(model.named_parameters(), OPTIM, pc.dp_cp_pg, zero_stage=zero)
         scheduler = build_lr_scheduler(optimizer, OPTIM, STEPS)

@@ -38,7 +38,7 @@ def global_batch(step: int) -> torch.Tensor:
 
 
 def train(dp: int, tp: int, pp: int, cases: list) -> dict:
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
     from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.data_parallel import BucketedGradSync
@@ -53,7 +53,7 @@ def train(dp: int, tp: int, pp: int, cases: list) -> dict:
         torch.set_default_dtype(getattr(torch, dtype))
         args = ModelArgs(**MODEL, tie_word_embeddings=tied, dtype=dtype)
         v = 2 if engine_name == "interleaved_1f1b" else 1
-        model = LlamaModel(args, pc.tp_pg, mode=mode, pp_rank=pc.pp_rank, pp_size=pp, virtual_stages=v, seed=5)
+        model = build_llama(args, pc.tp_pg, mode=mode, pp_rank=pc.pp_rank, pp_size=pp, virtual_stages=v, seed=5)
         grad_sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg, bucket_cap_mb=0.05)
         optimizer = build_optimizer(model.named_parameters(), OPTIM, pc.dp_cp_pg, zero_stage=1 if tied else 0)
         scheduler = build_lr_scheduler(optimizer, OPTIM, STEPS)

@@ -75,7 +75,7 @@ def _two_steps(pc, zero: int) -> dict:
     import torch.distributed as dist
 
     from nanotrain.config import MoEArgs
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, optimizer_groups
     from nanotrain.parallel.data_parallel import build_grad_sync
     from nanotrain.training.step import train_step
@@ -83,7 +83,7 @@ def _two_steps(pc, zero: int) -> dict:
     ep = pc.ep_size
     args = MODEL if ep == 1 else dataclasses.replace(
         MODEL, moe=MoEArgs(num_experts=4, top_k=2, expert_intermediate_size=32))
-    model = LlamaModel(args, pc.tp_pg, seed=5, ep_pg=pc.ep_pg)
+    model = build_llama(args, pc.tp_pg, seed=5, ep_pg=pc.ep_pg)
     # The trainer's construction (build_grad_sync, then build_optimizer); small buckets: several
     grad_sync = build_grad_sync(list(model.parameters()), pc, bucket_cap_mb=0.05)
     optimizer = build_optimizer(model.named_parameters(), OPTIM, zero_stage=zero, **optimizer_groups(pc))

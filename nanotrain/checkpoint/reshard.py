@@ -2,10 +2,10 @@
 process, with tensors only (no process group, no model weights computed).
 
 The target layout comes from the model code itself: for every (ep rank, pp rank, tp rank) of the
-new topology a *skeleton* ``LlamaModel`` is built on the meta device with stand-in tp and ep
-groups (size, rank) and no weight initialisation, which yields each parameter's name, local shape
-and ShardInfo exactly as the real run will have them (fused QKV / gate-up chunks, vocab padding,
-pipeline placement, tied replicas, the rank's experts). ZeRO-1 ranges come from
+new topology a *skeleton* model part is built on the meta device by the family's parallelize
+plan, with stand-in tp and ep groups (size, rank) and no weight initialisation, which yields each
+parameter's name, local shape and ShardInfo exactly as the real run will have them (fused QKV /
+gate-up chunks, vocab padding, pipeline placement, tied replicas, the rank's experts). ZeRO-1 ranges come from
 ``zero_ranges``, the partition ``ZeroOneOptimizer`` takes from the trainer's gradient buckets
 (``build_grad_sync``, default bucket size): with ep > 1 the dense parameters' buckets over
 dp x ep (the rank's place in ``dp_cp_ep_pg`` is ``ep_rank * dp + dp_rank``) and the routed
@@ -24,10 +24,11 @@ import hashlib
 import logging
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+from torch import nn
 
 from nanotrain.checkpoint import format as fmt
 from nanotrain.checkpoint import shard_files
@@ -37,8 +38,7 @@ from nanotrain.checkpoint.items import named_params
 from nanotrain.checkpoint.offline_checks import ReshardPlan, plan_reshard, resolve_checkpoint  # noqa: F401 (re-exported)
 from nanotrain.config import Config, config_to_dict
 from nanotrain.config.files import removed_on_failure
-from nanotrain.models import llama_arch
-from nanotrain.models.llama import LlamaModel
+from nanotrain.models.family import family_of
 from nanotrain.optim.optimizer import weight_decay_groups
 from nanotrain.parallel.data_parallel import is_expert_param
 from nanotrain.parallel.data_parallel.buckets import DEFAULT_BUCKET_CAP_MB, zero_ranges
@@ -48,29 +48,13 @@ from nanotrain.parallel.sharding import ShardInfo, get_shard_info
 log = logging.getLogger("nanotrain.checkpoint")
 
 
-@dataclass(frozen=True)
-class _StandInContext:
-    """What ``llama_arch.model_kwargs`` reads of a ParallelContext, for one (tp, pp, ep) rank of a
-    topology that has no processes (offline resharding supports cp = 1 only)."""
-
-    tp_pg: GroupShape
-    pp_rank: int
-    pp_size: int
-    ep_pg: GroupShape
-    cp_pg: None = None
-
-
-class _Skeleton(LlamaModel):
-    def init_weights(self, seed: int) -> None:  # no values needed, and meta has none
-        pass
-
-
-def skeleton_model(config: Config, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> LlamaModel:
-    """The model of one (tp, pp, ep) rank with the right names, shapes and ShardInfo, no storage."""
+def skeleton_model(config: Config, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> nn.Module:
+    """The model of one (tp, pp, ep) rank with the right names, shapes and ShardInfo, no storage
+    (offline resharding supports cp = 1 only)."""
     p = config.parallelism
-    pc = _StandInContext(GroupShape(p.tp, tp_rank), pp_rank, p.pp, GroupShape(p.ep, ep_rank))
-    with torch.device("meta"):
-        return _Skeleton(**llama_arch.model_kwargs(config, pc))
+    pc = SimpleNamespace(tp_pg=GroupShape(p.tp, tp_rank), pp_rank=pp_rank, pp_size=p.pp, cp_pg=None,
+                         ep_pg=GroupShape(p.ep, ep_rank))
+    return family_of(config.model).build_part(config, pc, initialize=False)
 
 
 def _cut(full: torch.Tensor, info: ShardInfo, local_shape: tuple[int, ...]) -> torch.Tensor:

@@ -24,7 +24,7 @@ from nanotrain.launch import rundir, sbatch
 from nanotrain.launch.config_commands import plan, rehearse
 from nanotrain.launch.flags import check_flags, given_flags
 from nanotrain.launch.stopping import Terminated, sigterm_ends_command, stop_line
-from nanotrain.models.compile_check import compile_backend_problem
+from nanotrain.parallel.compile_check import compile_backend_problem
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,7 @@ arithmetic on the config and the model's own stage split (``llama_arch.rank_summ
 from __future__ import annotations
 
 from nanotrain.config import Config
-from nanotrain.models import llama_activations, llama_arch
+from nanotrain.models import llama_arch, llama_parallelize_costs
 
 
 def tp_collectives_per_layer(recompute: str) -> int:
@@ -49,7 +49,7 @@ def _rank_traffic(config: Config, pp_rank: int, rank: llama_arch.RankSummary) ->
     acc = t.batch_accumulation_per_replica
     local = t.micro_batch_size * (t.sequence_length // p.cp)  # tokens of one micro-batch on one rank
     layer_ids = rank.layers
-    c = llama_activations.compute_bytes(m)  # the wire's dtype: bf16 under autocast, else fp32
+    c = llama_parallelize_costs.compute_bytes(m)  # the wire's dtype: bf16 under autocast, else fp32
     activation = local * m.hidden_size * c  # one micro-batch on one rank
     ring = lambda group: 2 * (group - 1) / group  # noqa: E731 - of the bytes, per rank
     tp_ops = tp_collectives_per_layer(t.recompute) * len(layer_ids)

@@ -8,7 +8,7 @@ own cost-balanced split, ``llama_arch.rank_blocks``), and the largest total is r
 - gradients: fp32 (accumulated in fp32 across micro-batches);
 - optimizer: AdamW exp_avg + exp_avg_sq in fp32, divided by dp*cp under ZeRO-1;
 - activations: what autograd keeps per layer in this implementation, for ``training.recompute``
-  (``llama_activations.activation_bytes_per_layer``, measured by ``benchmarks/memory.py``), times the
+  (``llama_parallelize_costs.activation_bytes_per_layer``, measured by ``benchmarks/memory.py``), times the
   micro-batches a stage holds at once (``micro_batches_in_flight``: all m for afab, pp - rank for
   1f1b, ((v+1)pp - 2 rank - 1)/v interleaved); the last stage adds the head's saved tensors
   (final norm, fp32 logits): once (its virtual stage runs each backward right after the
@@ -17,7 +17,8 @@ own cost-balanced split, ``llama_arch.rank_blocks``), and the largest total is r
   the layers' backward begins; plus, under recompute, the one layer
   (one micro-batch) whose dropped tensors backward recomputes at a time.
 - MoE (``model.moe``): a rank holds num_experts/ep experts of each MoE layer; its extra activations
-  (k routed copies of each token, the experts' intermediates) are ``llama_activations.moe_extra_activation_bytes``.
+  (k routed copies of each token, the experts' intermediates) are
+  ``llama_parallelize_costs.moe_extra_activation_bytes``.
 It ignores allocator fragmentation, communication buffers and the CUDA context (~1-3 GB).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanotrain.config import Config
-from nanotrain.models import llama_activations, llama_arch
+from nanotrain.models import llama_arch, llama_parallelize_costs
 
 GB = 1024**3
 # No accelerator holds this much (the largest have ~300 GB): an estimate above it means a model
@@ -103,14 +104,14 @@ def _per_layer_bytes(config: Config) -> dict[str, float]:
     p, t, mdl = config.parallelism, config.training, config.model
     common = dict(tp=p.tp, tp_mode=p.tp_mode, cp=p.cp)
     local = t.sequence_length // p.cp
-    out = {f"layer/{mode}": llama_activations.activation_bytes_per_layer(
+    out = {f"layer/{mode}": llama_parallelize_costs.activation_bytes_per_layer(
         mdl, t.sequence_length, t.micro_batch_size, recompute=mode, cpu=config.slurm.gpus_per_node == 0, **common)
         for mode in {"none", t.recompute}}
     if mdl.moe:
-        out.update({f"moe/{mode}": llama_activations.moe_extra_activation_bytes(
+        out.update({f"moe/{mode}": llama_parallelize_costs.moe_extra_activation_bytes(
             mdl, t.sequence_length, t.micro_batch_size, recompute=mode, **common) for mode in {"none", t.recompute}})
-    out["head"] = llama_activations.head_saved_bytes(mdl, local, t.micro_batch_size, p.tp, p.tp_mode)
-    out["logits_grad"] = llama_activations.head_backward_bytes(mdl, local, t.micro_batch_size, p.tp)
+    out["head"] = llama_parallelize_costs.head_saved_bytes(mdl, local, t.micro_batch_size, p.tp, p.tp_mode)
+    out["logits_grad"] = llama_parallelize_costs.head_backward_bytes(mdl, local, t.micro_batch_size, p.tp)
     return out
 
 

@@ -47,7 +47,7 @@ from nanotrain.config import Config, ConfigError, validate
 from nanotrain.config.schema import MAX_WORLD
 from nanotrain.launch.comm_volume import cp_collectives_per_layer, tp_collectives_per_layer, traffic_bytes
 from nanotrain.launch.memory_estimate import estimate_memory
-from nanotrain.models import llama_arch
+from nanotrain.models import llama_arch, llama_parallelize_costs
 
 MARGIN = 0.10  # of the GPU's memory, kept free
 RESERVED_GB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation: outside the estimate
@@ -129,7 +129,7 @@ def step_time(config: Config, hw: Hardware) -> tuple[float, float, dict]:
     seq, b, acc = t.sequence_length, t.micro_batch_size, t.batch_accumulation_per_replica
     tokens = seq * global_batch(config)
     model_flops = llama_arch.training_flops_per_token(m, seq) * tokens
-    hardware_flops = llama_arch.hardware_flops_per_token(m, seq, t.recompute) * tokens  # with recompute
+    hardware_flops = llama_parallelize_costs.hardware_flops_per_token(m, seq, t.recompute) * tokens  # with recompute
     local = b * (seq // p.cp)  # tokens of one micro-batch on one rank: the matmuls' rows
     efficiency = hw.efficiency * local / (local + SMALL_MATMUL_TOKENS)
     compute = hardware_flops / (n * hw.peak_tflops * 1e12 * efficiency)
@@ -193,7 +193,7 @@ def candidates(config: Config, gpus: int, hw: Hardware):
             acc = batch // (dp * mbs)
             for engine, v in _engines(config, pp, acc):
                 for mode in ("ALL_REDUCE", "REDUCE_SCATTER") if tp > 1 else (config.parallelism.tp_mode,):
-                    for recompute in llama_arch.RECOMPUTE_MODES:
+                    for recompute in llama_parallelize_costs.RECOMPUTE_MODES:
                         for zero in (0, 1):
                             yield _layout(config, tp, cp, pp, dp, engine, v, mode, mbs, acc, recompute, zero)
 

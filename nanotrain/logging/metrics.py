@@ -29,7 +29,8 @@ from typing import Any, Callable, Optional, TextIO
 from nanotrain.config import config_to_dict
 from nanotrain.config.files import atomic_write_json
 from nanotrain.logging.flops import peak_bf16_tflops
-from nanotrain.models.llama_arch import hardware_flops_per_token, training_flops_per_token
+from nanotrain.models.llama_arch import training_flops_per_token
+from nanotrain.models.llama_parallelize_costs import hardware_flops_per_token
 
 PROGRESS_FILE = "progress.json"
 TB_DIR = "tb"
@@ -275,12 +276,17 @@ def is_logging_rank(parallel_context) -> bool:
             and pc.cp_rank == 0 and pc.ep_rank == 0)
 
 
-def metrics_logger_for(config, run_dir, parallel_context=None, *, device=None,
-                       start_step: int = 0) -> MetricsLogger:
+def metrics_logger_for(config, run_dir, parallel_context=None, *, device=None, start_step: int = 0,
+                       flops: Optional[tuple[float, float]] = None) -> MetricsLogger:
     """The logger a trainer wants, with every number derived from the resolved config.
 
-    `parallel_context=None` means a single process (always the logging rank)."""
+    `parallel_context=None` means a single process (always the logging rank). `flops`: the
+    (model, hardware) FLOPs per token read from the model (``ModelFamily.flops_per_token``);
+    None: the torch-free arithmetic's, which equals them (tests/test_model_twins.py)."""
     t, p = config.training, config.parallelism
+    if flops is None:
+        flops = (training_flops_per_token(config.model, t.sequence_length),
+                 hardware_flops_per_token(config.model, t.sequence_length, t.recompute))
     enabled = True if parallel_context is None else is_logging_rank(parallel_context)
     ratio = None
     if parallel_context is not None:
@@ -291,7 +297,6 @@ def metrics_logger_for(config, run_dir, parallel_context=None, *, device=None,
     return MetricsLogger(
         run_dir, config_to_dict(config), enabled, total_steps=t.train_steps,
         tokens_per_step=p.batch_replicas * t.micro_batch_size * t.batch_accumulation_per_replica * t.sequence_length,
-        flops_per_token=training_flops_per_token(config.model, t.sequence_length), device=device,
-        hardware_flops_per_token=hardware_flops_per_token(config.model, t.sequence_length, t.recompute),
+        flops_per_token=flops[0], device=device, hardware_flops_per_token=flops[1],
         world_size=p.world_size, log_interval=config.logging.log_interval,
         tensorboard=config.logging.tensorboard, start_step=start_step, step_time_ratio=ratio)

@@ -1,17 +1,18 @@
 """The Llama's arithmetic in one place: its pipeline blocks and what each costs and holds.
 
 Everything that reasons about the model without running it reads this module: the stage split
-(``LlamaModel`` declares its PipelineBlocks from ``pipeline_blocks``), the parameter count of
+(the pipeline step keeps each rank's ``pipeline_blocks``), the parameter count of
 every (tp, pp) rank, the FLOPs behind MFU (``logging``), the ``--dry-run`` memory estimate
-(``launch/memory_estimate.py``), checkpoint skeletons (``checkpoint/reshard.py``) and the config
--> constructor mapping (``model_kwargs``). A new block type (MoE layers) is described here once:
-its cost, its parameters per tp rank and its FLOPs (its activation bytes: ``llama_activations``).
+(``launch/memory_estimate.py``). A new block type (MoE layers) is described here once: its cost,
+its parameters per tp rank and its FLOPs (what the parallelize plan's options cost — activation
+bytes, recomputed FLOPs — is ``llama_parallelize_costs``).
 
 Pure Python on the config (no torch): the memory estimate of a 4096-rank plan runs in
 microseconds, before torch is imported. ``tests/test_llama_arch.py`` holds these numbers against
-the real ``LlamaModel`` on every stage for several (tp, pp, tied, padded vocabulary) layouts.
+the real model on every stage for several (tp, pp, tied, padded vocabulary) layouts.
 
-FLOPs (``training_flops_per_token``; ``hardware_flops_per_token`` adds recompute, for HFU).
+FLOPs (``training_flops_per_token``; ``llama_parallelize_costs.hardware_flops_per_token`` adds
+what backward reruns, for HFU).
 MFU is only comparable across codebases when the FLOP count is a property of the *model* (not of
 what this implementation happens to execute), so activation
 recomputation, padding of the vocabulary to a multiple of tp and the causal mask are deliberately
@@ -39,9 +40,9 @@ the parameter counts (memory, checkpoints) use all of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
-from nanotrain.config import Config, ModelArgs
+from nanotrain.config import ModelArgs
 from nanotrain.parallel.stage_split import Attach, split_stages
 
 
@@ -89,7 +90,7 @@ def _per_rank(features: int, tp: int, what: str) -> int:
 # ----------------------------------------------------------------------------- blocks
 @dataclass(frozen=True)
 class Block:
-    """One PipelineBlock of ``LlamaModel``, in model order.
+    """One pipeline block of ``LlamaModel`` (a top-level module or a decoder layer), in model order.
 
     ``name`` is the prefix of its parameters' names (``layers.7``); ``cost`` is its forward FLOPs
     per token, what the stage split balances (backward scales every block alike); ``attach``
@@ -118,7 +119,7 @@ def block_costs(args: ModelArgs) -> dict[str, int]:
 
 
 def pipeline_blocks(args: ModelArgs) -> list[Block]:
-    """The blocks ``LlamaModel`` declares, in order: embed, layers.0..L-1, final_norm, lm_head
+    """The blocks of ``LlamaModel``, in order: embed, layers.0..L-1, final_norm, lm_head
     (untied only). The whole head (norm, vocab projection, loss) is charged to final_norm, tied or
     not, so a tied and an untied model split alike."""
     cost = block_costs(args)
@@ -132,17 +133,17 @@ def pipeline_blocks(args: ModelArgs) -> list[Block]:
 
 
 def stage_blocks(args: ModelArgs, pp: int = 1, virtual_stages: int = 1) -> list[list[str]]:
-    """Block names of each virtual stage, exactly as ``place_blocks`` places them (stage ``s`` on
+    """Block names of each virtual stage, exactly as ``place_stages`` places them (stage ``s`` on
     pp rank ``s % pp``)."""
     blocks = pipeline_blocks(args)
     stages = split_stages([b.cost for b in blocks], [b.attach for b in blocks], pp, virtual_stages if pp > 1 else 1)
     return [[blocks[i].name for i in stage] for stage in stages]
 
 
-def rank_blocks(args: ModelArgs, pp: int = 1, pp_rank: int = 0, virtual_stages: int = 1) -> list[str]:
+def rank_blocks(args: ModelArgs, pp: int = 1, rank: int = 0, virtual_stages: int = 1) -> list[str]:
     """Blocks built on one pp rank: those of its chunks, plus — tied and pp > 1 — the embedding's
     replica that the last stage builds to serve as its LM head (``pipeline_parallel/tied.py``)."""
-    return list(every_rank_blocks(args, pp, virtual_stages)[pp_rank])
+    return list(every_rank_blocks(args, pp, virtual_stages)[rank])
 
 
 _MEMO: dict[tuple, object] = {}  # (what, _split_key) -> every_rank_blocks / rank_summaries / distinct_ranks
@@ -226,8 +227,8 @@ def distinct_ranks(args: ModelArgs, pp: int = 1, virtual_stages: int = 1) -> lis
 def _every_rank_blocks(args: ModelArgs, pp: int, virtual_stages: int) -> list[list[str]]:
     stages = stage_blocks(args, pp, virtual_stages)
     out = []
-    for pp_rank in range(pp):
-        names = [name for s in range(pp_rank, len(stages), pp) for name in stages[s]]
+    for rank in range(pp):
+        names = [name for s in range(rank, len(stages), pp) for name in stages[s]]
         if args.tie_word_embeddings and pp > 1 and "final_norm" in names and "embed" not in names:
             names.append("embed")
         out.append(names)
@@ -283,11 +284,11 @@ def block_parameters(args: ModelArgs, name: str, tp: int = 1, ep: int = 1) -> in
     raise ValueError(f"unknown block {name!r}")
 
 
-def stage_parameters(args: ModelArgs, tp: int = 1, pp: int = 1, pp_rank: int = 0, virtual_stages: int = 1,
+def stage_parameters(args: ModelArgs, tp: int = 1, pp: int = 1, rank: int = 0, virtual_stages: int = 1,
                      ep: int = 1) -> int:
     """``sum(p.numel() for p in model.parameters())`` of the model on one (tp, pp, ep) rank,
     tied replica included; every tp rank of a stage holds the same count (padding is even)."""
-    return sum(block_parameters(args, name, tp, ep) for name in rank_blocks(args, pp, pp_rank, virtual_stages))
+    return sum(block_parameters(args, name, tp, ep) for name in rank_blocks(args, pp, rank, virtual_stages))
 
 
 @dataclass(frozen=True)
@@ -347,48 +348,3 @@ def attention_flops_per_token(args: ModelArgs, seq_len: int) -> int:
 def training_flops_per_token(args: ModelArgs, seq_len: int) -> int:
     """Model FLOPs of one training token (forward + backward), PaLM convention; see module doc."""
     return 6 * parameter_count(args).matmul + attention_flops_per_token(args, seq_len)
-
-
-def hardware_flops_per_token(args: ModelArgs, seq_len: int, recompute: str = "none") -> int:
-    """FLOPs the hardware executes per training token, for HFU: the model FLOPs plus what
-    ``training.recompute`` runs again in backward — ``full`` one more forward of every decoder
-    layer (its matmuls ``2 * L * N_layer`` and attention ``4 * L * H * S``), ``selective`` the
-    attention core's forward (``4 * L * H * S``; the SwiGLU activation is elementwise, not counted)."""
-    model = training_flops_per_token(args, seq_len)
-    attention_forward = attention_flops_per_token(args, seq_len) // 3
-    if recompute == "full":
-        return model + 2 * args.num_layers * layer_matmul_parameters(args) + attention_forward
-    if recompute == "selective":
-        return model + attention_forward
-    return model
-
-
-# ----------------------------------------------------------------------------- recompute
-RECOMPUTE_MODES = ("none", "selective", "full")
-
-
-def check_recompute(mode: str) -> str:
-    """``mode`` if it is a ``training.recompute`` value, else ValueError naming the choices."""
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
-    return mode
-
-
-# ----------------------------------------------------------------------------- config -> model
-def model_kwargs(config: Config, pc: Optional[Any] = None) -> dict[str, Any]:
-    """``LlamaModel(**model_kwargs(config, pc), device=...)`` is this rank's model: its pp
-    stage(s) (``pp_virtual_stages`` chunks), its tp shards, its cp group.
-
-    ``pc`` is a ParallelContext or anything with its ``tp_pg``, ``pp_rank``, ``pp_size`` and
-    ``cp_pg`` (checkpoint skeletons pass stand-ins); None is one process. ``model.dtype`` is the
-    compute dtype (autocast) on every device, passed by name; weights, gradients and optimizer
-    states stay fp32. CPU autocast runs bf16 too (slower on most CPUs than fp32, but it is how
-    the GPU precision path is tested here)."""
-    p = config.parallelism
-    return dict(args=config.model, tp_pg=pc.tp_pg if pc is not None else None, mode=p.tp_mode,
-                async_communication=p.tp_linear_async_communication,
-                pp_rank=pc.pp_rank if pc is not None else 0, pp_size=pc.pp_size if pc is not None else 1,
-                virtual_stages=p.pp_virtual_stages, seed=config.training.seed,
-                compute_dtype=config.model.dtype, cp_pg=pc.cp_pg if pc is not None else None,
-                ep_pg=getattr(pc, "ep_pg", None) if pc is not None else None,
-                recompute=config.training.recompute, compile_layers=config.training.compile)

@@ -6,33 +6,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanotrain.config import ModelArgs
-from nanotrain.models.recompute import recomputed
-from nanotrain.parallel.tensor_parallel import (
-    TensorParallelColumnLinear,
-    TensorParallelLinearMode,
-    TensorParallelRowLinear,
-)
 
+class SwiGLU(nn.Module):
+    """``silu(gate) * up``: a module, so that a wrapper can run it again in backward instead of
+    keeping ``silu(gate)``."""
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The SwiGLU activation: what ``recompute: selective`` recomputes (silu(gate) is not kept)."""
-    return F.silu(gate) * up
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
 
 
 class MLP(nn.Module):
-    """SwiGLU with gate and up fused into one column linear (one collective instead of two), of
-    ``width`` features (``args.intermediate_size`` unless given; split over tp)."""
+    """SwiGLU of ``width`` features with gate and up fused into one linear (rows ``[gate | up]``;
+    one collective instead of two under tensor parallelism). The split of the fused output is
+    read from its width, so a tensor-parallel ``gate_up`` producing this rank's features needs
+    no other change."""
 
-    def __init__(self, args: ModelArgs, tp_pg, mode: TensorParallelLinearMode, async_comm: bool,
-                 selective: bool = False, width: int | None = None):
+    def __init__(self, hidden_size: int, width: int):
         super().__init__()
-        self.selective = selective
-        ffn = args.intermediate_size if width is None else width
-        self.gate_up = TensorParallelColumnLinear(args.hidden_size, 2 * ffn, tp_pg, mode,
-                                                  async_communication=async_comm, contiguous_chunks=(ffn, ffn))
-        self.down = TensorParallelRowLinear(ffn, args.hidden_size, tp_pg, mode, async_communication=async_comm)
+        self.gate_up = nn.Linear(hidden_size, 2 * width, bias=False)
+        self.act = SwiGLU()
+        self.down = nn.Linear(width, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(recomputed(swiglu, gate, up, enabled=self.selective))
+        return self.down(self.act(gate, up))

@@ -25,21 +25,11 @@ runs unchanged on the local tokens.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
+from nanotrain.parallel.sdpa import sdpa
 from nanotrain.parallel.tensor_parallel import gather_along_dim0, group_rank, group_size
-
-# SDPA takes grouped-query k/v (fewer heads than q) as they are from torch 2.5 on (``enable_gqa``).
-SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-    """Scaled dot-product attention over ``[B, heads, S, d]``; grouped-query k/v go in without
-    the per-head copy ``repeat_interleave`` makes (the caller repeats them on older torch)."""
-    if SDPA_GQA and k.shape[1] != q.shape[1]:
-        kwargs["enable_gqa"] = True
-    return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def cp_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -111,3 +101,29 @@ class ContextParallel:
             mask = causal_lower_right(chunk, visible)
             outputs.append(sdpa(part, k[:, :, :visible], v[:, :, :visible], attn_mask=mask))
         return torch.cat(outputs, dim=2)
+
+
+class ContextParallelKernel(nn.Module):
+    """The attention kernel under cp: this rank's two query chunks over the gathered keys and
+    values (``ContextParallel.attention``). No parameters, no communication: what selective
+    recompute redoes, as the plain causal kernel."""
+
+    def __init__(self, cp: ContextParallel):
+        super().__init__()
+        self.cp = cp
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.cp.attention(q, k, v)
+
+
+class GatherKV(nn.Module):
+    """Wraps an attention core (rotated ``q, k, v`` ``[S, B, heads, d]`` -> output): its keys and
+    values become the whole sequence's, gathered over cp in position order, before it runs."""
+
+    def __init__(self, core: nn.Module, cp: ContextParallel):
+        super().__init__()
+        self.inner, self.cp = core, cp
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = self.cp.gather_kv(k, v)
+        return self.inner(q, k, v)

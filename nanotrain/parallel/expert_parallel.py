@@ -23,8 +23,12 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from nanotrain.parallel.adopt import Adopting
 from nanotrain.parallel.collectives import all_to_all, all_to_all_single
+from nanotrain.parallel.sharding import row_shard_info, set_shard_info
+from nanotrain.parallel.tensor_parallel import group_rank, group_size
 
 
 def _ep_size(ep_pg) -> int:
@@ -63,3 +67,30 @@ def dispatch_to_experts(x: torch.Tensor, counts: list[int], ep_pg,
     out_local = experts(received.index_select(0, perm), per_expert)
     back = out_local.index_select(0, torch.argsort(perm))
     return all_to_all(back, send_splits, recv_splits, ep_pg)
+
+
+class ExpertParallel(Adopting):
+    """An experts module (``experts(rows, counts)``; stacked ``gate_up`` / ``down`` weights
+    ``[E, ...]``) cut to this rank's experts ``[r * E/ep, (r + 1) * E/ep)`` and wrapped in the
+    exchange of rows with the other ep ranks (``dispatch_to_experts``). Call on the meta device:
+    the stacked weights are replaced by this rank's slice, recorded on the expert axis ("ep") of
+    the full tensors, so checkpoints and resharding see one tensor per layer."""
+
+    def __init__(self, experts: nn.Module, ep_pg):
+        super().__init__(experts)
+        self.ep_pg = ep_pg
+        ep, rank = group_size(ep_pg), group_rank(ep_pg)
+        for stacked in experts.children():
+            weight = getattr(stacked, "weight", None)
+            if weight is None:
+                continue
+            full = tuple(weight.shape)
+            if full[0] % ep:
+                raise ValueError(f"{full[0]} experts cannot be split evenly over ep={ep}")
+            local = nn.Parameter(torch.empty((full[0] // ep, *full[1:]), device=weight.device, dtype=weight.dtype))
+            local.__dict__.update(weight.__dict__)  # marks set by earlier steps (sequence parallel) stay
+            set_shard_info(local, row_shard_info(full, 0, (full[0],), rank, ep, axis="ep"))
+            stacked.weight = local
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return dispatch_to_experts(x, counts, self.ep_pg, self.inner)

@@ -86,8 +86,8 @@ def _model_stand_ins():
     placements are recorded), then
     its counts, read back as zeros, become an equal share per expert; the count exchange's
     answer is every ep rank sending this rank's experts the same."""
-    from nanotrain.models import llama, moe
-    from nanotrain.parallel import context_parallel, expert_parallel
+    from nanotrain.models import moe
+    from nanotrain.parallel import context_parallel, expert_parallel, placement
 
     route, exchange = moe.route, expert_parallel.exchange_counts
 
@@ -105,9 +105,8 @@ def _model_stand_ins():
         local = len(counts) // ep
         return [counts[me * local:(me + 1) * local] for _ in range(ep)]
 
-    inits = {m: {"init_from_full_": _drawn_on_meta(m.init_from_full_)} for m in (llama, moe)
-             if hasattr(m, "init_from_full_")}
-    with _patched(moe, {"route": balanced_route, **inits.get(moe, {})}), _patched(llama, inits.get(llama, {})), \
+    inits = {"init_from_full_": _drawn_on_meta(placement.init_from_full_)}
+    with _patched(moe, {"route": balanced_route}), _patched(placement, inits), \
             _patched(expert_parallel, {"exchange_counts": copies}), \
             _patched(context_parallel, {"causal_lower_right": LowerRight, "sdpa": _sdpa_of(context_parallel.sdpa)}):
         yield
@@ -140,6 +139,20 @@ def _built_on(device, build_model):
         with torch.device(device):
             return build_model(*args, **kwargs)
     return build
+
+
+def _skeletons_uncounted(tracker: DeviceTracker):
+    """A model's meta skeleton (``placement.on_meta``) holds no memory on a GPU: not counted."""
+    from nanotrain.parallel import placement
+
+    on_meta = placement.on_meta
+
+    @contextlib.contextmanager
+    def uncounted_meta():
+        with on_meta(), tracker.uncounted():
+            yield
+
+    return _patched(placement, {"on_meta": uncounted_meta})
 
 
 def _others_arrive_at_once():
@@ -208,7 +221,7 @@ def rehearse_rank(config, rank: int, steps: int = 3, train_only: bool = False) -
             patches = {"train_step": train_step, "load_checkpoint": loads,
                        "build_model": _built_on(device, trainer_module.build_model)}
             with tracker, watch_tensor_factories(tracker), _world_of_copies(), _others_arrive_at_once(), \
-                    _model_stand_ins(), _patched(trainer_module, patches):
+                    _model_stand_ins(), _patched(trainer_module, patches), _skeletons_uncounted(tracker):
                 build_samplers(cfg, builder=True, needs_data=True)  # the token cache rank 0 would make
                 pc = build_parallel_context(cfg)
                 traffic.name_groups(pc)

@@ -66,6 +66,7 @@ class DeviceTracker(TorchDispatchMode):
         self.peak_total, self.peak = 0, dict(self.live)
         self.max_by_category = dict(self.live)
         self._storages: dict[int, list] = {}  # storage key -> [bytes, category]
+        self._paused = False
 
     # ------------------------------------------------------------------ labels
     @contextlib.contextmanager
@@ -76,6 +77,16 @@ class DeviceTracker(TorchDispatchMode):
             yield
         finally:
             self.label = before
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Allocations inside are not memory: a model's meta skeleton, which a run builds on the
+        meta device too (no storage there), while the rehearsal's device is meta itself."""
+        before, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = before
 
     def relabel(self, tensors, category: str) -> None:
         """The storages of ``tensors`` hold ``category`` (parameters, gradients, states)."""
@@ -137,6 +148,8 @@ class DeviceTracker(TorchDispatchMode):
         return t.untyped_storage()._cdata
 
     def _count(self, out) -> None:
+        if self._paused:
+            return
         for t in _tensors([out]):
             if t.device != self.device:
                 continue

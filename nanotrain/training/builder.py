@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from nanotrain.models import llama_arch
-from nanotrain.models.llama import LlamaModel
+from nanotrain.models.family import family_of
 from nanotrain.parallel.context import ParallelContext
+from nanotrain.parallel.model_part import ModelPart
 from nanotrain.parallel.pipeline_parallel import PipelineEngine
 
 
@@ -37,10 +37,10 @@ def build_parallel_context(config, timeout_s: Optional[float] = None) -> Paralle
                            context_parallel_size=p.cp, expert_parallel_size=p.ep, timeout_s=groups_s)
 
 
-def build_model(config, pc, device=None) -> LlamaModel:
-    """This rank's ``LlamaModel``: its pp stage(s) (``pp_virtual_stages`` chunks), its tp shards;
-    the mapping from the config is ``llama_arch.model_kwargs`` (one place for it)."""
-    return LlamaModel(**llama_arch.model_kwargs(config, pc), device=device)
+def build_model(config, pc, device=None) -> ModelPart:
+    """This rank's part of the model: the family's plain model parallelized by its plan (its pp
+    stage(s), tp shards, cp attention, ep experts, recompute, compile, compute dtype)."""
+    return family_of(config.model).build_part(config, pc, device)
 
 
 def build_engine(config, pc) -> Optional[PipelineEngine]:

@@ -35,7 +35,8 @@ from nanotrain.checkpoint.hf_import import load_hf_weights
 from nanotrain.config import Config
 from nanotrain.data import BatchPrefetcher, build_samplers
 from nanotrain.logging import metrics_logger_for
-from nanotrain.models.moe import step_scalars
+from nanotrain.logging.moe_stats import step_scalars
+from nanotrain.models.family import family_of
 from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups
 from nanotrain.parallel.context import ParallelContext
 from nanotrain.parallel.data_parallel import build_grad_sync
@@ -115,7 +116,7 @@ class DistributedTrainer:
                       "optimizer and step start fresh", flush=True)
 
         self.metrics = metrics_logger_for(config, self.run_dir, self.pc, device=self.device,
-                                          start_step=self.step)
+                                          start_step=self.step, flops=family_of(config.model).flops_per_token(config))
         self.votes = StopVote(stop_code, self.device)
         self.profiler = StepProfiler.from_config(t.profile, self.run_dir, self.pc.world_rank)  # None: off
 

@@ -13,11 +13,11 @@ def save_tiny(root: Path) -> Path:
     config stored (so it can be resharded); returns the step directory."""
     from nanotrain.checkpoint import save_checkpoint
     from nanotrain.config import Config, ModelArgs, OptimizerArgs
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
 
     config = Config(model=ModelArgs(**MODEL), optimizer=OptimizerArgs())
-    model = LlamaModel(config.model, None, seed=0)
+    model = build_llama(config.model, None, seed=0)
     opt = build_optimizer(model.named_parameters(), config.optimizer, zero_stage=0)
     sched = build_lr_scheduler(opt, config.optimizer, 10)
     return Path(save_checkpoint(root, 1, model, opt, sched, None, extra={"consumed_samples": 0}, config=config))

@@ -9,9 +9,9 @@ from helpers.models import MODEL, OPTIM, global_batch
 
 def tiny(seed: int = 0):
     """(model, optimizer, scheduler) of the tiny MODEL, one process, no parallelism."""
-    from nanotrain.models.llama import LlamaModel
+    from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
-    model = LlamaModel(MODEL, None, seed=seed)
+    model = build_llama(MODEL, None, seed=seed)
     opt = build_optimizer(model.named_parameters(), OPTIM, zero_stage=0)
     return model, opt, build_lr_scheduler(opt, OPTIM, 100)
 

@@ -1,7 +1,8 @@
-"""What one rank of the Llama keeps for backward, in bytes: per decoder layer (dense or MoE, each
-``training.recompute`` mode), the last stage's head and its logits. Split from ``llama_arch``
-(shapes, blocks, parameters, FLOPs), whose helpers it uses; the ``--dry-run`` memory estimate
-(``launch/memory_estimate.py``) sums these.
+"""What the Llama's parallelize plan (``llama_parallelize.py``) costs, torch-free: what one rank
+keeps for backward, in bytes, per decoder layer (dense or MoE, under tp, sequence parallelism,
+cp and each ``training.recompute`` mode), the last stage's head and its logits; and the FLOPs
+recompute adds (HFU). Built on ``llama_arch`` (shapes, blocks, parameters, model FLOPs); the
+``--dry-run`` memory estimate (``launch/memory_estimate.py``) and ``--plan`` sum these.
 
 What THIS implementation's autograd keeps (measured by benchmarks/memory.py with saved-tensor
 hooks, unique storages; tests/test_memory_measured.py holds it within 15%), not Megatron's
@@ -12,13 +13,40 @@ from __future__ import annotations
 
 from nanotrain.config import ModelArgs
 from nanotrain.models.llama_arch import (
-    check_recompute,
+    attention_flops_per_token,
     expert_ffn,
     head_dim,
+    is_moe_layer,
     kv_heads,
     layer_matmul_parameters,
+    training_flops_per_token,
     vocab_rows_per_rank,
 )
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def check_recompute(mode: str) -> str:
+    """``mode`` if it is a ``training.recompute`` value, else ValueError naming the choices."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+    return mode
+
+
+def hardware_flops_per_token(args: ModelArgs, seq_len: int, recompute: str = "none") -> int:
+    """FLOPs the hardware executes per training token, for HFU: the model FLOPs plus what
+    ``training.recompute`` runs again in backward — ``full`` one more forward of every decoder
+    layer (its matmuls, ``2 * N_layer`` each with an MoE layer's active weights, and attention
+    ``4 * L * H * S``), ``selective`` the attention core's forward (``4 * L * H * S``; the SwiGLU
+    activation is elementwise, not counted)."""
+    model = training_flops_per_token(args, seq_len)
+    attention_forward = attention_flops_per_token(args, seq_len) // 3
+    if recompute == "full":
+        layers = sum(layer_matmul_parameters(args, moe=is_moe_layer(args, i)) for i in range(args.num_layers))
+        return model + 2 * layers + attention_forward
+    if recompute == "selective":
+        return model + attention_forward
+    return model
 
 
 def compute_bytes(args: ModelArgs) -> int:

@@ -1,11 +1,12 @@
-"""Activation recomputation (``training.recompute``) and compiled layers (``training.compile``).
+"""Activation recomputation (``training.recompute``) and compiled layers (``training.compile``),
+applied to a built model from outside as wrappers (names and weights unchanged).
 
 ``none``       every op saves what its backward needs (the default).
-``selective``  two regions are recomputed in backward from tensors that are saved anyway: the
-               attention core (scaled dot-product attention of the rotated q, k, v: its output
-               and log-sum-exp are not kept) and the SwiGLU activation ``silu(gate) * up`` (its
-               ``silu(gate)`` product is not kept). The projections, norms and RoPE are not
-               recomputed: their saved tensors are the linears' inputs, which stay.
+``selective``  the model's parameterless kernels are recomputed in backward from tensors that are
+               saved anyway (``recompute_modules_``; for the Llama: the attention kernel, whose
+               output and log-sum-exp are not kept, and the SwiGLU activation, whose
+               ``silu(gate)`` is not kept). The projections, norms and RoPE are not recomputed:
+               their saved tensors are the linears' inputs, which stay.
 ``full``       each decoder layer keeps only its input (and the shared RoPE tables) and runs its
                forward again in backward (one extra forward of the layers: HFU > MFU).
 
@@ -29,10 +30,12 @@ import contextlib
 from typing import Callable, ContextManager
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nanotrain.models.compile_check import compile_backend_problem
 from nanotrain.parallel import accelerator
+from nanotrain.parallel.adopt import Adopting
+from nanotrain.parallel.compile_check import compile_backend_problem
 
 
 def recomputed(fn: Callable, *args: torch.Tensor, enabled: bool = True,
@@ -60,6 +63,29 @@ def _entered(factories):
         for make in factories:
             stack.enter_context(make())
         yield
+
+
+class Recomputed(Adopting):
+    """``inner`` whose forward is ``recomputed``: only its inputs are kept for backward. Names
+    are unchanged (``Adopting``). ``replay``: as for ``recomputed``."""
+
+    def __init__(self, inner: nn.Module, replay: Callable[[], ContextManager] | None = None):
+        super().__init__(inner)
+        self.replay = replay
+
+    def forward(self, *args):
+        return recomputed(self.inner, *args, replay=self.replay)
+
+
+def recompute_modules_(root: nn.Module, kinds: tuple[type, ...],
+                       replay: Callable[[], ContextManager] | None = None) -> int:
+    """Wrap, in place, every submodule of ``root`` that is an instance of ``kinds`` in
+    ``Recomputed``; returns how many were wrapped."""
+    targets = [(parent, name, child) for parent in root.modules() for name, child in parent.named_children()
+               if isinstance(child, kinds)]
+    for parent, name, child in targets:
+        setattr(parent, name, Recomputed(child, replay))
+    return len(targets)
 
 
 # ----------------------------------------------------------------------------- compile

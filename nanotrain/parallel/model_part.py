@@ -1,0 +1,118 @@
+"""ModelPart: this rank's part of a parallelized model, what the trainer, the engines, the
+optimizer and the checkpoints are handed.
+
+A plain model (``models/``) is cut and swapped by its family's parallelize plan; the part then
+adds what only a parallel run needs, around the model's own three forward pieces
+(``embed_tokens(ids)``, ``run_layers(hidden, names, positions)``, ``head(hidden, targets)``):
+
+* its pipeline chunks (``forward(..., chunk=c)`` runs one, as the engines call it);
+* the sequence layout: under context parallelism each rank keeps its zig-zag share of the ids
+  and targets and rotates its tokens at their global positions; under sequence parallelism the
+  hidden state between layers holds ``S / tp`` tokens while attention sees them all;
+* the compute dtype (autocast around the forward) and the message crossing stage boundaries.
+
+Parameter names are the plain model's (``Adopting``): ``layers.7.attn.qkv.weight`` here too.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from nanotrain.parallel import accelerator
+from nanotrain.parallel.adopt import Adopting
+from nanotrain.parallel.context_parallel import ContextParallel
+from nanotrain.parallel.pipeline_parallel import MessageSpec, ModelChunk
+from nanotrain.parallel.tensor_parallel import TensorParallelLinearMode, has_sequence_parallel_partial_grad
+
+
+class ModelPart(Adopting):
+    """``forward(input_ids [B, S], targets [B, S], hidden, chunk)`` runs one chunk: the hidden
+    state for the next stage, or on the last stage the mean token loss (fp32 scalar; the logits
+    without targets). Every cp rank is given the full ``[B, S]`` ids and targets."""
+
+    def __init__(self, model: nn.Module, chunks: tuple[ModelChunk, ...], *, cp: ContextParallel,
+                 sequence_shards: int = 1, mode: TensorParallelLinearMode = TensorParallelLinearMode.ALL_REDUCE,
+                 async_communication: bool = False, compute_dtype: Optional[torch.dtype] = None):
+        super().__init__(model)
+        self.chunks, self.cp, self.sequence_shards = chunks, cp, sequence_shards
+        self.mode, self.async_communication = mode, async_communication
+        self.compute_dtype = compute_dtype
+
+    # ------------------------------------------------------------------ what the model is
+    @property
+    def args(self):
+        return self.inner.args
+
+    @property
+    def moe_state(self):
+        return self.inner.moe_state
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def begin_step(self, microbatches: int) -> None:
+        self.inner.begin_step(microbatches)
+
+    def sequence_parallel_params(self) -> list[nn.Parameter]:
+        """Params replicated over tp whose gradients are partial sums under REDUCE_SCATTER."""
+        return [p for p in self.parameters() if has_sequence_parallel_partial_grad(p)]
+
+    @property
+    def residual_dtype(self) -> torch.dtype:
+        """dtype of the hidden states between layers and stages: the compute dtype under
+        autocast (bf16: half the activation memory and pipeline bytes, as Megatron and nanotron),
+        else the parameters' dtype."""
+        if self.compute_dtype not in (None, torch.float32):
+            return self.compute_dtype
+        return next(self.parameters()).dtype
+
+    def pipeline_message(self, micro_batch_size: int, sequence_length: int) -> MessageSpec:
+        """What crosses every pipeline stage boundary for micro-batches of ``[B, S]`` tokens:
+        this rank's hidden state ``[S / cp (/ tp under sequence parallelism), B, H]``."""
+        seq = sequence_length // self.cp.size // self.sequence_shards
+        return MessageSpec((seq, micro_batch_size, self.args.hidden_size), self.residual_dtype)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+        device = self.device
+        _check_input("input_ids", input_ids, device, integer=True)
+        _check_input("targets", targets, device, integer=True)
+        _check_input("hidden", hidden, device, integer=False)
+        if self.compute_dtype in (None, torch.float32):
+            return self._forward(input_ids, targets, hidden, chunk)
+        with accelerator.autocast(device.type, dtype=self.compute_dtype):
+            return self._forward(input_ids, targets, hidden, chunk)
+
+    def _forward(self, input_ids, targets, hidden, chunk: int) -> torch.Tensor:
+        part, model = self.chunks[chunk], self.inner
+        if part.is_first:
+            hidden = model.embed_tokens(self.cp.local(input_ids)).to(self.residual_dtype)
+        layers = [name.split(".", 1)[1] for name in part.blocks if name.startswith("layers.")]
+        hidden = model.run_layers(hidden, layers, self._positions(hidden))
+        if not part.is_last:
+            return hidden
+        return model.head(hidden, None if targets is None else self.cp.local(targets))
+
+    def _positions(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Global positions of the tokens attention sees on this rank: the whole sequence's
+        (hidden holds ``S / cp / sequence_shards`` of them), or its cp share."""
+        seq = hidden.shape[0] * self.sequence_shards * self.cp.size
+        if self.cp.enabled:
+            return self.cp.positions(seq, hidden.device)
+        return self.inner.default_positions(seq, hidden.device)
+
+
+def _check_input(name: str, tensor: torch.Tensor | None, device: torch.device, integer: bool) -> None:
+    """The model's entry contract (host metadata only, no sync): inputs already on the model's
+    device — on a GPU a CPU batch would otherwise fail deep inside an embedding or the loss."""
+    if tensor is None:
+        return
+    if tensor.device != device:
+        raise RuntimeError(f"LlamaModel: {name} is on {tensor.device}, the model on {device}; move "
+                           f"batches to the device first (the trainer's BatchPrefetcher does)")
+    if integer and tensor.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"LlamaModel: {name} must be int64/int32 token ids, got {tensor.dtype}")
