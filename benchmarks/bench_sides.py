@@ -32,6 +32,7 @@ class Ours:
         self.bench, self.micro = bench, micro
         self.pc = pc or ParallelContext(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp)
         self.args = model_args(spec)
+        self.pp, self.v = pp, v
         self.model = build_llama(self.args, self.pc.tp_pg, mode=mode, pp_rank=self.pc.pp_rank, pp_size=pp,
                                 virtual_stages=v, seed=SEED)
         self.grad_sync = BucketedGradSync(list(self.model.parameters()), self.pc.dp_cp_pg)
@@ -47,8 +48,12 @@ class Ours:
                           OPTIM["clip_grad"], self.engine).loss
 
     def layer_stages(self) -> dict[int, int]:
-        """Virtual stage of every decoder layer (known on every rank), for the native split."""
-        return {int(i): block.virtual_stage for i, block in self.model.layers.items()}
+        """Virtual stage of every decoder layer (the split the model was cut by, computed for every
+        rank from the config), for the native split."""
+        from nanotrain.models.llama_arch import stage_blocks
+
+        return {int(name.split(".")[1]): stage for stage, blocks in enumerate(stage_blocks(self.args, self.pp, self.v))
+                for name in blocks if name.startswith("layers.")}
 
 
 # ------------------------------------------------------------------------------- native side

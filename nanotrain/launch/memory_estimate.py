@@ -1,7 +1,7 @@
 """Per-GPU memory estimate for `--dry-run`: will this layout fit before we wait in the queue?
 
 Pure arithmetic on the config (a 512-node plan takes microseconds). The estimate is for the
-busiest rank: each pipeline rank's blocks are those ``place_blocks`` builds there (the model's
+busiest rank: each pipeline rank's blocks are those the pipeline step keeps there (the model's
 own cost-balanced split, ``llama_arch.rank_blocks``), and the largest total is reported.
 - weights: fp32 master copy (the bf16 copies autocast makes are saved for backward: they are
   counted in the activations, per micro-batch in flight);
@@ -56,7 +56,7 @@ class MemoryEstimate:
 def stage_parameters(config: Config, pp_rank: int | None = None) -> tuple[int, int]:
     """Parameters held by one tp (and ep) rank of pipeline rank ``pp_rank`` (default: the
     busiest, ``busiest_stage``), and that rank's decoder-layer count: the blocks
-    ``place_blocks`` builds there (``llama_arch.rank_blocks``, the model's own split)."""
+    the pipeline step keeps there (``llama_arch.rank_blocks``, the model's own split)."""
     p = config.parallelism
     r = busiest_stage(config) if pp_rank is None else pp_rank
     rank = llama_arch.rank_summaries(config.model, p.pp, p.pp_virtual_stages)[r]

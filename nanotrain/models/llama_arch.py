@@ -5,7 +5,7 @@ Everything that reasons about the model without running it reads this module: th
 every (tp, pp) rank, the FLOPs behind MFU (``logging``), the ``--dry-run`` memory estimate
 (``launch/memory_estimate.py``). A new block type (MoE layers) is described here once: its cost,
 its parameters per tp rank and its FLOPs (what the parallelize plan's options cost — activation
-bytes, recomputed FLOPs — is ``llama_parallelize_costs``).
+bytes, FLOPs rerun in backward — is ``llama_parallelize_costs``).
 
 Pure Python on the config (no torch): the memory estimate of a 4096-rank plan runs in
 microseconds, before torch is imported. ``tests/test_llama_arch.py`` holds these numbers against

@@ -1,6 +1,6 @@
 """The pipeline stage split as pure arithmetic (no torch), so that code which only plans — the
 model's parameter count per stage (``models/llama_arch.py``), the ``--dry-run`` memory estimate —
-computes exactly the split ``place_blocks`` builds, without importing torch or building a model.
+computes exactly the split ``place_stages`` makes, without importing torch or building a model.
 
 It lives beside ``grid.py`` rather than in ``pipeline_parallel/`` because importing anything from
 that package imports torch (its ``__init__`` exports the engine and P2P).

@@ -206,7 +206,7 @@ class PipelineEngine:
     """``PipelineEngine("1f1b", pc.pp_pg)``; ``forward_backward(model, microbatches, grad_sync, message)``.
 
     The model is this rank's part of a pipeline-built model: ``model.chunks`` (``ModelChunk``s,
-    see ``block.py``) and ``model(input_ids=, targets=, hidden=, chunk=)`` running one chunk.
+    see ``stages.py``; a ``ModelPart``) and ``model(input_ids=, targets=, hidden=, chunk=)`` running one chunk.
     ``message`` is the ``MessageSpec`` of what crosses every stage boundary (the model's
     ``pipeline_message(micro_batch_size, sequence_length)``): receivers allocate from it, so no
     shape travels on the wire and no host sync happens per message (see ``p2p.py``).
