@@ -8,5 +8,6 @@
 * ``runs`` — CLI runs of the tiny config, and the reference runs shared by several test files;
 * ``cli`` — ``run_cli``: submit.py's command line called in-process, its output captured;
 * ``processes`` — a running job seen from outside: its step, a rank's pid, its latest checkpoint;
-* ``checkpoints`` — the one-process tiny model, a training step of it, damage to a saved file.
+* ``checkpoints`` — the one-process tiny model, a training step of it, damage to a saved file;
+* ``compat`` — the checkpoint fixture of an older format: its parts, its run, a parameter digest.
 """
