@@ -2,7 +2,7 @@
 """Thin entry point: `python submit.py CONFIG [--dry-run] [--emit DIR] [--local] [--set k=v ...]`."""
 import sys
 
-from nanotrain.launch.entry import main  # standard library only: stop signals are held first
+from nanotrain.commands.entry import main  # standard library only: stop signals are held first
 
 if __name__ == "__main__":
     sys.exit(main())

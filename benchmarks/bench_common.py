@@ -38,7 +38,7 @@ def drop_dtensor_caches() -> None:
 
     Why: their entries hold DTensor specs, the specs hold the DeviceMesh, and the mesh holds its
     process groups, so a job's groups would outlive ``destroy_process_group()`` and be torn down
-    during interpreter shutdown (see ``nanotrain.parallel.context.destroy_process_groups``)."""
+    during interpreter shutdown (see ``nanotrain.parallel.parallel_context.destroy_process_groups``)."""
     from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
@@ -59,7 +59,7 @@ def preimport() -> None:
     import importlib
 
     for name in ("nanotrain.models.llama", "nanotrain.training.step", "nanotrain.optim", "nanotrain.checkpoint",
-                 "nanotrain.parallel.context", "nanotrain.parallel.data_parallel",
+                 "nanotrain.parallel.parallel_context", "nanotrain.parallel.data_parallel",
                  "nanotrain.parallel.pipeline_parallel", "native_llama", "torch.distributed.device_mesh",
                  "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.distributed.pipelining",
                  "torch.distributed.fsdp", "torch.distributed._composable.replicate_with_fsdp",

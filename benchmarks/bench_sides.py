@@ -25,8 +25,8 @@ class Ours:
                  spec: dict = MODEL, pc=None):
         from nanotrain.models.llama_parallelize import build_llama
         from nanotrain.optim import build_lr_scheduler, build_optimizer
-        from nanotrain.parallel.context import ParallelContext
         from nanotrain.parallel.data_parallel import BucketedGradSync
+        from nanotrain.parallel.parallel_context import ParallelContext
         from nanotrain.parallel.pipeline_parallel import PipelineEngine
 
         self.bench, self.micro = bench, micro

@@ -68,7 +68,7 @@ def _worker(opts) -> None:
     import torch.distributed as dist
 
     from nanotrain.checkpoint import load_checkpoint, save_checkpoint
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
 
     pc = ParallelContext(tensor_parallel_size=opts.tp, data_parallel_size=opts.dp)
     model, optimizer, scheduler = _build(bench_config(opts.model, opts.dp, opts.tp, opts.zero), pc)

@@ -37,8 +37,8 @@ from bench_launch import entry, run_workers, same_loss  # noqa: E402
 from nanotrain.config import ModelArgs, OptimizerArgs  # noqa: E402
 from nanotrain.models.llama_parallelize import build_llama  # noqa: E402
 from nanotrain.optim import build_lr_scheduler, build_optimizer  # noqa: E402
-from nanotrain.parallel.context import ParallelContext, destroy_process_groups  # noqa: E402
 from nanotrain.parallel.data_parallel import BucketedGradSync  # noqa: E402
+from nanotrain.parallel.parallel_context import ParallelContext, destroy_process_groups  # noqa: E402
 from nanotrain.training.step import train_step  # noqa: E402
 
 MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=4, num_attention_heads=8,

@@ -11,7 +11,7 @@ threads were torn down inside interpreter shutdown, or not at all. One launch in
 enough to fail a SLURM job or a CI run; a single clean run proves nothing.
 
 Launches alternate between the two kinds of rank code (one launcher starts both):
-``trainer``: ``submit.py --local`` (``run_local`` + ``nanotrain.launch.task``: smoke step, two
+``trainer``: ``submit.py --local`` (``run_local`` + ``nanotrain.runtime.task``: smoke step, two
 training steps, the final checkpoint, ``pc.destroy()``) on ``configs/tiny_cpu.yaml``;
 ``benchmark``: the benchmark workers (``vs_native.py``'s jobs dp2, tp2_ar, pp2_1f1b with one
 step per side; ``context_parallel.py``'s cp2 layout), started by the same launcher
@@ -43,8 +43,8 @@ LEAK = "still referenced after destroy"
 def trainer_launch(layout: str, tmp: Path, i: int, timeout_s: float) -> tuple[str, str]:
     """`submit.py --local` of the tiny config at this layout; returns (outcome, log text)."""
     from nanotrain.config import load_config
-    from nanotrain.launch import rundir
     from nanotrain.launch.local import run_local, task_command
+    from nanotrain.runtime import rundir
 
     sizes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, **LAYOUTS[layout]}
     sets = [f"parallelism.{k}={v}" for k, v in sizes.items()] + [

@@ -8,7 +8,7 @@
 #   1. versions       (cap  30 s) Python, torch, CUDA, cuDNN, NCCL, the GPUs, `nvidia-smi -L`,
 #                     the packages the trainer imports;
 #   2. gpu-tests      (cap  75 s) pytest -m gpu tests/test_gpu.py;
-#   3. trainer        (cap 150 s, 60 s a run) `python -m nanotrain.launch.task` at world size 1 on a
+#   3. trainer        (cap 150 s, 60 s a run) `python -m nanotrain.runtime.task` at world size 1 on a
 #                     ~0.18 B Llama (bf16, ZeRO-1, seq 2048, the stdlib corpus): an uninterrupted run
 #                     of 3S steps; S steps with a sync save, resumed (fused AdamW state loaded) to 2S
 #                     with async saves, resumed again from the async save to 3S: the resumed losses

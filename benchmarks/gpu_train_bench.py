@@ -70,8 +70,8 @@ def main() -> int:
     from nanotrain.models.llama_arch import parameter_count, training_flops_per_token
     from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
-    from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.data_parallel import BucketedGradSync
+    from nanotrain.parallel.parallel_context import ParallelContext
     from nanotrain.training.step import train_step
 
     if not torch.cuda.is_available() and not opts.cpu_smoke:

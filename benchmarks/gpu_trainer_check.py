@@ -16,7 +16,7 @@ temporary folder. Exit 0 only when every stage that ran passed (skipped and unav
    trainer imports. In a subprocess: this driver never creates a CUDA context, which would hold
    memory on GPU 0 beside the runs it measures.
 2. gpu-tests: ``pytest -m gpu tests/test_gpu.py`` (skipped by --cpu-smoke: every test needs CUDA).
-3. trainer: ``python -m nanotrain.launch.task`` at world size 1 (the module run as ``__main__``
+3. trainer: ``python -m nanotrain.runtime.task`` at world size 1 (the module run as ``__main__``
    by runpy, in a process that reads the CUDA allocator's peaks when it ends), the first job's
    settings (bf16, ZeRO-1, fused AdamW, tp_mode ALL_REDUCE, its env) on a 0.18 B Llama, sequence 2048, the
    stdlib corpus, a constant learning rate after warm-up (so a run extended by a resume follows
@@ -545,7 +545,7 @@ def stage_trainer(check: Check, deadline: float) -> dict:
 
 def memory_report(run: dict, config_path: Path) -> dict:
     from nanotrain.config import load_config
-    from nanotrain.launch.memory_estimate import GB, estimate_memory
+    from nanotrain.estimate.memory import GB, estimate_memory
 
     m = run.get("memory", {})
 
@@ -564,7 +564,7 @@ def memory_report(run: dict, config_path: Path) -> dict:
 
 
 def task_with_memory(config: str, memory_out: Path) -> None:
-    """``python -m nanotrain.launch.task CONFIG``, run as ``__main__`` as ``-m`` does, in a
+    """``python -m nanotrain.runtime.task CONFIG``, run as ``__main__`` as ``-m`` does, in a
     process that then writes the CUDA allocator's peaks (allocated, reserved) and the highest
     device-wide use ``mem_get_info`` saw (sampled: context, NCCL buffers, the allocator's
     reserve) to ``memory_out`` — numbers the trainer's own metrics do not hold."""
@@ -588,11 +588,11 @@ def task_with_memory(config: str, memory_out: Path) -> None:
 
     if torch.cuda.is_available():
         threading.Thread(target=sample, name="gpu-check-memory", daemon=True).start()
-    sys.argv = ["nanotrain.launch.task", config]
+    sys.argv = ["nanotrain.runtime.task", config]
     # forked (--cpu-smoke) from a process that imported the task module already: runpy says so
-    warnings.filterwarnings("ignore", "'nanotrain.launch.task' found in sys.modules", RuntimeWarning)
+    warnings.filterwarnings("ignore", "'nanotrain.runtime.task' found in sys.modules", RuntimeWarning)
     try:
-        runpy.run_module("nanotrain.launch.task", run_name="__main__", alter_sys=True)
+        runpy.run_module("nanotrain.runtime.task", run_name="__main__", alter_sys=True)
     finally:
         done.set()
         stats = {"device": "cpu", "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

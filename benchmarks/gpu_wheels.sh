@@ -9,7 +9,7 @@
 #
 # The GPU machine has Python 3.12 with torch, numpy, PyYAML, safetensors, tensorboard, pytest and
 # transformers (so typing-extensions), but not:
-# * submitit: `nanotrain.launch.task` and the CLI import it. cloudpickle, its other dependency,
+# * submitit: `nanotrain.runtime.task` and the CLI import it. cloudpickle, its other dependency,
 #   comes along too (20 kB): the check then never depends on whether the image happens to hold it.
 # * datasets: not carried. Its wheels with pyarrow, pandas, dill, multiprocess and xxhash are 66 MB,
 #   past what a run carries (64 MiB), and the trainer needs it only to tokenise a corpus that has no

@@ -58,13 +58,13 @@ def prepare(size: str, ckpt_root: str) -> dict:
 
 
 def export(ckpt_root: str, out: str, dtype: str) -> dict:
-    from nanotrain.checkpoint.hf_export import export_hf
+    from nanotrain.hf.export import export_hf
     result = export_hf(ckpt_root, out, dtype)
     return {"seconds": result["seconds"], "bytes": result["bytes"], "peak_mb": _peak_mb()}
 
 
 def import_(size: str, hf_dir: str) -> dict:
-    from nanotrain.checkpoint.hf_import import load_hf_weights
+    from nanotrain.hf.import_weights import load_hf_weights
     from nanotrain.models.llama_parallelize import build_llama
 
     args = _args(size)

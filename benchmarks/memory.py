@@ -37,10 +37,10 @@ sys.path.insert(0, str(ROOT))
 from bench_launch import entry, run_workers  # noqa: E402
 
 from nanotrain.config import load_config  # noqa: E402
-from nanotrain.launch.memory_estimate import GB, estimate_memory  # noqa: E402
+from nanotrain.estimate.memory import GB, estimate_memory  # noqa: E402
 from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups  # noqa: E402
-from nanotrain.parallel.context import destroy_process_groups  # noqa: E402
 from nanotrain.parallel.data_parallel import build_grad_sync  # noqa: E402
+from nanotrain.parallel.parallel_context import destroy_process_groups  # noqa: E402
 from nanotrain.training.builder import build_engine, build_model, build_parallel_context  # noqa: E402
 from nanotrain.training.step import train_step  # noqa: E402
 

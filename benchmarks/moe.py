@@ -36,8 +36,8 @@ from nanotrain.config import ModelArgs, MoEArgs, OptimizerArgs  # noqa: E402
 from nanotrain.logging.moe_stats import step_scalars  # noqa: E402
 from nanotrain.models.llama_parallelize import build_llama  # noqa: E402
 from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups  # noqa: E402
-from nanotrain.parallel.context import ParallelContext, destroy_process_groups  # noqa: E402
 from nanotrain.parallel.data_parallel import build_grad_sync  # noqa: E402
+from nanotrain.parallel.parallel_context import ParallelContext, destroy_process_groups  # noqa: E402
 from nanotrain.training.step import train_step  # noqa: E402
 
 MOE = dict(num_experts=8, top_k=2, expert_intermediate_size=256, aux_loss_coef=0.01)

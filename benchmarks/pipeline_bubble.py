@@ -77,7 +77,7 @@ def run_config(pc, engine_name: str, m: int, steps: int, warmup: int) -> dict:
 
 def worker(payload: dict) -> list:
     """One rank of a launch: every (engine, m) config at pp = world size, in turn."""
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
 
     torch.set_num_threads(1)
     configs, steps, warmup = payload["configs"], payload["steps"], payload["warmup"]

@@ -41,8 +41,8 @@ def worker(dp: int, tp: int, mode: str, async_comm: bool, steps: int, warmup: in
     from nanotrain.config import load_config
     from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
-    from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.data_parallel import BucketedGradSync
+    from nanotrain.parallel.parallel_context import ParallelContext
     from nanotrain.training.step import train_step
 
     torch.set_num_threads(1)

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanotrain.parallel.context import ParallelContext
+from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.parallel.tensor_parallel import TensorParallelColumnLinear, TensorParallelRowLinear
 
 

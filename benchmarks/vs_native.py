@@ -172,7 +172,7 @@ def worker(job: str, reps: int, steps: int, warmup: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from nanotrain.parallel.context import destroy_process_groups
+    from nanotrain.parallel.parallel_context import destroy_process_groups
 
     torch.set_num_threads(1)
     os.environ["NANOTRAIN_BENCH_JOB"] = job

@@ -7,7 +7,7 @@ SRC: a run directory (its latest complete checkpoint), a checkpoints root, or on
 directory, saved at any (dp, tp, pp, cp, ZeRO stage). OUT_DIR (apart from the checkpoint: not it,
 not inside it, not holding it) then loads with ``LlamaForCausalLM.from_pretrained(OUT_DIR)`` and
 ``AutoTokenizer.from_pretrained(OUT_DIR)``. A wrong input is one ``error:`` line and exit status 2,
-before anything is written. The work is ``nanotrain.checkpoint.hf_export`` (streamed tensor by
+before anything is written. The work is ``nanotrain.hf.export`` (streamed tensor by
 tensor; see its docstring).
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _main(argv: list[str] | None) -> int:
     plan_export(args.src, args.out_dir, args.dtype)  # every check that needs no torch, first
     # Imported only now: the tensor code costs seconds of torch import, which a wrong argument
     # must not wait for (export_hf repeats the checks above: they read meta.json only).
-    from nanotrain.checkpoint.hf_export import export_hf
+    from nanotrain.hf.export import export_hf
 
     result = export_hf(args.src, args.out_dir, args.dtype, max_shard)
     print(f"exported {result['checkpoint']} -> {args.out_dir}: {len(result['files'])} weight file(s), "

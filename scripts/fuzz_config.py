@@ -53,9 +53,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from fuzzing.harness import HANG_S, LIMIT_S, Outcome, run_main, run_process, verdict  # noqa: E402,F401
 from fuzzing.suite import CATEGORIES, run_suite  # noqa: E402
 
+from nanotrain.commands.cli import main as cli_main  # noqa: E402
 from nanotrain.config.cli_args import ArgParser, answer, non_negative_int  # noqa: E402
 from nanotrain.config.loader import sections  # noqa: E402
-from nanotrain.launch.cli import main as cli_main  # noqa: E402
 
 _BOMB = "[&a [l, l, l, l, l, l, l, l, l], " + ", ".join(
     f"&{b} [{', '.join([f'*{a}'] * 9)}]" for a, b in zip("abcdefgh", "bcdefghi")) + "]"

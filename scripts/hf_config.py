@@ -13,9 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanotrain.checkpoint.hf_dir import HFError, open_hf_dir  # noqa: E402
 from nanotrain.config.cli_args import ArgParser, answer  # noqa: E402
 from nanotrain.config.paths import DIR, check_path  # noqa: E402
+from nanotrain.hf.directory import HFError, open_hf_dir  # noqa: E402
 from nanotrain.models import hf_llama  # noqa: E402
 
 

@@ -250,7 +250,7 @@ def same_topology_round_trip(pc, root: str, zero: int, damaged_file: str, how: s
 
 
 def launch_dp2_tp2(root: str) -> dict:
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
     pc = ParallelContext(tensor_parallel_size=2, data_parallel_size=2)
     out = {}
     # ZeRO-1: rank 3 (dp1, tp1) alone reads this optimizer range; ZeRO-0: tp rank 1 reads its model shard.
@@ -282,7 +282,7 @@ def reshard_load(pc, src_root: str, zero: int, out_root: str, offline_root: str 
 
 
 def launch_reshard(src_root: str, dp: int, tp: int, zero: int, out_root: str, offline_root=None) -> dict:
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
     pc = ParallelContext(tensor_parallel_size=tp, data_parallel_size=dp)
     out = reshard_load(pc, src_root, zero, out_root, offline_root)
     pc.destroy()
@@ -290,7 +290,7 @@ def launch_reshard(src_root: str, dp: int, tp: int, zero: int, out_root: str, of
 
 
 def launch_single(root: str, src_root: str, out_root: str, pp_root: str) -> dict:
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
     pc = ParallelContext()
     out = {"round_trip": same_topology_round_trip(pc, root, 0, "model/pp-00_tp-00.safetensors", "flip"),
            "reshard": reshard_load(pc, src_root, 0, out_root),
@@ -302,7 +302,7 @@ def launch_single(root: str, src_root: str, out_root: str, pp_root: str) -> dict
 def launch_dp2_pp2_tied(root: str) -> dict:
     """Pipeline (1f1b) with the tied embedding replicated on the last stage, ZeRO-1 over dp: the
     replica's optimizer ranges differ from the original's, both are saved; same-topology exact."""
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
     pc = ParallelContext(pipeline_parallel_size=2, data_parallel_size=2)
     out = same_topology_round_trip(pc, root, 1, "optimizer/pp-01_tp-00_dp-01.safetensors", "flip", args=TIED)
     pc.destroy()
@@ -312,7 +312,7 @@ def launch_dp2_pp2_tied(root: str) -> dict:
 def launch_killed_while_saving(root: str) -> None:
     """tp2: step 1 saved; rank 1 dies (SIGKILL) right after writing its first shard of step 2."""
     from nanotrain.checkpoint import format as fmt
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
     pc = ParallelContext(tensor_parallel_size=2)
     run = setup(pc, 0)
     steps(run, pc, 0, 1)

@@ -8,8 +8,8 @@ import itertools
 
 import pytest
 
-from nanotrain.launch import flags
-from nanotrain.launch.cli import build_parser, main
+from nanotrain.commands import flags
+from nanotrain.commands.cli import build_parser, main
 
 PARSER = build_parser()
 ACTIONS = [a for a in PARSER._actions if a.dest != "help"]

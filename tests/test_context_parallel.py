@@ -38,7 +38,7 @@ def test_sequence_not_divisible_is_an_error():
 
 def model_outputs(cp: int, tp: int) -> dict:
     from nanotrain.models.llama_parallelize import build_llama
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
 
     pc = ParallelContext(tensor_parallel_size=tp, context_parallel_size=cp)
     ids = torch.randint(0, ARGS["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
@@ -94,7 +94,7 @@ def test_cp_model_equals_single_process(cp, tp):
 
 def loss_without_cp_group() -> float:
     from nanotrain.models.llama_parallelize import build_llama
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
 
     pc = ParallelContext(data_parallel_size=2)
     ids = torch.randint(0, ARGS["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))

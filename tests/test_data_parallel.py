@@ -90,7 +90,7 @@ def _max_err(a: dict, b: dict) -> float:
 # ----------------------------------------------------------------------------- rank function
 def _dp_worker(world: int) -> dict:
     from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_state_by_name
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
 
     pc = ParallelContext(data_parallel_size=world)
     rank, group = pc.dp_rank, pc.dp_cp_pg

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from nanotrain.config import load_config
-from nanotrain.launch import memory_estimate
-from nanotrain.launch.comm_volume import traffic_bytes
+from nanotrain.estimate import memory as memory_estimate
+from nanotrain.estimate.comm_volume import traffic_bytes
 from nanotrain.models import llama_arch
 from nanotrain.parallel.grid import RankGrid
 from nanotrain.rehearse.rank import rehearse_rank

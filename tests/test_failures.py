@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from nanotrain.launch.ownership import LIVE_JOB_STATES
-from nanotrain.launch.ownership import job_state as job_state_in_queue
+from nanotrain.runtime.ownership import LIVE_JOB_STATES
+from nanotrain.runtime.ownership import job_state as job_state_in_queue
 
 from helpers.processes import assert_latest_intact, rank_pid, signal_rank, step_of
 from helpers.runs import TINY, cli, set_args, tb_first_steps, tb_losses

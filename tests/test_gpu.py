@@ -49,7 +49,7 @@ def _batch(n=4, seq=64):
 def test_nccl_parallel_context_world_size_1(tmp_path):
     script = textwrap.dedent("""
         import torch, torch.distributed as dist
-        from nanotrain.parallel.context import ParallelContext
+        from nanotrain.parallel.parallel_context import ParallelContext
         pc = ParallelContext()
         assert pc.backend == "nccl", pc.backend
         assert pc.device.type == "cuda", pc.device

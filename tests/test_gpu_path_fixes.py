@@ -17,13 +17,13 @@ from nanotrain.config import ConfigError, load_config, validate
 from nanotrain.config.schema import TrainingArgs
 from nanotrain.config.validate import MAX_COLLECTIVE_TIMEOUT_S
 from nanotrain.data import build
-from nanotrain.launch.hang import HangWatchdog, nccl_debug_env
 from nanotrain.parallel import accelerator
-from nanotrain.parallel.context import ParallelContext
+from nanotrain.parallel.hang_record import HANG_RECORD
+from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.parallel.pipeline_parallel import TensorPointer
-from nanotrain.parallel.progress import PROGRESS
 from nanotrain.rehearse.stand_in import MetaAccelerator, kernel_stubs
 from nanotrain.rehearse.tracker import DeviceTracker, watch_tensor_factories
+from nanotrain.runtime.hang import HangWatchdog, nccl_debug_env
 from nanotrain.training import step
 from nanotrain.training.builder import build_parallel_context, hang_timeouts
 from nanotrain.training.stop_vote import StopVote, TrainingDiverged
@@ -235,8 +235,8 @@ def test_pp_loss_broadcast_runs_on_torch_2_4_signatures(monkeypatch):
     global_of = {0: 3, 1: 7}  # this pp group holds global ranks 3 and 7
     monkeypatch.setattr(dist, "broadcast", broadcast_2_4)
     monkeypatch.setattr(dist, "get_global_rank", lambda group, r: global_of[r] if group is pp_group else None)
-    monkeypatch.setattr(PROGRESS, "group", PROGRESS.group)  # restored afterwards
-    monkeypatch.setattr(PROGRESS, "collective", PROGRESS.collective)
+    monkeypatch.setattr(HANG_RECORD, "group", HANG_RECORD.group)  # restored afterwards
+    monkeypatch.setattr(HANG_RECORD, "collective", HANG_RECORD.collective)
     pc = type("PC", (), {"pp_size": 2, "pp_pg": pp_group, "device": torch.device("cpu")})()
     value = step.reduce_loss(TensorPointer(group_rank=1), pc)  # a first stage: the loss is on the last
     assert sent == [(7, pp_group)] and value.dtype == torch.float64

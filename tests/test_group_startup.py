@@ -75,7 +75,7 @@ def count_store_ops(tp, pp, dp):
     import torch
     import torch.distributed as dist
 
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     inner = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from nanotrain.launch.hang import EXIT_HUNG, is_comm_failure, is_timeout
-from nanotrain.launch.hang_status import culprit
+from nanotrain.runtime.hang import EXIT_HUNG, is_comm_failure, is_timeout
+from nanotrain.runtime.hang_status import culprit
 
 from helpers.processes import assert_latest_intact, rank_pid, signal_rank, step_of
 from helpers.runs import TINY, cli, set_args, warm_data_cache

@@ -95,7 +95,7 @@ def trained_checkpoint(hf_dirs, tmp_path_factory) -> tuple[Path, dict]:
 
 
 def test_import_first_step_loss_equals_hf(hf_dirs, trained_checkpoint):
-    from nanotrain.checkpoint.hf_import import load_hf_weights
+    from nanotrain.hf.import_weights import load_hf_weights
     from nanotrain.models.llama_parallelize import build_llama
 
     ids = batch()
@@ -115,8 +115,8 @@ def test_import_first_step_loss_equals_hf(hf_dirs, trained_checkpoint):
 
 def test_export_after_3d_zero1_training_matches_nanotrain_logits(hf_dirs, trained_checkpoint, tmp_path):
     from nanotrain.checkpoint import load_checkpoint
-    from nanotrain.checkpoint.hf_export import export_hf, parse_size
     from nanotrain.data.tokenizer import ByteTokenizer
+    from nanotrain.hf.export import export_hf, parse_size
     from nanotrain.models.llama_parallelize import build_llama
 
     ckpts, _ = trained_checkpoint

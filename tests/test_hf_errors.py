@@ -14,8 +14,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from nanotrain.commands.cli import main
 from nanotrain.config import ModelArgs
-from nanotrain.launch.cli import main
 from nanotrain.models import hf_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ def test_every_mismatch_is_named_on_the_one_line(tmp_path, capsys):
 
 def test_index_sharded_dir_is_read(tmp_path):
     """A directory of model-0000k-of-0000n files + index passes the same checks (headers only)."""
-    from nanotrain.checkpoint.hf_dir import check_hf_dir
+    from nanotrain.hf.directory import check_hf_dir
 
     single = write_hf(tmp_path / "one")
     tensors = load_file(str(single / "model.safetensors"))
@@ -139,8 +139,8 @@ def test_index_sharded_dir_is_read(tmp_path):
 
 def test_product_never_imports_transformers():
     """Export and import use safetensors and JSON only (transformers is a dev dependency)."""
-    code = ("import sys; import nanotrain.checkpoint.hf_export, nanotrain.checkpoint.hf_import, "
-            "nanotrain.launch.cli; "
+    code = ("import sys; import nanotrain.hf.export, nanotrain.hf.import_weights, "
+            "nanotrain.commands.cli; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from nanotrain.launch.env import detect_launcher, export_user_env, setup_distributed_env
+from nanotrain.runtime.env import detect_launcher, export_user_env, setup_distributed_env
 
 SLURM_4_NODES = {
     "SLURM_JOB_ID": "4242", "SLURM_PROCID": "13", "SLURM_LOCALID": "1", "SLURM_NTASKS": "16",
@@ -103,7 +103,7 @@ def test_every_launcher_exports_local_world_size(env, launcher):
 def test_free_port_is_below_the_ephemeral_range():
     """A port the kernel hands to no other socket between the launcher's check and rank 0's bind
     (ephemeral ports are: another job's gloo connections took one now and then: EADDRINUSE)."""
-    from nanotrain.launch.env import _ephemeral_low, free_port
+    from nanotrain.runtime.env import _ephemeral_low, free_port
 
     low = _ephemeral_low()
     ports = {free_port() for _ in range(20)}

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from nanotrain.launch import cli
-from nanotrain.launch.cli import main
-from nanotrain.launch.rundir import write_launch_record
+from nanotrain.commands import cli
+from nanotrain.commands.cli import main
+from nanotrain.runtime.rundir import write_launch_record
 
 from helpers.needs import unavailable
 

@@ -112,7 +112,7 @@ def test_a_preloaded_rank_module_runs_without_runpy_warnings(tmp_path):
     from nanotrain.launch.forkserver import PRELOAD
     from nanotrain.launch.ranks import RankProcesses
 
-    module = "nanotrain.launch.task"
+    module = "nanotrain.runtime.task"
     assert module in PRELOAD
     with RankProcesses([sys.executable, "-m", module], 2, tmp_path, env={"NANOTRAIN_FORK_SERVER": "1"}) as ranks:
         ranks.start()
@@ -125,4 +125,4 @@ def test_a_preloaded_rank_module_runs_without_runpy_warnings(tmp_path):
     assert codes == [2, 2]
     for rank in (0, 1):
         log = (tmp_path / f"rank-{rank}.log").read_text()
-        assert log == "usage: python -m nanotrain.launch.task CONFIG.yaml\n", log
+        assert log == "usage: python -m nanotrain.runtime.task CONFIG.yaml\n", log

@@ -1,13 +1,13 @@
 """The package's layers only point down, and no import closes a circle.
 
 Order (README, Layout; each package imports only those before it): config, parallel, models, data,
-optim, checkpoint, logging, training, rehearse, launch. Read from the source with ``ast`` — every import
-statement, at module level or inside a function, since a function-local import is still a
-dependency (and one placed to dodge a cycle is exactly what this test is for). Within a package
-the modules may import each other, but never in a circle: a package's ``__init__`` re-exporting
-its modules is the one edge that may point back (``from pkg import X`` inside ``pkg.mod`` reads
-``pkg/__init__.py`` only once ``pkg.mod`` is done, which Python resolves), so ``__init__``
-modules are left out of the circle search.
+optim, checkpoint, hf, logging, training, rehearse, estimate, runtime, launch, commands. Read from
+the source with ``ast`` — every import statement, at module level or inside a function, since a
+function-local import is still a dependency (and one placed to dodge a cycle is exactly what this
+test is for). Within a package the modules may import each other, but never in a circle: a
+package's ``__init__`` re-exporting its modules is the one edge that may point back (``from pkg
+import X`` inside ``pkg.mod`` reads ``pkg/__init__.py`` only once ``pkg.mod`` is done, which Python
+resolves), so ``__init__`` modules are left out of the circle search.
 
 The tests follow one rule of their own: shared test helpers live in the package ``tests/helpers``
 (imported as ``helpers.xxx``), and no test module imports another test module.
@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "nanotrain"
 TESTS = ROOT / "tests"
-ORDER = ("config", "parallel", "models", "data", "optim", "checkpoint", "logging", "training", "rehearse", "launch")
+ORDER = ("config", "parallel", "models", "data", "optim", "checkpoint", "hf", "logging", "training", "rehearse",
+         "estimate", "runtime", "launch", "commands")
 
 
 def module_name(path: Path) -> str:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanotrain.config import Config, ModelArgs, ParallelismArgs, TrainingArgs
-from nanotrain.launch.memory_estimate import stage_parameters as estimated_stage_parameters
+from nanotrain.estimate.memory import stage_parameters as estimated_stage_parameters
 from nanotrain.models import llama_arch
 from nanotrain.models.family import LLAMA
 from nanotrain.models.llama_parallelize import build_llama, plan_from_config

@@ -31,7 +31,7 @@ def full_logits(logits: torch.Tensor, tp_group, vocab: int) -> torch.Tensor:
 
 def model_outputs(tp: int) -> dict:
     from nanotrain.models.llama_parallelize import build_llama
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
 
     torch.manual_seed(0)
     pc = ParallelContext(tensor_parallel_size=tp)

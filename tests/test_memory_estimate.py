@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nanotrain.config import load_config
-from nanotrain.launch.memory_estimate import GB, describe, estimate_memory, micro_batches_in_flight
+from nanotrain.estimate.memory import GB, describe, estimate_memory, micro_batches_in_flight
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nanotrain.config import load_config
-from nanotrain.launch.memory_estimate import GB, estimate_memory
+from nanotrain.estimate.memory import GB, estimate_memory
 from nanotrain.models import llama_arch, llama_parallelize_costs
 from nanotrain.models.llama_parallelize import build_llama
 from nanotrain.training.builder import build_model

@@ -165,9 +165,9 @@ def test_capacity_drops_exactly_the_documented_assignments():
 def test_dry_run_of_the_16gpu_moe_config_counts_total_and_active_parameters(capsys):
     from pathlib import Path
 
+    from nanotrain.commands.cli import main
     from nanotrain.config import load_config
-    from nanotrain.launch.cli import main
-    from nanotrain.launch.memory_estimate import stage_parameters
+    from nanotrain.estimate.memory import stage_parameters
 
     path = Path(__file__).resolve().parents[1] / "configs" / "moe_16gpu.yaml"
     assert main([str(path), "--dry-run"]) == 0

@@ -65,8 +65,8 @@ def train(dp: int, tp: int, pp: int, ep: int, cp: int = 1, mode: str = "ALL_REDU
 
     from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups
-    from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.data_parallel import ZeroOneOptimizer, build_grad_sync
+    from nanotrain.parallel.parallel_context import ParallelContext
     from nanotrain.parallel.pipeline_parallel import PipelineEngine
     from nanotrain.parallel.tensor_parallel import allreduce_sequence_parallel_grads_
     from nanotrain.training.step import forward_backward, train_step

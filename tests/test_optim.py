@@ -182,7 +182,7 @@ def _full_model(stages: int):
 
 
 def _clip_worker() -> dict:
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
     from nanotrain.parallel.sharding import copy_from_full_, get_shard_info, set_shard_info
 
     out = {}

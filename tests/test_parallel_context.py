@@ -60,7 +60,7 @@ def seed_snippet_16():
     import torch
     import torch.distributed as dist
 
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
 
     pc = ParallelContext(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=4)
     print(pc.tp_pg.ranks())
@@ -88,7 +88,7 @@ def preinitialised_cp_ep_4():
     """cp=2 x ep=2 on a world that the caller initialised itself (destroy() keeps it alive)."""
     import torch.distributed as dist
 
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
 
     dist.init_process_group("gloo")
     pc = ParallelContext(context_parallel_size=2, expert_parallel_size=2, backend="gloo")
@@ -183,7 +183,7 @@ def test_world_size_mismatch_before_rendezvous(monkeypatch):
     """Raised from the environment alone: no process group is ever initialised here."""
     import torch.distributed as dist
 
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
 
     assert not dist.is_initialized()
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -233,8 +233,8 @@ def groups_freed_on_destroy_2():
     from nanotrain.config import ModelArgs, OptimizerArgs
     from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
-    from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.data_parallel import BucketedGradSync
+    from nanotrain.parallel.parallel_context import ParallelContext
     from nanotrain.training.step import train_step
 
     pc = ParallelContext(data_parallel_size=2)

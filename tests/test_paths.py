@@ -116,7 +116,7 @@ def test_every_path_field(field, bad, tmp_path, capsys, monkeypatch):
 
 
 def _cli(argv) -> int:
-    from nanotrain.launch.cli import main
+    from nanotrain.commands.cli import main
     return main([str(a) for a in argv])
 
 

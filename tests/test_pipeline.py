@@ -189,8 +189,8 @@ def full_grads(model) -> dict[str, torch.Tensor]:
 
 def run_cases(pp: int) -> dict:
     from nanotrain.models.llama_parallelize import build_llama
-    from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.data_parallel import BucketedGradSync
+    from nanotrain.parallel.parallel_context import ParallelContext
     from nanotrain.parallel.pipeline_parallel import PipelineEngine, allreduce_tied_grads_, is_tied_replica
 
     pc = ParallelContext(pipeline_parallel_size=pp)

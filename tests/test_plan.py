@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from nanotrain.commands.cli import main
 from nanotrain.config import load_config, validate
-from nanotrain.launch import plan as planner
-from nanotrain.launch.cli import main
-from nanotrain.launch.memory_estimate import estimate_memory
+from nanotrain.estimate import plan as planner
+from nanotrain.estimate.memory import estimate_memory
 
 from helpers.runs import set_args
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 
-from nanotrain.launch.preemption import NO_STOP, SIGNAL_STOP, TERM_STOP, PreemptionHandler
+from nanotrain.runtime.preemption import NO_STOP, SIGNAL_STOP, TERM_STOP, PreemptionHandler
 
 
 def test_signal_before_training_acts_at_once_and_only_then():

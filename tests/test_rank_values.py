@@ -92,8 +92,8 @@ def train_edges() -> dict:
     """A 1-rank run of a tiny Llama at the edge values of EDGE; its losses and weights."""
     from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups
-    from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.data_parallel import build_grad_sync
+    from nanotrain.parallel.parallel_context import ParallelContext
     from nanotrain.training.step import train_step
 
     pc = ParallelContext(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1)

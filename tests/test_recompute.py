@@ -33,7 +33,7 @@ def global_batch(step: int) -> torch.Tensor:
 def train(grid: dict, cases: list[dict]) -> list:
     """Each case once per recompute mode on this rank; returns, per case and mode, the losses,
     the gradients each optimizer step saw (after clipping) and the final weights of this rank."""
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
 
     pc = ParallelContext(tensor_parallel_size=grid.get("tp", 1), pipeline_parallel_size=grid.get("pp", 1),
                          data_parallel_size=grid.get("dp", 1), context_parallel_size=grid.get("cp", 1),

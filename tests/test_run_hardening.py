@@ -39,7 +39,7 @@ def submit(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def task(config: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """A task started directly (as an emitted sbatch script or torchrun would): no submit.py checks."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    return subprocess.run([sys.executable, "-m", "nanotrain.launch.task", str(config)], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "nanotrain.runtime.task", str(config)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import submitit
 
+from nanotrain.commands.cli import main
 from nanotrain.config import load_config, validate
 from nanotrain.launch import sbatch
-from nanotrain.launch.cli import main
-from nanotrain.launch.rundir import resolve_run
+from nanotrain.runtime.rundir import resolve_run
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_3D = ROOT / "configs" / "3d_16gpu.yaml"
@@ -115,7 +115,7 @@ def test_emit_writes_standalone_script_and_config(tmp_path, capsys):
     script = (out_dir / "tiny_cpu.sbatch").read_text()
     config_path = out_dir / "tiny_cpu.yaml"
     assert config_path.is_file()
-    assert f"-m nanotrain.launch.task {config_path.resolve()}" in script
+    assert f"-m nanotrain.runtime.task {config_path.resolve()}" in script
     assert "submitit.core._submit" not in script  # no pickled driver: plain sbatch can run it
     emitted = load_config(config_path)
     assert emitted.logging.run_name == "tiny_cpu" and Path(emitted.logging.dir).is_absolute()

@@ -143,7 +143,8 @@ def test_a_failure_after_writing_began_removes_what_was_written(tmp_path):
 def test_reshard_and_export_failing_midway_leave_nothing(place, tmp_path, monkeypatch):
     """A write that fails after the first files are out (a full disk, Ctrl-C) leaves the output
     as it was: reshard's step_N.tmp and the DST it made, export's OUT_DIR, are gone."""
-    from nanotrain.checkpoint import hf_export, reshard, shard_files
+    from nanotrain.checkpoint import reshard, shard_files
+    from nanotrain.hf import export as hf_export
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from nanotrain.commands.cli import main
 from nanotrain.config import schema
-from nanotrain.launch.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = (("model", schema.ModelArgs, "tiny_cpu.yaml"), ("model.moe", schema.MoEArgs, "moe_16gpu.yaml"),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nanotrain.launch import ownership, preemption
+from nanotrain.runtime import ownership, preemption
 
 from helpers.processes import assert_latest_intact, rank_pid, step_of
 from helpers.runs import set_args

@@ -1,4 +1,4 @@
-"""Every SLURM command the package runs is bounded (nanotrain/launch/slurm_commands.py): a hung
+"""Every SLURM command the package runs is bounded (nanotrain/runtime/slurm_commands.py): a hung
 `sbatch` is one `error:` line, exit 2, its process tree killed and the run directory undone;
 a missing command or a bad bound is one line too. The hung command is a stand-in on PATH
 (tests/helpers/fake_slurm.py): the real cluster cannot be made to hang. Hard timeouts throughout."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nanotrain.launch import slurm_commands
+from nanotrain.runtime import slurm_commands
 
 from helpers.fake_slurm import env_with, hung_command, running
 
@@ -83,7 +83,8 @@ def tiny_submission(tmp_path):
 
 
 def test_stop_while_sbatch_runs_undoes_the_run_dir(tiny_submission, monkeypatch, capsys):
-    from nanotrain.launch import cli, stopping, submission
+    from nanotrain.commands import cli, stopping
+    from nanotrain.launch import submission
 
     def stopped(*_args, **_kwargs):
         raise stopping.Terminated()
@@ -95,7 +96,9 @@ def test_stop_while_sbatch_runs_undoes_the_run_dir(tiny_submission, monkeypatch,
 
 
 def test_stop_after_the_submission_names_the_job(tiny_submission, monkeypatch, capsys):
-    from nanotrain.launch import cli, rundir, submission
+    from nanotrain.commands import cli
+    from nanotrain.launch import submission
+    from nanotrain.runtime import rundir
 
     class Job:
         job_id = "42"

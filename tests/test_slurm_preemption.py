@@ -163,7 +163,7 @@ def test_preempted_with_no_requeue_left_saves_and_exits_75(slurm_cluster, tmp_pa
     the requeue budget is spent, so the job is not requeued and ends with exit code 75 (state
     FAILED, never COMPLETED), which `--status` reports with the command that resumes it."""
     from nanotrain.checkpoint.layout import complete_checkpoints
-    from nanotrain.launch.status import show_status
+    from nanotrain.commands.status import show_status
 
     steps = 300  # cannot finish in the seconds between the first step and the signal
     proc = submit(tmp_path, "norequeue", steps, "slurm.max_requeues=0")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from nanotrain.commands.cli import main
 from nanotrain.config.files import atomic_write_json as write_json_atomic
-from nanotrain.launch.cli import main
-from nanotrain.launch.rundir import write_launch_record
+from nanotrain.runtime.rundir import write_launch_record
 
 from helpers.slurm import wait_for_job
 
@@ -71,7 +71,7 @@ def test_status_with_a_config_is_an_error(tmp_path, capsys):
 
 def test_scheduler_fallbacks(monkeypatch):
     """squeue forgets a finished job, sacct may be off or lagging: scontrol still answers."""
-    from nanotrain.launch import status as status_mod
+    from nanotrain.commands import status as status_mod
 
     scontrol = ("JobId=7 JobName=x\n   JobState=COMPLETED Reason=None Dependency=(null)\n"
                 "   Requeue=1 Restarts=2 BatchFlag=1\n   ReqNodeList=(null) ExcNodeList=(null)\n"

@@ -257,7 +257,7 @@ MODE_FREE_CASES = {  # no mode/async dependence: run once per tp
 def _run_suite():
     import torch.distributed as dist
 
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
 
     torch.set_num_threads(1)
     pc = ParallelContext(tensor_parallel_size=4)

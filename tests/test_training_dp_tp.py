@@ -25,8 +25,8 @@ def train(dp: int, tp: int, zero_stages: tuple[int, ...], mode: str = "ALL_REDUC
           dtype: str = "float32") -> dict:
     from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
-    from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.data_parallel import BucketedGradSync
+    from nanotrain.parallel.parallel_context import ParallelContext
     from nanotrain.training.step import train_step
 
     torch.set_default_dtype(getattr(torch, dtype))

@@ -40,8 +40,8 @@ def global_batch(step: int) -> torch.Tensor:
 def train(dp: int, tp: int, pp: int, cases: list) -> dict:
     from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
-    from nanotrain.parallel.context import ParallelContext
     from nanotrain.parallel.data_parallel import BucketedGradSync
+    from nanotrain.parallel.parallel_context import ParallelContext
     from nanotrain.parallel.pipeline_parallel import PipelineEngine, is_tied_replica
     from nanotrain.parallel.sharding import gather_full, get_shard_info
     from nanotrain.training.step import train_step

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from nanotrain.commands.cli import main
 from nanotrain.config.loader import ConfigError, load_config
-from nanotrain.launch.cli import main
 
 
 @pytest.mark.parametrize("given, minutes", [

@@ -137,7 +137,7 @@ LAYOUTS = [(4, 1, 1), (2, 2, 1), (2, 1, 2)]  # (dp, tp, ep)
 
 
 def _traffic_worker() -> dict:
-    from nanotrain.parallel.context import ParallelContext
+    from nanotrain.parallel.parallel_context import ParallelContext
 
     out = {}
     for dp, tp, ep in LAYOUTS:  # the contexts live until the rank exits (the first owns the world)

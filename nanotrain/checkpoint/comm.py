@@ -2,15 +2,30 @@
 
 ``torch.distributed``'s ``*_object`` collectives unpickle what they receive; a checkpoint loader
 that promises "no pickle anywhere" cannot use them. These send UTF-8 JSON as uint8 tensors over
-the world group instead. ``pc=None`` (or a world of one) means a single process: no communication.
+the world group instead (``json_to_tensor`` / ``json_from_tensor``: compact UTF-8; floats
+round-trip exactly, JSON writes ``repr``; the RNG states use them too). ``pc=None`` (or a world of
+one) means a single process: no communication.
 """
 from __future__ import annotations
+
+import json
 
 import torch
 import torch.distributed as dist
 
-from nanotrain.checkpoint import json_bytes
 from nanotrain.parallel import accelerator, collectives
+
+
+def json_to_tensor(obj, device=None) -> torch.Tensor:
+    """``obj`` as compact UTF-8 JSON in a uint8 tensor on ``device``."""
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device=device, copy=True)
+
+
+def json_from_tensor(t: torch.Tensor, n: int | None = None):
+    """The JSON value in the first ``n`` bytes of ``t`` (all of it by default)."""
+    t = t if n is None else t[:n]
+    return json.loads(bytes(t.cpu().numpy().tobytes()).decode())
 
 
 class World:
@@ -25,11 +40,11 @@ class World:
         self.device = acc.current_device() if acc is not None else torch.device("cpu")
 
     def _bytes_tensor(self, obj) -> torch.Tensor:
-        return json_bytes.to_tensor(obj, self.device)
+        return json_to_tensor(obj, self.device)
 
     @staticmethod
     def _decode(t: torch.Tensor, n: int):
-        return json_bytes.from_tensor(t, n)
+        return json_from_tensor(t, n)
 
     def _padded(self, obj) -> tuple[list[int], torch.Tensor]:
         """Every rank's encoded size, and this rank's bytes padded to the largest (one all-gather)."""

@@ -39,11 +39,11 @@ from nanotrain.checkpoint.items import (
     config_as_dict,
     named_params,
     optimizer_layout,
+    restore_rng,
     same_grid,
     topology_of,
 )
 from nanotrain.checkpoint.layout import model_differences
-from nanotrain.checkpoint.rng import restore_rng
 from nanotrain.optim.optimizer import load_optimizer_state_by_name
 from nanotrain.parallel.sharding import copy_from_full_, get_shard_info
 

@@ -41,8 +41,15 @@ from nanotrain.checkpoint import shard_files
 from nanotrain.checkpoint.comm import World
 from nanotrain.checkpoint.damage import full_problems, quarantine, quick_problems
 from nanotrain.checkpoint.format import CheckpointError
-from nanotrain.checkpoint.items import Models, config_as_dict, coords_of, named_params, optimizer_entries, topology_of
-from nanotrain.checkpoint.rng import capture_rng
+from nanotrain.checkpoint.items import (
+    Models,
+    capture_rng,
+    config_as_dict,
+    coords_of,
+    named_params,
+    optimizer_entries,
+    topology_of,
+)
 from nanotrain.checkpoint.snapshot import HostSnapshot
 from nanotrain.parallel.sharding import get_shard_info
 

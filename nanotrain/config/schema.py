@@ -23,7 +23,7 @@ MAX_LAYERS = 1024
 # Path kinds of `doc(path=...)` beyond those of config/paths.py, each checked by the layer that
 # knows it: a data source is a file, a directory or a glob unless it is 'stdlib' or a hub name,
 # a tokenizer a file unless 'byte' (data); a Hugging Face directory is read only on a first start
-# (checkpoint.hf_dir, from launch.preflight), so a resumed run does not need it any more.
+# (hf.directory, from commands.preflight), so a resumed run does not need it any more.
 DATA_SOURCE, TOKENIZER, HF_DIR = "data source", "tokenizer", "hf dir"
 # The smallest normal float32: a smaller epsilon added to a float32 tensor is lost (0 or a
 # denormal), so it no longer keeps a division by a zero second moment away from 0/0.

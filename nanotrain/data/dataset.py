@@ -202,7 +202,7 @@ def too_big_to_build(source: Source, max_build_mb: Optional[float]) -> Optional[
             f"(a CPU job), or raise data.max_build_mb")
 
 
-class _ProgressBar:
+class _TokenisingBar:
     """tqdm over documents, with tokens so far and the input rate in MB/s (from the files'
     size on disk; a hub dataset shows no rate). `datasets`' own bars are off meanwhile."""
 
@@ -260,7 +260,7 @@ def _tokenise(source: Source, tokenizer: Tokenizer, data_args, path: str, key: s
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     seq_type = getattr(datasets, "List", None) or datasets.Sequence  # List: datasets >= 4
     counts = {"tokens": 0, "docs": 0}
-    bar = _ProgressBar(texts, source) if progress else None
+    bar = _TokenisingBar(texts, source) if progress else None
     shards = max(1, min(50, len(texts) // 200)) if progress else 1  # a bar that moves
 
     def write(fh) -> None:

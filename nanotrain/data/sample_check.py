@@ -7,7 +7,7 @@ the queue. Reading everything before launch would cost what tokenising costs,
 so this reads at most ``SAMPLE_FILES`` files, from each the first ``HEAD_BYTES`` and the last
 ``TAIL_BYTES`` (or the first row group of the text column of a parquet file), plus file sizes and
 parquet footers. What the sample cannot see is still found by the rank, and reported there as
-one `error:` line with exit 2 (`launch/task.py`).
+one `error:` line with exit 2 (`runtime/task.py`).
 
 The size check is an upper bound, so it never rejects data that would fit: a token covers at
 least one byte of text (byte tokenizer: exactly one; BPE / WordPiece: one or more), every byte of

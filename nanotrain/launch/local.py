@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from nanotrain.config import ConfigError
-from nanotrain.launch.preemption import unblock_stop_signals
 from nanotrain.launch.ranks import TIMED_OUT, RankProcesses
+from nanotrain.runtime.preemption import unblock_stop_signals
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -64,7 +64,7 @@ def report_interrupt(run_dir: Path, checkpoints: Path, stop: Interrupted) -> str
 
 
 def task_command(config_path: Path) -> list[str]:
-    return [sys.executable, "-u", "-m", "nanotrain.launch.task", str(config_path)]
+    return [sys.executable, "-u", "-m", "nanotrain.runtime.task", str(config_path)]
 
 
 def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool = False,

@@ -5,7 +5,7 @@ This is the one local process launcher: `submit.py --local` (`launch/local.py`),
 tests (`tests/helpers/dist.py`) all start ranks through `RankProcesses`. The parts that are easy
 to get subtly wrong are done once here:
 - a fresh rendezvous port per job, and the env:// variables of each rank with nothing stale
-  from an outer launcher (a SLURM job id or torchrun's variables would make `launch/env.py`
+  from an outer launcher (a SLURM job id or torchrun's variables would make `runtime/env.py`
   take the wrong path);
 - each rank in its own session, so that ending a rank also ends whatever it spawned (data
   workers, a compiler), and nothing outlives the job;
@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from nanotrain.launch.env import free_port
 from nanotrain.launch.forkserver import ForkServer, python_target, use_fork_server
+from nanotrain.runtime.env import free_port
 
 # Variables an outer launcher may have set that must not leak into a local rank.
 _CLEARED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -3,7 +3,7 @@
 One function (`executor_parameters`) decides every `#SBATCH` line, and submitit's own
 `_make_sbatch_string` renders it, so `--dry-run`, `--emit` and a real submission can never
 disagree: dry-run prints what `SlurmExecutor` would write, and `--emit` renders the same
-parameters around a plain `python -m nanotrain.launch.task CONFIG` command instead of
+parameters around a plain `python -m nanotrain.runtime.task CONFIG` command instead of
 submitit's pickled function, so the emitted file needs no Python driver.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from submitit.slurm.slurm import _make_sbatch_string
 
 from nanotrain.config import Config, SlurmLayout
-from nanotrain.launch import slurm_commands
+from nanotrain.runtime import slurm_commands
 
 
 def job_folder(run_dir: Path) -> Path:
@@ -80,7 +80,7 @@ def submitit_command(run_dir: Path) -> str:
 
 def task_command(config_path: Path) -> str:
     """The command of a standalone script: every srun task runs the nanotrain task entry."""
-    return f"{shlex.quote(sys.executable)} -u -m nanotrain.launch.task {shlex.quote(str(config_path))}"
+    return f"{shlex.quote(sys.executable)} -u -m nanotrain.runtime.task {shlex.quote(str(config_path))}"
 
 
 def render_sbatch(config: Config, layout: SlurmLayout, run_dir: Path, command: str) -> str:

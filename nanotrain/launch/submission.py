@@ -20,7 +20,8 @@ import submitit
 from submitit.core import utils
 
 from nanotrain.config import ConfigError
-from nanotrain.launch import sbatch, slurm_commands
+from nanotrain.launch import sbatch
+from nanotrain.runtime import slurm_commands
 
 
 class SubmitRefused(ConfigError):

@@ -3,7 +3,7 @@
 Everything that reasons about the model without running it reads this module: the stage split
 (the pipeline step keeps each rank's ``pipeline_blocks``), the parameter count of
 every (tp, pp) rank, the FLOPs behind MFU (``logging``), the ``--dry-run`` memory estimate
-(``launch/memory_estimate.py``). A new block type (MoE layers) is described here once: its cost,
+(``estimate/memory.py``). A new block type (MoE layers) is described here once: its cost,
 its parameters per tp rank and its FLOPs (what the parallelize plan's options cost — activation
 bytes, FLOPs rerun in backward — is ``llama_parallelize_costs``).
 

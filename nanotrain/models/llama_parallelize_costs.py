@@ -2,7 +2,7 @@
 keeps for backward, in bytes, per decoder layer (dense or MoE, under tp, sequence parallelism,
 cp and each ``training.recompute`` mode), the last stage's head and its logits; and the FLOPs
 recompute adds (HFU). Built on ``llama_arch`` (shapes, blocks, parameters, model FLOPs); the
-``--dry-run`` memory estimate (``launch/memory_estimate.py``) and ``--plan`` sum these.
+``--dry-run`` memory estimate (``estimate/memory.py``) and ``--plan`` sum these.
 
 What THIS implementation's autograd keeps (measured by benchmarks/memory.py with saved-tensor
 hooks, unique storages; tests/test_memory_measured.py holds it within 15%), not Megatron's

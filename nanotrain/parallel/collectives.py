@@ -11,7 +11,7 @@
   a collective's latency, not its size, dominates small messages), in place.
 * ``all_reduce``, ``broadcast``, ``all_gather``, ``gather``, ``all_to_all_single``,
   ``batch_isend_irecv``: the plain torch.distributed calls, each first telling the hang record
-  (``progress.py``) which collective on which group this rank enters. Every collective of
+  (``hang_record.py``) which collective on which group this rank enters. Every collective of
   training passes here, so a hang report names the one a rank waits in; one attribute write
   each, no cost.
 * ``wait``: a work handle's ``wait()``. It and every synchronous call above are timed as this
@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from nanotrain.parallel.progress import PROGRESS
+from nanotrain.parallel.hang_record import HANG_RECORD
 from nanotrain.parallel.wait_clock import WAITS
 
 
@@ -52,14 +52,14 @@ def wait(work) -> None:
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """``out`` = every rank's ``inp`` concatenated along dim 0, in rank order."""
-    PROGRESS.entering("all_gather", group)
+    HANG_RECORD.entering("all_gather", group)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return _blocking(fn, out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """``out`` = this rank's dim-0 block of the sum of every rank's ``inp``."""
-    PROGRESS.entering("reduce_scatter", group)
+    HANG_RECORD.entering("reduce_scatter", group)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return _blocking(fn, out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
@@ -79,7 +79,7 @@ def allreduce_flat_(tensors: Sequence[torch.Tensor], group) -> None:
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False,
                what: str = "all_reduce"):
     """``dist.all_reduce``; ``what`` names it in hang reports (e.g. "all_reduce grad bucket")."""
-    PROGRESS.entering(what, group)
+    HANG_RECORD.entering(what, group)
     return _blocking(dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
 
 
@@ -88,32 +88,32 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, group_sr
     """``dist.broadcast`` from global rank ``src``, or from ``group_src``, a rank within ``group``.
     torch < 2.6 has no ``group_src`` keyword, so it is turned into the global rank here
     (``get_global_rank``, which torch 2.4 has) and torch only ever sees ``src``."""
-    PROGRESS.entering(what, group)
+    HANG_RECORD.entering(what, group)
     if group_src is not None:
         src = group_src if group is None else dist.get_global_rank(group, group_src)
     return _blocking(dist.broadcast, tensor, src=src, group=group)
 
 
 def all_gather(out: list, tensor: torch.Tensor, group=None, what: str = "all_gather"):
-    PROGRESS.entering(what, group)
+    HANG_RECORD.entering(what, group)
     return _blocking(dist.all_gather, out, tensor, group=group)
 
 
 def gather(tensor: torch.Tensor, out, dst: int, group=None, what: str = "gather"):
-    PROGRESS.entering(what, group)
+    HANG_RECORD.entering(what, group)
     return _blocking(dist.gather, tensor, out, dst=dst, group=group)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group=None, out_splits: list[int] | None = None,
                       in_splits: list[int] | None = None, what: str = "all_to_all"):
     """``dist.all_to_all_single`` (equal splits when none are given)."""
-    PROGRESS.entering(what, group)
+    HANG_RECORD.entering(what, group)
     return _blocking(dist.all_to_all_single, out, inp, out_splits, in_splits, group=group)
 
 
 def batch_isend_irecv(ops: list, what: str, group=None):
     """``dist.batch_isend_irecv``; ``what`` says which sends/receives (pipeline messages)."""
-    PROGRESS.entering(what, group)
+    HANG_RECORD.entering(what, group)
     return dist.batch_isend_irecv(ops)
 
 

@@ -191,7 +191,7 @@ def rehearse_rank(config, rank: int, steps: int = 3, train_only: bool = False) -
     """The report of one rank (see ``report.py`` for its fields); ``train_only``: build and the
     steps, no evaluation, save or load (a measurement of memory and traffic)."""
     from nanotrain.data import build_samplers
-    from nanotrain.parallel.progress import PROGRESS
+    from nanotrain.parallel.hang_record import HANG_RECORD
     from nanotrain.training import trainer as trainer_module
     from nanotrain.training.builder import build_parallel_context
 
@@ -233,7 +233,7 @@ def rehearse_rank(config, rank: int, steps: int = 3, train_only: bool = False) -
                                 "site": _innermost(exc)}
         finally:
             traffic.uninstall()
-            PROGRESS.disarm()
+            HANG_RECORD.disarm()
             if pc is not None:
                 pc.destroy(synchronize=False)
     report.update(placement=tracker.placement, collective_defects=traffic.defects,

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Optional
 
 from nanotrain.models.family import family_of
-from nanotrain.parallel.context import ParallelContext
 from nanotrain.parallel.model_part import ModelPart
+from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.parallel.pipeline_parallel import PipelineEngine
 
 

@@ -17,8 +17,8 @@ import torch
 
 from nanotrain.optim import clip_grad_norm_
 from nanotrain.parallel import collectives
+from nanotrain.parallel.hang_record import HANG_RECORD
 from nanotrain.parallel.pipeline_parallel import MessageSpec, PipelineEngine, TensorPointer, allreduce_tied_grads_
-from nanotrain.parallel.progress import PROGRESS
 from nanotrain.parallel.tensor_parallel import allreduce_sequence_parallel_grads_
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], targets [B, S])
@@ -57,9 +57,9 @@ def forward_backward(model: torch.nn.Module, microbatches: Sequence[MicroBatch],
     for index, (ids, targets) in enumerate(microbatches):
         last = index == count - 1
         with nullcontext() if last else grad_sync.no_sync():
-            PROGRESS.mark("forward")  # the hang record (progress.py): plain attribute writes
+            HANG_RECORD.mark("forward")  # the hang record (progress.py): plain attribute writes
             loss = model(ids, targets) / count
-            PROGRESS.mark("backward")
+            HANG_RECORD.mark("backward")
             loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total
@@ -70,18 +70,18 @@ def optimizer_step(model: torch.nn.Module, grad_sync, optimizer, scheduler, pc,
     """Finish the gradient sync, clip, step; returns (grad norm before clipping, lr used).
     ``before_update``: called right before the parameters and optimizer states change (an async
     checkpoint's host copies are waited for there)."""
-    PROGRESS.mark("optimizer (gradient sync)")
+    HANG_RECORD.mark("optimizer (gradient sync)")
     grad_sync.finish_grad_sync()
-    PROGRESS.mark("optimizer (clip, step)")
+    HANG_RECORD.mark("optimizer (clip, step)")
     allreduce_sequence_parallel_grads_(model.sequence_parallel_params(), pc.tp_pg)
     if getattr(pc, "embedding_pg", None) is not None and pc.pp_size > 1:  # first and last stage
         allreduce_tied_grads_(model.parameters(), pc.embedding_pg)
     grad_norm = clip_grad_norm_(model.parameters(), clip_grad, pc, grad_sync.grad_shards())  # ZeRO-1: pieces
     lr = optimizer.param_groups[0]["lr"]
     if before_update is not None:
-        PROGRESS.mark("optimizer (waiting for the checkpoint's host copy)")
+        HANG_RECORD.mark("optimizer (waiting for the checkpoint's host copy)")
         before_update()
-        PROGRESS.mark("optimizer (clip, step)")
+        HANG_RECORD.mark("optimizer (clip, step)")
     optimizer.step()
     scheduler.step()
     grad_sync.zero_grad()
@@ -131,5 +131,5 @@ def train_step(model, microbatches: Sequence[MicroBatch], grad_sync, optimizer, 
     else:
         loss = forward_backward(model, microbatches, grad_sync)
     grad_norm, lr = optimizer_step(model, grad_sync, optimizer, scheduler, pc, clip_grad, before_update)
-    PROGRESS.mark("loss reduction")
+    HANG_RECORD.mark("loss reduction")
     return StepStats(reduce_loss(loss, pc), grad_norm, lr)

@@ -4,7 +4,7 @@ a host sync on a silent step.
 Why a vote: a stop signal reaches some ranks only, and a NaN loss is seen first where the loss
 lives, yet every rank must take the same branch at the same step (save together, or stop
 without saving) or the others wait forever in the next collective. One all-reduce (MAX) of two
-numbers per step settles both: the strongest stop code (``launch.preemption``: none, SIGTERM,
+numbers per step settles both: the strongest stop code (``runtime.preemption``: none, SIGTERM,
 the configured signal) and whether the loss or gradient norm of the step was non-finite.
 
 Why read a step late: the flags are built on the device from the step's loss and grad norm
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.parallel import accelerator, collectives
-from nanotrain.parallel.progress import PROGRESS
+from nanotrain.parallel.hang_record import HANG_RECORD
 
 
 class TrainingDiverged(RuntimeError):
@@ -94,12 +94,12 @@ class StopVote:
         code = 0
         for step, work, flags, host, event, loss, grad_norm in ready:
             if event is not None:
-                PROGRESS.entering("wait all_reduce stop vote", self.group)
+                HANG_RECORD.entering("wait all_reduce stop vote", self.group)
                 event.synchronize()  # this vote's copy to the host, not the steps queued after it
                 stop, bad, writing = host.tolist()
             else:
                 if work is not None:
-                    PROGRESS.entering("wait all_reduce stop vote", self.group)
+                    HANG_RECORD.entering("wait all_reduce stop vote", self.group)
                     collectives.wait(work)
                 stop, bad, writing = flags.tolist()
             self.last_settled = (step, writing > 0)  # (its step, a rank still writing a checkpoint)

@@ -6,7 +6,7 @@ gradients are clipped by the global norm, the optimizer and LR step. Metrics go 
 checkpoints are written every `checkpoints.interval` steps and when a stop is requested, after all
 ranks agreed on the step. The trainer knows no launcher: it is handed a `stop_requested()`
 callable (the task's signal flag) and returns an outcome, "completed" or "preempted"; the task
-(`launch/task.py`) decides what that means for the job — requeue, exit code.
+(`runtime/task.py`) decides what that means for the job — requeue, exit code.
 
 Precision: `model.dtype: bfloat16` computes forward and backward under autocast in bf16 (on GPU,
 and on CPU where tests prove the path) while weights, gradients (and their accumulation) and
@@ -31,16 +31,16 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.checkpoint import begin_save, load_checkpoint, save_checkpoint
-from nanotrain.checkpoint.hf_import import load_hf_weights
 from nanotrain.config import Config
 from nanotrain.data import BatchPrefetcher, build_samplers
+from nanotrain.hf.import_weights import load_hf_weights
 from nanotrain.logging import metrics_logger_for
 from nanotrain.logging.moe_stats import step_scalars
 from nanotrain.models.family import family_of
 from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups
-from nanotrain.parallel.context import ParallelContext
 from nanotrain.parallel.data_parallel import build_grad_sync
-from nanotrain.parallel.progress import PROGRESS
+from nanotrain.parallel.hang_record import HANG_RECORD
+from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.parallel.wait_clock import WAITS
 from nanotrain.training.builder import build_engine, build_model
 from nanotrain.training.evaluate import evaluate, perplexity
@@ -98,7 +98,7 @@ class DistributedTrainer:
         self._source_epochs = None  # data epochs per source at the last step (log_data)
         self.saved_step: int | None = None  # the step whose state is on disk, verified
         self.pending_save = None  # an async save being written (checkpoints.async_save), not committed
-        self.stop_code = 0  # the stop request all ranks agreed on (launch.preemption codes)
+        self.stop_code = 0  # the stop request all ranks agreed on (runtime.preemption codes)
         if config.checkpoints.resume:
             resumed = load_checkpoint(config.checkpoints.path, self.model, self.optimizer, self.scheduler,
                                       self.pc, config=config, run_id=run_id,
@@ -124,9 +124,9 @@ class DistributedTrainer:
         """Run to `training.train_steps` ("completed"), or until the ranks agree to stop
         ("preempted", after saving when `checkpoints.save_on_preemption`; `self.stop_code` says
         which request). Raises TrainingDiverged (nothing saved after the last finite step)."""
-        PROGRESS.arm(self.step)  # the hang watchdog judges from here (launch/hang.py)
+        HANG_RECORD.arm(self.step)  # the hang watchdog judges from here (runtime/hang.py)
         outcome = self._loop()
-        PROGRESS.disarm()  # not on an exception: the task tells a failed collective by it
+        HANG_RECORD.disarm()  # not on an exception: the task tells a failed collective by it
         return outcome
 
     def _loop(self) -> str:
@@ -137,7 +137,7 @@ class DistributedTrainer:
         WAITS.begin_step(self.device)  # the step's waits on peers (the straggler metric)
         while self.step < t.train_steps:
             # Middle pipeline stages read no data: m placeholders.
-            PROGRESS.mark("data")
+            HANG_RECORD.mark("data")
             if self.profiler is not None:
                 self.profiler.before(self.step + 1)
             microbatches = self.batches.get(self.consumed_samples) if self.batches else [None] * m
@@ -145,7 +145,7 @@ class DistributedTrainer:
                                self.config.optimizer.clip_grad, engine=self.engine, message=self.message,
                                before_update=self.pending_save.wait_snapshot if self.pending_save else None)
             self.step += 1
-            PROGRESS.advance(self.step)
+            HANG_RECORD.advance(self.step)
             self.consumed_samples += self.global_batch
             if self.batches and self.step < t.train_steps:
                 self.batches.prefetch(self.consumed_samples)  # overlaps this step's GPU work
@@ -160,7 +160,7 @@ class DistributedTrainer:
             # reads its own vote first, the others the previous step's (stop_vote.py).
             interval = self.config.checkpoints.interval
             saves = bool(interval and self.step % interval == 0) or self.step == t.train_steps
-            PROGRESS.mark("stop vote")
+            HANG_RECORD.mark("stop vote")
             writing = self.pending_save is not None and not self.pending_save.done()
             self.votes.post(self.step, stats.loss_tensor, stats.grad_norm_tensor, writing=writing)
             self.stop_code = self.votes.settle(latest=saves)
@@ -188,7 +188,7 @@ class DistributedTrainer:
         for the straggler ratio (in the logger: the step time less the step's waits on peers,
         ``parallel/wait_clock.py``) and, with MoE, every pp rank one for the routing
         statistics."""
-        PROGRESS.mark("metrics")
+        HANG_RECORD.mark("metrics")
         self.metrics.log(self.step, stats.loss_tensor, stats.lr, stats.grad_norm_tensor, step_s)
         logs = self.metrics.should_log(self.step)
         moe = self.config.model.moe
@@ -221,7 +221,7 @@ class DistributedTrainer:
         """Forward-only loss on `training.eval_batches` validation batches (training/evaluate.py)."""
         t = self.config.training
         m = t.batch_accumulation_per_replica
-        PROGRESS.mark("eval")
+        HANG_RECORD.mark("eval")
         started = time.perf_counter()
         loss = float(evaluate(self.model, self.val_batches, self.pc, t.eval_batches,
                               self.global_batch, m,
@@ -239,7 +239,7 @@ class DistributedTrainer:
         self.finish_save()
         if self.saved_step == self.step:
             return  # written (or loaded and verified) by this process: not hashed again
-        PROGRESS.mark("checkpoint")
+        HANG_RECORD.mark("checkpoint")
         t = self.config.training
         extra = {"consumed_samples": self.consumed_samples,
                  "consumed_tokens": self.consumed_samples * t.sequence_length}
@@ -258,7 +258,7 @@ class DistributedTrainer:
         """Wait for the in-flight async save's files (every rank) and commit it; a no-op without one."""
         if self.pending_save is None:
             return
-        PROGRESS.mark("checkpoint (async commit)")
+        HANG_RECORD.mark("checkpoint (async commit)")
         pending, self.pending_save = self.pending_save, None
         pending.finish()
         self.saved_step = pending.step

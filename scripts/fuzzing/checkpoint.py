@@ -25,5 +25,5 @@ def save_tiny(root: Path) -> Path:
 
 def export_tiny_hf(ckpt: Path, out: Path) -> None:
     """`out`: the checkpoint as a Hugging Face Llama directory (config.json + safetensors)."""
-    from nanotrain.checkpoint.hf_export import export_hf
+    from nanotrain.hf.export import export_hf
     export_hf(ckpt, out)

@@ -51,7 +51,7 @@ def _fuzz_config_main(argv):
 
 def target_main(target: str):
     if target == "submit":
-        from nanotrain.launch.cli import main
+        from nanotrain.commands.cli import main
         return main
     if target == "fuzz_config":
         return _fuzz_config_main

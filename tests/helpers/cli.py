@@ -1,7 +1,7 @@
-"""``submit.py``'s command line called in-process (``nanotrain.launch.cli.main``), its output captured."""
+"""``submit.py``'s command line called in-process (``nanotrain.commands.cli.main``), its output captured."""
 from __future__ import annotations
 
-from nanotrain.launch.cli import main
+from nanotrain.commands.cli import main
 
 
 def run_cli(argv, capsys):

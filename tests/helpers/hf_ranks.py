@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.checkpoint import save_checkpoint
-from nanotrain.checkpoint.hf_import import load_hf_weights
 from nanotrain.config import Config, ModelArgs, OptimizerArgs, ParallelismArgs
+from nanotrain.hf.import_weights import load_hf_weights
 from nanotrain.optim import build_lr_scheduler, build_optimizer
 from nanotrain.parallel.data_parallel import build_grad_sync
 from nanotrain.training.builder import build_engine, build_model, build_parallel_context

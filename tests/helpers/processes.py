@@ -49,7 +49,7 @@ def rank_pid(run_dir: Path, rank: int) -> int | None:
             continue
         if str(run_dir) not in cmdline:
             continue
-        local = "nanotrain.launch.task" in cmdline and f"RANK={rank}".encode() in environ
+        local = "nanotrain.runtime.task" in cmdline and f"RANK={rank}".encode() in environ
         slurm = "submitit.core._submit" in cmdline and f"SLURM_PROCID={rank}".encode() in environ
         if local or slurm:
             return int(entry.name)

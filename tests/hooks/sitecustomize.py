@@ -9,14 +9,14 @@ _spec = os.environ.get("NANOTRAIN_TEST_SLEEP_IN_PP")
 if _spec and os.environ.get("RANK") == _spec.split(":")[0] and os.environ.get("NANOTRAIN_LAUNCHER"):
     import time
 
+    from nanotrain.parallel.hang_record import HANG_RECORD
     from nanotrain.parallel.pipeline_parallel.engine import PipelineEngine
-    from nanotrain.parallel.progress import PROGRESS
 
     _step = int(_spec.split(":")[1])
     _communicate = PipelineEngine._communicate
 
     def _sleepy_communicate(self, sends, recvs, timer):
-        if PROGRESS.step == _step - 1 and PROGRESS.phase.startswith("forward"):
+        if HANG_RECORD.step == _step - 1 and HANG_RECORD.phase.startswith("forward"):
             while True:
                 time.sleep(3600)  # asleep inside a pp step: the watchdog must notice
         return _communicate(self, sends, recvs, timer)

@@ -67,7 +67,7 @@ from torch import nn
 from nanotrain.parallel import accelerator
 from nanotrain.parallel.collectives import all_gather_into, all_reduce, reduce_scatter_into, wait
 from nanotrain.parallel.data_parallel import buckets as layout
-from nanotrain.parallel.progress import PROGRESS
+from nanotrain.parallel.hang_record import HANG_RECORD
 
 _SYNC = "_nanotrain_grad_sync"  # on each parameter: a weak reference to the sync of its gradient
 
@@ -281,7 +281,7 @@ class BucketedGradSync:
         for b in self.buckets:
             if b.handle is not None:
                 op = "reduce_scatter" if self.shards > 1 else "all_reduce"
-                PROGRESS.entering(f"wait {op} gradient bucket {b.index}", self.group)
+                HANG_RECORD.entering(f"wait {op} gradient bucket {b.index}", self.group)
                 wait(b.handle)
             b.handle, b.launched = None, False
             b.ready.clear()

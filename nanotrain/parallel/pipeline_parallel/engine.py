@@ -33,16 +33,16 @@ from typing import Optional, Sequence
 
 import torch
 
+from nanotrain.parallel.hang_record import HANG_RECORD
 from nanotrain.parallel.pipeline_parallel.p2p import ACTIVATION, GRADIENT, P2P, MessageSpec, Recv, Send, check_message
 from nanotrain.parallel.pipeline_parallel.schedules import Action, get_schedule, schedule_steps
 from nanotrain.parallel.pipeline_parallel.tensor_pointer import TensorPointer
-from nanotrain.parallel.progress import PROGRESS
 from nanotrain.parallel.timing import IntervalTimer
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], targets [B, S])
 # Middle stages read no data: they may pass None for each micro-batch (the count is m).
 
-# The phase of each pp action in the hang record (``PROGRESS.mark(template, micro-batch, chunk)``),
+# The phase of each pp action in the hang record (``HANG_RECORD.mark(template, micro-batch, chunk)``),
 # without / with virtual chunks; ``str.format`` ignores the chunk where the template has no slot.
 _PHASES = ({"F": "forward (pp F micro-batch {})", "B": "backward (pp B micro-batch {})"},
            {"F": "forward (pp F micro-batch {}, chunk {})", "B": "backward (pp B micro-batch {}, chunk {})"})
@@ -284,17 +284,17 @@ class PipelineEngine:
         for actions in steps:
             needs = [step.needs(action) for action in actions]
             if phases is not None:  # the hang record (progress.py), formatted only if read
-                PROGRESS.mark(phases[actions[0].op], actions[0].microbatch, actions[0].chunk)
+                HANG_RECORD.mark(phases[actions[0].op], actions[0].microbatch, actions[0].chunk)
             received = iter(self._communicate(pending, [r for n in needs for r in n], waiting))
             pending = []
             for n, action in zip(needs, actions):
                 if phases is not None and action is not actions[0]:
-                    PROGRESS.mark(phases[action.op], action.microbatch, action.chunk)
+                    HANG_RECORD.mark(phases[action.op], action.microbatch, action.chunk)
                 compute.start()
                 pending += step.run(action, [next(received) for _ in n], grad_sync)
                 compute.stop()
         self._communicate(pending, [], waiting)
-        PROGRESS.entering("wait for pipeline sends", self._group)
+        HANG_RECORD.entering("wait for pipeline sends", self._group)
         waiting.start()
         self.p2p.wait_sends()
         waiting.stop()

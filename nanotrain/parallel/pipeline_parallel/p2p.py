@@ -42,7 +42,7 @@ receive posted ahead would block the communicator's stream for the sends queued 
 there receives are posted exactly when needed, in the same order on both sides (the schedules
 guarantee it; the simulation checks that the tags of matched messages agree).
 
-The hang record (``progress.py``). ``communicate`` records, once per communication point and
+The hang record (``hang_record.py``). ``communicate`` records, once per communication point and
 right before it waits, which messages it waits on (peers and tags, sends of the same batch
 included) and the transport's communicator; the transport's post records only the generic
 "pipeline send/recv" (through ``collectives.batch_isend_irecv``), which stands while the post
@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.parallel.collectives import batch_isend_irecv, wait
-from nanotrain.parallel.progress import PROGRESS
+from nanotrain.parallel.hang_record import HANG_RECORD
 
 # What NCCL can carry (it has no complex or bool types); gloo carries these too.
 WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -204,7 +204,7 @@ class P2P:
         messages and the communicator."""
         what = ", ".join([*(f"send to pp rank {s.dst} tag {s.tag}" for s in sends),
                           *(f"recv from pp rank {r.src} tag {r.tag}" for r in recvs)])
-        PROGRESS.entering(f"pipeline send/recv: {what}", self._group)
+        HANG_RECORD.entering(f"pipeline send/recv: {what}", self._group)
 
     def _recv_op(self, recv: Recv, buf: torch.Tensor) -> Op:
         return Op(False, buf, recv.src, self._check_tag(recv.tag), recv.kind)

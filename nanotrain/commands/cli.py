@@ -14,17 +14,18 @@ import shutil
 import sys
 from pathlib import Path
 
+from nanotrain.commands.config_commands import plan, rehearse
+from nanotrain.commands.flags import check_flags, given_flags
+from nanotrain.commands.stopping import Terminated, sigterm_ends_command, stop_line
 from nanotrain.config import Config, ConfigError, SlurmLayout, load_config, validate
 from nanotrain.config.cli_args import EXIT_INTERRUPTED, ArgParser, refuse
 from nanotrain.config.files import first_missing
 from nanotrain.config.path_fields import check_path_fields
 from nanotrain.config.paths import CREATE_DIR, DIR, check_path
 from nanotrain.config.validate import validate_names
-from nanotrain.launch import rundir, sbatch
-from nanotrain.launch.config_commands import plan, rehearse
-from nanotrain.launch.flags import check_flags, given_flags
-from nanotrain.launch.stopping import Terminated, sigterm_ends_command, stop_line
+from nanotrain.launch import sbatch
 from nanotrain.parallel.compile_check import compile_backend_problem
+from nanotrain.runtime import rundir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--emit", metavar="DIR",
                       help="write a standalone .sbatch script (and its config) to DIR for plain `sbatch`")
     mode.add_argument("--plan", action="store_true",
-                      help="propose the fastest layouts that fit (see nanotrain/launch/plan.py); submit nothing")
+                      help="propose the fastest layouts that fit (see nanotrain/estimate/plan.py); submit nothing")
     parser.add_argument("--gpus", type=int, metavar="N", help="--plan: GPUs to plan for (default: the config's)")
     parser.add_argument("--gpu-memory-gb", type=float, metavar="G",
                         help="--plan: memory of one GPU (default: slurm.gpu_memory_gb, else 80)")
@@ -94,7 +95,7 @@ def dry_run(config: Config, layout: SlurmLayout | None, run_dir: Path, config_ar
     print(f"config: {config_arg} (valid)")
     print(f"run directory: {run_dir}")
     print(f"layout: {describe_layout(config, layout)}")
-    from nanotrain.launch.memory_estimate import describe as describe_memory
+    from nanotrain.estimate.memory import describe as describe_memory
 
     for line in describe_memory(config):
         print(line)
@@ -103,7 +104,7 @@ def dry_run(config: Config, layout: SlurmLayout | None, run_dir: Path, config_ar
     print(grid_summary(config))
     if layout is None:
         print(f"\nlocal: {config.parallelism.world_size} processes of "
-              f"`{sys.executable} -m nanotrain.launch.task {run_dir / rundir.CONFIG_FILE}`")
+              f"`{sys.executable} -m nanotrain.runtime.task {run_dir / rundir.CONFIG_FILE}`")
     else:
         print("\n# sbatch script (written and submitted by submitit):")
         print(sbatch.render_sbatch(config, layout, run_dir, sbatch.submitit_command(run_dir)))
@@ -151,7 +152,7 @@ def _undo_run_dir(run_dir: Path, existed: set[Path] | None, old_config: bytes | 
 
 def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
     from nanotrain.launch.submission import SubmitRefused, submit
-    from nanotrain.launch.task import TrainingTask
+    from nanotrain.runtime.task import TrainingTask
 
     existed = set(run_dir.rglob("*")) if run_dir.is_dir() else None
     made = first_missing(run_dir)
@@ -279,7 +280,7 @@ def _main(argv: list[str] | None):
         if args.rehearse:
             return rehearse(args)
         if args.status is not None:
-            from nanotrain.launch.status import show_status
+            from nanotrain.commands.status import show_status
 
             return show_status(args.status)
         config, config_arg, resumed_mode = _config_of(args)
@@ -312,7 +313,7 @@ def _main(argv: list[str] | None):
         run_dir = rundir.resolve_run(config, config_arg)
         validate_names(config)  # again: the default run name is only known now
         check_paths(config, run_dir, args.emit)
-        from nanotrain.launch.preflight import before_launch  # live owner / job, resume target
+        from nanotrain.commands.preflight import before_launch  # live owner / job, resume target
 
         for note in before_launch(config, run_dir, launching=not (args.dry_run or args.emit)):
             print(f"warning: {note}", file=sys.stderr)
@@ -320,7 +321,7 @@ def _main(argv: list[str] | None):
         return refuse(exc)
     try:
         if args.prepare_data:
-            from nanotrain.launch import prepare
+            from nanotrain.commands import prepare
 
             return prepare.submit_prepare(config, run_dir) if use_slurm else prepare.prepare_locally(config)
         if args.dry_run:

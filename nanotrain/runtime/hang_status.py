@@ -1,4 +1,4 @@
-"""Read the hang reports of a run (``<run>/hang/rank-R.json``, ``launch/hang.py``) and name the culprit.
+"""Read the hang reports of a run (``<run>/hang/rank-R.json``, ``runtime/hang.py``) and name the culprit.
 
 The rank that causes a hang is the one that writes least: a stopped process (SIGSTOP, a frozen
 node) writes nothing at all, and its peers all wait in a collective it never entered. So the

@@ -4,7 +4,7 @@ Each of these used to be found only inside the ranks (after the run directory wa
 on SLURM, after the job waited in the queue), or not at all:
 
 * the run's recorded SLURM job is still pending or running (`--resume` put a second job beside
-  a queued one), or a live process owns the run / checkpoint directory (`ownership.py`);
+  a queued one), or a live process owns the run / checkpoint directory (`runtime/ownership.py`);
 * the checkpoint the run would resume from holds another model shape (`--resume --set
   model.hidden_size=...`) or belongs to another run (`checkpoints.path` pointing into another
   run directory), unless `checkpoints.allow_foreign`.
@@ -17,10 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from nanotrain.checkpoint import layout
-from nanotrain.checkpoint.hf_dir import check_hf_dir
 from nanotrain.checkpoint.layout import model_differences
 from nanotrain.config import Config, ConfigError, config_to_dict
-from nanotrain.launch import ownership, rundir
+from nanotrain.hf.directory import check_hf_dir
+from nanotrain.runtime import ownership, rundir
 
 
 def _recorded_job(run_dir: Path) -> str | None:

@@ -27,7 +27,6 @@ import torch
 from nanotrain.checkpoint import format as fmt
 from nanotrain.checkpoint.assemble import ShardReader, assemble_full
 from nanotrain.checkpoint.format import CheckpointError
-from nanotrain.checkpoint.hf_dir import INDEX, SINGLE
 from nanotrain.checkpoint.offline_checks import (  # noqa: F401 (re-exported: the script's names)
     DEFAULT_MAX_SHARD,
     DTYPES,
@@ -38,6 +37,7 @@ from nanotrain.checkpoint.offline_checks import (  # noqa: F401 (re-exported: th
 from nanotrain.config import ModelArgs
 from nanotrain.config.files import removed_on_failure
 from nanotrain.data.hf_tokenizer import export_tokenizer
+from nanotrain.hf.directory import INDEX, SINGLE
 from nanotrain.models import hf_llama
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 from nanotrain.config import Config, load_config
 from nanotrain.data import TokenDataset, default_cache_dir
 from nanotrain.data.check import all_source_args
-from nanotrain.launch import rundir, sbatch
+from nanotrain.launch import sbatch
+from nanotrain.runtime import rundir
 
 PREPARED_FILE = "prepared.json"
 

@@ -3,7 +3,7 @@
 Why a thread of our own: a rank that waits for a peer that never comes (a stopped process, a
 dead node, a rank asleep in its own code) is only noticed by the process-group timeout, and
 only on the ranks that wait — they then die with "timed out" and no word of where they were or
-whom they waited for. The watchdog watches the training thread's record (``parallel/progress``:
+whom they waited for. The watchdog watches the training thread's record (``parallel/hang_record``:
 step, phase, last collective), and when it has not moved for ``training.collective_timeout_s``
 writes ``<run>/hang/rank-R.json`` — step, phase, the collective and its group (name and global
 ranks), the Python stack of every thread, NCCL's flight-recorder dump where there is one — and
@@ -34,8 +34,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from nanotrain.launch.hang_status import HANG_DIR
-from nanotrain.parallel.progress import PROGRESS, Progress
+from nanotrain.parallel.hang_record import HANG_RECORD, HangRecord
+from nanotrain.runtime.hang_status import HANG_DIR
 
 EXIT_HUNG = 4  # the job hung (watchdog or a failed collective); reports under <run>/hang/
 # Phrases of the errors a collective raises when a peer never answers or went away, as gloo, the
@@ -121,10 +121,10 @@ class HangWatchdog:
     """``start()`` once the process groups exist; ``stop()`` before they are destroyed."""
 
     def __init__(self, run_dir: Path, rank: int, world_size: int, timeout_s: float,
-                 on_hang: Callable[[], None] = lambda: None, progress: Progress = PROGRESS):
+                 on_hang: Callable[[], None] = lambda: None, record: HangRecord = HANG_RECORD):
         self.path = Path(run_dir) / HANG_DIR / f"rank-{rank}.json"
         self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
-        self.on_hang, self.progress = on_hang, progress
+        self.on_hang, self.record = on_hang, record
         self._lock = threading.Lock()
         self._written = False
         self.frozen_s = 0.0  # the longest this process did not run at all (SIGSTOP, a frozen VM)
@@ -151,7 +151,7 @@ class HangWatchdog:
             if now - woke > max(10 * poll, 2.0):
                 self.frozen_s = max(self.frozen_s, now - woke - poll)
             woke = now
-            p = self.progress
+            p = self.record
             idle = time.monotonic() - p.beat
             if p.armed and idle > self.timeout_s:
                 self.report(f"watchdog: no progress for {idle:.1f} s (training.collective_timeout_s = "
@@ -166,7 +166,7 @@ class HangWatchdog:
             if self._written:
                 return None
             self._written = True
-            snap = self.progress.snapshot()
+            snap = self.record.snapshot()
             report = {"rank": self.rank, "world_size": self.world_size, "host": socket.gethostname(),
                       "pid": os.getpid(), "time": time.time(), "reason": reason, **snap,
                       "waiting_in_communication": waiting_in_communication(self._main) if waiting is None

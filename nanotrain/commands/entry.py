@@ -11,13 +11,13 @@ before a local run starts its ranks. The CLI is imported inside `main` on purpos
 """
 from __future__ import annotations
 
-from nanotrain.launch.preemption import block_stop_signals, unblock_stop_signals
+from nanotrain.runtime.preemption import block_stop_signals, unblock_stop_signals
 
 
 def main(argv: list[str] | None = None) -> int:
     block_stop_signals()
     try:
-        from nanotrain.launch.cli import main as cli_main
+        from nanotrain.commands.cli import main as cli_main
 
         return cli_main(argv)
     finally:

@@ -18,7 +18,7 @@ def config_for(args, mode: str, usage: str):
 def plan(args) -> int:
     """`--plan`: the best layouts for the GPUs asked (plan.py); one `error:` line and exit 2
     for a bad request, or when no layout fits (with what would help)."""
-    from nanotrain.launch import plan as planner
+    from nanotrain.estimate import plan as planner
 
     config = config_for(args, "--plan", "submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]")
     gpus, memory = planner.check_request(config, args.gpus, args.gpu_memory_gb)
@@ -36,8 +36,8 @@ def rehearse(args) -> int:
     """`--rehearse`: ranks of the job on the stand-in device (nanotrain/rehearse); exit 1 on a
     defect, one `error:` line and exit 2 for a bad request or a config that cannot be built."""
     from nanotrain.data import check_data_config
-    from nanotrain.launch.comm_volume import traffic_bytes
-    from nanotrain.launch.memory_estimate import describe
+    from nanotrain.estimate.comm_volume import traffic_bytes
+    from nanotrain.estimate.memory import describe
     from nanotrain.rehearse.report import rehearse as run
     from nanotrain.rehearse.report import size
 

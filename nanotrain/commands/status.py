@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, TextIO
 
+from nanotrain.commands.prepare import prepared_line
 from nanotrain.config import ConfigError
-from nanotrain.launch import rundir, slurm_commands
-from nanotrain.launch.hang_status import hang_lines
-from nanotrain.launch.prepare import prepared_line
 from nanotrain.logging.metrics import PROGRESS_FILE, format_eta
+from nanotrain.runtime import rundir, slurm_commands
+from nanotrain.runtime.hang_status import hang_lines
 
-# What a finished job's exit code means (the codes of `launch/task.py`).
+# What a finished job's exit code means (the codes of `runtime/task.py`).
 EXIT_MEANINGS = {
     0: "completed",
     2: "a user error found inside a rank: see the job log's `error:` line",

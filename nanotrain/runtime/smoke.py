@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nanotrain.launch.env import DistEnv
-from nanotrain.parallel.context import ParallelContext
+from nanotrain.parallel.parallel_context import ParallelContext
+from nanotrain.runtime.env import DistEnv
 
 AXES = ("tp", "cp", "dp", "pp", "ep", "dp_cp", "dp_cp_ep", "world")
 

@@ -1,4 +1,4 @@
-"""The per-process entry point of every job: `python -m nanotrain.launch.task CONFIG`.
+"""The per-process entry point of every job: `python -m nanotrain.runtime.task CONFIG`.
 
 The same function runs under submitit (pickled), an emitted sbatch script, torchrun, and the
 local launcher, so the four launch paths differ only in how the environment is mapped. The task,
@@ -17,9 +17,9 @@ not the trainer, decides what an ending means: exit codes, requeue or not, one-l
 from __future__ import annotations
 
 # Stop signals first: the handler's module is standard library only, and under
-# `python -m nanotrain.launch.task` a signal during the imports below (submitit, then torch:
+# `python -m nanotrain.runtime.task` a signal during the imports below (submitit, then torch:
 # seconds) would otherwise kill the task.
-from nanotrain.launch.preemption import (
+from nanotrain.runtime.preemption import (
     SIGNAL_STOP,
     PreemptionHandler,
     classify_sigterm,
@@ -38,10 +38,10 @@ import submitit.helpers  # noqa: E402
 
 from nanotrain.config import ConfigError, check_world_size, load_config, validate  # noqa: E402
 from nanotrain.config.cli_args import EXIT_USER_ERROR  # noqa: E402
-from nanotrain.launch import ownership  # noqa: E402
-from nanotrain.launch.env import export_user_env, setup_distributed_env  # noqa: E402
-from nanotrain.launch.hang_status import requeue_marker  # noqa: E402
-from nanotrain.launch.rundir import resolve_run, write_run_dir  # noqa: E402
+from nanotrain.runtime import ownership  # noqa: E402
+from nanotrain.runtime.env import export_user_env, setup_distributed_env  # noqa: E402
+from nanotrain.runtime.hang_status import requeue_marker  # noqa: E402
+from nanotrain.runtime.rundir import resolve_run, write_run_dir  # noqa: E402
 
 EXIT_DIVERGED = 3
 EXIT_STOPPED = 75  # EX_TEMPFAIL: saved, but not requeued; resume with --resume
@@ -67,13 +67,13 @@ def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> d
     from nanotrain.checkpoint import CheckpointMismatch
     from nanotrain.checkpoint.comm import World
     from nanotrain.data import DataError
+    from nanotrain.parallel.hang_record import HANG_RECORD
 
     # Imported only now, with the stop handler installed (they import torch: seconds), and before
     # any process group exists: importing the model pulls in torch._dynamo, whose import takes
     # references to an existing default group that are only dropped at interpreter exit.
-    from nanotrain.launch.hang import EXIT_HUNG, HangWatchdog, is_comm_failure, is_timeout, nccl_debug_env
-    from nanotrain.launch.smoke import smoke_step
-    from nanotrain.parallel.progress import PROGRESS
+    from nanotrain.runtime.hang import EXIT_HUNG, HangWatchdog, is_comm_failure, is_timeout, nccl_debug_env
+    from nanotrain.runtime.smoke import smoke_step
     from nanotrain.training.builder import build_parallel_context, hang_timeouts
     from nanotrain.training.stop_vote import TrainingDiverged
     from nanotrain.training.trainer import DistributedTrainer
@@ -112,7 +112,7 @@ def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> d
                   f"python submit.py --resume {run_dir} --set ...", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_DIVERGED) from None
     except Exception as exc:
-        if not (PROGRESS.armed and is_comm_failure(exc)):
+        if not (HANG_RECORD.armed and is_comm_failure(exc)):
             raise
         # A peer never answered (or went away) during training: a hang, reported like the
         # watchdog's (whichever comes first writes this rank's report).
@@ -123,7 +123,7 @@ def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> d
         raise SystemExit(EXIT_HUNG) from None
     finally:
         watchdog.stop()
-        PROGRESS.disarm()
+        HANG_RECORD.disarm()
         if claim is not None:
             claim.release()
         # Groups go before the interpreter does (see ParallelContext.destroy); the barrier only
@@ -214,7 +214,7 @@ class TrainingTask(submitit.helpers.Checkpointable):
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m nanotrain.launch.task CONFIG.yaml", file=sys.stderr)
+        print("usage: python -m nanotrain.runtime.task CONFIG.yaml", file=sys.stderr)
         return 2
     try:
         run_task(args[0], _EARLY)

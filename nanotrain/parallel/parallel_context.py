@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from nanotrain.parallel import accelerator
 from nanotrain.parallel.grid import Coords, RankGrid
-from nanotrain.parallel.progress import PROGRESS
+from nanotrain.parallel.hang_record import HANG_RECORD
 
 # Group attributes created on every ParallelContext, in creation order: each rank creates its own
 # group of each, in this order (torch names locally synchronised groups by their ranks and the
@@ -216,7 +216,7 @@ class ParallelContext:
                 if pg is not None:
                     self._group_ranks[name] = ranks
                     setattr(self, f"{name}_pg", pg)
-                    PROGRESS.name_group(pg, name)  # hang reports say "dp", not "group"
+                    HANG_RECORD.name_group(pg, name)  # hang reports say "dp", not "group"
             self.local_sync = fresh
 
     def _create_embedding_group(self) -> None:
@@ -232,7 +232,7 @@ class ParallelContext:
             pg = self._new_group(tuple(sorted({pp_ranks[0], pp_ranks[-1]})))
             if pg is not None:
                 self.embedding_pg = pg
-                PROGRESS.name_group(pg, "embedding")
+                HANG_RECORD.name_group(pg, "embedding")
         if self.embedding_pg is None and self.local_sync:
             self._placeholder_pg = dist.new_group(ranks=[self.world_rank], timeout=self.timeout,
                                                   use_local_synchronization=True)
@@ -316,7 +316,7 @@ class ParallelContext:
             return
         if synchronize:
             dist.barrier()
-        PROGRESS.forget_groups()  # the hang record holds the last collective's group
+        HANG_RECORD.forget_groups()  # the hang record holds the last collective's group
         mine = [pg for ranks, pg in self._pg_by_ranks.items() if self.world_rank in ranks]
         mine += [self._placeholder_pg] if self._placeholder_pg is not None else []
         self._placeholder_pg = None
@@ -353,7 +353,7 @@ def destroy_process_groups(synchronize: bool = True) -> None:
         return
     if synchronize:
         dist.barrier()
-    PROGRESS.forget_groups()  # the hang record holds the last collective's group
+    HANG_RECORD.forget_groups()  # the hang record holds the last collective's group
     # Every registered group (ours, DeviceMesh's, ...); a private map, so read defensively.
     registered = list(getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", {}))
     refs = [weakref.ref(pg) for pg in registered]

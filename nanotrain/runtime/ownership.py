@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nanotrain.launch import slurm_commands
+from nanotrain.runtime import slurm_commands
 
 LOCK = "owner.lock"
 RUN_ID = "run_id"

@@ -28,7 +28,7 @@ import re
 import signal
 import sys
 
-from nanotrain.launch import slurm_commands
+from nanotrain.runtime import slurm_commands
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)  # what a launcher forwards
 NO_STOP, TERM_STOP, SIGNAL_STOP = 0, 1, 2  # agreed with MAX: the configured signal wins

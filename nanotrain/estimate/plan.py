@@ -3,7 +3,7 @@
 Every layout of N GPUs that keeps the config's global batch (micro_batch_size x
 batch_accumulation_per_replica x dp samples) is enumerated: (dp, tp, pp, cp, pipeline engine and
 virtual stages, tp mode, micro-batch size, accumulation, recompute, ZeRO stage). Memory comes only
-from ``memory_estimate.estimate_memory`` on each candidate config (one source of arithmetic, so
+from ``memory.estimate_memory`` on each candidate config (one source of arithmetic, so
 the plan follows every change of the estimate); a layout fits when that estimate is at most
 ``G x (1 - MARGIN) - RESERVED_GB`` (the estimate leaves out the CUDA context, communication
 buffers and fragmentation). The fitting layouts are ranked by the step time of the cost model
@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 from nanotrain.config import Config, ConfigError, validate
 from nanotrain.config.schema import MAX_WORLD
-from nanotrain.launch.comm_volume import cp_collectives_per_layer, tp_collectives_per_layer, traffic_bytes
-from nanotrain.launch.memory_estimate import estimate_memory
+from nanotrain.estimate.comm_volume import cp_collectives_per_layer, tp_collectives_per_layer, traffic_bytes
+from nanotrain.estimate.memory import estimate_memory
 from nanotrain.models import llama_arch, llama_parallelize_costs
 
 MARGIN = 0.10  # of the GPU's memory, kept free

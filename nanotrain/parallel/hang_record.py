@@ -2,7 +2,7 @@
 
 Why: when a job hangs, every rank but one sits in a collective waiting for the one that never
 comes, and the process-group timeout only says "timed out" on the ranks that waited. The hang
-watchdog (``launch/hang.py``) reads this record from another thread and writes it out, so the
+watchdog (``runtime/hang.py``) reads this record from another thread and writes it out, so the
 reports of all ranks together name the rank that did not arrive, the phase and the group.
 
 Why a process-wide record: the collectives are entered from many layers (tensor-parallel
@@ -26,7 +26,7 @@ from typing import Optional
 import torch.distributed as dist
 
 
-class Progress:
+class HangRecord:
     """The training thread's position; see the module doc."""
 
     def __init__(self) -> None:
@@ -96,4 +96,4 @@ class Progress:
                 {"name": self.collective, "group": self.describe_group(self.group)}}
 
 
-PROGRESS = Progress()
+HANG_RECORD = HangRecord()

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from nanotrain.checkpoint.hf_dir import HFDir, check_hf_dir
 from nanotrain.checkpoint.items import Models, named_params
 from nanotrain.config import ModelArgs
+from nanotrain.hf.directory import HFDir, check_hf_dir
 from nanotrain.models import hf_llama
 from nanotrain.parallel.sharding import get_shard_info
 
