@@ -12,7 +12,8 @@ from nanotrain.config.schema import (
                                      SlurmArgs,
                                      TrainingArgs,
 )
-from nanotrain.config.validate import SlurmLayout, check_world_size, slurm_layout, validate
+from nanotrain.config.validate import validate
+from nanotrain.config.validate_slurm import SlurmLayout, check_world_size, slurm_layout
 
 __all__ = [
     "CheckpointArgs", "Config", "ConfigError", "DataArgs", "LoggingArgs", "ModelArgs", "MoEArgs",
