@@ -477,7 +477,10 @@ def test_rank_killed_while_saving_leaves_previous_checkpoint(tmp_path):
 
 
 def _save_and_die(root: str, stage: str) -> None:
-    """Child process: save step 2, SIGKILL itself at ``stage`` of the commit."""
+    """Child process: save step 2, SIGKILL itself at ``stage`` of the commit. Forked from a
+    parent whose OpenMP pool may have run (pytest without OMP_NUM_THREADS=1): the child has no
+    pool threads, so a parallel region would wait for them forever; one thread uses none."""
+    torch.set_num_threads(1)
     from nanotrain.checkpoint import format as fmt
     target = {"shards": "write_safetensors", "meta": "write_complete", "rename": "commit_rename",
               "latest": "update_latest"}[stage]
@@ -504,8 +507,13 @@ def test_kill_during_save_keeps_previous_latest(tmp_path, stage):
     expected = {n: p.detach().clone() for n, p in objs[0].named_parameters()}
     child = multiprocessing.get_context("fork").Process(target=_save_and_die, args=(str(root), stage))
     child.start()
-    child.join(60)
-    assert child.exitcode == -signal.SIGKILL
+    try:
+        child.join(60)
+        assert child.exitcode == -signal.SIGKILL
+    finally:
+        if child.is_alive():  # a hang is a failure, and must not block pytest's exit
+            child.kill()
+            child.join()
     assert (root / "latest").read_text().strip() == "step_000001"
     if stage == "latest":  # renamed and complete, but `latest` was never moved: not used
         assert (root / "step_000002" / "COMPLETE").is_file()

@@ -36,8 +36,7 @@ class World:
         self.group = pc.world_pg if self.active else None
         self.rank = dist.get_rank() if self.active else 0
         self.size = pc.world_size if self.active else 1
-        acc = accelerator.of_backend(dist.get_backend(self.group)) if self.active else None
-        self.device = acc.current_device() if acc is not None else torch.device("cpu")
+        self.device = accelerator.comm_device(self.group) if self.active else torch.device("cpu")
 
     def _bytes_tensor(self, obj) -> torch.Tensor:
         return json_to_tensor(obj, self.device)

@@ -9,10 +9,8 @@ from nanotrain.parallel import accelerator, collectives
 
 
 def _comm_device(pp_pg, reduce: bool) -> torch.device:
-    """Where the statistics meet over ``pp_pg``: NCCL groups have no CPU backend (the device of
-    this rank, as in ``checkpoint/comm.py``), other backends take CPU tensors."""
-    acc = accelerator.of_backend(_dist.get_backend(pp_pg)) if reduce else None
-    return acc.current_device() if acc is not None else torch.device("cpu")
+    """Where the statistics meet over ``pp_pg`` (the CPU when nothing is reduced)."""
+    return accelerator.comm_device(pp_pg) if reduce else torch.device("cpu")
 
 
 def step_scalars(state: MoEState, pp_pg=None, capacity: bool = False) -> dict[str, float]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 
 class Cuda:
@@ -125,6 +126,13 @@ def of_backend(backend) -> object | None:
         if any(b in name for b in acc.backends):
             return acc
     return None
+
+
+def comm_device(group) -> torch.device:
+    """The device whose tensors a collective over ``group`` (an initialised process group) takes:
+    the current accelerator device when its backend has no CPU path (NCCL), else the CPU."""
+    acc = of_backend(dist.get_backend(group))
+    return acc.current_device() if acc is not None else torch.device("cpu")
 
 
 @contextlib.contextmanager
