@@ -43,21 +43,12 @@ tied embedding's replica on the last pipeline stage, ZeRO-0 states — are writt
 lowest global rank holding them. Nothing is unpickled anywhere: safetensors and JSON only, and the
 collectives carry JSON (``comm.py``).
 
-File granularity: one file per rank and kind, not one per parameter. Measured on this 2-core CPU
-machine (``benchmarks/checkpoint_granularity.py --model {tiny,100m} --granularity {rank,param}``,
-dp2 x tp2 ZeRO-1, medians of 5, a machine shared with other jobs so +-50 %):
-
-    model                  files   MB      save s   load s   1-process resharding load s
-    tiny (279 k), rank       12    3.56    0.043    0.033    0.021
-    tiny, per parameter      98    3.59    0.076    0.043    0.033
-    ~100 M (95.4 M), rank    12    1145    1.3-2.1  0.8-1.2  1.5-1.7
-    ~100 M, per parameter   214    1145    1.4-3.4  0.7-1.1  5.9
-
-Same speed or better, 8-18x fewer files (at 1000 ranks: ~2 k instead of ~10^5, which is what a
-parallel filesystem's metadata server notices), and the same choice as DCP and Megatron's
-torch_dist. The usual cost of per-rank files — a rank reading one tensor of another rank's file
-must hash the whole file — is avoided by checksumming each tensor: a loader verifies exactly the
-bytes it reads. Files are streamed to disk tensor by tensor (no second in-memory copy) and fsynced.
+File granularity: one file per rank and kind, not one per parameter: no slower to save or load,
+and a small fraction of the files (what a parallel file system's metadata server notices at
+scale); the same choice as DCP and Megatron's torch_dist (the comparison: benchmarks/README.md,
+"Measured here"). The usual cost of per-rank files — a rank reading one tensor of another rank's
+file must hash the whole file — is avoided by checksumming each tensor: a loader verifies exactly
+the bytes it reads. Files are streamed to disk tensor by tensor (no second in-memory copy) and fsynced.
 
 Damage: a checkpoint that fails verification (on load, before a save trusts it, or the size
 check of pruning) is renamed ``step_N.damaged`` with a ``DAMAGED.txt`` saying why (``damage.py``):
@@ -65,8 +56,8 @@ kept for inspection, never loaded, counted or pruned. meta.json records the writ
 ``run_id``; the loader refuses another run's checkpoint unless told (``allow_foreign``) and
 pruning never deletes one.
 
-Checksum: sha256 (1.7 GB/s with SHA-NI here; crc32 3.9, blake2b 0.9): detects deliberate edits,
-not just bit rot; it costs ~0.6 s per GB a rank writes or reads.
+Checksum: sha256: detects deliberate edits, not just bit rot, at a cost on every byte a rank
+writes or reads (hashed beside the fsync, ``format.py``).
 """
 import importlib
 

@@ -136,8 +136,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], header: dict
     # The bytes go to the page cache first, unhashed; the tensors are then hashed on
     # HASH_THREADS threads while this one waits for the disk (fsync). hashlib, file writes and
     # fsync all release the GIL, so a file costs write + max(hash, fsync) instead of the sum of
-    # all three; hashing while writing took the cores the writes needed (the sha256 of every
-    # byte was what held a save to half the speed of a raw write).
+    # all three; hashing while writing would take the cores the writes need.
     with open(path, "wb") as f, ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="nanotrain-sha256") as hasher:
         f.write(prefix)
         raws = {}

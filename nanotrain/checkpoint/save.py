@@ -206,9 +206,8 @@ class PendingSave:
 def _yield_to_training() -> None:
     """Lower this writer thread (and the file and hash threads it starts, which inherit it) to
     the lowest CPU priority: where training runs on the CPU, the background save's hashing and
-    copying would otherwise take cores from the steps it is meant not to stall (a 415 MB save
-    made the next 0.14 s step take 0.30 s on 2 cores). On a GPU node it changes nothing: the
-    host has cores to spare. Linux only (per-thread nice); elsewhere a no-op."""
+    copying would otherwise take cores from the steps it is meant not to stall. On a GPU node it
+    changes nothing: the host has cores to spare. Linux only (per-thread nice); elsewhere a no-op."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):

@@ -1,6 +1,6 @@
 """The command's first lines (`submit.py`, the `nanotrain` console script): hold stop signals.
 
-A stop signal (SIGUSR1/2, SIGTERM) during start-up used to kill a launch:
+A stop signal (SIGUSR1/2, SIGTERM) during start-up would kill a launch:
 importing the CLI takes a good part of a second (submitit, YAML), a local run's ranks take
 seconds to import torch. So the signals are blocked before anything is imported; they stay
 pending until a local run's ranks exist (`local.run_local` unblocks after it installed its

@@ -53,8 +53,8 @@ def quiet_libraries() -> None:
     """No carriage-return progress bars from `datasets` in log files (SLURM, local ranks).
 
     Through the environment variable `datasets` reads when it is imported, not by importing it:
-    a rank that reads an existing token cache never needs `datasets`, whose import costs ~1.3 CPU
-    s (pyarrow, fsspec, the hub client): 10 s of an 8-rank job on a 2-core machine."""
+    a rank that reads an existing token cache never needs `datasets`, whose import costs CPU
+    seconds per rank (pyarrow, fsspec, the hub client)."""
     if sys.stdout.isatty():
         return
     if "datasets" in sys.modules:
