@@ -270,7 +270,9 @@ def verify_file(ckpt_dir: Path, rel: str, record: dict | None, keys: Iterable[st
 
 
 def verify_checkpoint(ckpt_dir: Path) -> list[str]:
-    """Every file of a checkpoint, completely (offline tools; the loader checks what it reads)."""
+    """Every file of a checkpoint, completely (offline tools; the loader checks what it reads).
+    Returns the problems found, each naming its file ([] = intact); raises CheckpointError
+    when meta.json or COMPLETE is unreadable, altered or of an unknown format."""
     ckpt_dir = Path(ckpt_dir)
     meta = read_meta(ckpt_dir)
     return [p for rel, rec in meta["files"].items() if (p := verify_file(ckpt_dir, rel, rec))]

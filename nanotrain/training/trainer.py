@@ -70,6 +70,22 @@ def seed_everything(seed: int) -> None:
 
 
 class DistributedTrainer:
+    """One rank's training run: from ``config`` it builds the model part, pipeline engine, gradient
+    sync, optimizer, scheduler and data, resumes from ``checkpoints.path`` when
+    ``checkpoints.resume``; then ``train()``, and ``close()`` at the end. Every rank constructs it
+    at once (collective).
+
+    Args:
+        config: the resolved config; run_dir: the run directory (TensorBoard, profiles);
+            pc: this rank's ParallelContext.
+        stop_code: this rank's stop request (``PreemptionHandler.poll``), voted on every step.
+        run_id: the run's identity, stored in its checkpoints (another run's are refused).
+
+    Raises:
+        DataError: the data cannot serve this rank (``build_samplers``).
+        CheckpointMismatch, CheckpointError: the resume failed (``load_checkpoint``).
+    """
+
     def __init__(self, config: Config, run_dir: Path, pc: ParallelContext, stop_code: Callable[[], int],
                  run_id: str | None = None):
         self.config, self.run_dir, self.pc = config, Path(run_dir), pc
