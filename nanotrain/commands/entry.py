@@ -15,6 +15,8 @@ from nanotrain.runtime.preemption import block_stop_signals, unblock_stop_signal
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``submit.py``'s and the ``nanotrain`` console script's entry: ``cli.main(argv)`` with the
+    stop signals held from before its import (module doc); returns its exit status."""
     block_stop_signals()
     try:
         from nanotrain.commands.cli import main as cli_main

@@ -241,6 +241,10 @@ class Plan:
 
 
 def make_plan(config: Config, gpus: int, gpu_memory_gb: float, hw: Hardware, shown: int = SHOWN) -> Plan:
+    """The ``shown`` fastest valid layouts of ``gpus`` GPUs that keep ``config``'s global batch and
+    fit ``gpu_memory_gb`` (module doc), or, when none fits, the leanest valid layout and the fewest
+    GPUs at which one would (``Plan.smallest``, ``Plan.fewest``). Check the request first with
+    ``check_request``; ``render`` and ``explain_none`` turn the plan into lines."""
     budget = gpu_memory_gb * (1 - MARGIN) - RESERVED_GB
     slurm = config.slurm.gpus_per_node > 0
     scored, leanest, count = [], [], 0
