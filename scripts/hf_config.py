@@ -20,6 +20,8 @@ from nanotrain.models import hf_llama  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command on ``argv`` (default ``sys.argv[1:]``; module doc); returns 0, or 2 for a wrong
+    argument or a directory nanotrain cannot start from (one ``error:`` line on stderr)."""
     return answer(lambda: _main(argv), HFError)
 
 

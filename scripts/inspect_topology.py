@@ -23,6 +23,8 @@ GROUPS = ("tp", "cp", "dp", "pp", "ep", "dp_cp", "mp")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command on ``argv`` (default ``sys.argv[1:]``; module doc); returns 0, or 2 for a wrong
+    argument or an invalid config (one ``error:`` line on stderr)."""
     return answer(lambda: _main(argv))
 
 

@@ -27,6 +27,8 @@ from nanotrain.config.cli_args import ArgParser, answer  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command on ``argv`` (default ``sys.argv[1:]``; module doc); returns 0, or 2 for a wrong
+    argument or input (one ``error:`` line on stderr, nothing written), 130 on Ctrl-C."""
     return answer(lambda: _main(argv), CheckpointError, OSError)
 
 

@@ -5,68 +5,36 @@ API (all ranks call both, collectively; ``pc=None`` = one process)::
     path = save_checkpoint(root, step, model, optimizer, scheduler, pc,
                            extra={"consumed_samples": n, "consumed_tokens": t}, config=config)
     resumed = load_checkpoint(root, model, optimizer, scheduler, pc, config=config)
-    if resumed is not None:        # None: nothing to resume
-        step, consumed = resumed.step, resumed.extra["consumed_samples"]
-        # resumed.resharded: the topology changed (RNG streams then start fresh)
-        # resumed.skipped: damaged newer checkpoints that were passed over (files named)
+    # None: nothing to resume; else .step, .extra, .resharded (RNG streams start fresh) and
+    # .skipped (damaged newer checkpoints passed over)
 
-``scripts/reshard_checkpoint.py SRC DST --set parallelism.tp=4`` rewrites a checkpoint for another
-topology offline (``reshard.reshard_offline``); resuming does not need it, the loader reshards.
+Layout (dp2 x tp2, ZeRO-1; ``ep-XX`` / ``cp-XX`` join the names when those axes are > 1)::
 
-Layout (dp2 x tp2, ZeRO-1)::
-
-    <checkpoints.path>/latest                      "step_000120" (text file, replaced atomically)
+    <checkpoints.path>/latest                   "step_000120" (text file, replaced atomically)
     <checkpoints.path>/step_000120/
-        COMPLETE                                   "sha256 <of meta.json>", written last
-        meta.json                                  step, extra (consumed samples/tokens), topology
-                                                   (dp tp pp cp ep zero_stage pp_engine
-                                                   pp_virtual_stages tp_mode), config + its hash,
-                                                   format version, scheduler state, lr per param
-                                                   group, per file: bytes, sha256 of the header
-                                                   and of every tensor, file digest; the index:
-                                                   name -> [{file, slice metadata, ...}]
-        model/pp-00_tp-00.safetensors              parameters of (pp 0, tp 0), written by dp rank 0
-        model/pp-00_tp-01.safetensors
-        optimizer/pp-00_tp-00_dp-00.safetensors    <name>/exp_avg, <name>/exp_avg_sq, <name>/step of
-        optimizer/pp-00_tp-00_dp-01.safetensors      the ZeRO-1 range [start, stop) of the flattened
-        optimizer/pp-00_tp-01_dp-00.safetensors      local parameter each dp rank owns (ZeRO-0:
-        optimizer/pp-00_tp-01_dp-01.safetensors      dp 0 writes [0, numel))
-        state/rank-00000.safetensors ... rank-00003   RNG states (torch CPU/CUDA, python, numpy) as
-                                                   uint8 tensors; the rank's coords and rank_state
-    (ep-XX / cp-XX join the names when those axes are > 1.)
+        COMPLETE                                "sha256 <of meta.json>", written last
+        meta.json                               step, extra, topology, config + its hash, format
+                                                version, scheduler state, lr per param group,
+                                                per file: bytes and sha256s (header, each tensor,
+                                                file); the index: name -> [{file, slices, ...}]
+        model/pp-00_tp-0T.safetensors           parameters of (pp 0, tp T), written by dp rank 0
+        optimizer/pp-00_tp-0T_dp-0D.safetensors exp_avg, exp_avg_sq, step of the ZeRO-1 range dp
+                                                rank D owns (ZeRO-0: dp 0 writes [0, numel))
+        state/rank-RRRRR.safetensors            RNG states (torch CPU/CUDA, python, numpy) as
+                                                uint8 tensors; the rank's coords and rank_state
 
-Every tensor's record (in the file's safetensors ``__metadata__`` and in meta.json's index) holds
-the unsharded shape and the (local slice, global slice) pairs it holds, i.e. the parameter's
-``ShardInfo``, so fused QKV / gate-up chunks and vocab padding (never saved) need no model code to
-reassemble. Identical records held by several ranks — dp/cp replicas, tp-replicated norms, the
-tied embedding's replica on the last pipeline stage, ZeRO-0 states — are written once, by the
-lowest global rank holding them. Nothing is unpickled anywhere: safetensors and JSON only, and the
-collectives carry JSON (``comm.py``).
+Every tensor's record (safetensors ``__metadata__`` and meta.json's index) holds the unsharded
+shape and its (local slice, global slice) pairs, the parameter's ``ShardInfo``: fused chunks and
+vocabulary padding (never saved) reassemble without model code, and the loader reshards to any
+topology (``scripts/reshard_checkpoint.py`` does it offline). A record held by several ranks is
+written once, by the lowest global rank holding it. Safetensors and JSON only: nothing is
+unpickled, and the collectives carry JSON (``comm.py``).
 
-File granularity: one file per rank and kind, not one per parameter. Measured on this 2-core CPU
-machine (``benchmarks/checkpoint_granularity.py --model {tiny,100m} --granularity {rank,param}``,
-dp2 x tp2 ZeRO-1, medians of 5, a machine shared with other jobs so +-50 %):
-
-    model                  files   MB      save s   load s   1-process resharding load s
-    tiny (279 k), rank       12    3.56    0.043    0.033    0.021
-    tiny, per parameter      98    3.59    0.076    0.043    0.033
-    ~100 M (95.4 M), rank    12    1145    1.3-2.1  0.8-1.2  1.5-1.7
-    ~100 M, per parameter   214    1145    1.4-3.4  0.7-1.1  5.9
-
-Same speed or better, 8-18x fewer files (at 1000 ranks: ~2 k instead of ~10^5, which is what a
-parallel filesystem's metadata server notices), and the same choice as DCP and Megatron's
-torch_dist. The usual cost of per-rank files — a rank reading one tensor of another rank's file
-must hash the whole file — is avoided by checksumming each tensor: a loader verifies exactly the
-bytes it reads. Files are streamed to disk tensor by tensor (no second in-memory copy) and fsynced.
-
-Damage: a checkpoint that fails verification (on load, before a save trusts it, or the size
-check of pruning) is renamed ``step_N.damaged`` with a ``DAMAGED.txt`` saying why (``damage.py``):
-kept for inspection, never loaded, counted or pruned. meta.json records the writing run's
-``run_id``; the loader refuses another run's checkpoint unless told (``allow_foreign``) and
-pruning never deletes one.
-
-Checksum: sha256 (1.7 GB/s with SHA-NI here; crc32 3.9, blake2b 0.9): detects deliberate edits,
-not just bit rot; it costs ~0.6 s per GB a rank writes or reads.
+One file per rank and kind, not per parameter: no slower, and far fewer files for a parallel file
+system's metadata server (benchmarks/README.md, "Measured here"). Each tensor has its own sha256,
+so a loader verifies exactly the bytes it reads. A checkpoint that fails verification is renamed
+``step_N.damaged`` (``damage.py``) and never loaded, counted or pruned; another run's checkpoint
+(meta.json's ``run_id``) is refused unless ``allow_foreign``, and never pruned.
 """
 import importlib
 

@@ -136,8 +136,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], header: dict
     # The bytes go to the page cache first, unhashed; the tensors are then hashed on
     # HASH_THREADS threads while this one waits for the disk (fsync). hashlib, file writes and
     # fsync all release the GIL, so a file costs write + max(hash, fsync) instead of the sum of
-    # all three; hashing while writing took the cores the writes needed (the sha256 of every
-    # byte was what held a save to half the speed of a raw write).
+    # all three; hashing while writing would take the cores the writes need.
     with open(path, "wb") as f, ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="nanotrain-sha256") as hasher:
         f.write(prefix)
         raws = {}
@@ -271,7 +270,9 @@ def verify_file(ckpt_dir: Path, rel: str, record: dict | None, keys: Iterable[st
 
 
 def verify_checkpoint(ckpt_dir: Path) -> list[str]:
-    """Every file of a checkpoint, completely (offline tools; the loader checks what it reads)."""
+    """Every file of a checkpoint, completely (offline tools; the loader checks what it reads).
+    Returns the problems found, each naming its file ([] = intact); raises CheckpointError
+    when meta.json or COMPLETE is unreadable, altered or of an unknown format."""
     ckpt_dir = Path(ckpt_dir)
     meta = read_meta(ckpt_dir)
     return [p for rel, rec in meta["files"].items() if (p := verify_file(ckpt_dir, rel, rec))]

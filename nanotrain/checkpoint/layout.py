@@ -48,6 +48,8 @@ def is_tmp_name(name: str) -> bool:
 
 
 def read_latest(root: Path) -> str | None:
+    """The ``step_N`` name that ``<root>/latest`` holds, or None when the file is missing,
+    unreadable or names no step (never raises: a resume then looks for complete checkpoints)."""
     try:
         name = (root / LATEST).read_text().strip()
     except (OSError, UnicodeDecodeError):
@@ -58,7 +60,8 @@ def read_latest(root: Path) -> str | None:
 
 # ----------------------------------------------------------------------------- discovery
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, dir) of every directory named step_N holding COMPLETE, newest first."""
+    """(step, dir) of every directory named step_N holding COMPLETE, newest first; [] when
+    ``root`` cannot be listed. Only the marker is checked, not the files (``verify_checkpoint``)."""
     out = []
     try:
         entries = list(Path(root).iterdir())

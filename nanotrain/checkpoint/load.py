@@ -88,15 +88,37 @@ def load_checkpoint(root: str | Path, model: Models, optimizer=None, scheduler=N
                     move_damaged: bool = True) -> LoadedCheckpoint | None:
     """Restore the newest intact complete checkpoint under ``root`` into the given objects.
 
-    Returns None when there is nothing to resume (no complete checkpoint). ``path``: load this
-    checkpoint directory instead (no fallback). ``config``: if given, its ``model`` section must
-    match the saved one (dtype aside). ``strict``: every saved parameter must be taken by some
-    rank (a checkpoint of a bigger model is an error, not a silent partial load). ``run_id``: the
-    loading run's identity; a checkpoint written under another one is refused
-    (``CheckpointMismatch``) unless ``allow_foreign`` (``checkpoints.allow_foreign``); checkpoints
-    without a recorded run id (older ones, offline tools) are accepted. ``move_damaged``: rank 0
-    moves a checkpoint that failed verification aside (not for an explicit ``path``). The caller
-    builds ``model``/``optimizer``/``scheduler`` for the current topology first, as for a fresh run.
+    Collective: every rank calls it. The caller builds ``model``/``optimizer``/``scheduler`` for
+    the current topology first, as for a fresh run; the saved shards are resharded to it. A
+    checkpoint that fails verification on any rank is skipped on all of them (rank 0 moves it
+    aside) and the previous complete one is tried.
+
+    Args:
+        root: the checkpoints directory (``checkpoints.path``).
+        model: this rank's module, or its list of virtual pipeline chunks.
+        optimizer: as built by ``build_optimizer`` (None: weights only).
+        scheduler: its ``state_dict`` is restored (None: not restored).
+        pc: the ParallelContext (None: one process).
+        config: if given, its ``model`` section must match the saved one (dtype aside).
+        path: load this checkpoint directory instead, with no fallback.
+        load_rng: restore the RNG states (only at the same topology).
+        strict: every saved parameter must be taken by some rank (a checkpoint of a bigger model
+            is an error, not a silent partial load).
+        run_id: the loading run's identity; a checkpoint of another one is refused unless
+            ``allow_foreign`` (``checkpoints.allow_foreign``). Checkpoints without a recorded
+            run id (offline tools) are accepted.
+        move_damaged: rank 0 moves a damaged checkpoint aside (``step_N.damaged``) and points
+            ``latest`` at the one loaded (never for an explicit ``path``).
+
+    Returns:
+        A ``LoadedCheckpoint``, or None when there is no complete checkpoint to resume.
+
+    Raises:
+        CheckpointMismatch: on every rank, when the checkpoint is intact but not this run's to
+            load (another model shape, parameters no rank takes under ``strict``, another run).
+        CheckpointError: ``path`` is damaged, the checkpoint cannot be planned for this model
+            on some rank, or restoring failed on some rank (the objects may then be partly
+            loaded).
     """
     world = World(pc)
     if path is not None:

@@ -73,6 +73,10 @@ def save_checkpoint(root: str | Path, step: int, model: Models, optimizer=None, 
     that ``latest`` already names is a no-op if that checkpoint verifies completely (every
     tensor's sha256, on rank 0; callers that know they just wrote it skip the call instead),
     otherwise it is moved aside and written again.
+
+    Raises:
+        CheckpointError: on every rank together, when any rank failed to plan, write or commit
+            (the message names the rank and its traceback).
     """
     pending = begin_save(root, step, model, optimizer, scheduler, pc, extra, config, keep_last=keep_last,
                          rank_state=rank_state, granularity=granularity, run_id=run_id)
@@ -92,7 +96,8 @@ def begin_save(root: str | Path, step: int, model: Models, optimizer=None, sched
     ``wait_snapshot()`` returns, the caller must not change a parameter or an optimizer state
     (the next forward and backward may run). The thread does no collective (the commit's gather
     runs in ``finish``, on the calling thread). Everything else of the step that the commit
-    records (RNG states, scheduler, learning rates, ``extra``) is captured here.
+    records (RNG states, scheduler, learning rates, ``extra``) is captured here. Other arguments
+    as ``save_checkpoint``; raises CheckpointError as it does, here or from ``finish()``.
     """
     t0 = time.perf_counter()
     world = World(pc)
@@ -206,9 +211,8 @@ class PendingSave:
 def _yield_to_training() -> None:
     """Lower this writer thread (and the file and hash threads it starts, which inherit it) to
     the lowest CPU priority: where training runs on the CPU, the background save's hashing and
-    copying would otherwise take cores from the steps it is meant not to stall (a 415 MB save
-    made the next 0.14 s step take 0.30 s on 2 cores). On a GPU node it changes nothing: the
-    host has cores to spare. Linux only (per-thread nice); elsewhere a no-op."""
+    copying would otherwise take cores from the steps it is meant not to stall. On a GPU node it
+    changes nothing: the host has cores to spare. Linux only (per-thread nice); elsewhere a no-op."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
@@ -357,7 +361,8 @@ def prune(root: Path, step: int, keep_last: int, run_id: str | None = None) -> l
     on purpose, ``checkpoints.allow_foreign``) are never deleted. A checkpoint is counted among
     the kept ones only after a size check (``quick_problems``): one that fails is moved aside,
     so the last good checkpoint is never pruned in favour of a damaged one. Complete
-    checkpoints after ``step`` (an abandoned future of a rolled-back run) are left alone."""
+    checkpoints after ``step`` (an abandoned future of a rolled-back run) are left alone.
+    Returns the directories deleted."""
     kept, removed = 0, []
     for _, p in (sp for sp in fmt.complete_checkpoints(root) if sp[0] < step):  # newest first
         problems, meta = quick_problems(p)

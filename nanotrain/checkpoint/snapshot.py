@@ -4,9 +4,8 @@ while a background thread writes them.
 The buffers are kept for the next async save of this process and reused by shape and dtype:
 pinned memory for a GPU tensor, plain memory for a CPU one. Fresh buffers at every save would
 cost more than the copy itself, on the training thread: page-locking gigabytes on a GPU, and on
-a CPU faulting in every page of a new allocation (a 400 MB clone took 0.17 s here, a copy into
-kept buffers 0.03-0.04 s). The price is one host copy of the rank's written state kept between
-saves. Reuse is safe because at most one save is in flight: the trainer commits (joins) the
+a CPU faulting in every page of a new allocation. The price is one host copy of the rank's
+written state kept between saves. Reuse is safe because at most one save is in flight: the trainer commits (joins) the
 previous one before it snapshots again.
 
 The copies are taken off the training thread (``HostSnapshot.complete`` runs on the writer
@@ -27,8 +26,8 @@ class HostSnapshot:
     thread) makes them hold them. GPU copies are queued at once on a side stream that first
     waits for the training stream (non-blocking, to pinned memory: the DMA overlaps the next
     step's kernels) and waited for with one stream sync; CPU copies run in ``complete``, one
-    after another: they run beside the next step's forward and backward, and more threads took
-    the step's cores (4 made a 0.14 s step 0.03 s slower on 2 cores than 1 did)."""
+    after another: they run beside the next step's forward and backward, and more threads
+    would take the step's cores."""
 
     _kept: dict[tuple, list[torch.Tensor]] = {}  # (pinned, shape, dtype) -> buffers of this process
     _streams: dict[tuple, object] = {}  # (device type, index) -> side stream of this process

@@ -251,7 +251,11 @@ def check_path_arguments(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Ctrl-C or SIGTERM before the ranks start (while validating, writing, submitting) is exit
+    """The ``submit.py`` command on ``argv`` (default ``sys.argv[1:]``); returns its exit status:
+    0, 2 for any user error (one ``error:`` line on stderr, nothing submitted or started), or a
+    local job's own status. User errors are never raised; ``--help`` exits through argparse.
+
+    Ctrl-C or SIGTERM before the ranks start (while validating, writing, submitting) is exit
     130 / 143 with a line saying nothing was started, not a traceback (stopping.py); a local run
     starts its ranks after that window, with SIGTERM held as the entry point held it. A broken
     stdout pipe (`| head`) is quiet."""

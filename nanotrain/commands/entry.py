@@ -1,6 +1,6 @@
 """The command's first lines (`submit.py`, the `nanotrain` console script): hold stop signals.
 
-A stop signal (SIGUSR1/2, SIGTERM) during start-up used to kill a launch:
+A stop signal (SIGUSR1/2, SIGTERM) during start-up would kill a launch:
 importing the CLI takes a good part of a second (submitit, YAML), a local run's ranks take
 seconds to import torch. So the signals are blocked before anything is imported; they stay
 pending until a local run's ranks exist (`local.run_local` unblocks after it installed its
@@ -15,6 +15,8 @@ from nanotrain.runtime.preemption import block_stop_signals, unblock_stop_signal
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``submit.py``'s and the ``nanotrain`` console script's entry: ``cli.main(argv)`` with the
+    stop signals held from before its import (module doc); returns its exit status."""
     block_stop_signals()
     try:
         from nanotrain.commands.cli import main as cli_main

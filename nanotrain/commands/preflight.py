@@ -1,7 +1,7 @@
 """`submit.py`'s last checks before it queues a job or starts local ranks.
 
-Each of these used to be found only inside the ranks (after the run directory was rewritten and,
-on SLURM, after the job waited in the queue), or not at all:
+Without them, each of these would be found only inside the ranks (after the run directory was
+rewritten and, on SLURM, after the job waited in the queue), or not at all:
 
 * the run's recorded SLURM job is still pending or running (`--resume` put a second job beside
   a queued one), or a live process owns the run / checkpoint directory (`runtime/ownership.py`);

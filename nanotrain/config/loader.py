@@ -24,7 +24,8 @@ MAX_STRING = 4096  # the longest path Linux takes; no config string needs more
 
 
 class ConfigError(ValueError):
-    """A user error in a config file or override: the message is one line, ready to print."""
+    """A user error in a config file or override: the message is one line naming the field and the
+    fix, ready to print after ``error:`` (the commands exit 2 on it)."""
 
 
 def _shown(key: Any) -> str:
@@ -222,6 +223,15 @@ def sections() -> dict[str, type]:
 
 
 def config_from_dict(raw: Any) -> Config:
+    """A typed ``Config`` from a plain mapping of sections (parsed YAML, ``config_to_dict``'s output).
+
+    Args:
+        raw: ``{section: {field: value}}``; None is the defaults. Missing fields take their defaults.
+
+    Raises:
+        ConfigError: not a mapping, an unknown section or key (with the closest valid one), a value
+            of the wrong type, not finite or out of its field's range.
+    """
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -318,7 +328,23 @@ def read_yaml(path: str | Path) -> dict:
 
 
 def load_config(path: str | Path | None, overrides: typing.Iterable[str] = ()) -> Config:
-    """Read a YAML file (or start from defaults), apply overrides, and parse with types."""
+    """Read a YAML config, apply ``--set`` overrides, and parse it with types.
+
+    Per-field types and ranges are checked here; the rules that relate fields to each other, the
+    world size and SLURM are ``validate``'s.
+
+    Args:
+        path: the YAML file, or None to start from the defaults.
+        overrides: ``section.field[.key]=value`` strings, applied in order; values are YAML.
+
+    Returns:
+        The parsed ``Config``.
+
+    Raises:
+        ConfigError: the file is missing, unreadable, not UTF-8, too large or not a plain YAML
+            document (duplicate keys, aliases beyond the budget, too deep), an override is
+            malformed or names an unknown key, or any value is refused (``config_from_dict``).
+    """
     raw = read_yaml(path) if path is not None else {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {_describe(raw)}")
@@ -328,4 +354,6 @@ def load_config(path: str | Path | None, overrides: typing.Iterable[str] = ()) -
 
 
 def dump_config(config: Config, path: str | Path) -> None:
+    """Write ``config`` as YAML to ``path`` (the run directory's ``config.yaml``, which every task
+    reads back with ``load_config``), fields in schema order."""
     Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))

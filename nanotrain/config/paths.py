@@ -34,7 +34,7 @@ from functools import lru_cache
 FILE, DIR, FILE_OR_DIR, CREATE_DIR = "file", "dir", "file or dir", "create dir"
 NAME_MAX = 255   # bytes of one name: ext4, xfs, btrfs, NFS, Lustre and GPFS all allow 255
 PATH_MAX = 4096  # bytes of a whole path (Linux PATH_MAX, with its NUL)
-MAX_DIRS = 10_000  # directories one glob may visit: ~0.1 s locally, still seconds on a network file system
+MAX_DIRS = 10_000  # directories one glob may visit: quick locally, still seconds on a network file system
 PSEUDO_TYPES = frozenset({"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
                           "securityfs", "pstore", "bpf", "configfs", "fusectl", "mqueue", "binfmt_misc",
                           "efivarfs", "selinuxfs", "rpc_pipefs", "nsfs", "autofs", "hugetlbfs"})

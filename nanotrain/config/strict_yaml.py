@@ -1,8 +1,8 @@
 """A strict YAML reader for configs and `--set` values: plain documents only.
 
 Why not `yaml.safe_load`: PyYAML accepts aliases, and a 371-byte "billion laughs" document
-expands to billions of values as soon as anything walks it (our error path once built its repr:
-27 GB); it keeps the last of two duplicate keys without a word (a duplicated section silently
+expands to billions of values as soon as anything walks it (an error message's repr included);
+it keeps the last of two duplicate keys without a word (a duplicated section silently
 drops the first one); and it recurses without limit into nested flow collections (a
 RecursionError, not a YAMLError). A config needs none of that. This loader refuses all of it
 while *composing* (before any Python object exists), each time with the line it was found on, as

@@ -193,7 +193,20 @@ def validate_profile(config: Config) -> None:
 
 
 def validate(config: Config, *, slurm: bool = False) -> SlurmLayout | None:
-    """All pre-submission checks; returns the SLURM layout when `slurm` is true."""
+    """All pre-submission checks of a parsed config; touches no file and no device.
+
+    Args:
+        config: the config to check (loaded or built in code: the per-field checks run again).
+        slurm: also derive the SLURM job's shape (nodes x tasks per node, signal timing).
+
+    Returns:
+        The ``SlurmLayout`` when ``slurm`` is true, else None.
+
+    Raises:
+        ConfigError: the first rule broken (the parallel layout against the model, the model,
+            MoE, optimizer, data, profile and name rules; with ``slurm``, the node layout), as one
+            line naming the field(s) and the fix.
+    """
     check_fields(config)
     if config.training.collective_timeout_s > MAX_COLLECTIVE_TIMEOUT_S:
         _fail(f"training.collective_timeout_s: {config.training.collective_timeout_s:g} s is more than 7 days "

@@ -110,13 +110,22 @@ def check_sbatch_option(key: str, mem_set: bool) -> None:
 
 @dataclass(frozen=True)
 class SlurmLayout:
+    """The SLURM job's shape: ``nodes`` x ``tasks_per_node`` tasks (one per rank), ``gpus_per_node``
+    (0: CPU nodes)."""
+
     nodes: int
     tasks_per_node: int
     gpus_per_node: int
 
 
 def slurm_layout(config: Config) -> SlurmLayout:
-    """Nodes and tasks per node for a SLURM job, from the world size: the grid decides the job."""
+    """Nodes and tasks per node for a SLURM job, from the world size: the grid decides the job.
+
+    Raises:
+        ConfigError: ``tasks_per_node`` missing on CPU nodes or not equal to ``gpus_per_node`` on
+            GPU nodes, a world size that is not a multiple of the tasks per node, or a
+            ``signal_delay_s`` not shorter than ``slurm.time``.
+    """
     s, world = config.slurm, config.parallelism.world_size
     if s.gpus_per_node > 0:
         if s.tasks_per_node is not None and s.tasks_per_node != s.gpus_per_node:
@@ -141,7 +150,15 @@ def slurm_layout(config: Config) -> SlurmLayout:
 
 
 def check_world_size(config: Config, world_size: int, where: str) -> None:
-    """The product of the parallel sizes must equal the processes actually running."""
+    """The product of the parallel sizes must equal the processes actually running.
+
+    Args:
+        world_size: the processes running (``WORLD_SIZE``).
+        where: what runs them, for the message (e.g. ``"this slurm job"``).
+
+    Raises:
+        ConfigError: the sizes do not multiply to ``world_size``.
+    """
     if config.parallelism.world_size != world_size:
         _fail(f"parallelism: {parallel_product(config)} but {where} has {world_size} processes: "
               f"change dp (or tp/pp) so that the product is {world_size}, "

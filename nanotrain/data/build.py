@@ -52,6 +52,18 @@ def prepare_dataset(data_args, *, seq_len: int, cache_dir: str, vocab_size: Opti
     never tokenise. A builder's error is raised after the barrier, so the others are not left
     waiting in it; they then fail with a "cache missing" `DataError` of their own. `dist.barrier`
     (what the trainer hands in) is met on the store instead: `wait_for_builders`.
+
+    Args:
+        data_args: one source's `DataArgs` (`source_args` splits a mixture).
+        seq_len: tokens per sample; windows are `seq_len + 1` tokens (inputs and shifted targets).
+        cache_dir: where the tokenised stream is cached (`default_cache_dir`).
+        vocab_size: `model.vocab_size`, checked against the tokenizer.
+        max_documents: read at most this many documents (tests, smoke runs).
+        max_build_mb: refuse to tokenise inputs larger than this inside a training job.
+
+    Raises:
+        DataError: the source, tokenizer or cache cannot serve (missing path, no documents, wrong
+            column, a source too large to tokenise here, a cache missing on a non-builder rank).
     """
     kwargs = dict(seq_len=seq_len, cache_dir=cache_dir, vocab_size=vocab_size,
                   max_documents=max_documents)
@@ -90,7 +102,12 @@ def build_samplers(config, *, dp: Optional[int] = None, cache_dir: Optional[str]
     `data.validation.fraction` holds out the tail of every source's window range (contiguous,
     so no held-out window shares more than its first token with a training one), read in order
     in the same mixture; `data.validation.source` is a corpus of its own. `dp` defaults to
-    `parallelism.batch_replicas` (dp x ep); `cache_dir` to `default_cache_dir(config)`.
+    `parallelism.batch_replicas` (dp x ep); `cache_dir` to `default_cache_dir(config)`; the other
+    keywords are `prepare_dataset`'s, for every source.
+
+    Raises:
+        DataError: as `prepare_dataset`, for any source (training or validation), or too little
+            data for one global batch (`GlobalSampler`).
     """
     t, d = config.training, config.data
     kwargs = dict(seq_len=t.sequence_length, cache_dir=cache_dir or default_cache_dir(config),

@@ -29,7 +29,14 @@ def check_data_config(data_args, vocab_size: Optional[int] = None, config=None) 
     """`check_source` for the one `data.source`, or for every entry of `data.sources` and the
     `data.validation.source`, each error naming the entry (`data.sources[1].source: ...`); the
     mixture's weights (`mixture.integer_counts`); with the whole `config`, the validation windows
-    that evaluation reads (`check_eval_volume`)."""
+    that evaluation reads (`check_eval_volume`). Reads a sample of the files, tokenises nothing.
+
+    Returns:
+        The resolved `Source` of `data.source`, or of the first mixture entry.
+
+    Raises:
+        DataError: the first problem found, one line naming the entry and the fix.
+    """
     if data_args.sources:
         integer_counts([src.weight for src in data_args.sources])
     bounds = {}
@@ -97,7 +104,8 @@ def all_source_args(data_args) -> list[tuple[str, object]]:
 
 def missing_cache_problem(config) -> Optional[str]:
     """Why a training job would stop on a missing cache (`data.max_build_mb`), or None: checked
-    before a training submission, so the user learns it in a second, not after the queue."""
+    before a training submission, so the user learns it in a second, not after the queue.
+    Raises DataError for a tokenizer or source that cannot be resolved."""
     tokenizer = load_tokenizer(config.data.tokenizer, None)
     for _, args in all_source_args(config.data):
         source = resolve_source(args.source)

@@ -107,6 +107,10 @@ class TokenDataset:
         larger than that on disk (or of a hub dataset, whose size is unknown) is an error that
         says to run `--prepare-data`, instead of hours of tokenising on GPU nodes. `progress`:
         a tqdm bar of documents, tokens, MB/s and ETA (`--prepare-data --local`).
+
+        Raises:
+            DataError: a bad `seq_len`, tokenizer or source (`load_tokenizer`, `resolve_source`),
+                a missing cache where none may be built, or data that cannot be tokenised.
         """
         if seq_len < 1:
             raise DataError(f"training.sequence_length={seq_len} must be >= 1")

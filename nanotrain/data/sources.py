@@ -103,7 +103,14 @@ def _bounded(walk, path: str) -> list[str]:
 
 
 def resolve_source(spec: str) -> Source:
-    """Classify `data.source` and list its files; raises `DataError` for a path that isn't there."""
+    """Classify `data.source` (`stdlib`, files, a directory, a glob, or a hub dataset name) and
+    list its files (a hub name is not looked up here).
+
+    Raises:
+        DataError: the path is missing or refused by the path checker, a glob or directory finds
+            no data files (or visits too many directories), the files mix kinds, or they hold no
+            text.
+    """
     if spec == STDLIB:
         files = stdlib_files()
         if not files:

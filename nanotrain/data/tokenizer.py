@@ -100,7 +100,13 @@ def check_tokenizer_path(spec: str) -> None:
 
 
 def load_tokenizer(spec: str, vocab_size: Optional[int] = None) -> Tokenizer:
-    """The tokenizer named by `data.tokenizer`, checked against `model.vocab_size` when given."""
+    """The tokenizer named by `data.tokenizer` (`byte` or a tokenizer.json path), checked against
+    `model.vocab_size` when given.
+
+    Raises:
+        DataError: the file is missing or unreadable, `tokenizers` is not installed, the file has
+            no end-of-text token, or its vocabulary is larger than `vocab_size`.
+    """
     check_tokenizer_path(spec)
     tok: Tokenizer = ByteTokenizer() if spec == BYTE else JsonTokenizer(os.path.expanduser(spec))
     if vocab_size is not None and tok.vocab_size > vocab_size:

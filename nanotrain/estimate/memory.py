@@ -40,6 +40,10 @@ def _gb(value: float) -> str:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
+    """One pipeline rank's memory in GB (1e9 bytes) by category: fp32 weights, gradients, AdamW
+    states, activations at the peak (``in_flight`` micro-batches of ``layers_per_stage`` layers,
+    plus backward's largest working set); ``total`` is their sum."""
+
     weights: float
     grads: float
     optimizer: float
@@ -90,7 +94,13 @@ def micro_batches_in_flight(config: Config, pp_rank: int = 0) -> float:
 
 
 def estimate_memory(config: Config) -> MemoryEstimate:
-    """The estimate of the busiest pipeline rank (the largest total of any stage)."""
+    """The estimate of the busiest pipeline rank (the largest total of any stage), from the config
+    alone (no torch). Leaves out the CUDA context, communication buffers and fragmentation.
+
+    Raises:
+        ValueError: the layout cannot shard the model (a size not divisible by tp); a validated
+            config never does.
+    """
     p = config.parallelism
     ranks = llama_arch.rank_summaries(config.model, p.pp, p.pp_virtual_stages)
     bytes_of = _per_layer_bytes(config)

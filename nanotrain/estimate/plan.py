@@ -6,35 +6,10 @@ virtual stages, tp mode, micro-batch size, accumulation, recompute, ZeRO stage).
 from ``memory.estimate_memory`` on each candidate config (one source of arithmetic, so
 the plan follows every change of the estimate); a layout fits when that estimate is at most
 ``G x (1 - MARGIN) - RESERVED_GB`` (the estimate leaves out the CUDA context, communication
-buffers and fragmentation). The fitting layouts are ranked by the step time of the cost model
-below, and the best few that pass the real validation (``config.validate``) are printed as ready
-``--set`` lines. Nothing is proposed that validation rejects.
-
-Cost model (per optimizer step, nothing overlapped: an upper bound that ranks layouts):
-- compute: the hardware FLOPs of the step (model FLOPs, ``llama_arch.training_flops_per_token``,
-  plus what recomputation re-runs: ``full`` one more forward of every layer, ``selective`` the
-  attention core's forward; the SwiGLU activation is elementwise, no matmul FLOPs) over
-  N GPUs at ``efficiency`` x ``peak`` FLOP/s, times rows / (rows + SMALL_MATMUL_TOKENS) for
-  the few rows of a small micro-batch (rows = micro_batch_size x sequence_length / cp);
-- pipeline bubble: compute x (pp - 1) / (v x m) for 1f1b and afab (v = 1) and interleaved 1f1b
-  with v virtual stages, m = batch_accumulation_per_replica;
-- tp: per layer and micro-batch, 4 all-reduces (ALL_REDUCE) or 4 all-gather/reduce-scatter pairs
-  (REDUCE_SCATTER, the same volume) of the b x s/cp x h activation in the compute dtype (bf16
-  under autocast), 5 under full recompute, each moving 2 (t - 1)/t of it (ring);
-- cp (keys and values all-gathered, ``context_parallel.py``): per layer and micro-batch, the
-  all-gather of this rank's K and V in forward (again under full recompute) and the
-  reduce-scatter of their gradients in backward, (cp - 1) chunks each;
-- pp: each micro-batch's activation and its gradient crossing each stage boundary (a rank of
-  an end stage sends one of the two for one of its chunks);
-- dp: the fp32 gradient all-reduce over dp x cp (ZeRO-1: reduce-scatter plus all-gather, the
-  same volume) of this rank's parameters, 2 (d - 1)/d of them;
-- every ring step and message also costs ``latency_us``; a group uses the intra-node bandwidth
-  when it fits in one node (ranks are laid out tp fastest, then cp, dp, pp), the inter-node
-  bandwidth otherwise.
-MFU is model FLOPs (recomputation excluded) over step time x N x peak.
-The figures (peak, efficiency, bandwidths) are ``Hardware``'s defaults, an H100 node with
-400 Gb/s per GPU across nodes; set them with ``--gpu-tflops``, ``--efficiency``,
-``--intra-node-gbs`` and ``--inter-node-gbs``.
+buffers and fragmentation). The fitting layouts are ranked by ``step_time`` (its cost model:
+that docstring; for users, the README's ``--plan`` section), and the best few that pass the real
+validation (``config.validate``) are printed as ready ``--set`` lines. Nothing is proposed that
+validation rejects.
 """
 from __future__ import annotations
 
@@ -123,7 +98,33 @@ def _bandwidth(span: int, hw: Hardware) -> float:
 
 
 def step_time(config: Config, hw: Hardware) -> tuple[float, float, dict]:
-    """(step seconds, model FLOPs per step, the parts) of the cost model in the module doc."""
+    """(step seconds, model FLOPs per step, the parts) of ``config``'s layout on ``hw``.
+
+    Cost model (per optimizer step, nothing overlapped: an upper bound that ranks layouts):
+    - compute: the hardware FLOPs of the step (model FLOPs, ``llama_arch.training_flops_per_token``,
+      plus what recomputation re-runs: ``full`` one more forward of every layer, ``selective`` the
+      attention core's forward; the SwiGLU activation is elementwise, no matmul FLOPs) over
+      N GPUs at ``efficiency`` x ``peak`` FLOP/s, times rows / (rows + SMALL_MATMUL_TOKENS) for
+      the few rows of a small micro-batch (rows = micro_batch_size x sequence_length / cp);
+    - pipeline bubble: compute x (pp - 1) / (v x m) for 1f1b and afab (v = 1) and interleaved 1f1b
+      with v virtual stages, m = batch_accumulation_per_replica;
+    - tp: per layer and micro-batch, 4 all-reduces (ALL_REDUCE) or 4 all-gather/reduce-scatter pairs
+      (REDUCE_SCATTER, the same volume) of the b x s/cp x h activation in the compute dtype (bf16
+      under autocast), 5 under full recompute, each moving 2 (t - 1)/t of it (ring);
+    - cp (keys and values all-gathered, ``context_parallel.py``): per layer and micro-batch, the
+      all-gather of this rank's K and V in forward (again under full recompute) and the
+      reduce-scatter of their gradients in backward, (cp - 1) chunks each;
+    - pp: each micro-batch's activation and its gradient crossing each stage boundary (a rank of
+      an end stage sends one of the two for one of its chunks);
+    - dp: the fp32 gradient all-reduce over dp x cp (ZeRO-1: reduce-scatter plus all-gather, the
+      same volume) of this rank's parameters, 2 (d - 1)/d of them;
+    - every ring step and message also costs ``latency_us``; a group uses the intra-node bandwidth
+      when it fits in one node (ranks are laid out tp fastest, then cp, dp, pp), the inter-node
+      bandwidth otherwise.
+    MFU is model FLOPs (recomputation excluded) over step time x N x peak.
+    The figures (peak, efficiency, bandwidths) are ``Hardware``'s defaults, an H100 node with
+    400 Gb/s per GPU across nodes; set them with ``--gpu-tflops``, ``--efficiency``,
+    ``--intra-node-gbs`` and ``--inter-node-gbs``."""
     m, p, t = config.model, config.parallelism, config.training
     n = p.world_size
     seq, b, acc = t.sequence_length, t.micro_batch_size, t.batch_accumulation_per_replica
@@ -240,6 +241,10 @@ class Plan:
 
 
 def make_plan(config: Config, gpus: int, gpu_memory_gb: float, hw: Hardware, shown: int = SHOWN) -> Plan:
+    """The ``shown`` fastest valid layouts of ``gpus`` GPUs that keep ``config``'s global batch and
+    fit ``gpu_memory_gb`` (module doc), or, when none fits, the leanest valid layout and the fewest
+    GPUs at which one would (``Plan.smallest``, ``Plan.fewest``). Check the request first with
+    ``check_request``; ``render`` and ``explain_none`` turn the plan into lines."""
     budget = gpu_memory_gb * (1 - MARGIN) - RESERVED_GB
     slurm = config.slurm.gpus_per_node > 0
     scored, leanest, count = [], [], 0

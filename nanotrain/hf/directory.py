@@ -48,7 +48,13 @@ def _where(path: Path) -> str:
 
 
 def open_hf_dir(path: str | Path) -> HFDir:
-    """config.json and the tensor directory of the safetensors files (headers only)."""
+    """config.json and the tensor directory of the safetensors files (headers only; no torch).
+
+    Raises:
+        HFError: not a directory, no readable or valid config.json, neither model.safetensors
+            nor an index (PyTorch .bin files are named), a listed file missing, or a file that is
+            not safetensors.
+    """
     path = Path(path).expanduser()
     check_path(FIELD, path, DIR, HFError,
                missing=f"{_where(path)} is not a directory: point it at a local Hugging Face model "
@@ -86,8 +92,14 @@ def open_hf_dir(path: str | Path) -> HFDir:
 
 
 def check_hf_dir(path: str | Path, args: ModelArgs) -> HFDir:
-    """The directory, if nanotrain's model ``args`` can start from it; else HFError whose message
-    names every problem, joined by ``; `` on one line (the CLI prints it after ``error:``)."""
+    """The directory, if nanotrain's model ``args`` can start from it (checked before a launch
+    and again by ``load_hf_weights``).
+
+    Raises:
+        HFError: as ``open_hf_dir``, or an unsupported architecture, config fields that differ
+            from ``args``, bias tensors, tensors missing or of another shape; the message names
+            every problem, joined by ``; `` on one line (the CLI prints it after ``error:``).
+    """
     hf = open_hf_dir(path)
     where = _where(hf.path)
     problems = [f"{where}: {p}" for p in hf_llama.unsupported(hf.config)]

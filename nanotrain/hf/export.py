@@ -93,11 +93,24 @@ def _write_file(path: Path, entries: list[tuple[str, tuple[int, ...]]], st_dtype
 
 def export_hf(src: str | Path, out_dir: str | Path, dtype: str = "float32",
               max_shard_size: int = DEFAULT_MAX_SHARD) -> dict:
-    """Write the HF directory; returns ``{"checkpoint", "files", "bytes", "seconds"}``.
+    """Write a nanotrain checkpoint out as a Hugging Face ``LlamaForCausalLM`` directory (weights,
+    config.json, generation config, tokenizer), shards merged; one process, any saved topology.
 
-    Raises CheckpointError for a wrong source or output (``offline_checks.plan_export``, before
-    anything is written) or a damaged checkpoint. A failure after writing began removes what
-    this call made: ``out_dir`` itself if it did not exist, else the files it added."""
+    Args:
+        src: a run directory or checkpoint directory (its ``latest`` complete checkpoint).
+        out_dir: the directory to write; it must not hold, be or lie inside the checkpoint.
+        dtype: the written weights' dtype (``float32``, ``bfloat16``: the names of ``format.DTYPES``).
+        max_shard_size: bytes per weight file before another is started (with an index).
+
+    Returns:
+        ``{"checkpoint", "files", "bytes", "seconds"}``.
+
+    Raises:
+        CheckpointError: a wrong source, output or dtype, an MoE checkpoint
+            (``offline_checks.plan_export``, before anything is written), or a damaged
+            checkpoint. A failure after writing began removes what this call made: ``out_dir``
+            itself if it did not exist, else the files it added.
+    """
     t0 = time.perf_counter()
     ckpt, meta = plan_export(src, out_dir, dtype)
     config = meta["config"]

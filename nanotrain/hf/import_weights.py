@@ -29,9 +29,20 @@ from nanotrain.parallel.sharding import get_shard_info
 
 
 def load_hf_weights(path: str | Path, model: Models, args: ModelArgs) -> dict:
-    """Fill this rank's parameters of ``model`` from the HF directory ``path``; returns
-    ``{"tensors": slices read, "bytes": bytes read, "seconds": ...}``. Raises HFError (a
-    ValueError) when the directory does not fit ``args`` (checked as before a launch)."""
+    """Fill this rank's parameters of ``model`` from the HF directory ``path``, at any topology
+    (each rank reads only its slices; no collective).
+
+    Args:
+        path: a local Hugging Face Llama directory (``checkpoints.init_from_hf``).
+        model: this rank's module, or its list of virtual pipeline chunks.
+        args: the run's ``model`` section, which the directory must match.
+
+    Returns:
+        ``{"tensors": slices read, "bytes": bytes read, "seconds": ...}``.
+
+    Raises:
+        HFError: (a ValueError) the directory does not fit ``args`` (``check_hf_dir``).
+    """
     t0 = time.perf_counter()
     hf = check_hf_dir(path, args)
     reads, nbytes = 0, 0

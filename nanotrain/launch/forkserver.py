@@ -1,9 +1,9 @@
 """Start a local job's ranks by forking one process that imported torch and nanotrain once.
 
 Why: every rank of a local job is a Python interpreter that imports torch, torch._dynamo (which
-``ParallelContext`` imports before the default group exists) and the package: about 3 CPU
-seconds each, before any work. On a 2-core machine an 8-rank `submit.py --local` spent ~12 s of
-wall time importing the same modules eight times. A fork server pays that once per job: it is
+``ParallelContext`` imports before the default group exists) and the package: CPU seconds
+each, before any work, and on a small machine the ranks import the same modules side by side on
+the same cores. A fork server pays that once per job: it is
 started with the job's common environment, imports ``PRELOAD``, and then forks one child per
 rank, which sets its rank's environment, command line, working directory and output, and runs
 the rank's module or script as ``__main__`` (as ``python -m MOD ARGS`` / ``python SCRIPT ARGS``

@@ -30,6 +30,7 @@ def max_local_processes() -> int:
 
 
 def check_process_count(world_size: int) -> None:
+    """Raises ConfigError when a local run would start more than ``max_local_processes()`` ranks."""
     cap = max_local_processes()
     if world_size > cap:
         raise ConfigError(f"parallelism: dp*tp*pp*cp*ep = {world_size:,} local processes; a local run starts "
@@ -73,7 +74,13 @@ def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool
 
     `stream_ranks` go to the terminal as well as to their log: rank 0, and the rank that logs
     metrics (the last pipeline stage) when that is another one. `timeout_s`: a hard limit for
-    scripted launches (status 124, as `timeout` returns); None waits as long as the job runs."""
+    scripted launches (status 124, as `timeout` returns); None waits as long as the job runs.
+    The first rank that fails ends the others, and its status is the job's.
+
+    Raises:
+        Interrupted: Ctrl-C ended the run (the ranks saved and stopped, or, after a second
+            Ctrl-C, were killed).
+    """
     ranks = RankProcesses(command, world_size, log_dir, threads=threads)
     previous = {sig: signal.getsignal(sig) for sig in FORWARDED_SIGNALS}
     interrupts: list[int] = []  # Ctrl-C count; the handler only records and forwards

@@ -13,7 +13,7 @@ to get subtly wrong are done once here:
   forever in a collective waiting for it (a hang is a failure, never a wait);
 - a hard deadline for scripted launches;
 - on CPU, Python ranks are forked from one process that imported torch and the package once
-  (`launch/forkserver.py`: ~3 CPU seconds saved per rank), and `log_dir/ranks.json` names each
+  (`launch/forkserver.py`: the imports paid once per job, not per rank), and `log_dir/ranks.json` names each
   rank's pid (a forked rank's command line is the fork server's).
 """
 from __future__ import annotations

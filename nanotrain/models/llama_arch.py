@@ -1,41 +1,15 @@
 """The Llama's arithmetic in one place: its pipeline blocks and what each costs and holds.
 
 Everything that reasons about the model without running it reads this module: the stage split
-(the pipeline step keeps each rank's ``pipeline_blocks``), the parameter count of
-every (tp, pp) rank, the FLOPs behind MFU (``logging``), the ``--dry-run`` memory estimate
-(``estimate/memory.py``). A new block type (MoE layers) is described here once: its cost,
-its parameters per tp rank and its FLOPs (what the parallelize plan's options cost — activation
-bytes, FLOPs rerun in backward — is ``llama_parallelize_costs``).
+(the pipeline step keeps each rank's ``pipeline_blocks``), the parameter count of every (tp, pp,
+ep) rank, the FLOPs behind MFU (``logging``), the ``--dry-run`` memory estimate
+(``estimate/memory.py``). A new block type is described here once: its cost, its parameters per
+tp rank and its FLOPs (what the parallelize plan's options cost is ``llama_parallelize_costs``).
 
-Pure Python on the config (no torch): the memory estimate of a 4096-rank plan runs in
-microseconds, before torch is imported. ``tests/test_llama_arch.py`` holds these numbers against
-the real model on every stage for several (tp, pp, tied, padded vocabulary) layouts.
-
-FLOPs (``training_flops_per_token``; ``llama_parallelize_costs.hardware_flops_per_token`` adds
-what backward reruns, for HFU).
-MFU is only comparable across codebases when the FLOP count is a property of the *model* (not of
-what this implementation happens to execute), so activation
-recomputation, padding of the vocabulary to a multiple of tp and the causal mask are deliberately
-not counted. We use the PaLM convention (Chowdhery et al. 2022, appendix B), which is also
-torchtitan's ``get_num_flop_per_token``:
-
-    training FLOPs / token = 6 * N_matmul + 12 * L * H * S
-
-* ``N_matmul``: weights that multiply every token — per layer the fused q/k/v projection (GQA:
-  H * (H + 2 * kv_heads * head_dim)), o_proj (H * H), SwiGLU gate + up + down (3 * H * F) — plus
-  the LM head (V * H), counted even when it is tied to the embedding because the head matmul is
-  computed either way. The embedding lookup and the RMSNorm weights do no matmul and are left out.
-  ``6 = 2 (multiply-add) * 3 (forward + backward for activations and for weights)``.
-* ``12 * L * H * S``: attention scores QK^T and the weighted sum AV, 2 * 2 * S * H forward per
-  layer per token, times 3 for forward + backward, over the full S x S matrix (no halving for the
-  causal mask, as in PaLM/torchtitan; this is "model FLOPs", not "hardware FLOPs"). GQA does not
-  change it: scores are computed for every query head, H = heads * head_dim.
-
-Mixture of experts (``model.moe``): an MoE layer's feed-forward is a router (E * H), E routed
-SwiGLU experts (3 * H * F_e each, split over ep, not over tp) and optional shared experts
-(3 * H * n_shared * F_e, split over tp). Its *active* weights, the ones a token multiplies, are the
-router, top_k experts and the shared experts: FLOPs/MFU and the stage split's costs use those,
-the parameter counts (memory, checkpoints) use all of them.
+Pure Python on the config (no torch), so a 4096-rank plan is estimated before torch is imported.
+``tests/test_llama_arch.py`` holds these numbers against the real model on every stage for
+several (tp, pp, tied, padded vocabulary) layouts. MoE layers: FLOPs and the stage split's costs
+count the *active* weights (router, top_k experts, shared experts), parameter counts all of them.
 """
 from __future__ import annotations
 
@@ -319,7 +293,7 @@ class ParamCount:
 
     @property
     def matmul(self) -> int:
-        """N_matmul of the module docstring: layer matmuls (MoE: active) plus the (possibly tied) head."""
+        """N_matmul of ``training_flops_per_token``: layer matmuls (MoE: active) plus the (possibly tied) head."""
         head = self.lm_head or self.embedding
         dense = self.num_layers - self.moe_layers
         return dense * self.per_layer_matmul + self.moe_layers * self.moe_layer_active + head
@@ -346,5 +320,15 @@ def attention_flops_per_token(args: ModelArgs, seq_len: int) -> int:
 
 
 def training_flops_per_token(args: ModelArgs, seq_len: int) -> int:
-    """Model FLOPs of one training token (forward + backward), PaLM convention; see module doc."""
+    """Model FLOPs of one training token (forward + backward), in the PaLM convention (Chowdhery et
+    al. 2022, appendix B; torchtitan's ``get_num_flop_per_token``): ``6 * N_matmul + 12 * L * H * S``.
+
+    ``N_matmul``: the weights that multiply every token (per layer qkv, o_proj and the SwiGLU or the
+    MoE layer's active weights, plus the LM head even when tied: its matmul runs either way; not the
+    embedding lookup or the norms); 6 = 2 (multiply-add) x 3 (forward, backward for activations and
+    for weights). ``12 * L * H * S``: attention scores and the weighted sum over the full S x S
+    matrix (``attention_flops_per_token``). A property of the model, not of this implementation, so
+    that MFU compares across codebases: recomputation (``llama_parallelize_costs.
+    hardware_flops_per_token`` adds it, for HFU), vocabulary padding and the causal mask are not
+    counted."""
     return 6 * parameter_count(args).matmul + attention_flops_per_token(args, seq_len)

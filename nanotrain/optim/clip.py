@@ -1,31 +1,20 @@
 """Global gradient-norm clipping across tensor, pipeline (and expert) parallel ranks.
 
-The norm must be the one of the whole, unsharded model, i.e. what ``torch.nn.utils.
-clip_grad_norm_`` would return on one device. Each rank takes the norms of the gradients it is
-responsible for (torch's fused foreach kernel, in at least fp32), sums their squares in float64,
-and ONE all-reduce over the model-parallel group ``pc.mp_pg``
-(ep x pp x tp: the ranks that together hold exactly one copy of the model, see ``grid.py``) adds
-them up:
+The norm is the one of the whole, unsharded model, what ``torch.nn.utils.clip_grad_norm_`` would
+return on one device. Each rank takes the norms of the gradients it is responsible for (torch's
+foreach kernel, in at least fp32), sums their squares in float64, and ONE all-reduce over the
+model-parallel group ``pc.mp_pg`` (ep x pp x tp: one copy of the model, ``grid.py``) adds them:
 
-* a parameter sharded over tp (``ShardInfo.axis`` contains "tp") contributes its local elements on
-  every tp rank: the shards are disjoint pieces of the full tensor;
-* a parameter replicated over tp (``axis`` None) contributes only on tp rank 0. This is exact (no
-  division by tp and no rounding), and assumes its gradient is identical on every tp rank, which
-  holds once the tp layers have reduced it (sequence-parallel norms must be tp-reduced before
-  clipping, as they must before the optimizer step anyway). The same rule applies to ep: a
-  parameter not sharded over "ep" counts only on ep rank 0;
-* pipeline stages hold different parameters: each counts its own, the all-reduce adds them. A
-  parameter tied across stages (embeddings on the first and last stage) has a replica on the last
-  stage (``pipeline_parallel.tied``): the replica is skipped, so the tied matrix counts once;
-* dp / cp replicas hold identical, already averaged gradients: they are not in ``mp_pg``, so each
-  replica computes the same norm and no dp reduction is needed;
-* except under ZeRO-1, where the gradient buckets are reduce-scattered and each dp rank holds the
-  average only on the pieces it owns (``shards``, from ``grad_sync.grad_shards()``): the squares of
-  those pieces are summed over the sync's group first (one 2-element fp64 all-reduce per sync, the
-  two sums below), which gives every rank of it the whole parameters' sum, and then go into the
-  same model-parallel sum. A parameter replicated over ep has different pieces on the ep ranks
-  of the dense group (dp x cp x ep), so its share is counted on ep rank 0 only AFTER that sum;
-  the tp and tied-replica rules apply per piece, as they apply per parameter.
+* a parameter sharded over tp (``ShardInfo.axis`` contains "tp") counts its local elements on every
+  tp rank; one replicated over tp counts only on tp rank 0 (exact; it assumes the gradient is
+  identical on every tp rank: sequence-parallel norms must be tp-reduced first). The same for ep;
+* each pipeline stage counts its own parameters; a tied replica on the last stage
+  (``pipeline_parallel.tied``) is skipped, so the tied matrix counts once;
+* dp / cp replicas hold identical, averaged gradients and are not in ``mp_pg``: no dp reduction;
+* under ZeRO-1 each dp rank holds the average only on the pieces it owns (``shards``, from
+  ``grad_sync.grad_shards()``): their squares are first summed over the sync's group (one
+  2-element fp64 all-reduce per sync), then go into the same model-parallel sum; a parameter
+  replicated over ep counts on ep rank 0 only after that sum; the tp and tied rules hold per piece.
 
 Then every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``, as torch does.
 """

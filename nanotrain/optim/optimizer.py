@@ -57,6 +57,9 @@ def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], args: Opti
     With experts (ep > 1) pass ``dp_group=pc.dp_cp_ep_pg`` (the dense parameters' replicas) and
     ``expert_dp_group=pc.dp_cp_pg``: ZeRO-1 then shards the expert parameters over the latter
     (``ZeroOneOptimizer``'s domains); ZeRO-0 ignores both. ``optimizer_groups(pc)`` gives the pair.
+
+    Raises:
+        ValueError: no trainable parameter, or a ``zero_stage`` other than 0 and 1.
     """
     stage = args.zero_stage if zero_stage is None else zero_stage
     groups = weight_decay_groups(named_params, args.weight_decay)

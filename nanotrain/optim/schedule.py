@@ -38,7 +38,8 @@ STYLES = ("cosine", "linear", "constant", "wsd")
 
 
 def lr_at(step: int, args: OptimizerArgs, train_steps: int) -> float:
-    """The learning rate of 0-based optimizer step ``step`` (pure; for tests, logs, dry-runs)."""
+    """The learning rate of 0-based optimizer step ``step`` (pure; for tests, logs, dry-runs).
+    Raises ValueError for an unknown ``args.lr_decay_style``."""
     lr, warmup = args.lr, args.warmup_steps
     if step < warmup:
         return lr * (step + 1) / warmup
@@ -73,6 +74,7 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, args: OptimizerArgs,
     """``LambdaLR`` following ``lr_at``; every param group gets the same factor.
 
     The groups' initial lr must be ``args.lr`` (as ``build_optimizer`` sets it); works for plain
-    AdamW and ``ZeroOneOptimizer`` alike (it is an AdamW).
+    AdamW and ``ZeroOneOptimizer`` alike (it is an AdamW). Raises ValueError for an unknown
+    ``args.lr_decay_style``.
     """
     return torch.optim.lr_scheduler.LambdaLR(optimizer, _factor_fn(args, train_steps))

@@ -3,7 +3,7 @@ local launch (``training.compile: true`` without a compiler is one ``error:`` li
 each rank asks again for its real device before compiling (``parallel/recompute.py``).
 
 The choice documented in the README: a clear error, not a warning and an eager fallback — a
-run the user asked to compile silently running 1.3x slower is worse than one that does not start.
+run the user asked to compile silently running slower is worse than one that does not start.
 """
 from __future__ import annotations
 

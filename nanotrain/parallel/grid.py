@@ -1,30 +1,24 @@
-"""Rank-grid arithmetic for 5D parallelism, with no torch and no numpy.
+"""Rank-grid arithmetic for 5D parallelism, with no torch and no numpy (so the launcher,
+``--dry-run`` and the checkpoint tools check any layout offline; ``ParallelContext`` is a thin layer
+over it).
 
-The world is laid out exactly as in nanotron: ``arange(world).reshape(ep, pp, dp, cp, tp)``, so TP
-varies fastest (neighbouring ranks share a node and its fast links), then CP, DP, PP, and EP
-slowest::
+The world is laid out as in nanotron, ``arange(world).reshape(ep, pp, dp, cp, tp)``: TP varies
+fastest (neighbouring ranks share a node and its fast links), then CP, DP, PP, EP::
 
     rank = (((ep * PP + pp) * DP + dp) * CP + cp) * TP + tp
 
-Keeping this pure Python means the launcher, ``--dry-run`` and the checkpoint tools can print and
-check a 4096-rank layout on a laptop, and ``ParallelContext`` is only a thin layer over it.
-
 Group names (``RankGrid.groups(axis)``):
 
-* ``"tp"``, ``"cp"``, ``"dp"``, ``"pp"``, ``"ep"``: ranks that differ only along that axis.
-* any ``"_"``-joined set of axes, e.g. ``"dp_cp"``: ranks that differ only along those axes.
-  ``"dp_cp"`` is the gradient-sync group under context parallelism (every CP rank holds a full
-  replica of the TP/PP shard, so gradients are averaged over dp x cp); ``"tp_ep"`` is nanotron's
-  ``tp_and_ep_pg``.
-* ``"mp"`` (model parallel), following nanotron: the ranks that share one (dp, cp) coordinate,
-  i.e. ep x pp x tp. Together they hold exactly one copy of the model, which is what global
-  gradient-norm and parameter-count reductions need. (CP ranks are excluded because they hold
-  replicas, not different parts of the model.)
+* ``"tp"``, ``"cp"``, ``"dp"``, ``"pp"``, ``"ep"``: ranks that differ only along that axis;
+* any ``"_"``-joined set of axes: ranks that differ only along those, e.g. ``"dp_cp"`` (gradient
+  sync: every CP rank holds a full replica of its TP/PP shard) and ``"tp_ep"`` (nanotron's
+  ``tp_and_ep_pg``);
+* ``"mp"``: the ranks sharing one (dp, cp) coordinate (ep x pp x tp), which together hold exactly
+  one copy of the model (global grad norm, parameter counts);
 * ``"world"``: every rank.
 
-Groups are listed in order of their lowest rank, and each group's ranks ascend. That is the order
-``torch.distributed.new_group`` uses (it sorts), so a rank's index in its group tuple is its rank
-inside the torch group.
+Groups are listed in order of their lowest rank, each group's ranks ascending: the order
+``torch.distributed.new_group`` uses, so a rank's index in its group tuple is its group rank.
 """
 
 from __future__ import annotations

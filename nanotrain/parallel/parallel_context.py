@@ -55,7 +55,20 @@ class ParallelContext:
 
     Initialises ``torch.distributed`` from the environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``) when it is not initialised yet, because that is the contract
-    of every launcher we support (SLURM via submitit, torchrun, local processes).
+    of every launcher we support (SLURM via submitit, torchrun, local processes). Every rank
+    constructs it with the same sizes (collective: it creates every group); ``destroy()`` ends it.
+
+    Args:
+        tensor_parallel_size, pipeline_parallel_size, data_parallel_size, context_parallel_size,
+            expert_parallel_size: the grid (``grid.py``); their product must be the world size.
+        backend: ``nccl`` or ``gloo``; default nccl when CUDA is available, else gloo.
+        timeout_s: every group's timeout (None: torch's default).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised and ``WORLD_SIZE`` is not set, or the
+            node's GPUs are bound so that ranks would share one.
+        ValueError: a size that is not an integer >= 1, sizes that do not multiply to the world
+            size, or a ``backend`` other than the one torch.distributed was initialised with.
     """
 
     def __init__(

@@ -14,11 +14,11 @@ together and return; the task (`task.py`) then decides, on rank 0, what the stop
   SLURM_RESTART_COUNT, sacct says PREEMPTED); a time limit shows `Reason=TimeLimit` (sacct
   TIMEOUT). Only the last two requeue; without evidence of either it is a user's stop — the safe
   side: a cancel that requeues runs a job the user ended, a preemption that does not requeue
-  only needs `--resume`. (Measured on Slurm 22.05: shared/research and tests/test_slurm_cancel.py.)
+  only needs `--resume`. (Slurm 22.05's answers; tests/test_slurm_cancel.py replays them.)
 
 This module imports nothing but the standard library (and `slurm_commands`, which runs the
 scheduler's commands with a bound and imports nothing else), so a task installs the handler
-before it imports torch or submitit (a signal during those seconds used to kill the process),
+before it imports torch or submitit (a signal during those seconds would kill the process),
 and the local launcher blocks the stop signals until its ranks have their handlers.
 """
 from __future__ import annotations
@@ -89,8 +89,7 @@ class PreemptionHandler:
         Why: the trainer answers a stop at a step boundary, but start-up (imports, rendezvous,
         building the model, reading a checkpoint) can outlast the warning SLURM gives before a
         time limit, and the job would then end TIMEOUT, never requeued. Before the first step
-        there is nothing to save, so rank 0 requeues right away (measured: an 8-rank start-up on a
-        loaded 2-core machine took longer than a 1-minute limit's 10-second warning)."""
+        there is nothing to save, so rank 0 requeues right away."""
         self._before_training = action
 
     def poll(self) -> int:

@@ -48,6 +48,24 @@ EXIT_STOPPED = 75  # EX_TEMPFAIL: saved, but not requeued; resume with --resume
 
 
 def run_task(config_path: str, preemption: PreemptionHandler | None = None) -> dict:
+    """One rank's whole job from its resolved config: environment, process groups, ownership,
+    the smoke step, training, and on a stop the save and the requeue decision (rank 0).
+
+    Args:
+        config_path: the run's ``config.yaml`` (or any config: torchrun, a direct run).
+        preemption: the stop-signal handler installed before torch was imported (default: one
+            installed now).
+
+    Returns:
+        The smoke step's report with ``outcome``: "completed", or "preempted" (saved; on SLURM
+        requeued by rank 0).
+
+    Raises:
+        ConfigError: the config is invalid or does not match the world size.
+        SystemExit: 2 for a user error only a rank can find (data, checkpoint, ownership; one
+            ``error:`` line), 3 when training diverged, 4 for a hang, 75 when stopped and saved
+            but not requeued.
+    """
     preemption = preemption or PreemptionHandler.early()
     unblock_stop_signals()  # the local launcher holds them blocked until this handler exists
     config = load_config(config_path)
@@ -212,6 +230,8 @@ class TrainingTask(submitit.helpers.Checkpointable):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m nanotrain.runtime.task CONFIG.yaml``: ``run_task``; returns 0, or 2 for a usage
+    or config error (one ``error:`` line). Other exits are ``run_task``'s ``SystemExit``."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m nanotrain.runtime.task CONFIG.yaml", file=sys.stderr)

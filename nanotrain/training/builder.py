@@ -39,7 +39,9 @@ def build_parallel_context(config, timeout_s: Optional[float] = None) -> Paralle
 
 def build_model(config, pc, device=None) -> ModelPart:
     """This rank's part of the model: the family's plain model parallelized by its plan (its pp
-    stage(s), tp shards, cp attention, ep experts, recompute, compile, compute dtype)."""
+    stage(s), tp shards, cp attention, ep experts, recompute, compile, compute dtype). Every rank
+    starts from the single-process weights of ``training.seed``. ``device``: default torch's
+    default device (the CPU unless set)."""
     return family_of(config.model).build_part(config, pc, device)
 
 

@@ -116,11 +116,29 @@ def reduce_loss(loss: torch.Tensor | TensorPointer, pc) -> torch.Tensor:
 def train_step(model, microbatches: Sequence[MicroBatch], grad_sync, optimizer, scheduler, pc,
                clip_grad: float | None, engine: PipelineEngine | None = None,
                message: MessageSpec | None = None, before_update=None) -> StepStats:
-    """One optimizer step. pp > 1 needs ``engine`` (``PipelineEngine(parallelism.pp_engine,
-    pc.pp_pg)``); every pp rank passes the same micro-batches (the first stage reads the ids,
-    the last the targets), or None on middle stages with ``message`` (see ``PipelineEngine``).
-    No host sync happens here: read the returned stats when they are needed. ``before_update``:
-    see ``optimizer_step``."""
+    """One optimizer step: forward and backward of every micro-batch, the gradient sync, clipping,
+    the update and the scheduler step. Collective over every group of the model. No host sync
+    happens here: read the returned stats when they are needed.
+
+    Args:
+        model: this rank's ``ModelPart`` (``build_model``).
+        microbatches: the step's (ids, targets) pairs; every pp rank passes the same ones (the
+            first stage reads the ids, the last the targets), or None on middle stages with
+            ``message``.
+        grad_sync: the model's ``BucketedGradSync``.
+        optimizer, scheduler: as ``build_optimizer`` and ``build_lr_scheduler`` made them.
+        pc: the ParallelContext.
+        clip_grad: the global gradient-norm limit (None or <= 0: only measured).
+        engine: required when pp > 1 (``build_engine``).
+        message: the pipeline messages' shapes, for middle stages (see ``PipelineEngine``).
+        before_update: called right before the parameters change (``optimizer_step``).
+
+    Returns:
+        ``StepStats``: the global mean loss, the grad norm before clipping and the lr used.
+
+    Raises:
+        ValueError: pp > 1 without ``engine``.
+    """
     begin_step = getattr(model, "begin_step", None)  # LlamaModel: the MoE auxiliary losses' share
     if begin_step is not None:                        # of each micro-batch; other models have none
         begin_step(len(microbatches))

@@ -1,37 +1,21 @@
-"""The per-step agreement of all ranks — stop (and why), or the numbers went non-finite — without
-a host sync on a silent step.
+"""The per-step agreement of all ranks — stop (and why), the numbers went non-finite, a save is
+still being written — without a host sync on a silent step.
 
-Why a vote: a stop signal reaches some ranks only, and a NaN loss is seen first where the loss
-lives, yet every rank must take the same branch at the same step (save together, or stop
-without saving) or the others wait forever in the next collective. One all-reduce (MAX) of two
-numbers per step settles both: the strongest stop code (``runtime.preemption``: none, SIGTERM,
-the configured signal) and whether the loss or gradient norm of the step was non-finite.
+A stop signal reaches some ranks only, a NaN is seen first where the loss lives and an async save
+ends at different times on each rank, yet every rank must take the same branch at the same step
+(save, stop, commit) or the others wait forever in the next collective. One all-reduce (MAX) of
+three numbers per step settles it: the strongest stop code (``runtime.preemption``), whether the
+step's loss or gradient norm was non-finite, and whether any rank's background checkpoint write
+(``checkpoints.async_save``) is still running; the first settled vote in which none is makes every
+rank commit that save at the same step.
 
-Why read a step late: the flags are built on the device from the step's loss and grad norm
-(``isfinite`` there, no copy to the host), and the all-reduce is posted asynchronously. Reading
-it at once would make the host wait for the whole step's kernels on a GPU, every step, and the
-host could never run ahead to launch the next one; a step later it is done, or nearly. A stop
-therefore lands one step after the signal — well inside any signal delay (SLURM's: tens of
-seconds) — and every rank reads the same value at the same step, so they stop together.
-
-Why no copy on a silent step, on a GPU: ``torch.tensor(..., device=cuda)`` copies from pageable
-memory, which waits for the stream, and ``.tolist()`` of a device tensor waits for everything
-queued before it, the current step included. So the stop code and "writing" are written into
-the vote's device tensor with ``fill_`` (a kernel that takes the number as its argument), the
-reduced flags are copied to a pinned host tensor right behind the all-reduce
-(``non_blocking``), and an event marks that copy: reading the vote a step later waits for that
-event only. On the CPU the flags are read where they are.
-
-Why settle before every save: a step with a non-finite loss or gradient has already poisoned
-the weights (AdamW applied the NaN), so a save after it would overwrite the last finite
-checkpoint with garbage every resume then loads. A step that saves (interval,
-preemption, the end) reads its own vote first; saves are rare, so the sync is too.
-
-Why a third number: an asynchronous checkpoint (``checkpoints.async_save``) is committed with a
-collective once every rank's background write is durable, and all ranks must commit at the same
-step without a collective of their own per step to ask. Each rank adds "my write is still
-running" to its vote (MAX: anyone still writing); the first settled vote after the save began
-that says no one is tells every rank, at the same step, to commit.
+The vote is read a step late (``settle(latest=False)``): the flags are written on the device
+(``isfinite``, ``fill_``: no copy from pageable memory, which would wait for the stream), the
+all-reduce is posted asynchronously, and on a GPU its result is copied to pinned memory behind an
+event, so a silent step never waits for its own kernels. A stop thus lands one step after the
+signal, well inside any signal delay, on every rank at the same step. A step that saves reads its
+own vote first (``latest=True``): a non-finite step has already poisoned the weights, and saving
+it would overwrite the last finite checkpoint.
 """
 from __future__ import annotations
 

@@ -53,8 +53,8 @@ def quiet_libraries() -> None:
     """No carriage-return progress bars from `datasets` in log files (SLURM, local ranks).
 
     Through the environment variable `datasets` reads when it is imported, not by importing it:
-    a rank that reads an existing token cache never needs `datasets`, whose import costs ~1.3 CPU
-    s (pyarrow, fsspec, the hub client): 10 s of an 8-rank job on a 2-core machine."""
+    a rank that reads an existing token cache never needs `datasets`, whose import costs CPU
+    seconds per rank (pyarrow, fsspec, the hub client)."""
     if sys.stdout.isatty():
         return
     if "datasets" in sys.modules:
@@ -70,6 +70,22 @@ def seed_everything(seed: int) -> None:
 
 
 class DistributedTrainer:
+    """One rank's training run: from ``config`` it builds the model part, pipeline engine, gradient
+    sync, optimizer, scheduler and data, resumes from ``checkpoints.path`` when
+    ``checkpoints.resume``; then ``train()``, and ``close()`` at the end. Every rank constructs it
+    at once (collective).
+
+    Args:
+        config: the resolved config; run_dir: the run directory (TensorBoard, profiles);
+            pc: this rank's ParallelContext.
+        stop_code: this rank's stop request (``PreemptionHandler.poll``), voted on every step.
+        run_id: the run's identity, stored in its checkpoints (another run's are refused).
+
+    Raises:
+        DataError: the data cannot serve this rank (``build_samplers``).
+        CheckpointMismatch, CheckpointError: the resume failed (``load_checkpoint``).
+    """
+
     def __init__(self, config: Config, run_dir: Path, pc: ParallelContext, stop_code: Callable[[], int],
                  run_id: str | None = None):
         self.config, self.run_dir, self.pc = config, Path(run_dir), pc

@@ -1,47 +1,25 @@
 """Bucketed gradient all-reduce (or ZeRO-1 reduce-scatter) overlapped with backward
 (picotron's ``bucket.py`` design).
 
-Why buckets: one all-reduce per parameter pays the latency of hundreds of small messages; one
-all-reduce of everything after backward cannot overlap with compute. Grouping gradients into
-~25 MB flat buffers and launching each buffer's all-reduce as soon as its last gradient is
-accumulated gets both: few large messages, sent while backward keeps computing earlier layers.
+Gradients are grouped into ~25 MB flat buffers, filled in REVERSE parameter order (the output
+layers' gradients come first in backward; ``buckets.bucket_layout``), and each buffer's
+all-reduce is launched as soon as its last gradient is accumulated: few large messages, sent while
+backward keeps computing. Every ``.grad`` is a view into its bucket, so autograd accumulates in
+place (micro-batch accumulation is free). A completed bucket is launched only after every bucket
+of a smaller index, so the launch order is 0, 1, 2, ... on every rank whatever order the hooks
+fire in (no deadlock when ranks' graphs differ); buckets that never complete (a parameter got no
+gradient: zeros) are launched, in index order, by ``finish_grad_sync()``.
 
-Layout. Parameters are assigned to buckets in REVERSE order (the output layers' gradients are
-produced first in backward, so the first bucket fills first; ``buckets.bucket_layout``). Each
-bucket is one flat buffer and every parameter's ``.grad`` is a view into it, so autograd
-accumulates straight into the buffer (``AccumulateGrad`` adds in place into an existing
-``.grad``): no copies, and gradient accumulation across micro-batches is free.
+Averaging divides each bucket by the group size BEFORE the SUM all-reduce (as DDP; gloo has no
+AVG): exact for powers of two, within about one ulp otherwise. Gradients stay in the parameters'
+dtype; fp32 main grads for bf16 models are the mixed-precision layer's job.
 
-Launch order (why it cannot deadlock). Collectives on one process group must be issued in the same
-order on every rank. Hooks fire in autograd's execution order, which is the same on every rank
-for the same graph, but not guaranteed when graphs differ (a parameter unused on one rank only,
-data-dependent control flow). So a completed bucket is launched only once every bucket with a
-smaller index has been launched: the launch order is always 0, 1, 2, ... on every rank,
-whatever order the hooks fire in. Buckets that never complete during backward (a parameter got no
-gradient) are launched, still in index order, by ``finish_grad_sync()``; their missing gradients
-are zeros. With the reverse fill this costs nothing in the normal case: buckets complete in index
-order anyway.
-
-Averaging. Each bucket is divided by the group size BEFORE the SUM all-reduce (as DDP does; gloo
-has no AVG). Dividing by a power of two is exact in fp32/bf16 (an exponent shift, barring
-underflow), and pre-dividing keeps low-precision sums from overflowing; for other group sizes the
-result differs from sum-then-divide by at most about one ulp per element. Gradients are kept in
-the parameters' dtype (``.grad`` must match it); fp32 main-grad accumulation for bf16 models is
-the mixed-precision layer's job, not this one's.
-
-ZeRO-1. ``ZeroOneOptimizer`` finds this sync behind its parameters and calls ``shard()``: the
-buckets are rebuilt padded to a multiple of the group size n (tied parameters alone, see
-``buckets.py``), their pieces become the optimizer's partition, and each bucket's all-reduce
-becomes a reduce-scatter into piece r of it, the part rank r's optimizer updates: (n-1)/n of the
-bytes instead of 2(n-1)/n, and the optimizer's all-gather of the parameters makes up the rest
-(one all-reduce's worth in all). Only the owned pieces then hold the average; the rest of each
-buffer keeps this rank's own (divided) gradient, which elementwise sums over other groups (tp,
-tied copies) leave harmless and which nothing reads: ``grad_shards()`` says which pieces are
-valid, for the grad norm. Until the optimizer's first ``step()`` (``stop_gathering_grads()``)
-``finish_grad_sync`` also all-gathers the reduced pieces, so gradients taken before any update
-are whole (code that checks them against one process keeps working), at 1.5x the bytes for that
-one step; the pieces themselves, and so the update and the norm, are bitwise the same either way
-(a resumed run, whose first step gathers, matches the uninterrupted one exactly).
+ZeRO-1: ``ZeroOneOptimizer`` calls ``shard()``; the buckets are rebuilt padded to a multiple of
+the group size, and each all-reduce becomes a reduce-scatter into the piece this rank's optimizer
+updates. Only the owned pieces then hold the average (``grad_shards()`` names them, for the grad
+norm). Until the optimizer's first ``step()`` (``stop_gathering_grads()``) ``finish_grad_sync``
+also all-gathers the pieces, so gradients taken before any update are whole; the pieces, the
+update and the norm are bitwise the same either way.
 
 Use::
 

@@ -1,44 +1,25 @@
 """ZeRO-1: AdamW whose states are sharded across the data-parallel group (nanotron's ``optim/zero.py``,
 Megatron's distributed optimizer).
 
-Every dp rank holds the full parameters; the gradients are reduce-scattered and the optimizer
-states (exp_avg, exp_avg_sq: 2x the parameters in fp32) split, so that each rank updates only the
-elements it owns and the updated parameters are all-gathered: per step the bytes of one DDP
-all-reduce, 2(n-1)/n of the gradient bytes per rank, instead of that plus the all-gather.
+Every dp rank holds the full parameters; gradients are reduce-scattered, each rank updates only the
+elements it owns (exp_avg, exp_avg_sq for 1/n of them) and the updated parameters are all-gathered:
+per step the bytes of one DDP all-reduce.
 
-Partition. The parameters' flat element space is cut into buckets, each padded to a multiple of
-the group size n and split into n equal contiguous pieces; rank r owns piece r of every bucket
-(``buckets.py``). A parameter lies in one bucket, so a rank owns, per parameter, one contiguous
-range of that parameter's flattened elements (or none). The buckets are those of the
-``BucketedGradSync`` that holds exactly this domain's gradients, over the same ranks: found
-through the parameters at construction and cut for it (``shard()``); the sync then
-reduce-scatters each gradient bucket straight into the piece this rank updates (and, until the
-first ``step()``, all-gathers the pieces too, so gradients taken before any update are whole:
-``grad_sync.py``). Without such a sync (the gradients are all-reduced by someone else) there is one bucket
-of every parameter in the optimizer's order (``zero_partition``). Both are arithmetic on the
-sizes, for any dp, which is what the offline resharder needs (``buckets.zero_ranges``);
-checkpoints carry the ranges anyway, and the loader cuts any saved ranges into the ones a rank
-holds.
+Partition: the flat element space is cut into buckets padded to a multiple of the group size n,
+and rank r owns piece r of every bucket (``buckets.py``), so per parameter one contiguous range of
+its flattened elements, or none. The buckets are those of the ``BucketedGradSync`` over the same
+ranks, found through the parameters and cut for this optimizer (``shard()``), so gradients are
+reduce-scattered straight into the owned pieces; without one, one bucket of every parameter in
+the optimizer's order (``zero_partition``). Both are arithmetic on the sizes, which the offline
+resharder needs (``buckets.zero_ranges``).
 
-Update. For each owned range the optimizer holds a "shard": a view of the parameter's owned
-elements whose ``.grad`` is the same slice of the parameter's (averaged there) gradient, a view
-too. ``torch.optim.AdamW`` (this class IS an AdamW over the shards: the LR scheduler, param_groups
-and state_dict work as usual) updates the shards in place, i.e. the owned slice of the real
-parameters. Then one in-place all-gather per bucket of the flat parameter buffer gives every rank
-the full updated parameters. AdamW is elementwise, so this equals plain AdamW on every rank
-(tested).
-
-Flat parameter buffer. To all-gather with no per-step copy, the parameters' storage is moved into
-one flat buffer laid out like the buckets (padding included) and each ``param.data`` becomes a
-view into it: the Parameter objects (and the model, hooks, shard info) are unchanged. Load
-weights with in-place copies (``param.copy_``); if ``param.data`` is replaced anyway, ``step()``
-notices and re-binds it. Shards have the parameters' dtype: with fp32 parameters they are the fp32
-shards of the design; fp32 master weights for bf16 parameters belong to the mixed-precision layer.
-
-Experts (ep > 1). Dense parameters are replicas over dp x cp x ep, expert shards over dp x cp
-only: each set is its own *domain* (gradient sync, flat buffer, partition, all-gathers) over its
-own group, so a rank holds the states of 1/(dp cp ep) of the dense elements and 1/(dp cp) of its
-experts'.
+Update: this class IS a ``torch.optim.AdamW`` over "shards", views of the owned elements whose
+``.grad`` is the same slice of the averaged gradient (scheduler, param_groups and state_dict work
+as usual); then one in-place all-gather per bucket of a flat parameter buffer, into which every
+``param.data`` is a view (the Parameter objects are unchanged). Load weights with ``param.copy_``;
+a replaced ``param.data`` is re-bound at ``step()``. AdamW is elementwise, so this equals plain
+AdamW on every rank (tested). With ep > 1 dense parameters and expert shards are separate domains
+(sync, buffer, partition) over dp x cp x ep and dp x cp.
 """
 from __future__ import annotations
 

@@ -1,52 +1,27 @@
 """Point-to-point transfers between pipeline stages: shapes known ahead, one message per tensor.
 
-Why no metadata on the wire: a receiver that first reads a shape header must wait for it on the
-host (``.tolist()``) before it can post the data receive. Under NCCL that is fatal: a batch of
-``batch_isend_irecv`` completes as a whole, and a large send completes only once the peer has
-posted the matching receive, so two neighbours that each wait for a header inside a batch that
-also holds their own data send wait on each other forever (1f1b and interleaved deadlocked for
-every m >= 2). It also costs two host syncs per message. As in Megatron (``tensor_shape`` from
-the config), every message of a step has a shape and dtype both sides know in advance: the
-engine derives it from the model and the micro-batch shape (``MessageSpec``), the sender checks
-its tensor against it (host metadata only, no sync) and the receiver allocates from it.
+No metadata on the wire: a receiver that first reads a shape header must wait for it on the host
+before posting the data receive, and under NCCL two neighbours doing that inside batches that
+also hold their own sends wait on each other forever (and pay two host syncs per message). As in
+Megatron, every message of a step has a shape and dtype both sides know in advance
+(``MessageSpec``, derived from the model and the micro-batch shape): the sender checks its tensor
+against it (host metadata only), the receiver allocates from it.
 
-Why it cannot deadlock on NCCL. NCCL guarantees one thing about progress: the sends and
-receives of one group call (``batch_isend_irecv`` on one communicator, one kernel) progress
-together. It does not promise that two kernels of one GPU run at the same time: kernels on two
-streams, or two communicators, may run one after the other (NVIDIA/nccl#783; more likely with
-``CUDA_DEVICE_MAX_CONNECTIONS=1``, NCCL's implicit launch order or a busy GPU). So every
-communication point of the engine is ONE batch on ONE communicator, the pp group: the sends the
-previous step produced together with the receives the next step needs (Megatron's
-``send_forward_recv_backward``; for interleaved 1f1b both directions of a steady-state step,
-``send_forward_backward_recv_forward_backward``, see ``schedules.schedule_steps``). A rank's
-batches run strictly in posting order, and the schedules place the communication points so that
-neighbours' batches pair up: what a rank's running batch waits for, its neighbours post without
-first waiting for a later batch of that rank, and no rank ever needs two of its own kernels to
-run at once. This is checked, not derived in general: ``tests/test_pipeline_nccl_semantics.py``
-runs every engine (pp 2 and 4, every valid m <= 8, v 1 and 2) on a simulation where each rank
-executes its batches one at a time and a send completes only while its receive's batch runs,
-and shows the former layout (one communicator per flow, one batch each) deadlocking there (1f1b
-at pp 2 in its first steady-state exchange). One communicator also carries both kinds of
-message between two ranks (at pp = 2 with interleaving rank 0 sends rank 1 activations and
-gradients), and NCCL matches them in posting order: the engine posts a step's sends and its
-receives in action order, so both sides agree (the simulation checks the tags of every matched
-pair). Sends are never waited for before receives; the engine waits for them at the end of the
-step (``wait_sends``).
+One batch on one communicator per communication point: NCCL only promises that the sends and
+receives of one group call progress together, not that two kernels of a GPU run at once
+(NVIDIA/nccl#783). So each point is ONE ``batch_isend_irecv`` on the pp group holding the sends
+the previous step produced and the receives the next step needs (Megatron's
+``send_forward_recv_backward``; see ``schedules.schedule_steps``), and the schedules place the
+points so that neighbours' batches pair up. ``tests/test_pipeline_nccl_semantics.py`` checks it
+for every engine on a simulation that runs each rank's batches one at a time. Sends are never
+waited for before receives; the engine waits for them at the end of the step (``wait_sends``).
 
-Transports. ``P2P`` speaks to a transport: ``TorchP2PTransport`` (torch.distributed over the pp
-group) in production, a simulated one in tests (``tests/helpers/nccl_sim.py``: NCCL's semantics on
-threads, to check that no schedule deadlocks). gloo matches a receive to a send by (peer, tag), in
-any posting order, so on gloo the engine posts every receive of a step ahead (``expect``) and
-data moves while ranks compute. NCCL ignores tags and matches in posting order per pair, and a
-receive posted ahead would block the communicator's stream for the sends queued behind it, so
-there receives are posted exactly when needed, in the same order on both sides (the schedules
-guarantee it; the simulation checks that the tags of matched messages agree).
-
-The hang record (``hang_record.py``). ``communicate`` records, once per communication point and
-right before it waits, which messages it waits on (peers and tags, sends of the same batch
-included) and the transport's communicator; the transport's post records only the generic
-"pipeline send/recv" (through ``collectives.batch_isend_irecv``), which stands while the post
-itself runs (a communicator created lazily on its first use) and for ``expect``'s posts.
+Transports: ``TorchP2PTransport`` (torch.distributed over the pp group), or a simulated one in
+tests (``tests/helpers/nccl_sim.py``). gloo matches by (peer, tag) in any order, so on gloo every
+receive of a step is posted ahead (``expect``) and data moves while ranks compute; NCCL ignores
+tags and matches in posting order, so there receives are posted exactly when needed, in the same
+order on both sides. ``communicate`` writes the hang record (``hang_record.py``) once per point,
+before it waits: the messages it waits on and the communicator.
 """
 from __future__ import annotations
 
