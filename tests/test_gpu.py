@@ -103,8 +103,9 @@ def _train(device, compute_dtype, steps=3):
     from nanotrain.parallel.data_parallel import BucketedGradSync
     from nanotrain.training.step import forward_backward, optimizer_step
 
-    class OneProcess:  # what optimizer_step needs of a ParallelContext at (1,1,1)
-        tp_pg = dp_cp_pg = mp_pg = embedding_pg = None
+    class OneProcess:  # what optimizer_step reads of a ParallelContext at (1,1,1): None groups = one process
+        tp_pg = mp_pg = embedding_pg = None
+        tp_rank = ep_rank = 0
         pp_size = 1
 
     torch.backends.cuda.matmul.allow_tf32 = False

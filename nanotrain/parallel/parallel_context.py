@@ -261,6 +261,14 @@ class ParallelContext:
         return self._pp_neighbour(+1)
 
     @property
+    def dense_replica_pg(self) -> dist.ProcessGroup:
+        """The group over which the replicas of a dense (not expert-sharded) parameter average
+        their gradients, and the replicas' losses are averaged: dp x cp x ep (``dp_cp_ep_pg``),
+        the ranks that hold the same dense shard and read different samples or sequence chunks.
+        It is ``dp_cp_pg`` when ep == 1; an expert shard's replicas are always ``dp_cp_pg``."""
+        return self.dp_cp_ep_pg
+
+    @property
     def data_rank(self) -> int:
         """Which slice of the global batch this rank reads: ep ranks read different samples (ep
         is part of the data-parallel degree of the dense layers), so ``ep_rank * dp + dp_rank``."""

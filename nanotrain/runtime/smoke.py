@@ -24,7 +24,7 @@ def smoke_step(pc: ParallelContext, env: DistEnv, run_dir: Path) -> dict:
     rank = dist.get_rank()
     sums, ok = {}, True
     for axis in AXES:
-        group = getattr(pc, f"{axis}_pg")
+        group = pc.get_group(axis)
         value = torch.tensor([float(rank)], device=pc.device)
         dist.all_reduce(value, group=group)
         expected = float(sum(pc.grid.group_of(axis, rank)))
