@@ -337,7 +337,7 @@ def write_token_cache(config_path: Path, cache_dir: str | None = None, max_docum
     import numpy as np
 
     from nanotrain.config import load_config
-    from nanotrain.config.files import atomic_write
+    from nanotrain.config.atomic_files import atomic_write
     from nanotrain.data.dataset import cache_location, default_cache_dir, write_cache_meta
     from nanotrain.data.sources import STDLIB, resolve_source
     from nanotrain.data.tokenizer import load_tokenizer, token_dtype

@@ -72,3 +72,19 @@ def test_triples_need_one_mode():
     flags.check_flags([flags.CONFIG, "--prepare-data", "--local", "--set"])
     with pytest.raises(ValueError, match="--emit writes a SLURM script; it cannot be combined with --local"):
         flags.check_flags(["--resume", "--emit", "--local"])
+
+
+@pytest.mark.parametrize("given, mode", [
+    ([], flags.Mode.RUN),
+    ([flags.CONFIG, "--set"], flags.Mode.RUN),
+    ([flags.CONFIG, "--local"], flags.Mode.LOCAL),
+    (["--resume", "--local"], flags.Mode.RESUME),
+    (["--resume", "--dry-run", "--local"], flags.Mode.DRY_RUN),
+    (["--emit", "--resume"], flags.Mode.EMIT),
+    ([flags.CONFIG, "--prepare-data", "--local"], flags.Mode.PREPARE_DATA),
+    (["--status"], flags.Mode.STATUS),
+    ([flags.CONFIG, "--plan", "--gpus"], flags.Mode.PLAN),
+    ([flags.CONFIG, "--rehearse", "--rank"], flags.Mode.REHEARSE),
+])
+def test_the_mode_is_the_first_row_that_holds_the_command(given, mode):
+    assert flags.check_flags(given) is mode

@@ -58,7 +58,7 @@ def test_nccl_parallel_context_world_size_1(tmp_path):
         dist.all_reduce(t, group=pc.tp_pg)
         dist.barrier()
         assert t.tolist() == [1.0] * 4
-        assert pc.tp_pg.ranks() == [0] and pc.world_size == 1
+        assert dist.get_process_group_ranks(pc.tp_pg) == [0] and pc.world_size == 1
         pc.destroy()
         print("OK", torch.cuda.get_device_name(pc.device))
     """)
@@ -103,8 +103,9 @@ def _train(device, compute_dtype, steps=3):
     from nanotrain.parallel.data_parallel import BucketedGradSync
     from nanotrain.training.step import forward_backward, optimizer_step
 
-    class OneProcess:  # what optimizer_step needs of a ParallelContext at (1,1,1)
-        tp_pg = dp_cp_pg = mp_pg = embedding_pg = None
+    class OneProcess:  # what optimizer_step reads of a ParallelContext at (1,1,1): None groups = one process
+        tp_pg = mp_pg = embedding_pg = None
+        tp_rank = ep_rank = 0
         pp_size = 1
 
     torch.backends.cuda.matmul.allow_tf32 = False

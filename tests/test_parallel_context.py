@@ -34,7 +34,7 @@ def _inspect(pc):
         total = torch.tensor([float(rank)])
         dist.all_reduce(total, group=pg)
         out["groups"][name] = {
-            "ranks": pg.ranks(),
+            "ranks": dist.get_process_group_ranks(pg),
             "members": [int(i) for i in torch.nonzero(onehot).flatten()],
             "sum": int(total.item()),
             "group_rank": dist.get_rank(pg),
@@ -56,18 +56,20 @@ def _inspect(pc):
 
 
 def seed_snippet_16():
-    """The nanotron seed snippet, as written, then every check on the same context."""
+    """The nanotron seed snippet (its ``pg.ranks()`` is ``get_process_group_ranks``), then
+    every check on the same context."""
     import torch
     import torch.distributed as dist
 
     from nanotrain.parallel.parallel_context import ParallelContext
 
     pc = ParallelContext(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=4)
-    print(pc.tp_pg.ranks())
-    print(pc.pp_pg.ranks())
-    print(pc.dp_pg.ranks())
+    ranks = dist.get_process_group_ranks  # nanotron's pg.ranks()
+    print(ranks(pc.tp_pg))
+    print(ranks(pc.pp_pg))
+    print(ranks(pc.dp_pg))
     out = _inspect(pc)
-    out["snippet"] = (pc.tp_pg.ranks(), pc.pp_pg.ranks(), pc.dp_pg.ranks())
+    out["snippet"] = (ranks(pc.tp_pg), ranks(pc.pp_pg), ranks(pc.dp_pg))
 
     # The groups are real ProcessGroups: C++-typed consumers such as DDP accept them.
     torch.manual_seed(0)

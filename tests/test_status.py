@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nanotrain.commands.cli import main
-from nanotrain.config.files import atomic_write_json as write_json_atomic
+from nanotrain.config.atomic_files import atomic_write_json as write_json_atomic
 from nanotrain.runtime.rundir import write_launch_record
 
 from helpers.slurm import wait_for_job

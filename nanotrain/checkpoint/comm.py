@@ -9,10 +9,12 @@ one) means a single process: no communication.
 from __future__ import annotations
 
 import json
+import traceback
 
 import torch
 import torch.distributed as dist
 
+from nanotrain.checkpoint.layout import CheckpointError
 from nanotrain.parallel import accelerator, collectives
 
 
@@ -64,6 +66,20 @@ class World:
         out = [torch.empty(padded.numel(), dtype=torch.uint8, device=self.device) for _ in range(self.size)]
         collectives.all_gather(out, padded, group=self.group, what="checkpoint all_gather")
         return [self._decode(t, n) for t, n in zip(out, sizes)]
+
+    def error_here(self) -> str:
+        """The exception being handled, as this rank's part of an error report."""
+        return f"rank {self.rank}: {traceback.format_exc()}"
+
+    def all_gather_checked(self, obj, error: str | None, what: str) -> list:
+        """Every rank's ``obj``, in rank order, on every rank; or, if any rank passes an ``error``
+        (``error_here()``), one ``CheckpointError`` on every rank: ``what``, then every rank's
+        error. All ranks raise together, so none is left waiting in a later collective."""
+        got = self.all_gather({"error": error} if error is not None else {"value": obj})
+        errors = [g["error"] for g in got if "error" in g]
+        if errors:
+            raise CheckpointError(f"{what}:\n" + "\n".join(errors))
+        return [g["value"] for g in got]
 
     def gather(self, obj, dst: int = 0) -> list | None:
         """Every rank's ``obj`` on rank ``dst`` (rank order); None elsewhere."""

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from nanotrain.checkpoint import format as fmt
 from nanotrain.checkpoint.format import CheckpointError
+from nanotrain.config.atomic_files import fsync_dir
 
 log = logging.getLogger("nanotrain.checkpoint")
 
@@ -47,7 +48,7 @@ def quarantine(ckpt_dir: Path, problems: list[str]) -> Path | None:
         log.warning("checkpoint %s is damaged but could not be moved aside (%s): %s", ckpt_dir, e,
                     "; ".join(problems))
         return None
-    fmt.fsync_dir(target.parent)
+    fsync_dir(target.parent)
     try:
         (target / REASON_FILE).write_text(
             f"moved aside {time.strftime('%Y-%m-%dT%H:%M:%S')} by pid {os.getpid()}: failed verification\n"

@@ -35,6 +35,7 @@ from nanotrain.checkpoint.layout import (  # noqa: F401 (re-exported)
     stale_entries,
     step_dir_name,
 )
+from nanotrain.config.atomic_files import atomic_write_text, fsync_dir
 from nanotrain.parallel.sharding import ShardInfo
 
 HEADER_KEY = "nanotrain"  # safetensors __metadata__ key holding the per-tensor shard records (JSON)
@@ -158,27 +159,6 @@ def write_bytes(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a sibling temp file, fsync, ``os.replace``: readers see the old or the new text."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    write_bytes(tmp, text.encode())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 # ----------------------------------------------------------------------------- commit primitives

@@ -177,15 +177,12 @@ def load_checkpoint(root: str | Path, model: Models, optimizer=None, scheduler=N
             if unused:
                 raise CheckpointMismatch(f"cannot load {cand}: it holds parameters no rank of this model has "
                                       f"(pass strict=False to ignore): {unused[:8]}")
+        result = error = None
         try:
             result = _apply(cand, meta, plan, params, optimizer, scheduler, world, topology)
-            error = None
         except Exception:
-            result, error = None, f"rank {world.rank}: {traceback.format_exc()}"
-        errors = [e for e in world.all_gather(error) if e]
-        if errors:
-            raise CheckpointError(f"loading {cand} failed (model/optimizer may be partly loaded):\n"
-                                  + "\n".join(errors))
+            error = world.error_here()
+        world.all_gather_checked(None, error, f"loading {cand} failed (model/optimizer may be partly loaded)")
         result.skipped = skipped
         if skipped and move_damaged and world.rank == 0:
             try:  # `latest` named a checkpoint that is gone now: name the one in use

@@ -32,7 +32,9 @@ import shutil
 import threading
 import time
 import traceback
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -41,17 +43,9 @@ from nanotrain.checkpoint import shard_files
 from nanotrain.checkpoint.comm import World
 from nanotrain.checkpoint.damage import full_problems, quarantine, quick_problems
 from nanotrain.checkpoint.format import CheckpointError
-from nanotrain.checkpoint.items import (
-    Models,
-    capture_rng,
-    config_as_dict,
-    coords_of,
-    named_params,
-    optimizer_entries,
-    topology_of,
-)
+from nanotrain.checkpoint.items import Models, config_as_dict, named_params, topology_of
+from nanotrain.checkpoint.save_rank import Written, plan_records, take_work, write_rank
 from nanotrain.checkpoint.snapshot import HostSnapshot
-from nanotrain.parallel.sharding import get_shard_info
 
 log = logging.getLogger("nanotrain.checkpoint")
 
@@ -117,31 +111,62 @@ def begin_save(root: str | Path, step: int, model: Models, optimizer=None, sched
             log.info("checkpoint %s already saved and latest; not written again", final)
         return final
 
-    params = named_params(model)
     # Two phases, each closed by a collective that carries errors, so a failing rank never leaves
     # the others waiting: plan (what this rank holds), then write (what it was assigned).
+    plan = plan_error = None
     try:
-        plan = _plan(params, optimizer, pc)
-        sent = {"keys": sorted(plan["keys"].values())}
+        plan = plan_records(named_params(model), optimizer)
     except Exception:
-        plan, sent = None, {"error": f"rank {world.rank}: {traceback.format_exc()}"}
-    plans = world.all_gather(sent)
-    _raise_errors(plans, f"saving {final} failed")
+        plan_error = world.error_here()
+    held = world.all_gather_checked(None if plan is None else sorted(plan.keys.values()), plan_error,
+                                    f"saving {final} failed")
     writer: dict[str, int] = {}  # record -> the lowest global rank holding it
-    for r, p in enumerate(plans):
-        for k in p["keys"]:
+    for r, keys in enumerate(held):
+        for k in keys:
             writer.setdefault(k, r)
+    work = work_error = None
     try:
-        work = _select(world.rank, plan, writer, rank_state, background)
-    except Exception:
-        work = {"error": f"rank {world.rank}: {traceback.format_exc()}"}
-    try:
-        live = _live_state(optimizer, scheduler, extra) if world.rank == 0 else None
+        work = take_work(world.rank, plan, writer, pc, rank_state, background)
     except Exception:  # reported by the commit, on every rank together
-        live = {"error": traceback.format_exc()}
-    commit = dict(root=root, final=final, tmp=tmp, step=step, cfg=cfg, pc=pc, keep_last=keep_last,
-                  run_id=run_id, granularity=granularity, live=live, t0=t0, topology=topology_of(pc, optimizer, cfg))
-    return PendingSave(world, commit, work.get("snapshot"), lambda: _write_rank(tmp, work, granularity), background)
+        work_error = world.error_here()
+    live = None
+    if world.rank == 0:
+        try:
+            live = _live_state(optimizer, scheduler, extra)
+        except Exception:  # reported by the commit, on every rank together
+            live = _Live(error=traceback.format_exc())
+    commit = _Commit(root=root, final=final, tmp=tmp, step=step, cfg=cfg, pc=pc, keep_last=keep_last,
+                     run_id=run_id, granularity=granularity, live=live, t0=t0,
+                     topology=topology_of(pc, optimizer, cfg))
+    write = (lambda: Written(error=work_error)) if work is None else (lambda: write_rank(tmp, work, granularity))
+    return PendingSave(world, commit, None if work is None else work.snapshot, write, background)
+
+
+@dataclass
+class _Live:
+    """The training state the commit records (rank 0, taken at the save's step: an async commit
+    happens steps later); or why it could not be taken."""
+    scheduler: dict | None = None
+    param_groups: list[dict] | None = None
+    extra: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class _Commit:
+    """Where the save goes and what its meta.json records besides the ranks' files."""
+    root: Path
+    final: Path
+    tmp: Path
+    step: int
+    cfg: dict | None
+    pc: object
+    keep_last: int | None
+    run_id: str | None
+    granularity: str
+    live: _Live | None  # rank 0 only
+    t0: float
+    topology: dict
 
 
 class PendingSave:
@@ -151,9 +176,10 @@ class PendingSave:
     rank's files are written (no communication); ``finish()`` waits for them, then every rank
     takes part in the commit (gather to rank 0, COMPLETE, rename, ``latest``, broadcast)."""
 
-    def __init__(self, world: World, commit: dict, snapshot, write, background: bool):
-        self.world, self.commit, self.step, self.path = world, commit, commit["step"], commit["final"]
-        self._report: dict | None = None
+    def __init__(self, world: World, commit: _Commit, snapshot: HostSnapshot | None,
+                 write: Callable[[], Written], background: bool):
+        self.world, self.commit, self.step, self.path = world, commit, commit.step, commit.final
+        self._report: Written | None = None
         self._thread = None
         self._taken = threading.Event()
         if background:
@@ -171,7 +197,7 @@ class PendingSave:
                 _yield_to_training()
             self._report = write()
         except Exception:
-            self._report = {"error": f"rank {self.world.rank}: {traceback.format_exc()}"}
+            self._report = Written(error=self.world.error_here())
         finally:
             self._taken.set()  # also after a failed copy: the commit reports it
 
@@ -185,27 +211,14 @@ class PendingSave:
         if self._thread is not None:
             self._thread.join()
         c, world = self.commit, self.world
-        reports = world.gather(self._report)  # to rank 0, which commits (or reports every rank's error)
-        result = None
-        if world.rank == 0:
-            errors = [r["error"] for r in [*reports, c["live"]] if "error" in r]
-            if errors:
-                result = {"error": "\n".join(errors)}
-            else:
-                try:
-                    meta = _meta(c["step"], c["cfg"], c["pc"], c["topology"], c["live"], reports, c["granularity"])
-                    meta["run_id"] = c["run_id"]
-                    meta["save_seconds_before_commit"] = round(time.perf_counter() - c["t0"], 4)
-                    _commit(c["root"], c["tmp"], c["final"], meta, c["step"], c["keep_last"], c["run_id"])
-                    result = {"ok": True, "bytes": sum(f["bytes"] for f in meta["files"].values())}
-                except Exception:
-                    result = {"error": traceback.format_exc()}
+        reports = world.gather(asdict(self._report))  # to rank 0, which commits (or reports every rank's error)
+        result = _commit(c, [Written(**r) for r in reports]) if world.rank == 0 else None
         result = world.broadcast(result)
         if "error" in result:
-            raise CheckpointError(f"saving {c['final']} failed:\n{result['error']}")
+            raise CheckpointError(f"saving {c.final} failed:\n{result['error']}")
         if world.rank == 0:
-            log.info("saved %s: %.1f MB in %.2f s", c["final"], result["bytes"] / 1e6, time.perf_counter() - c["t0"])
-        return c["final"]
+            log.info("saved %s: %.1f MB in %.2f s", c.final, result["bytes"] / 1e6, time.perf_counter() - c.t0)
+        return c.final
 
 
 def _yield_to_training() -> None:
@@ -238,69 +251,7 @@ def _prepare(root: Path, name: str, tmp: Path) -> dict:
         return {"error": traceback.format_exc()}
 
 
-def _raise_errors(reports: list, what: str) -> None:
-    errors = [r["error"] for r in reports if "error" in r]
-    if errors:
-        raise CheckpointError(f"{what}:\n" + "\n".join(errors))
-
-
-def _plan(params, optimizer, pc) -> dict:
-    """This rank's records, each with a key identifying identical replicas on other ranks."""
-    infos = {n: get_shard_info(ps[0]) for n, ps in params.items()}
-    opt = optimizer_entries(optimizer) if optimizer is not None else {}
-    missing = sorted(set(opt) - set(params))
-    if missing:
-        raise fmt.CheckpointError(f"optimizer parameters not found in the model: {missing[:5]}")
-    keys = {}
-    for n, ps in params.items():
-        keys[("model", n)] = fmt.key_hash(["model", n, fmt.info_to_json(infos[n]), list(ps[0].shape),
-                                          str(ps[0].dtype)])
-    for n, e in opt.items():
-        keys[("optimizer", n)] = fmt.key_hash(["optimizer", n, fmt.info_to_json(infos[n]), list(e.local_shape),
-                                              e.start, e.stop])
-    return {"params": params, "infos": infos, "opt": opt, "keys": keys, "pc": pc}
-
-
-def _select(rank: int, plan: dict, writer: dict, rank_state, snapshot: bool) -> dict:
-    """What this rank writes, taken now: its assigned records (copied to the host when
-    ``snapshot``: an async save), its RNG states and per-rank state."""
-    params, infos, opt, keys, pc = plan["params"], plan["infos"], plan["opt"], plan["keys"], plan["pc"]
-    keep = HostSnapshot() if snapshot else (lambda t: t.detach())
-    coords = coords_of(pc)
-    ep = coords["ep"] if pc is not None and pc.ep_size > 1 else None
-    # Parameters are written by dp/cp rank 0 (the lowest rank of a replica set): their file is
-    # named by (pp, tp); optimizer ranges differ per dp rank (ZeRO-1), so their files carry dp too.
-    model_tag = fmt.coord_tag(pp=coords["pp"], tp=coords["tp"], ep=ep, dp=coords["dp"] or None,
-                              cp=coords["cp"] or None)
-    opt_tag = fmt.coord_tag(pp=coords["pp"], tp=coords["tp"], ep=ep, dp=coords["dp"],
-                            cp=coords["cp"] if pc is not None and pc.cp_size > 1 else None)
-    model_items = [(n, keep(ps[0]), infos[n]) for n, ps in params.items()
-                   if writer[keys[("model", n)]] == rank]
-    # The step count too: AdamW increments it in place (it is a view of the live state).
-    opt_items = [(n, infos[n], e.local_shape, e.start, e.stop, keep(e.step), keep(e.exp_avg), keep(e.exp_avg_sq))
-                 for n, e in opt.items() if writer[keys[("optimizer", n)]] == rank]
-    return {"rank": rank, "coords": coords, "model_tag": model_tag, "opt_tag": opt_tag, "model_items": model_items,
-            "opt_items": opt_items, "rng": capture_rng(), "rank_state": rank_state,
-            "snapshot": keep if snapshot else None}
-
-
-def _write_rank(tmp: Path, work: dict, granularity) -> dict:
-    if "error" in work:
-        return work
-    rank, coords = work["rank"], work["coords"]
-    model_jobs, model_index = shard_files.model_shard_files(work["model_tag"], work["model_items"], granularity,
-                                                            coords["pp"])
-    opt_jobs, opt_index = shard_files.optimizer_shard_files(work["opt_tag"], work["opt_items"], granularity,
-                                                            coords["pp"])
-    state_rel = f"state/rank-{rank:05d}.safetensors"
-    state_job = (work["rng"], {"kind": "state", "rank": rank, "coords": coords, "rank_state": work["rank_state"]})
-    files = shard_files.write_files(tmp, {**model_jobs, **opt_jobs, state_rel: state_job})
-    return {"files": files, "index": {"model": model_index, "optimizer": opt_index}, "state": state_rel}
-
-
-def _live_state(optimizer, scheduler, extra) -> dict:
-    """What the commit records of the training state at the save's step (rank 0, taken at once:
-    an async commit happens steps later)."""
+def _live_state(optimizer, scheduler, extra) -> _Live:
     sched = None
     if scheduler is not None:
         sched = scheduler.state_dict()
@@ -315,42 +266,53 @@ def _live_state(optimizer, scheduler, extra) -> dict:
         extra_json = json.loads(json.dumps(extra or {}))
     except TypeError as e:
         raise fmt.CheckpointError(f"`extra` must be JSON-able: {e}") from None
-    return {"scheduler": sched, "param_groups": groups, "extra": extra_json}
+    return _Live(scheduler=sched, param_groups=groups, extra=extra_json)
 
 
-def _meta(step, cfg, pc, topology, live, reports, granularity) -> dict:
+def _meta(c: _Commit, reports: list[Written]) -> dict:
     files, model_index, opt_index, state_index = {}, {}, {}, {}
     for rank, report in enumerate(reports):
-        files.update(report["files"])
-        shard_files.merge_index(model_index, report["index"]["model"])
-        shard_files.merge_index(opt_index, report["index"]["optimizer"])
-        state_index[str(rank)] = report["state"]
+        files.update(report.files)
+        shard_files.merge_index(model_index, report.index["model"])
+        shard_files.merge_index(opt_index, report.index["optimizer"])
+        state_index[str(rank)] = report.state
     return {
-        "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "step": int(step), "extra": live["extra"],
-        "topology": topology, "world_size": len(reports),
-        "config_hash": hashlib.sha256(fmt.canonical(cfg).encode()).hexdigest() if cfg is not None else None,
-        "config": cfg, "scheduler": live["scheduler"], "param_groups": live["param_groups"],
-        "granularity": granularity, "checksum": fmt.CHECKSUM,
+        "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "step": int(c.step), "extra": c.live.extra,
+        "topology": c.topology, "world_size": len(reports),
+        "config_hash": hashlib.sha256(fmt.canonical(c.cfg).encode()).hexdigest() if c.cfg is not None else None,
+        "config": c.cfg, "scheduler": c.live.scheduler, "param_groups": c.live.param_groups,
+        "granularity": c.granularity, "checksum": fmt.CHECKSUM,
         "created_unix": time.time(), "torch_version": torch.__version__,
         "files": dict(sorted(files.items())),
         "index": {"model": model_index, "optimizer": opt_index, "state": state_index},
     }
 
 
-def _commit(root: Path, tmp: Path, final: Path, meta: dict, step: int, keep_last: int | None,
-            run_id: str | None) -> None:
-    for rel, rec in meta["files"].items():
-        try:
-            size = (tmp / rel).stat().st_size
-        except OSError:
-            raise fmt.CheckpointError(f"{tmp / rel}: reported written but missing") from None
-        if size != rec["bytes"]:
-            raise fmt.CheckpointError(f"{tmp / rel}: {size} bytes on disk, {rec['bytes']} written")
-    fmt.write_meta_and_complete(tmp, meta)
-    fmt.commit_rename(tmp, final)
-    fmt.update_latest(root, final.name)
-    if keep_last:
-        prune(root, step, keep_last, run_id)
+def _commit(c: _Commit, reports: list[Written]) -> dict:
+    """Step 4 (rank 0): every rank's error, or the files checked, meta.json and COMPLETE, the
+    rename, ``latest`` and pruning; the outcome (``{"bytes"}`` or ``{"error"}``) every rank gets."""
+    errors = [r.error for r in reports if r.error] + ([c.live.error] if c.live.error else [])
+    if errors:
+        return {"error": "\n".join(errors)}
+    try:
+        meta = _meta(c, reports)
+        meta["run_id"] = c.run_id
+        meta["save_seconds_before_commit"] = round(time.perf_counter() - c.t0, 4)
+        for rel, rec in meta["files"].items():
+            try:
+                size = (c.tmp / rel).stat().st_size
+            except OSError:
+                raise fmt.CheckpointError(f"{c.tmp / rel}: reported written but missing") from None
+            if size != rec["bytes"]:
+                raise fmt.CheckpointError(f"{c.tmp / rel}: {size} bytes on disk, {rec['bytes']} written")
+        fmt.write_meta_and_complete(c.tmp, meta)
+        fmt.commit_rename(c.tmp, c.final)
+        fmt.update_latest(c.root, c.final.name)
+        if c.keep_last:
+            prune(c.root, c.step, c.keep_last, c.run_id)
+        return {"bytes": sum(f["bytes"] for f in meta["files"].values())}
+    except Exception:
+        return {"error": traceback.format_exc()}
 
 
 def prune(root: Path, step: int, keep_last: int, run_id: str | None = None) -> list[Path]:

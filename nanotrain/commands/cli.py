@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from nanotrain.commands.config_commands import plan, rehearse
-from nanotrain.commands.flags import check_flags, given_flags
+from nanotrain.commands.flags import Mode, check_flags, given_flags
 from nanotrain.commands.stopping import Terminated, sigterm_ends_command, stop_line
 from nanotrain.config import Config, ConfigError, SlurmLayout, load_config, validate
 from nanotrain.config.cli_args import EXIT_INTERRUPTED, ArgParser, refuse
@@ -26,6 +26,7 @@ from nanotrain.config.validate import validate_names
 from nanotrain.launch import sbatch
 from nanotrain.parallel.compile_check import compile_backend_problem
 from nanotrain.runtime import rundir
+from nanotrain.runtime.rundir import Launcher
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,7 +180,7 @@ def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
 
 
 def _report_submitted(config: Config, layout: SlurmLayout, run_dir: Path, job) -> int:
-    rundir.write_launch_record(run_dir, mode="slurm", job_id=job.job_id, argv=sys.argv[1:])
+    rundir.write_launch_record(run_dir, mode=Launcher.SLURM, job_id=job.job_id, argv=sys.argv[1:])
     print(f"submitted job {job.job_id}: {describe_layout(config, layout)}")
     print(f"run directory: {run_dir}")
     print(f"stdout: {job.paths.stdout}  (task 0; task R writes {job.job_id}_R_log.out; "
@@ -193,7 +194,7 @@ def run_locally(config: Config, run_dir: Path) -> int:
     from nanotrain.launch.local import Interrupted, report_interrupt, run_local, task_command
 
     config_path = rundir.write_run_dir(config, run_dir)
-    rundir.write_launch_record(run_dir, mode="local", argv=sys.argv[1:])
+    rundir.write_launch_record(run_dir, mode=Launcher.LOCAL, argv=sys.argv[1:])
     world = config.parallelism.world_size
     print(f"local run: {describe_layout(config, None)}; run directory: {run_dir}", flush=True)
     try:
@@ -207,9 +208,9 @@ def run_locally(config: Config, run_dir: Path) -> int:
     return status
 
 
-def _config_of(args) -> tuple[Config, str, str | None]:
-    """The config to launch: a YAML file, or (--resume) the run's own resolved config; plus the
-    mode the resumed run was launched in."""
+def _config_of(args) -> tuple[Config, str, Launcher | None]:
+    """The config to launch: a YAML file, or (--resume) the run's own resolved config; plus how
+    the resumed run was launched."""
     if args.resume is None:
         if args.config is None:
             raise ConfigError("the following arguments are required: config (see --help)")
@@ -224,7 +225,7 @@ def _config_of(args) -> tuple[Config, str, str | None]:
     config.logging.run_name = run_dir.resolve().name  # the same run directory, whatever it held
     config.logging.dir = str(run_dir.resolve().parent)
     config.checkpoints.resume = True
-    return config, str(run_dir / rundir.CONFIG_FILE), rundir.read_launch_record(run_dir).get("mode")
+    return config, str(run_dir / rundir.CONFIG_FILE), rundir.recorded_launcher(rundir.read_launch_record(run_dir))
 
 
 def check_paths(config: Config, run_dir: Path, emit_dir: str | None) -> None:
@@ -234,6 +235,16 @@ def check_paths(config: Config, run_dir: Path, emit_dir: str | None) -> None:
     rundir.check_can_create(Path(config.checkpoints.path), "checkpoints.path")
     if emit_dir is not None:
         rundir.check_can_create(Path(emit_dir), "--emit")
+
+
+def _launcher(mode: Mode, local: bool, resumed: Launcher | None, has_sbatch: bool) -> Launcher:
+    """Where the job goes: --local keeps it here; --dry-run and --emit show the SLURM job; a
+    resumed run goes where it ran; else to SLURM when `sbatch` is on PATH."""
+    if local:
+        return Launcher.LOCAL
+    if not mode.launches:
+        return Launcher.SLURM
+    return resumed or (Launcher.SLURM if has_sbatch else Launcher.LOCAL)
 
 
 def check_path_arguments(args) -> None:
@@ -277,21 +288,20 @@ def _main(argv: list[str] | None):
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
-        check_flags(given_flags(parser, args))  # before anything is read: flags.py's table
+        mode = check_flags(given_flags(parser, args))  # before anything is read: flags.py's table
         check_path_arguments(args)
-        if args.plan:
+        if mode is Mode.PLAN:
             return plan(args)
-        if args.rehearse:
+        if mode is Mode.REHEARSE:
             return rehearse(args)
-        if args.status is not None:
+        if mode is Mode.STATUS:
             from nanotrain.commands.status import show_status
 
             return show_status(args.status)
-        config, config_arg, resumed_mode = _config_of(args)
+        config, config_arg, resumed = _config_of(args)
         has_sbatch = shutil.which("sbatch") is not None
-        use_slurm = not args.local and (args.emit is not None or args.dry_run or
-                                        (resumed_mode or ("slurm" if has_sbatch else "local")) == "slurm")
-        if use_slurm and not has_sbatch and not (args.emit or args.dry_run):
+        use_slurm = _launcher(mode, args.local, resumed, has_sbatch) is Launcher.SLURM
+        if use_slurm and not has_sbatch and mode.launches:
             raise ConfigError("this run was launched on SLURM but `sbatch` is not on PATH: "
                               "resume it where SLURM runs, or add --local")
         layout = validate(config, slurm=use_slurm)
@@ -303,12 +313,12 @@ def _main(argv: list[str] | None):
             problem = config.training.compile and compile_backend_problem("cpu")
             if problem:  # local ranks compile here (on a GPU node each rank checks its device again)
                 raise ConfigError(f"training.compile: {problem}; install one or set training.compile: false")
-        elif not (args.emit or args.dry_run) and sbatch.partition_problem(config):
+        elif mode.launches and sbatch.partition_problem(config):
             raise ConfigError(sbatch.partition_problem(config))  # plans may target another cluster
         from nanotrain.data import check_data_config
 
         check_data_config(config.data, vocab_size=config.model.vocab_size, config=config)
-        if not args.prepare_data:
+        if mode is not Mode.PREPARE_DATA:
             from nanotrain.data import missing_cache_problem
 
             problem = missing_cache_problem(config)
@@ -319,18 +329,18 @@ def _main(argv: list[str] | None):
         check_paths(config, run_dir, args.emit)
         from nanotrain.commands.preflight import before_launch  # live owner / job, resume target
 
-        for note in before_launch(config, run_dir, launching=not (args.dry_run or args.emit)):
+        for note in before_launch(config, run_dir, launching=mode.launches):
             print(f"warning: {note}", file=sys.stderr)
     except ValueError as exc:  # ConfigError, DataError: user errors
         return refuse(exc)
     try:
-        if args.prepare_data:
+        if mode is Mode.PREPARE_DATA:
             from nanotrain.commands import prepare
 
             return prepare.submit_prepare(config, run_dir) if use_slurm else prepare.prepare_locally(config)
-        if args.dry_run:
+        if mode is Mode.DRY_RUN:
             return dry_run(config, layout, run_dir, config_arg)
-        if args.emit is not None:
+        if mode is Mode.EMIT:
             return emit(config, layout, Path(args.emit))
         if use_slurm:
             return submit_slurm(config, layout, run_dir)

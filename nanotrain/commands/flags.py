@@ -2,7 +2,8 @@
 
 Each row is a mode (what the command does) and the flags it accepts. A command line is accepted
 when one row holds every flag given and that row's own flag is among them; a command without any
-mode flag is the run of a config (the `CONFIG` row), whose missing config is reported later. A
+mode flag is the run of a config (the `CONFIG` row), whose missing config is reported later.
+``check_flags`` returns the command's ``Mode``: the first such row in table order. A
 flag no row pairs with another (`--status` with `--set`, `--gpus` with `--rank`) is one `error:`
 line naming both; a mode's flag given without its mode (`--gpus` without `--plan`) is one line
 saying which mode to add. Nothing is loaded before this check, so a refused combination never
@@ -14,6 +15,7 @@ the parser has, so a flag missing from the table is caught there.
 from __future__ import annotations
 
 import argparse
+import enum
 from dataclasses import dataclass
 
 from nanotrain.config import ConfigError
@@ -23,8 +25,28 @@ PLAN_FLAGS = ("--gpus", "--gpu-memory-gb", "--gpu-tflops", "--efficiency", "--in
 REHEARSE_FLAGS = ("--rank", "--steps", "--json")
 
 
+class Mode(enum.Enum):
+    """What one command does, named by its row's flag in ``MODES``."""
+
+    PLAN = "--plan"
+    REHEARSE = "--rehearse"
+    PREPARE_DATA = "--prepare-data"
+    STATUS = "--status"
+    RESUME = "--resume"
+    EMIT = "--emit"
+    DRY_RUN = "--dry-run"
+    LOCAL = "--local"
+    RUN = CONFIG
+
+    @property
+    def launches(self) -> bool:
+        """Whether the command starts or submits work (a run, a data preparation); --dry-run and
+        --emit only show or write the job, --plan, --rehearse and --status launch nothing."""
+        return self in (Mode.PREPARE_DATA, Mode.RESUME, Mode.LOCAL, Mode.RUN)
+
+
 @dataclass(frozen=True)
-class Mode:
+class Row:
     """One row: the mode's flag; what it does (the start of its error lines); what it works on,
     at most one of ``targets`` (a config, or the run directory of --resume); the other flags it
     accepts."""
@@ -40,17 +62,18 @@ class Mode:
 
 
 EITHER = (CONFIG, "--resume")  # a config file, or the config a run directory was launched with
-# Order matters only for the wording: of two clashing flags the earlier row's speaks.
+# Order matters for the wording (of two clashing flags the earlier row's speaks) and for the mode
+# of a command two rows hold: the earlier row's (`--resume --local` resumes, locally).
 MODES = (
-    Mode("--plan", "takes a config and proposes layouts", (CONFIG,), ("--set", *PLAN_FLAGS)),
-    Mode("--rehearse", "runs a config's ranks here", (CONFIG,), ("--set", *REHEARSE_FLAGS)),
-    Mode("--prepare-data", "tokenises a config's data sources", (CONFIG,), ("--set", "--local")),
-    Mode("--status", "takes a run directory and shows where it stands", (), ()),
-    Mode("--resume", "takes a run directory instead of a config", (), ("--set", "--local")),
-    Mode("--emit", "writes a SLURM script", EITHER, ("--set",)),
-    Mode("--dry-run", "validates and shows the launch", EITHER, ("--set", "--local")),
-    Mode("--local", "runs the ranks as local processes", EITHER, ("--set",)),
-    Mode(CONFIG, "runs a config", (), ("--set", "--local")),
+    Row("--plan", "takes a config and proposes layouts", (CONFIG,), ("--set", *PLAN_FLAGS)),
+    Row("--rehearse", "runs a config's ranks here", (CONFIG,), ("--set", *REHEARSE_FLAGS)),
+    Row("--prepare-data", "tokenises a config's data sources", (CONFIG,), ("--set", "--local")),
+    Row("--status", "takes a run directory and shows where it stands", (), ()),
+    Row("--resume", "takes a run directory instead of a config", (), ("--set", "--local")),
+    Row("--emit", "writes a SLURM script", EITHER, ("--set",)),
+    Row("--dry-run", "validates and shows the launch", EITHER, ("--set", "--local")),
+    Row("--local", "runs the ranks as local processes", EITHER, ("--set",)),
+    Row(CONFIG, "runs a config", (), ("--set", "--local")),
 )
 DEFAULT = MODES[-1]  # no mode flag given: run a config
 _ROW = {mode.flag: mode for mode in MODES}
@@ -87,11 +110,13 @@ def _order(flag: str) -> int:
     return list(_ROW).index(flag) if flag in _ROW else len(_ROW)
 
 
-def check_flags(flags: list[str]) -> None:
-    """Raise ConfigError (one line naming the flags) unless one mode accepts all of ``flags``."""
+def check_flags(flags: list[str]) -> Mode:
+    """The mode of a command given ``flags``; ConfigError (one line naming the flags) unless one
+    mode accepts all of them."""
     modes = [_ROW[f] for f in flags if f in _ROW] or [DEFAULT]
-    if any(mode.holds(flags) for mode in modes):
-        return
+    for row in MODES:
+        if row in modes and row.holds(flags):
+            return Mode(row.flag)
     ordered = sorted(flags, key=_order)
     for i, a in enumerate(ordered):
         for b in ordered[i + 1:]:

@@ -98,7 +98,8 @@ def submit_prepare(config: Config, run_dir: Path) -> int:
     config_path = rundir.write_run_dir(config, job_dir)
     job = submit(sbatch.job_folder(job_dir), 0, executor_parameters(config), PrepareTask(), str(config_path),
                  what="the preparation job")
-    rundir.write_launch_record(job_dir, mode="slurm", job_id=job.job_id, argv=sys.argv[1:], kind="prepare")
+    rundir.write_launch_record(job_dir, mode=rundir.Launcher.SLURM, job_id=job.job_id, argv=sys.argv[1:],
+                               kind="prepare")
     print(f"submitted data preparation job {job.job_id} (1 CPU task, {config.slurm.prepare.cpus} cpus)")
     print(f"status: python submit.py --status {job_dir}")
     print(f"stdout: {job.paths.stdout}")

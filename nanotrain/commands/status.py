@@ -23,6 +23,7 @@ from nanotrain.config import ConfigError
 from nanotrain.logging.metrics import PROGRESS_FILE, format_eta
 from nanotrain.runtime import rundir, slurm_commands
 from nanotrain.runtime.hang_status import hang_lines
+from nanotrain.runtime.rundir import Launcher
 
 # What a finished job's exit code means (the codes of `runtime/task.py`).
 EXIT_MEANINGS = {
@@ -212,16 +213,16 @@ def show_status(run_dir: str | Path, out: TextIO | None = None) -> int:
     run_dir = Path(run_dir).expanduser()
     _check_run_dir(run_dir)
     launch = rundir.read_launch_record(run_dir) if (run_dir / rundir.LAUNCH_FILE).is_file() else {}
-    mode = launch.get("mode")
+    launcher = rundir.recorded_launcher(launch)
     job_id = launch.get("job_id")
-    if job_id is None and mode in (None, "slurm"):
+    if job_id is None and launcher in (None, Launcher.SLURM):
         job_id = _job_id_from_logs(run_dir)
-        if job_id is not None and mode is None:
-            mode = "slurm"
+        if job_id is not None and launcher is None:
+            launcher = Launcher.SLURM
     print(f"run: {run_dir.resolve()}", file=out)
     launched = f", launched {launch['time']}" if launch.get("time") else ""
-    print(f"mode: {mode or 'unknown (no launch.json)'}{launched}", file=out)
-    if mode == "slurm" and job_id is not None:
+    print(f"mode: {launcher.value if launcher else 'unknown (no launch.json)'}{launched}", file=out)
+    if launcher is Launcher.SLURM and job_id is not None:
         info = slurm_job_info(str(job_id))
         if info.state is None:
             state = f"unknown ({'/'.join(info.asked)} did not answer)"
@@ -238,9 +239,9 @@ def show_status(run_dir: str | Path, out: TextIO | None = None) -> int:
             print(f"exit code: {info.exit_code}, {meaning}", file=out)
             if info.exit_code == 75:
                 print(f"resume with: python submit.py --resume {run_dir}", file=out)
-    elif mode == "slurm":
+    elif launcher is Launcher.SLURM:
         print("state: unknown (no job id in launch.json or job/ logs)", file=out)
-    elif mode == "local":
+    elif launcher is Launcher.LOCAL:
         print("state: local processes (no scheduler to ask)", file=out)
     prepared = prepared_line(run_dir)
     print(prepared if prepared is not None else progress_line(_read_progress(run_dir), run_dir), file=out)

@@ -29,7 +29,7 @@ from typing import Optional
 
 import numpy as np
 
-from nanotrain.config.files import atomic_write
+from nanotrain.config.atomic_files import atomic_write
 from nanotrain.data.errors import DataError
 from nanotrain.data.sources import Source, load_texts, resolve_source
 from nanotrain.data.tokenizer import Tokenizer, load_tokenizer, token_dtype

@@ -18,7 +18,6 @@ are left alone, and every byte read is checked against the checkpoint's sha256s 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from nanotrain.checkpoint.offline_checks import (  # noqa: F401 (re-exported: th
     source_checkpoint,
 )
 from nanotrain.config import ModelArgs
+from nanotrain.config.atomic_files import atomic_write
 from nanotrain.config.files import removed_on_failure
 from nanotrain.data.hf_tokenizer import export_tokenizer
 from nanotrain.hf.directory import INDEX, SINGLE
@@ -77,17 +77,16 @@ def _write_file(path: Path, entries: list[tuple[str, tuple[int, ...]]], st_dtype
         n = itemsize * int(torch.Size(shape).numel())
         head[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
+
+    def write(f) -> None:
         f.write(fmt.safetensors_prefix(head))
         for name, shape in entries:
             got, tensor = next(stream)
             if got != name or tuple(tensor.shape) != tuple(shape):
                 raise CheckpointError(f"export: expected {name} {list(shape)}, got {got} {list(tensor.shape)}")
             f.write(fmt._raw(tensor))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+    atomic_write(path, write)
     return offset
 
 

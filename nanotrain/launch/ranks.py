@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from nanotrain.config.atomic_files import atomic_write_text
 from nanotrain.launch.forkserver import ForkServer, python_target, use_fork_server
 from nanotrain.runtime.env import free_port
 
@@ -113,9 +114,7 @@ class RankProcesses:
                 self._tees.append(tee)
             self.procs.append(proc)
         pids = {str(rank): proc.pid for rank, proc in enumerate(self.procs)}
-        tmp = self.log_dir / "ranks.json.tmp"
-        tmp.write_text(json.dumps({"ranks": pids}))
-        os.replace(tmp, self.log_dir / "ranks.json")
+        atomic_write_text(self.log_dir / "ranks.json", json.dumps({"ranks": pids}))
 
     def _fork(self, rank: int, target, env: dict, stream: bool):
         if stream:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
 from nanotrain.config import config_to_dict
-from nanotrain.config.files import atomic_write_json
+from nanotrain.config.atomic_files import atomic_write_json
 from nanotrain.logging.flops import peak_bf16_tflops
 from nanotrain.models.llama_arch import training_flops_per_token
 from nanotrain.models.llama_parallelize_costs import hardware_flops_per_token
@@ -158,7 +158,10 @@ class MetricsLogger:
         self._interval_steps, self._interval_time = 0, 0.0
         self._write_tensorboard(step, metrics)
         self._write_console(step, metrics)
-        atomic_write_json(self.run_dir / PROGRESS_FILE, self._progress(step, metrics))
+        # Not fsynced: this runs in the training loop on every log step, where a slow shared file
+        # system would stall the step, and a crash that loses the newest progress costs nothing
+        # (the next log step, or the checkpoint, says where the run is).
+        atomic_write_json(self.run_dir / PROGRESS_FILE, self._progress(step, metrics), durable=False)
         return metrics
 
     def log_scalars(self, step: int, scalars: dict[str, float], console: str | None = None) -> None:

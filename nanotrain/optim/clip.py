@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.parallel import collectives
+from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.parallel.pipeline_parallel.tied import is_tied_replica
 from nanotrain.parallel.sharding import get_shard_info
 
@@ -37,10 +38,11 @@ def _sharded_over(p: torch.Tensor, axis: str) -> bool:
     return bool(info.axis) and axis in info.axis.split("_")
 
 
-def _counted_here(p: torch.Tensor, pc, axes: tuple[str, ...] = _REPLICA_AXES) -> bool:
+def _counted_here(p: torch.Tensor, pc: ParallelContext, axes: tuple[str, ...] = _REPLICA_AXES) -> bool:
     if is_tied_replica(p):
         return False
-    return all(_sharded_over(p, ax) or getattr(pc, f"{ax}_rank", 0) == 0 for ax in axes)
+    rank = {"tp": pc.tp_rank, "ep": pc.ep_rank}
+    return all(_sharded_over(p, ax) or rank[ax] == 0 for ax in axes)
 
 
 def _sum_of_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
@@ -53,7 +55,7 @@ def _sum_of_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
     return sq
 
 
-def _sharded_sum_of_squares(shards, pc, device) -> torch.Tensor:
+def _sharded_sum_of_squares(shards, pc: Optional[ParallelContext], device) -> torch.Tensor:
     """This rank's share of the squares of one reduce-scattered sync's parameters (module doc)."""
     over_ep, others = [], []
     for p, start, stop in shards.pieces:
@@ -62,10 +64,11 @@ def _sharded_sum_of_squares(shards, pc, device) -> torch.Tensor:
     part = torch.stack([_sum_of_squares(over_ep, device), _sum_of_squares(others, device)])
     if dist.get_world_size(shards.group) > 1:
         collectives.all_reduce(part, op=dist.ReduceOp.SUM, group=shards.group, what="all_reduce grad norm over dp")
-    return part[0] + part[1] if getattr(pc, "ep_rank", 0) == 0 else part[0]
+    return part[0] + part[1] if pc is None or pc.ep_rank == 0 else part[0]
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], pc=None, shards=None) -> torch.Tensor:
+def global_grad_norm(params: Iterable[torch.Tensor], pc: Optional[ParallelContext] = None,
+                     shards=None) -> torch.Tensor:
     """L2 norm of the full model's gradient (fp32 0-d tensor; see module doc). ``pc`` None =
     one process holding the whole model. ``shards``: ``grad_sync.grad_shards()`` (None: every
     gradient holds the full average)."""
@@ -78,14 +81,14 @@ def global_grad_norm(params: Iterable[torch.Tensor], pc=None, shards=None) -> to
         sq += _sharded_sum_of_squares(sh, pc, device)
     counted = [p.grad.detach() for p in params if id(p) not in covered and (pc is None or _counted_here(p, pc))]
     sq += _sum_of_squares(counted, device)
-    group = getattr(pc, "mp_pg", None)
+    group = None if pc is None else pc.mp_pg
     if group is not None and dist.get_world_size(group) > 1:
         collectives.all_reduce(sq, op=dist.ReduceOp.SUM, group=group, what="all_reduce grad norm")
     return sq.sqrt().float()
 
 
-def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: Optional[float], pc=None,
-                    shards=None) -> torch.Tensor:
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: Optional[float],
+                    pc: Optional[ParallelContext] = None, shards=None) -> torch.Tensor:
     """Clip gradients in place to the global norm ``max_norm``; return the norm before clipping.
 
     ``params``: this rank's parameters (after the dp gradient sync). ``max_norm`` None or <= 0

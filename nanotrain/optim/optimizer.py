@@ -25,6 +25,7 @@ from nanotrain.config.schema import OptimizerArgs
 from nanotrain.parallel import accelerator
 from nanotrain.parallel.data_parallel.expert_sync import is_expert_param
 from nanotrain.parallel.data_parallel.zero import ZeroOneOptimizer, placed_state
+from nanotrain.parallel.parallel_context import ParallelContext
 
 
 def weight_decay_groups(named_params: Iterable[tuple[str, nn.Parameter]],
@@ -54,7 +55,7 @@ def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], args: Opti
     ``pc.dp_cp_pg``). Either way param_groups carry ``param_names`` and an LR scheduler drives
     ``param_groups[i]["lr"]``. Gradients must be dp-averaged before ``step()``.
 
-    With experts (ep > 1) pass ``dp_group=pc.dp_cp_ep_pg`` (the dense parameters' replicas) and
+    With experts (ep > 1) pass ``dp_group=pc.dense_replica_pg`` (dp x cp x ep) and
     ``expert_dp_group=pc.dp_cp_pg``: ZeRO-1 then shards the expert parameters over the latter
     (``ZeroOneOptimizer``'s domains); ZeRO-0 ignores both. ``optimizer_groups(pc)`` gives the pair.
 
@@ -76,12 +77,12 @@ def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], args: Opti
     raise ValueError(f"zero_stage must be 0 or 1, got {stage!r}")
 
 
-def optimizer_groups(pc) -> dict:
+def optimizer_groups(pc: ParallelContext) -> dict:
     """``build_optimizer``'s group keywords for a ParallelContext: the data-parallel replicas of
     the dense parameters and, with ep > 1, of the expert shards."""
-    if getattr(pc, "ep_size", 1) == 1:
-        return {"dp_group": pc.dp_cp_pg}
-    return {"dp_group": pc.dp_cp_ep_pg, "expert_dp_group": pc.dp_cp_pg}
+    if pc.ep_size == 1:
+        return {"dp_group": pc.dense_replica_pg}
+    return {"dp_group": pc.dense_replica_pg, "expert_dp_group": pc.dp_cp_pg}
 
 
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer) -> dict[str, dict]:

@@ -6,12 +6,9 @@ in ``grid.py`` (pure Python); this file only turns it into process groups.
 
 The groups are the real ``torch.distributed.ProcessGroup`` objects returned by ``new_group``, so
 they work everywhere torch takes a group: collectives, ``DistributedDataParallel``, functional
-collectives and C++ bindings. A proxy object with a ``ranks()`` method does not: collectives
-accept it but C++-typed arguments (e.g. DDP's ``process_group``) reject it ("Unable to cast
-foreign type"), and torch >= 2.13 refuses a ``__class__`` swap to a subclass. So the nanotron-style
-``pc.tp_pg.ranks()`` comes from one guarded, additive method on ``ProcessGroup`` that returns
-``torch.distributed.get_process_group_ranks(pg)``: the global ranks of the group, ascending.
-It is never installed over an existing attribute.
+collectives and C++ bindings. torch's own classes are left as they are: a group's global ranks
+come from ``torch.distributed.get_process_group_ranks(pg)`` (nanotron's ``pg.ranks()``), or,
+without asking torch, from ``ParallelContext.group_ranks(name)``.
 """
 
 from __future__ import annotations
@@ -35,19 +32,6 @@ from nanotrain.parallel.hang_record import HANG_RECORD
 # group of each, in this order (torch names locally synchronised groups by their ranks and the
 # number of groups the process created before, so the members' orders must agree).
 GROUP_NAMES = ("world", "tp", "cp", "dp", "pp", "ep", "dp_cp", "dp_cp_ep", "mp")
-
-
-def _process_group_ranks(self) -> list[int]:
-    """Global ranks of this process group, ascending (nanotron-style ``pg.ranks()``)."""
-    return list(dist.get_process_group_ranks(self))
-
-
-def _install_ranks_method() -> None:
-    if not hasattr(dist.ProcessGroup, "ranks"):
-        dist.ProcessGroup.ranks = _process_group_ranks
-
-
-_install_ranks_method()
 
 
 class ParallelContext:
@@ -288,6 +272,14 @@ class ParallelContext:
     def pp_next_rank(self) -> Optional[int]:
         """Global rank of the next pipeline stage (same ep/dp/cp/tp), None on the last."""
         return self._pp_neighbour(+1)
+
+    @property
+    def dense_replica_pg(self) -> dist.ProcessGroup:
+        """The group over which the replicas of a dense (not expert-sharded) parameter average
+        their gradients, and the replicas' losses are averaged: dp x cp x ep (``dp_cp_ep_pg``),
+        the ranks that hold the same dense shard and read different samples or sequence chunks.
+        It is ``dp_cp_pg`` when ep == 1; an expert shard's replicas are always ``dp_cp_pg``."""
+        return self.dp_cp_ep_pg
 
     @property
     def data_rank(self) -> int:

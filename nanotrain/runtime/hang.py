@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from nanotrain.config.atomic_files import atomic_write_text
 from nanotrain.parallel.hang_record import HANG_RECORD, HangRecord
 from nanotrain.runtime.hang_status import HANG_DIR
 
@@ -176,9 +177,7 @@ class HangWatchdog:
                       "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
                       "stacks": thread_stacks(), "nccl_flight_recorder": nccl_flight_recorder()}
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps(report, indent=1, default=str))
-            os.replace(tmp, self.path)
+            atomic_write_text(self.path, json.dumps(report, indent=1, default=str))
             coll = snap["collective"]
             where = f"; last collective {coll['name']} on {coll['group']['name']} {coll['group']['ranks']}" \
                 if coll else ""

@@ -9,6 +9,7 @@ checkpoints live, so that `--status` and `--resume` need nothing but its path.
 """
 from __future__ import annotations
 
+import enum
 import json
 import time
 from pathlib import Path
@@ -18,6 +19,13 @@ from nanotrain.config.paths import CREATE_DIR, check_path
 
 CONFIG_FILE = "config.yaml"
 LAUNCH_FILE = "launch.json"
+
+
+class Launcher(str, enum.Enum):
+    """How a run was launched: launch.json's "mode" (a str, so the record is plain JSON)."""
+
+    SLURM = "slurm"
+    LOCAL = "local"
 
 
 def default_run_name(config_path: str | None) -> str:
@@ -101,9 +109,14 @@ def read_launch_record(run_dir: Path) -> dict:
         value = record.get(key)
         if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
             raise ConfigError(f"{path}: '{key}' is {type(value).__name__} {str(value)[:40]!r}; {fix}")
-    if record.get("mode") not in (None, "slurm", "local"):
+    if record.get("mode") not in (None, *(launcher.value for launcher in Launcher)):
         raise ConfigError(f"{path}: 'mode' is {record['mode'][:40]!r}, not 'slurm' or 'local'; {fix}")
     return record
+
+
+def recorded_launcher(record: dict) -> Launcher | None:
+    """The launcher of a ``read_launch_record`` record; None when it names none."""
+    return None if record.get("mode") is None else Launcher(record["mode"])
 
 
 def load_run_config(run_dir: Path) -> Config:

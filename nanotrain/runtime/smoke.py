@@ -24,11 +24,11 @@ def smoke_step(pc: ParallelContext, env: DistEnv, run_dir: Path) -> dict:
     rank = dist.get_rank()
     sums, ok = {}, True
     for axis in AXES:
-        group = getattr(pc, f"{axis}_pg")
+        group = pc.get_group(axis)
         value = torch.tensor([float(rank)], device=pc.device)
         dist.all_reduce(value, group=group)
         expected = float(sum(pc.grid.group_of(axis, rank)))
-        sums[axis] = {"got": value.item(), "expected": expected, "ranks": list(group.ranks())}
+        sums[axis] = {"got": value.item(), "expected": expected, "ranks": dist.get_process_group_ranks(group)}
         ok &= value.item() == expected
     report = {
         "rank": rank, "world_size": dist.get_world_size(), "launcher": env.launcher,

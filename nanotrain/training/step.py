@@ -18,6 +18,7 @@ import torch
 from nanotrain.optim import clip_grad_norm_
 from nanotrain.parallel import collectives
 from nanotrain.parallel.hang_record import HANG_RECORD
+from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.parallel.pipeline_parallel import MessageSpec, PipelineEngine, TensorPointer, allreduce_tied_grads_
 from nanotrain.parallel.tensor_parallel import allreduce_sequence_parallel_grads_
 
@@ -65,7 +66,7 @@ def forward_backward(model: torch.nn.Module, microbatches: Sequence[MicroBatch],
     return total
 
 
-def optimizer_step(model: torch.nn.Module, grad_sync, optimizer, scheduler, pc,
+def optimizer_step(model: torch.nn.Module, grad_sync, optimizer, scheduler, pc: ParallelContext,
                    clip_grad: float | None, before_update=None) -> tuple[torch.Tensor, float]:
     """Finish the gradient sync, clip, step; returns (grad norm before clipping, lr used).
     ``before_update``: called right before the parameters and optimizer states change (an async
@@ -74,7 +75,7 @@ def optimizer_step(model: torch.nn.Module, grad_sync, optimizer, scheduler, pc,
     grad_sync.finish_grad_sync()
     HANG_RECORD.mark("optimizer (clip, step)")
     allreduce_sequence_parallel_grads_(model.sequence_parallel_params(), pc.tp_pg)
-    if getattr(pc, "embedding_pg", None) is not None and pc.pp_size > 1:  # first and last stage
+    if pc.embedding_pg is not None and pc.pp_size > 1:  # first and last stage
         allreduce_tied_grads_(model.parameters(), pc.embedding_pg)
     grad_norm = clip_grad_norm_(model.parameters(), clip_grad, pc, grad_sync.grad_shards())  # ZeRO-1: pieces
     lr = optimizer.param_groups[0]["lr"]
@@ -88,18 +89,18 @@ def optimizer_step(model: torch.nn.Module, grad_sync, optimizer, scheduler, pc,
     return grad_norm, lr
 
 
-def mean_over_replicas(loss: torch.Tensor, pc) -> torch.Tensor:
+def mean_over_replicas(loss: torch.Tensor, pc: ParallelContext) -> torch.Tensor:
     """The per-replica loss averaged over dp (and cp, and ep: its ranks read different samples)
     for logging: one tiny all-reduce."""
     loss = loss.detach().clone()
-    group = getattr(pc, "dp_cp_ep_pg", pc.dp_cp_pg)
+    group = pc.dense_replica_pg
     if group.size() > 1:
         collectives.all_reduce(loss, group=group, what="all_reduce loss over dp")
         loss /= group.size()
     return loss
 
 
-def reduce_loss(loss: torch.Tensor | TensorPointer, pc) -> torch.Tensor:
+def reduce_loss(loss: torch.Tensor | TensorPointer, pc: ParallelContext) -> torch.Tensor:
     """The step's loss averaged over replicas, on every rank: the last pipeline stage holds it
     (a TensorPointer elsewhere), averages it over dp, then broadcasts it along its pp group, so
     whichever rank logs (global rank 0, on the first stage) has it."""
@@ -113,7 +114,7 @@ def reduce_loss(loss: torch.Tensor | TensorPointer, pc) -> torch.Tensor:
     return value
 
 
-def train_step(model, microbatches: Sequence[MicroBatch], grad_sync, optimizer, scheduler, pc,
+def train_step(model, microbatches: Sequence[MicroBatch], grad_sync, optimizer, scheduler, pc: ParallelContext,
                clip_grad: float | None, engine: PipelineEngine | None = None,
                message: MessageSpec | None = None, before_update=None) -> StepStats:
     """One optimizer step: forward and backward of every micro-batch, the gradient sync, clipping,

@@ -1,7 +1,7 @@
 """Gradient sync with experts: dense parameters and expert shards average over different groups.
 
 Dense parameters are replicated over ep and each ep rank reads different samples, so their
-gradients average over dp x cp x ep (``pc.dp_cp_ep_pg``). An expert shard exists once per
+gradients average over dp x cp x ep (``pc.dense_replica_pg``). An expert shard exists once per
 (dp, cp) coordinate; the all-to-all's backward already summed, on its owner, the gradients of
 the tokens of every ep rank, so it sums over dp x cp (``pc.dp_cp_pg``) and divides by
 dp x cp x ep: the average over every rank whose tokens could reach it, the same gradient as one
@@ -21,6 +21,7 @@ from torch import nn
 
 from nanotrain.parallel.data_parallel.buckets import DEFAULT_BUCKET_CAP_MB
 from nanotrain.parallel.data_parallel.grad_sync import BucketedGradSync
+from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.parallel.sharding import get_shard_info
 
 
@@ -57,14 +58,15 @@ class GradSyncSet:
         return None if all(p is None for p in parts) else [g for p in parts if p for g in p]
 
 
-def build_grad_sync(params: list[nn.Parameter], pc, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
+def build_grad_sync(params: list[nn.Parameter], pc: ParallelContext,
+                    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
     """The gradient sync of this rank's ``params`` (see the module docstring)."""
-    if getattr(pc, "ep_size", 1) == 1:
-        return BucketedGradSync(params, pc.dp_cp_pg, bucket_cap_mb=bucket_cap_mb)
+    if pc.ep_size == 1:
+        return BucketedGradSync(params, pc.dense_replica_pg, bucket_cap_mb=bucket_cap_mb)
     dense = [p for p in params if not is_expert_param(p)]
     experts = [p for p in params if is_expert_param(p)]
-    syncs = [BucketedGradSync(dense, pc.dp_cp_ep_pg, bucket_cap_mb=bucket_cap_mb)]
+    syncs = [BucketedGradSync(dense, pc.dense_replica_pg, bucket_cap_mb=bucket_cap_mb)]
     if experts:
         syncs.append(BucketedGradSync(experts, pc.dp_cp_pg, bucket_cap_mb=bucket_cap_mb,
-                                      divisor=pc.dp_cp_ep_pg.size()))
+                                      divisor=pc.dense_replica_pg.size()))
     return GradSyncSet(syncs)
