@@ -114,6 +114,10 @@ class Tracer:
         if module is not None and (module, code.co_name) == FIRST_STEP:
             self.done = True
             sys.setprofile(None)
+            # What the tracer held (frames, built objects) must not keep a process group alive
+            # when the run destroys them at its end.
+            self.stack.clear()
+            self.built.clear()
             return
         stop = module is not None and self._is_stop(frame, module)
         if stop:
@@ -258,7 +262,7 @@ def trace(config_arg: str, overrides: list[str]) -> list[Stop]:
         except BaseException:
             sys.stderr.write(out.getvalue())
             raise
-        stops, tracer.built = tracer.stops, {}
+        stops = tracer.stops
         if not tracer.done:
             raise RuntimeError(f"the run ended before {'.'.join(FIRST_STEP)} was called:\n{out.getvalue()[-2000:]}")
     return stops
