@@ -23,17 +23,20 @@ What is counted (the path is the list of stops in the order they are called):
            ``__init__`` / ``__call__`` / ``__post_init__`` (they read like attributes and
            operators). The entry, ``run_task``, is always the first stop.
   module   a module holding at least one stop; ``modules`` counts the distinct ones.
+  caller   the module of the nearest nanotrain frame below a stop (stop or not).
   visit    a maximal run of consecutive stops in one module.
-  return   a visit to a module that an earlier visit already left (the reader goes back to a
-           module it has read before).
-  climb    a stop whose caller (the nearest nanotrain frame below it) lives in a package lower in
+  return   a visit entered from another module (its first stop's caller is not its own module)
+           to a module that an earlier visit already left: the reader goes back to a module it
+           has read. Two calls in a row into one module are one visit; a function's call of a
+           helper in its own module is never a return.
+  climb    a stop whose caller lives in a package lower in
            the layering than the stop's own: ``tests/test_layering.py``'s order config, parallel,
            models, data, optim, checkpoint, hf, logging, training, rehearse, estimate, runtime,
            launch, commands. Imports only point down, so a climb is a call through a callable or
            an object handed down (a callback).
 
-The printed path is one line per visit: its depth (stops above it), the module, and the
-functions it calls, ``name xN`` for N calls in a row; ``<`` marks a return, ``^`` a climb.
+The printed path is one line per visit: its depth (stops above its first), the module, and its
+functions, ``name xN`` for N calls in a row; ``<`` marks a return, ``^`` names a climb's caller.
 """
 from __future__ import annotations
 
@@ -83,7 +86,11 @@ class Stop:
     module: str
     name: str
     depth: int
-    climb_from: str | None  # the caller's module when this stop is a climb
+    caller: str | None  # the nearest nanotrain frame's module below it (None: the entry)
+
+    @property
+    def climb(self) -> bool:
+        return self.caller is not None and layer(self.caller) < layer(self.module)
 
 
 class Tracer:
@@ -122,9 +129,8 @@ class Tracer:
         stop = module is not None and self._is_stop(frame, module)
         if stop:
             caller = next((m for _, m, _ in reversed(self.stack) if m is not None), None)
-            climb = caller if caller is not None and layer(caller) < layer(module) else None
             depth = sum(1 for _, _, s in self.stack if s)
-            self.stops.append(Stop(module, getattr(code, "co_qualname", code.co_name), depth, climb))  # 3.11+
+            self.stops.append(Stop(module, getattr(code, "co_qualname", code.co_name), depth, caller))  # 3.11+
             if code.co_name == "__init__":
                 self._keep(frame.f_locals.get("self"))
         self.stack.append((frame, module, stop))
@@ -207,14 +213,20 @@ def visits(stops: list[Stop]) -> list[list[Stop]]:
     return out
 
 
-def counts(stops: list[Stop]) -> dict[str, int]:
+def returns(path: list[list[Stop]]) -> list[bool]:
+    """Whether each visit of ``path`` is a return (see the module docstring)."""
     seen: set[str] = set()
-    returns = 0
-    for visit in visits(stops):
-        returns += visit[0].module in seen
-        seen.add(visit[0].module)
-    return {"stops": len(stops), "modules": len(seen), "climbs": sum(s.climb_from is not None for s in stops),
-            "returns": returns}
+    out = []
+    for visit in path:
+        first = visit[0]
+        out.append(first.caller not in (None, first.module) and first.module in seen)
+        seen.add(first.module)
+    return out
+
+
+def counts(stops: list[Stop]) -> dict[str, int]:
+    return {"stops": len(stops), "modules": len({s.module for s in stops}), "climbs": sum(s.climb for s in stops),
+            "returns": sum(returns(visits(stops)))}
 
 
 def describe(visit: list[Stop]) -> str:
@@ -225,16 +237,15 @@ def describe(visit: list[Stop]) -> str:
         else:
             names.append([stop.name, 1])
     text = ", ".join(name if n == 1 else f"{name} x{n}" for name, n in names)
-    climbs = sorted({s.climb_from for s in visit if s.climb_from})
+    climbs = sorted({s.caller for s in visit if s.climb})
     return text + "".join(f"  ^ climb from {c}" for c in climbs)
 
 
 def print_path(stops: list[Stop]) -> None:
-    seen: set[str] = set()
-    for visit in visits(stops):
+    path = visits(stops)
+    for visit, back in zip(path, returns(path)):
         first = visit[0]
-        mark = "<" if first.module in seen else " "
-        seen.add(first.module)
+        mark = "<" if back else " "
         print(f"{first.depth:3d} {mark} {'  ' * first.depth}{first.module}: {describe(visit)}")
 
 
