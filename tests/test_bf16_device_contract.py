@@ -51,7 +51,7 @@ VARIANTS = (("float32", True), ("bfloat16", True), ("bfloat16", False))  # (dtyp
 def _train(layout: str, tmp: str) -> dict:
     """One rank: the contract installed, then the real trainer for every variant of the layout."""
     from nanotrain.config import load_config
-    from nanotrain.training.builder import build_parallel_context
+    from nanotrain.training.builder import build_parallel_context, build_parts
     from nanotrain.training.trainer import DistributedTrainer
 
     base = [f"logging.dir={tmp}", f"training.train_steps={STEPS}", "logging.log_interval=1",
@@ -67,7 +67,7 @@ def _train(layout: str, tmp: str) -> dict:
                    f"logging.run_name={name}", f"checkpoints.path={tmp}/{name}/ckpt"]
         run_config = load_config(ROOT / "configs" / "tiny_cpu.yaml", base + variant)
         contract.calls.clear()
-        trainer = DistributedTrainer(run_config, Path(tmp) / name, pc, lambda: False)
+        trainer = DistributedTrainer(build_parts(run_config, pc, Path(tmp) / name), lambda: False)
         logged = []
         log = trainer.metrics.log
         trainer.metrics.log = lambda *a, **k: logged.append(log(*a, **k))

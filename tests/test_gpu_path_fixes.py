@@ -97,7 +97,7 @@ def test_groups_time_out_after_the_hang_watchdog(world_of_one, monkeypatch, tmp_
     pc = build_parallel_context(config)
     try:
         watchdog = HangWatchdog(tmp_path, 0, 1, hang_timeouts(config.training.collective_timeout_s)[0])
-        assert watchdog.timeout_s == 30.0  # what task.py gives it: the setting itself
+        assert watchdog.timeout_s == 30.0  # what a rank gives it (ending.hang_watchdog): the setting itself
         assert pc.timeout.total_seconds() >= watchdog.timeout_s + 1.0 + 60, pc.timeout  # poll <= 1 s
         assert given and set(given) == {pc.timeout}
         build.wait_for_builders()  # the data-build wait on the default group's own store

@@ -22,7 +22,7 @@ from helpers.checkpoints import saved_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("config_reference", "export_hf", "fuzz_config", "hf_config", "import_graph", "inspect_topology",
-           "reshard_checkpoint")
+           "reshard_checkpoint", "startup_path")
 LIMIT_CPU_S = 2.0
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 

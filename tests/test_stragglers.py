@@ -36,7 +36,7 @@ def _train(tmp: str, delay_s: float) -> dict:
     """One rank: the real trainer, an even run, then one with rank 1 slowed by ``delay_s``."""
     import nanotrain.training.trainer as trainer_module
     from nanotrain.config import load_config
-    from nanotrain.training.builder import build_parallel_context
+    from nanotrain.training.builder import build_parallel_context, build_parts
 
     base = [f"logging.dir={tmp}", f"training.train_steps={STEPS}", f"logging.log_interval={LOG_INTERVAL}",
             "checkpoints.interval=0", "checkpoints.resume=false", "logging.tensorboard=false",
@@ -54,7 +54,7 @@ def _train(tmp: str, delay_s: float) -> dict:
             trainer_module.train_step = slow_step
         run_config = load_config(ROOT / "configs" / "tiny_cpu.yaml",
                                  base + [f"logging.run_name={name}", f"checkpoints.path={tmp}/{name}/ckpt"])
-        trainer = trainer_module.DistributedTrainer(run_config, Path(tmp) / name, pc, lambda: 0)
+        trainer = trainer_module.DistributedTrainer(build_parts(run_config, pc, Path(tmp) / name), lambda: 0)
         logged = []
         log = trainer.metrics.log
         trainer.metrics.log = lambda *a, **k: logged.append(log(*a, **k))

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "nanotrain.training.trainer", "nanotrain.checkpoint",
-           "nanotrain.data", "nanotrain.runtime.task")
+           "nanotrain.data", "nanotrain.runtime.task", "nanotrain.runtime.ending")
 FD_ENV = "NANOTRAIN_FORK_SERVER_FD"
 _MAX_MESSAGE = 1 << 20
 

@@ -192,8 +192,8 @@ def rehearse_rank(config, rank: int, steps: int = 3, train_only: bool = False) -
     steps, no evaluation, save or load (a measurement of memory and traffic)."""
     from nanotrain.data import build_samplers
     from nanotrain.parallel.hang_record import HANG_RECORD
+    from nanotrain.training import builder as builder_module
     from nanotrain.training import trainer as trainer_module
-    from nanotrain.training.builder import build_parallel_context
 
     started = time.perf_counter()
     world = config.parallelism.world_size
@@ -215,19 +215,23 @@ def rehearse_rank(config, rank: int, steps: int = 3, train_only: bool = False) -
             return original_step(*args, **kwargs)
 
         report: dict = {"rank": rank, "world_size": world, "stubs": list(STUBS), "train_only": train_only}
-        loads = functools.partial(trainer_module.load_checkpoint, strict=False)
+        loads = functools.partial(builder_module.load_checkpoint, strict=False)
         pc = None
         try:
-            patches = {"train_step": train_step, "load_checkpoint": loads,
-                       "build_model": _built_on(device, trainer_module.build_model)}
+            building = {"load_checkpoint": loads, "build_model": _built_on(device, builder_module.build_model)}
             with tracker, watch_tensor_factories(tracker), _world_of_copies(), _others_arrive_at_once(), \
-                    _model_stand_ins(), _patched(trainer_module, patches), _skeletons_uncounted(tracker):
+                    _model_stand_ins(), _patched(trainer_module, {"train_step": train_step}), \
+                    _patched(builder_module, building), _skeletons_uncounted(tracker):
                 build_samplers(cfg, builder=True, needs_data=True)  # the token cache rank 0 would make
-                pc = build_parallel_context(cfg)
+                pc = builder_module.build_parallel_context(cfg)
                 traffic.name_groups(pc)
                 report["coords"] = dict(zip(("ep", "pp", "dp", "cp", "tp"), map(int, pc.coords)))
-                _legs(cfg, steps, work, pc, tracker, windowed, report, trainer_module.DistributedTrainer,
-                      train_only)
+
+                def new_trainer():  # the job's own parts and trainer, from cfg as it is at the call
+                    parts = builder_module.build_parts(cfg, pc, work / "run")
+                    return trainer_module.DistributedTrainer(parts, lambda: 0)
+
+                _legs(cfg, steps, tracker, windowed, report, new_trainer, train_only)
         except Exception as exc:  # a defect that stops the rank on a GPU too: the report says where
             report["failed"] = {"window": tracker.window, "error": f"{type(exc).__name__}: {exc}"[:2000],
                                 "site": _innermost(exc)}
@@ -244,10 +248,10 @@ def rehearse_rank(config, rank: int, steps: int = 3, train_only: bool = False) -
     return report
 
 
-def _legs(cfg, steps, work, pc, tracker, windowed, report, trainer_class, train_only: bool) -> None:
+def _legs(cfg, steps, tracker, windowed, report, new_trainer, train_only: bool) -> None:
     """Train ``steps`` steps (the last saves), evaluate, load into a fresh trainer, one more step."""
     with tracker.phase("other"):
-        trainer = trainer_class(cfg, work / "run", pc, lambda: 0)
+        trainer = new_trainer()
     _label(tracker, trainer)
     tracker.label = "activations"  # what the steps allocate, unless a phase says otherwise
     _watch_optimizer(tracker, trainer)
@@ -267,7 +271,7 @@ def _legs(cfg, steps, work, pc, tracker, windowed, report, trainer_class, train_
     del trainer
     windowed("load")
     cfg.checkpoints.resume, cfg.training.train_steps = True, steps + 1
-    trainer = trainer_class(cfg, work / "run", pc, lambda: 0)
+    trainer = new_trainer()
     report["resumed_at"] = trainer.step
     report["optimizer_state_off_device"] = _off_device(trainer.optimizer, tracker.device)
     _watch_optimizer(tracker, trainer)

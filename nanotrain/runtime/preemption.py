@@ -3,7 +3,7 @@
 The handler only sets a flag: nothing collective can run inside a signal handler, and only some
 ranks may receive the signal. At each step boundary the trainer makes every rank agree on the
 strongest flag (one tiny all-reduce, `training/stop_vote.py`), all ranks save the same checkpoint
-together and return; the task (`task.py`) then decides, on rank 0, what the stop means:
+together and return; the task (`ending.py`) then decides, on rank 0, what the stop means:
 
 * the configured `slurm.signal` (USR2 by default; SLURM sends it before a time limit and, with
   `preempt_send_user_signal`, on preemption): requeue (`scontrol requeue`, bounded by

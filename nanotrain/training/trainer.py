@@ -1,12 +1,13 @@
-"""DistributedTrainer: config -> ParallelContext -> model stage -> optimizer -> data -> loop.
+"""DistributedTrainer: the loop over what ``training/builder.build_parts`` built for this rank.
 
-Read top to bottom: `__init__` builds everything in the order a step needs it, `train` is the
-loop. One step = the engine runs this rank's micro-batches (DP sync on the last one), the
-gradients are clipped by the global norm, the optimizer and LR step. Metrics go out from one rank;
-checkpoints are written every `checkpoints.interval` steps and when a stop is requested, after all
-ranks agreed on the step. The trainer knows no launcher: it is handed a `stop_requested()`
-callable (the task's signal flag) and returns an outcome, "completed" or "preempted"; the task
-(`runtime/task.py`) decides what that means for the job — requeue, exit code.
+The trainer builds nothing: it is handed the parts (model, engine, gradient sync, optimizer,
+schedule, data, metrics, the starting step) and a ``stop_requested()`` callable (the task's
+signal flag), and ``train`` returns an ``Outcome``, COMPLETED or PREEMPTED; the task
+(``runtime/ending.py``) decides what that means for the job — requeue, exit code. One step = the
+engine runs this rank's micro-batches (DP sync on the last one), the gradients are clipped by the
+global norm, the optimizer and LR step. Metrics go out from one rank; checkpoints are written
+every ``checkpoints.interval`` steps and when a stop is requested, after all ranks agreed on the
+step.
 
 Precision: `model.dtype: bfloat16` computes forward and backward under autocast in bf16 (on GPU,
 and on CPU where tests prove the path) while weights, gradients (and their accumulation) and
@@ -19,133 +20,58 @@ Reproducibility: every source of randomness derives from `training.seed` (weight
 """
 from __future__ import annotations
 
-import os
-import random
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-import torch
-import torch.distributed as dist
-
-from nanotrain.checkpoint import begin_save, load_checkpoint, save_checkpoint
-from nanotrain.config import Config
-from nanotrain.data import BatchPrefetcher, build_samplers
-from nanotrain.hf.import_weights import load_hf_weights
-from nanotrain.logging import metrics_logger_for
+from nanotrain.checkpoint import begin_save, save_checkpoint
 from nanotrain.logging.moe_stats import step_scalars
-from nanotrain.models.family import family_of
-from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups
-from nanotrain.parallel.data_parallel import build_grad_sync
 from nanotrain.parallel.hang_record import HANG_RECORD
-from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.parallel.wait_clock import WAITS
-from nanotrain.training.builder import build_engine, build_model
+from nanotrain.training.builder import TrainingParts
 from nanotrain.training.evaluate import evaluate, perplexity
-from nanotrain.training.profile import StepProfiler
+from nanotrain.training.outcome import Outcome
 from nanotrain.training.step import train_step
 from nanotrain.training.stop_vote import StopVote
 
 
-def quiet_libraries() -> None:
-    """No carriage-return progress bars from `datasets` in log files (SLURM, local ranks).
-
-    Through the environment variable `datasets` reads when it is imported, not by importing it:
-    a rank that reads an existing token cache never needs `datasets`, whose import costs CPU
-    seconds per rank (pyarrow, fsspec, the hub client)."""
-    if sys.stdout.isatty():
-        return
-    if "datasets" in sys.modules:
-        sys.modules["datasets"].disable_progress_bars()
-    else:
-        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 class DistributedTrainer:
-    """One rank's training run: from ``config`` it builds the model part, pipeline engine, gradient
-    sync, optimizer, scheduler and data, resumes from ``checkpoints.path`` when
-    ``checkpoints.resume``; then ``train()``, and ``close()`` at the end. Every rank constructs it
-    at once (collective).
+    """One rank's training run over the parts ``training.builder.build_parts`` made (model part,
+    pipeline engine, gradient sync, optimizer, scheduler, data, metrics; resumed when
+    ``checkpoints.resume``): ``train()``, then ``close()``. Every rank runs it at once (collective).
 
-    Args:
-        config: the resolved config; run_dir: the run directory (TensorBoard, profiles);
-            pc: this rank's ParallelContext.
-        stop_code: this rank's stop request (``PreemptionHandler.poll``), voted on every step.
-        run_id: the run's identity, stored in its checkpoints (another run's are refused).
-
-    Raises:
-        DataError: the data cannot serve this rank (``build_samplers``).
-        CheckpointMismatch, CheckpointError: the resume failed (``load_checkpoint``).
+    Raises (from ``train``):
+        TrainingDiverged: a non-finite loss or gradient norm (nothing saved after the last finite step).
     """
 
-    def __init__(self, config: Config, run_dir: Path, pc: ParallelContext, stop_code: Callable[[], int],
-                 run_id: str | None = None):
-        self.config, self.run_dir, self.pc = config, Path(run_dir), pc
-        self.run_id = run_id  # stored in every checkpoint; another run's are refused on resume
-        t = config.training
-        self.device = pc.device
-        seed_everything(t.seed)
-        quiet_libraries()
-
-        self.model = build_model(config, self.pc, device=self.device)
-        self.engine = build_engine(config, self.pc)  # None when pp = 1
-        # What crosses a pipeline stage boundary (the middle stages read no data to derive it).
-        self.message = self.model.pipeline_message(t.micro_batch_size, t.sequence_length)
-        self.grad_sync = build_grad_sync(list(self.model.parameters()), self.pc)
-        self.optimizer = build_optimizer(self.model.named_parameters(), config.optimizer, **optimizer_groups(self.pc))
-        self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, t.train_steps)
-
-        stage_needs_data = self.pc.is_pipeline_first_stage or self.pc.is_pipeline_last_stage
-        self.sampler, val_sampler = build_samplers(config, builder=self.pc.world_rank == 0,
-                                                   needs_data=stage_needs_data, barrier=dist.barrier)
-        self.batches = BatchPrefetcher(self.sampler, self.pc.data_rank, self.device) if self.sampler else None
-        self.val_batches = BatchPrefetcher(val_sampler, self.pc.data_rank, self.device) if val_sampler else None
-        self.step, self.consumed_samples = 0, 0
+    def __init__(self, parts: TrainingParts, stop_code: Callable[[], int]):
+        """Train with what ``parts`` holds (the trainer keeps its fields, not ``parts``);
+        ``stop_code()`` is this rank's stop request (``runtime.preemption`` codes), polled once a step."""
+        self.config, self.pc, self.run_id, self.device = parts.config, parts.pc, parts.run_id, parts.pc.device
+        self.model, self.engine, self.message = parts.model, parts.engine, parts.message
+        self.grad_sync, self.optimizer, self.scheduler = parts.grad_sync, parts.optimizer, parts.scheduler
+        self.sampler, self.batches, self.val_batches = parts.sampler, parts.batches, parts.val_batches
+        self.metrics, self.profiler = parts.metrics, parts.profiler
+        self.step, self.consumed_samples = parts.step, parts.consumed_samples
+        self.saved_step = parts.saved_step  # the step whose state is on disk, verified
+        t, replicas = self.config.training, self.config.parallelism.batch_replicas
         # Samples one step consumes: every data replica (dp x ep) reads its micro-batches.
-        self.global_batch = config.parallelism.batch_replicas * t.micro_batch_size * t.batch_accumulation_per_replica
+        self.global_batch = replicas * t.micro_batch_size * t.batch_accumulation_per_replica
         self._source_epochs = None  # data epochs per source at the last step (log_data)
-        self.saved_step: int | None = None  # the step whose state is on disk, verified
         self.pending_save = None  # an async save being written (checkpoints.async_save), not committed
         self.stop_code = 0  # the stop request all ranks agreed on (runtime.preemption codes)
-        if config.checkpoints.resume:
-            resumed = load_checkpoint(config.checkpoints.path, self.model, self.optimizer, self.scheduler,
-                                      self.pc, config=config, run_id=run_id,
-                                      allow_foreign=config.checkpoints.allow_foreign)
-            if resumed is not None:
-                self.step, self.consumed_samples = resumed.step, resumed.extra["consumed_samples"]
-                self.saved_step = resumed.step
-                if self.pc.world_rank == 0:
-                    print(f"resumed from {resumed.path} at step {self.step} ({resumed.provenance()})", flush=True)
-        if self.saved_step is None and config.checkpoints.init_from_hf:  # first start: HF weights
-            loaded = load_hf_weights(config.checkpoints.init_from_hf, self.model, config.model)
-            if self.pc.world_rank == 0:
-                print(f"initialised from Hugging Face {config.checkpoints.init_from_hf}: rank 0 read "
-                      f"{loaded['tensors']} slices, {loaded['bytes'] / 1e6:.1f} MB in {loaded['seconds']:.2f} s; "
-                      "optimizer and step start fresh", flush=True)
-
-        self.metrics = metrics_logger_for(config, self.run_dir, self.pc, device=self.device,
-                                          start_step=self.step, flops=family_of(config.model).flops_per_token(config))
         self.votes = StopVote(stop_code, self.device)
-        self.profiler = StepProfiler.from_config(t.profile, self.run_dir, self.pc.world_rank)  # None: off
 
-    def train(self) -> str:
-        """Run to `training.train_steps` ("completed"), or until the ranks agree to stop
-        ("preempted", after saving when `checkpoints.save_on_preemption`; `self.stop_code` says
+    def train(self) -> Outcome:
+        """Run to `training.train_steps` (COMPLETED), or until the ranks agree to stop
+        (PREEMPTED, after saving when `checkpoints.save_on_preemption`; `self.stop_code` says
         which request). Raises TrainingDiverged (nothing saved after the last finite step)."""
         HANG_RECORD.arm(self.step)  # the hang watchdog judges from here (runtime/hang.py)
         outcome = self._loop()
         HANG_RECORD.disarm()  # not on an exception: the task tells a failed collective by it
         return outcome
 
-    def _loop(self) -> str:
+    def _loop(self) -> Outcome:
         t = self.config.training
         m = t.batch_accumulation_per_replica
         WAITS.reset()
@@ -191,11 +117,11 @@ class DistributedTrainer:
                 self.finish_save()  # the in-flight save first (it may be this very step's)
                 if self.config.checkpoints.save_on_preemption:
                     self.save()
-                return "preempted"
+                return Outcome.PREEMPTED
             start = time.perf_counter()
             WAITS.begin_step(self.device)
         self.save()  # the final state (a no-op when the interval just wrote it)
-        return "completed"
+        return Outcome.COMPLETED
 
     def log_step(self, stats, step_s: float) -> None:
         """The step's metrics. ``step_s``: host time of the step (data included, saves not); the
@@ -283,3 +209,15 @@ class DistributedTrainer:
         if self.profiler is not None:
             self.profiler.close()  # training ended inside the window: the trace so far
         self.metrics.close()
+
+
+def train_and_close(trainer: DistributedTrainer) -> tuple[Outcome, int, int]:
+    """Train and close ``trainer``; returns (outcome, last step, agreed stop code). The caller
+    drops its own reference right after, so that everything the trainer holds on to a process
+    group (model, gradient sync, optimizer, pipeline engine) is freed before ``pc.destroy()``
+    checks that no group outlives its destruction."""
+    try:
+        outcome = trainer.train()
+        return outcome, trainer.step, trainer.stop_code
+    finally:
+        trainer.close()
