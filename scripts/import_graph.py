@@ -3,8 +3,9 @@
     python scripts/import_graph.py            # one line per package: what it imports
     python scripts/import_graph.py --modules  # the module-level edges that cross packages
 
-The layers, bottom up: config, parallel, models, data, optim, checkpoint, logging, training, rehearse,
-launch. An edge that points up this list is marked `UP` (tests/test_layering.py fails on it).
+The layers, bottom up: config, parallel, models, data, optim, checkpoint, hf, logging, training,
+rehearse, estimate, runtime, launch, commands (tests/test_layering.py holds the same list). An edge
+that points up this list is marked `UP` (tests/test_layering.py fails on it).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ sys.path.insert(0, str(ROOT))
 
 from nanotrain.config.cli_args import ArgParser, answer  # noqa: E402
 
-ORDER = ("config", "parallel", "models", "data", "optim", "checkpoint", "logging", "training", "rehearse", "launch")
+ORDER = ("config", "parallel", "models", "data", "optim", "checkpoint", "hf", "logging", "training", "rehearse",
+         "estimate", "runtime", "launch", "commands")
 
 
 def edges() -> dict[tuple[str, str], set[str]]:

@@ -11,8 +11,8 @@ import torch
 
 from nanotrain.config import ModelArgs
 from nanotrain.models.llama_parallelize import build_llama
-from nanotrain.parallel.compile_check import compile_backend_problem
-from nanotrain.parallel.recompute import compile_layers_
+from nanotrain.parallel.part.compile_check import compile_backend_problem
+from nanotrain.parallel.part.recompute import compile_layers_
 
 from helpers.needs import unavailable
 from helpers.runs import TINY, cli

@@ -18,7 +18,7 @@ from nanotrain.config.schema import TrainingArgs
 from nanotrain.config.validate import MAX_COLLECTIVE_TIMEOUT_S
 from nanotrain.data import build
 from nanotrain.parallel import accelerator
-from nanotrain.parallel.hang_record import HANG_RECORD
+from nanotrain.parallel.observe.hang_record import HANG_RECORD
 from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.parallel.pipeline_parallel import TensorPointer
 from nanotrain.rehearse.stand_in import MetaAccelerator, kernel_stubs

@@ -111,3 +111,11 @@ def test_no_test_module_imports_another():
                     offenders.append(f"tests/{path.name}:{node.lineno} imports {name}")
     assert not offenders, ("test modules that import another test module (move what they share into "
                            "tests/helpers/):\n" + "\n".join(offenders))
+
+
+def test_the_import_graph_script_draws_these_layers():
+    """``scripts/import_graph.py`` marks UP edges by its own copy of the order: the same one."""
+    text = (ROOT / "scripts" / "import_graph.py").read_text()
+    tree = ast.parse(text)
+    assigned = [n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "ORDER"]
+    assert len(assigned) == 1 and ast.literal_eval(assigned[0]) == ORDER

@@ -123,7 +123,7 @@ def test_llama_stage_split_balances_lm_head():
 
 
 def test_adopting_wrapper_keeps_names_and_follows_dtype_moves():
-    from nanotrain.parallel.adopt import Adopting
+    from nanotrain.parallel.part.adopt import Adopting
 
     block = Adopting(torch.nn.Sequential(torch.nn.Linear(3, 2, bias=False)))
     assert list(dict(block.named_parameters())) == ["0.weight"]  # the module's own names, no prefix

@@ -114,7 +114,7 @@ def test_a_host_tensor_into_a_collective_is_named(tiny, monkeypatch):
 
 def test_a_host_tensor_in_a_device_op_is_named(tiny, monkeypatch):
     """A host tensor of several elements meeting device tensors (CUDA refuses it; meta too)."""
-    from nanotrain.parallel import model_part
+    from nanotrain.parallel.part import model_part
 
     original = model_part.ModelPart.forward
 

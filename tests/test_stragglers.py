@@ -4,7 +4,7 @@ The real trainer at dp2 (gloo, the tiny model) runs twice in the same two ranks:
 once with rank 1 slowed by a fixed ``DELAY_S`` before every step's compute (a sleep standing
 in for a slow host: it adds time to that rank's own work, not to its collectives). Each rank's
 wall time per step is the same in both runs' ranks (the gradient all-reduce makes rank 0 wait
-for rank 1), so only the time outside waits on peers (``parallel/wait_clock.py``) separates
+for rank 1), so only the time outside waits on peers (``parallel/observe/wait_clock.py``) separates
 them: the slowed run's ratio is above ``SLOWED_ABOVE``, the even run's below ``EVEN_BELOW``.
 """
 from __future__ import annotations
@@ -84,9 +84,9 @@ def test_the_wait_clock_counts_blocking_calls_inside_a_step_window_once(monkeypa
     """What ``WAITS`` adds up: work-handle waits and synchronous collectives (nested ones once)
     inside ``begin_step``..``end_step``, nothing outside; ``read`` empties it. A fake clock
     advances only while a fake handle waits, so the sums are exact."""
-    import nanotrain.parallel.timing as timing
+    import nanotrain.parallel.observe.timing as timing
     from nanotrain.parallel import collectives
-    from nanotrain.parallel.wait_clock import WAITS
+    from nanotrain.parallel.observe.wait_clock import WAITS
 
     now = [0.0]
     monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])

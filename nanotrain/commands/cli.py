@@ -24,7 +24,7 @@ from nanotrain.config.path_fields import check_path_fields
 from nanotrain.config.paths import CREATE_DIR, DIR, check_path
 from nanotrain.config.validate import validate_names
 from nanotrain.launch import sbatch
-from nanotrain.parallel.compile_check import compile_backend_problem
+from nanotrain.parallel.part.compile_check import compile_backend_problem
 from nanotrain.runtime import rundir
 from nanotrain.runtime.rundir import Launcher
 

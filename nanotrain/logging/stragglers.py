@@ -4,7 +4,7 @@ Why: a node that slows down (thermal throttling, a failing link, a noisy neighbo
 prelude to a hang, and it shows first as one rank taking longer than the rest. A rank's wall
 time per step cannot show it: a synchronous job's collectives make every rank wait for the
 slowest, so all wall times equal the slowest one's. What differs is the time a rank spends
-outside those waits (``parallel/wait_clock.py``): its busy time, its step time minus the time
+outside those waits (``parallel/observe/wait_clock.py``): its busy time, its step time minus the time
 it sat blocked on its peers (DP gradient sync, TP collectives, pipeline sends and receives, the
 loss and grad-norm reductions). The slow rank's busy time is longer; its peers' waits grow
 instead.
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.parallel import collectives
-from nanotrain.parallel.wait_clock import WAITS
+from nanotrain.parallel.observe.wait_clock import WAITS
 
 
 def step_time_max_over_median(interval_s: float, steps: int, device: torch.device, group=None) -> float:

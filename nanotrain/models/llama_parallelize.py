@@ -38,12 +38,12 @@ from nanotrain.models.llama import Attention, CausalKernel, DecoderLayer, LlamaM
 from nanotrain.models.llama_parallelize_costs import check_recompute
 from nanotrain.models.mlp import MLP, SwiGLU
 from nanotrain.models.moe import MoEFeedForward
-from nanotrain.parallel import placement
 from nanotrain.parallel.context_parallel import ContextParallel, ContextParallelKernel, GatherKV
 from nanotrain.parallel.expert_parallel import ExpertParallel
-from nanotrain.parallel.model_part import ModelPart
+from nanotrain.parallel.part import placement
+from nanotrain.parallel.part.model_part import ModelPart
+from nanotrain.parallel.part.recompute import Recomputed, compile_layers_, recompute_modules_
 from nanotrain.parallel.pipeline_parallel import keep_blocks_, mark_tied_, place_stages
-from nanotrain.parallel.recompute import Recomputed, compile_layers_, recompute_modules_
 from nanotrain.parallel.tensor_parallel import TensorParallelLinearMode, as_mode, group_size
 from nanotrain.parallel.tensor_parallel.swap import (
     VocabParallelCrossEntropy,

@@ -25,8 +25,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from nanotrain.parallel.hang_record import HANG_RECORD
-from nanotrain.parallel.wait_clock import WAITS
+from nanotrain.parallel.observe.hang_record import HANG_RECORD
+from nanotrain.parallel.observe.wait_clock import WAITS
 
 
 def _blocking(fn, *args, async_op: bool = False, **kwargs):

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanotrain.parallel.adopt import Adopting
 from nanotrain.parallel.collectives import all_to_all, all_to_all_single
+from nanotrain.parallel.part.adopt import Adopting
 from nanotrain.parallel.sharding import row_shard_info, set_shard_info
 from nanotrain.parallel.tensor_parallel import group_rank, group_size
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from nanotrain.parallel import accelerator
 from nanotrain.parallel.grid import Coords, RankGrid
-from nanotrain.parallel.hang_record import HANG_RECORD
+from nanotrain.parallel.observe.hang_record import HANG_RECORD
 
 # Group attributes created on every ParallelContext, in creation order: each rank creates its own
 # group of each, in this order (torch names locally synchronised groups by their ranks and the

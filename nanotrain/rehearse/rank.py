@@ -87,7 +87,8 @@ def _model_stand_ins():
     its counts, read back as zeros, become an equal share per expert; the count exchange's
     answer is every ep rank sending this rank's experts the same."""
     from nanotrain.models import moe
-    from nanotrain.parallel import context_parallel, expert_parallel, placement
+    from nanotrain.parallel import context_parallel, expert_parallel
+    from nanotrain.parallel.part import placement
 
     route, exchange = moe.route, expert_parallel.exchange_counts
 
@@ -143,7 +144,7 @@ def _built_on(device, build_model):
 
 def _skeletons_uncounted(tracker: DeviceTracker):
     """A model's meta skeleton (``placement.on_meta``) holds no memory on a GPU: not counted."""
-    from nanotrain.parallel import placement
+    from nanotrain.parallel.part import placement
 
     on_meta = placement.on_meta
 
@@ -191,7 +192,7 @@ def rehearse_rank(config, rank: int, steps: int = 3, train_only: bool = False) -
     """The report of one rank (see ``report.py`` for its fields); ``train_only``: build and the
     steps, no evaluation, save or load (a measurement of memory and traffic)."""
     from nanotrain.data import build_samplers
-    from nanotrain.parallel.hang_record import HANG_RECORD
+    from nanotrain.parallel.observe.hang_record import HANG_RECORD
     from nanotrain.training import builder as builder_module
     from nanotrain.training import trainer as trainer_module
 

@@ -44,7 +44,7 @@ STUBS = (
     "picks on a GPU; context parallelism's causal_lower_right mask becomes a marker that runs the "
     "memory-efficient kernel's lower-right causal variant, as CausalBias does on a GPU",
     "autocast: CUDA's op lists emulated above autograd (torch has no autocast for meta); recomputed "
-    "regions (training.recompute) replay it (nanotrain.parallel.recompute)",
+    "regions (training.recompute) replay it (nanotrain.parallel.part.recompute)",
 )
 
 

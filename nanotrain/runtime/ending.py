@@ -30,7 +30,7 @@ from typing import Iterator, Optional
 from nanotrain.checkpoint import CheckpointMismatch, read_latest
 from nanotrain.config.cli_args import EXIT_USER_ERROR
 from nanotrain.data import DataError
-from nanotrain.parallel.hang_record import HANG_RECORD
+from nanotrain.parallel.observe.hang_record import HANG_RECORD
 from nanotrain.runtime.hang import EXIT_HUNG, HangWatchdog, is_comm_failure, is_timeout
 from nanotrain.runtime.hang_status import requeue_marker
 from nanotrain.runtime.ownership import Claim, OwnershipError

@@ -3,7 +3,7 @@
 Why a thread of our own: a rank that waits for a peer that never comes (a stopped process, a
 dead node, a rank asleep in its own code) is only noticed by the process-group timeout, and
 only on the ranks that wait — they then die with "timed out" and no word of where they were or
-whom they waited for. The watchdog watches the training thread's record (``parallel/hang_record``:
+whom they waited for. The watchdog watches the training thread's record (``parallel/observe/hang_record``:
 step, phase, last collective), and when it has not moved for ``training.collective_timeout_s``
 writes ``<run>/hang/rank-R.json`` — step, phase, the collective and its group (name and global
 ranks), the Python stack of every thread, NCCL's flight-recorder dump where there is one — and
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.config.atomic_files import atomic_write_text
-from nanotrain.parallel.hang_record import HANG_RECORD, HangRecord
+from nanotrain.parallel.observe.hang_record import HANG_RECORD, HangRecord
 from nanotrain.runtime.hang_status import HANG_DIR
 
 EXIT_HUNG = 4  # the job hung (watchdog or a failed collective); reports under <run>/hang/

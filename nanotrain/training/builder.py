@@ -30,8 +30,8 @@ from nanotrain.logging.metrics import MetricsLogger
 from nanotrain.models.family import family_of
 from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups
 from nanotrain.parallel.data_parallel import build_grad_sync
-from nanotrain.parallel.model_part import ModelPart
 from nanotrain.parallel.parallel_context import ParallelContext
+from nanotrain.parallel.part.model_part import ModelPart
 from nanotrain.parallel.pipeline_parallel import PipelineEngine
 from nanotrain.training.profile import StepProfiler
 

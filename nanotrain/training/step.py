@@ -17,7 +17,7 @@ import torch
 
 from nanotrain.optim import clip_grad_norm_
 from nanotrain.parallel import collectives
-from nanotrain.parallel.hang_record import HANG_RECORD
+from nanotrain.parallel.observe.hang_record import HANG_RECORD
 from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.parallel.pipeline_parallel import MessageSpec, PipelineEngine, TensorPointer, allreduce_tied_grads_
 from nanotrain.parallel.tensor_parallel import allreduce_sequence_parallel_grads_

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.parallel import accelerator, collectives
-from nanotrain.parallel.hang_record import HANG_RECORD
+from nanotrain.parallel.observe.hang_record import HANG_RECORD
 
 
 class TrainingDiverged(RuntimeError):

@@ -26,8 +26,8 @@ from typing import Callable
 
 from nanotrain.checkpoint import begin_save, save_checkpoint
 from nanotrain.logging.moe_stats import step_scalars
-from nanotrain.parallel.hang_record import HANG_RECORD
-from nanotrain.parallel.wait_clock import WAITS
+from nanotrain.parallel.observe.hang_record import HANG_RECORD
+from nanotrain.parallel.observe.wait_clock import WAITS
 from nanotrain.training.builder import TrainingParts
 from nanotrain.training.evaluate import evaluate, perplexity
 from nanotrain.training.outcome import Outcome
@@ -128,7 +128,7 @@ class DistributedTrainer:
         stop vote keeps the host within a step of the GPU, so over a logging interval it is the
         device's time. On logging steps (the same on every rank) all ranks join one tiny gather
         for the straggler ratio (in the logger: the step time less the step's waits on peers,
-        ``parallel/wait_clock.py``) and, with MoE, every pp rank one for the routing
+        ``parallel/observe/wait_clock.py``) and, with MoE, every pp rank one for the routing
         statistics."""
         HANG_RECORD.mark("metrics")
         self.metrics.log(self.step, stats.loss_tensor, stats.lr, stats.grad_norm_tensor, step_s)

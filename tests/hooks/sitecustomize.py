@@ -9,7 +9,7 @@ _spec = os.environ.get("NANOTRAIN_TEST_SLEEP_IN_PP")
 if _spec and os.environ.get("RANK") == _spec.split(":")[0] and os.environ.get("NANOTRAIN_LAUNCHER"):
     import time
 
-    from nanotrain.parallel.hang_record import HANG_RECORD
+    from nanotrain.parallel.observe.hang_record import HANG_RECORD
     from nanotrain.parallel.pipeline_parallel.engine import PipelineEngine
 
     _step = int(_spec.split(":")[1])

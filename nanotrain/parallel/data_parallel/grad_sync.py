@@ -45,7 +45,7 @@ from torch import nn
 from nanotrain.parallel import accelerator
 from nanotrain.parallel.collectives import all_gather_into, all_reduce, reduce_scatter_into, wait
 from nanotrain.parallel.data_parallel import buckets as layout
-from nanotrain.parallel.hang_record import HANG_RECORD
+from nanotrain.parallel.observe.hang_record import HANG_RECORD
 
 _SYNC = "_nanotrain_grad_sync"  # on each parameter: a weak reference to the sync of its gradient
 

@@ -33,11 +33,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from nanotrain.parallel.hang_record import HANG_RECORD
+from nanotrain.parallel.observe.hang_record import HANG_RECORD
+from nanotrain.parallel.observe.timing import IntervalTimer
 from nanotrain.parallel.pipeline_parallel.p2p import ACTIVATION, GRADIENT, P2P, MessageSpec, Recv, Send, check_message
 from nanotrain.parallel.pipeline_parallel.schedules import Action, get_schedule, schedule_steps
 from nanotrain.parallel.pipeline_parallel.tensor_pointer import TensorPointer
-from nanotrain.parallel.timing import IntervalTimer
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], targets [B, S])
 # Middle stages read no data: they may pass None for each micro-batch (the count is m).

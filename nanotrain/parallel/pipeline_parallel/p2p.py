@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.parallel.collectives import batch_isend_irecv, wait
-from nanotrain.parallel.hang_record import HANG_RECORD
+from nanotrain.parallel.observe.hang_record import HANG_RECORD
 
 # What NCCL can carry (it has no complex or bool types); gloo carries these too.
 WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,

@@ -1,6 +1,6 @@
 """Can ``torch.compile`` (inductor) build kernels here? Torch-free, so the CLI asks before a
 local launch (``training.compile: true`` without a compiler is one ``error:`` line, exit 2) and
-each rank asks again for its real device before compiling (``parallel/recompute.py``).
+each rank asks again for its real device before compiling (``parallel/part/recompute.py``).
 
 The choice documented in the README: a clear error, not a warning and an eager fallback — a
 run the user asked to compile silently running slower is worse than one that does not start.

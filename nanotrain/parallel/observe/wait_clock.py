@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from nanotrain.parallel.timing import IntervalTimer
+from nanotrain.parallel.observe.timing import IntervalTimer
 
 
 class WaitClock:

@@ -34,8 +34,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nanotrain.parallel import accelerator
-from nanotrain.parallel.adopt import Adopting
-from nanotrain.parallel.compile_check import compile_backend_problem
+from nanotrain.parallel.part.adopt import Adopting
+from nanotrain.parallel.part.compile_check import compile_backend_problem
 
 
 def recomputed(fn: Callable, *args: torch.Tensor, enabled: bool = True,

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from nanotrain.parallel import accelerator
-from nanotrain.parallel.adopt import Adopting
 from nanotrain.parallel.context_parallel import ContextParallel
+from nanotrain.parallel.part.adopt import Adopting
 from nanotrain.parallel.pipeline_parallel import MessageSpec, ModelChunk
 from nanotrain.parallel.tensor_parallel import TensorParallelLinearMode, has_sequence_parallel_partial_grad
 
