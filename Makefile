@@ -28,9 +28,11 @@ cluster-up:
 cluster-down:
 	slurm/local-cluster.sh down
 
-# ruff (pyproject.toml): lint and import order; `make test` runs it first and fails on an error.
+# ruff (pyproject.toml): lint, import order and the formatter (`ruff format .` applies it);
+# `make test` runs it first and fails on an error or an unformatted file.
 lint: venv
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # Two pytest-xdist workers (tests/conftest.py GroupScheduling keeps the SLURM tests, and the tests
 # of the shared reference runs, each on one worker, and deals out the rest a module at a time);

@@ -24,6 +24,7 @@ Fair by construction: the rows of one repeat run in a rotated order, and before 
 the previous outputs are deleted and the page cache flushed (`os.sync`), so no row pays for
 another row's write-back or deletion.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,13 +42,23 @@ from nanotrain.checkpoint.save import begin_save, prune, save_checkpoint
 from nanotrain.config.schema import OptimizerArgs
 from nanotrain.optim import build_optimizer
 
-ROWS = {"raw": "raw write (1 file, fsync)", "raw_sha": "raw write + sha256", "sync": "nanotrain sync save",
-        "prune": "prune one older checkpoint", "step": "training step, no save",
-        "async_step": "async save + the next step", "async_begin": "async: begin_save returns",
-        "async_wait": "async: the update waits", "async_stall": "async: training blocked (stall)",
-        "async_slow": "async: overlapping step slowed", "async_total": "async: until committed",
-        "dcp_sync": "DCP save", "dcp_stall": "DCP async_save: training blocked",
-        "dcp_slow": "DCP async_save: step slowed", "dcp_total": "DCP async_save: until done"}
+ROWS = {
+    "raw": "raw write (1 file, fsync)",
+    "raw_sha": "raw write + sha256",
+    "sync": "nanotrain sync save",
+    "prune": "prune one older checkpoint",
+    "step": "training step, no save",
+    "async_step": "async save + the next step",
+    "async_begin": "async: begin_save returns",
+    "async_wait": "async: the update waits",
+    "async_stall": "async: training blocked (stall)",
+    "async_slow": "async: overlapping step slowed",
+    "async_total": "async: until committed",
+    "dcp_sync": "DCP save",
+    "dcp_stall": "DCP async_save: training blocked",
+    "dcp_slow": "DCP async_save: step slowed",
+    "dcp_total": "DCP async_save: until done",
+}
 
 
 def build(mb: int):
@@ -139,6 +150,7 @@ def main() -> None:
 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
     def native_state():
@@ -159,9 +171,14 @@ def main() -> None:
         future.result()
         rows["dcp_total"].append(time.perf_counter() - t0)
 
-    order = [lambda: (settle(work / "raw"), timed("raw", lambda: raw_write(work / "raw", tensors, False))),
-             lambda: (settle(work / "raw"), timed("raw_sha", lambda: raw_write(work / "raw", tensors, True))),
-             sync_save, async_save, dcp_sync, dcp_async]
+    order = [
+        lambda: (settle(work / "raw"), timed("raw", lambda: raw_write(work / "raw", tensors, False))),
+        lambda: (settle(work / "raw"), timed("raw_sha", lambda: raw_write(work / "raw", tensors, True))),
+        sync_save,
+        async_save,
+        dcp_sync,
+        dcp_async,
+    ]
     try:
         for i in range(a.repeats):
             for k in range(len(order)):
@@ -174,18 +191,23 @@ def main() -> None:
     print(f"state: {mb:.0f} MB (weights + AdamW), {a.repeats} repeats in rotated order, medians; dir {work.parent}")
     print(f"{'row':34s} {'seconds':>8s} {'MB/s':>8s}")
     for key, label in ROWS.items():
-        rate = f"{mb / med[key]:8.0f}" if key in ("raw", "raw_sha", "sync", "async_total", "dcp_sync",
-                                                 "dcp_total") else ""
+        rate = (
+            f"{mb / med[key]:8.0f}" if key in ("raw", "raw_sha", "sync", "async_total", "dcp_sync", "dcp_total") else ""
+        )
         print(f"{label:34s} {med[key]:8.3f} {rate}")
     print(f"sync save throughput / raw write: {med['raw'] / med['sync']:.2f}x (target >= 0.8)")
     print(f"sync save + prune throughput / raw write: {med['raw'] / (med['sync'] + med['prune']):.2f}x")
     print(f"sync save throughput / raw write + sha256: {med['raw_sha'] / med['sync']:.2f}x")
     print(f"async stall / sync save: {med['async_stall'] / med['sync']:.3f} (target <= 0.10)")
-    print(f"(async stall + overlapping step slowed) / sync save: "
-          f"{(med['async_stall'] + med['async_slow']) / med['sync']:.3f}")
-    print(f"vs PyTorch-native DCP: sync save {med['dcp_sync'] / med['sync']:.2f}x faster, async stall "
-          f"{med['dcp_stall'] / max(med['async_stall'], 1e-9):.1f}x shorter, until committed "
-          f"{med['dcp_total'] / med['async_total']:.2f}x faster")
+    print(
+        f"(async stall + overlapping step slowed) / sync save: "
+        f"{(med['async_stall'] + med['async_slow']) / med['sync']:.3f}"
+    )
+    print(
+        f"vs PyTorch-native DCP: sync save {med['dcp_sync'] / med['sync']:.2f}x faster, async stall "
+        f"{med['dcp_stall'] / max(med['async_stall'], 1e-9):.1f}x shorter, until committed "
+        f"{med['dcp_total'] / med['async_total']:.2f}x faster"
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ A job of its own module because it is unlike the throughput rows: a bigger model
 (``CKPT_MODEL``), file-system timing instead of training steps, and a correctness check that the
 loaded states reproduce the saved loss and the next training step on both sides.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,6 +52,7 @@ def job_checkpoint(b: Bench) -> list[dict]:
 
     def ours_train(o):
         from nanotrain.training.step import train_step
+
         return train_step(o.model, [(x, y)], o.grad_sync, o.optimizer, o.scheduler, o.pc, OPTIM["clip_grad"]).loss
 
     def native_train(model, opt, sched):
@@ -85,6 +87,7 @@ def job_checkpoint(b: Bench) -> list[dict]:
 
     def plain_local(t):
         from torch.distributed.tensor import DTensor
+
         return t._local_tensor if isinstance(t, DTensor) else t
 
     total_bytes = max_over_ranks(0)  # sync
@@ -121,8 +124,9 @@ def job_checkpoint(b: Bench) -> list[dict]:
         save_checkpoint(dirs["ours"], counter["i"], ours.model, ours.optimizer, ours.scheduler, ours.pc)
 
     def ours_load():
-        load_checkpoint(dirs["ours"], ours_fresh.model, ours_fresh.optimizer, ours_fresh.scheduler, ours_fresh.pc,
-                        load_rng=False)
+        load_checkpoint(
+            dirs["ours"], ours_fresh.model, ours_fresh.optimizer, ours_fresh.scheduler, ours_fresh.pc, load_rng=False
+        )
 
     def native_save():
         msd, osd = get_state_dict(native[0], native[1])
@@ -132,8 +136,9 @@ def job_checkpoint(b: Bench) -> list[dict]:
         msd, osd = get_state_dict(native_fresh[0], native_fresh[1])
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=str(dirs["native"] / "ckpt"))
-        set_state_dict(native_fresh[0], native_fresh[1], model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_state_dict(
+            native_fresh[0], native_fresh[1], model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
 
     tensors = [plain_local(p).detach() for p in ours.model.parameters()]
     tensors += [plain_local(t) for st in ours.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
@@ -169,28 +174,57 @@ def job_checkpoint(b: Bench) -> list[dict]:
     def rel(a, c):
         return abs(a - c) / abs(c)
 
-    same = (rel(first[0], first[1]) <= SAME_LOSS_RTOL and rel(loaded[0], ref[0]) <= 1e-6
-            and rel(loaded[1], ref[1]) <= 1e-6 and rel(loaded[0], loaded[1]) <= SAME_LOSS_RTOL
-            and rel(after[0], after_ref[0]) <= 1e-6 and rel(after[1], after_ref[1]) <= 1e-6)
+    same = (
+        rel(first[0], first[1]) <= SAME_LOSS_RTOL
+        and rel(loaded[0], ref[0]) <= 1e-6
+        and rel(loaded[1], ref[1]) <= 1e-6
+        and rel(loaded[0], loaded[1]) <= SAME_LOSS_RTOL
+        and rel(after[0], after_ref[0]) <= 1e-6
+        and rel(after[1], after_ref[1]) <= 1e-6
+    )
     mb = total_bytes / 1e6
     med = {k: statistics.median(v) for k, v in save.items()}
     medl = {k: statistics.median(v) for k, v in load.items()}
-    common = {"same_loss": bool(same), "state_MB": round(mb, 1),
-              "loss_before_save": ref, "loss_after_load": loaded, "loss_step_after_load": after,
-              "loss_step_reference": after_ref}
+    common = {
+        "same_loss": bool(same),
+        "state_MB": round(mb, 1),
+        "loss_before_save": ref,
+        "loss_after_load": loaded,
+        "loss_step_after_load": after,
+        "loss_step_reference": after_ref,
+    }
     return [
-        {"name": "checkpoint save (tp2, 13 M params + AdamW) vs torch.distributed.checkpoint",
-         "ours": round(mb / med["ours"], 1), "native": round(mb / med["native"], 1), "unit": "MB/s",
-         "ratio": round(med["native"] / med["ours"], 3), "target": None,
-         "s_ours": [round(s, 4) for s in save["ours"]], "s_native": [round(s, 4) for s in save["native"]],
-         **common},
-        {"name": "checkpoint load (tp2, same state) vs torch.distributed.checkpoint",
-         "ours": round(mb / medl["ours"], 1), "native": round(mb / medl["native"], 1), "unit": "MB/s",
-         "ratio": round(medl["native"] / medl["ours"], 3), "target": None,
-         "s_ours": [round(s, 4) for s in load["ours"]], "s_native": [round(s, 4) for s in load["native"]],
-         **common},
-        {"name": "checkpoint save vs raw sequential write of the same bytes (+fsync)",
-         "ours": round(mb / med["ours"], 1), "native": round(mb / med["raw"], 1), "unit": "MB/s",
-         "ratio": round(med["raw"] / med["ours"], 3), "target": None, "columns": ["nanotrain", "raw write"],
-         "s_raw": [round(s, 4) for s in save["raw"]], **common},
+        {
+            "name": "checkpoint save (tp2, 13 M params + AdamW) vs torch.distributed.checkpoint",
+            "ours": round(mb / med["ours"], 1),
+            "native": round(mb / med["native"], 1),
+            "unit": "MB/s",
+            "ratio": round(med["native"] / med["ours"], 3),
+            "target": None,
+            "s_ours": [round(s, 4) for s in save["ours"]],
+            "s_native": [round(s, 4) for s in save["native"]],
+            **common,
+        },
+        {
+            "name": "checkpoint load (tp2, same state) vs torch.distributed.checkpoint",
+            "ours": round(mb / medl["ours"], 1),
+            "native": round(mb / medl["native"], 1),
+            "unit": "MB/s",
+            "ratio": round(medl["native"] / medl["ours"], 3),
+            "target": None,
+            "s_ours": [round(s, 4) for s in load["ours"]],
+            "s_native": [round(s, 4) for s in load["native"]],
+            **common,
+        },
+        {
+            "name": "checkpoint save vs raw sequential write of the same bytes (+fsync)",
+            "ours": round(mb / med["ours"], 1),
+            "native": round(mb / med["raw"], 1),
+            "unit": "MB/s",
+            "ratio": round(med["raw"] / med["ours"], 3),
+            "target": None,
+            "columns": ["nanotrain", "raw write"],
+            "s_raw": [round(s, 4) for s in save["raw"]],
+            **common,
+        },
     ]

@@ -5,6 +5,7 @@ setting both sides train with, the timing loop that alternates them (``Bench``),
 Kept apart from the two sides (``bench_sides.py``) and the jobs (``vs_native.py``) so that what is
 measured and how it is measured can be read, and changed, in one place for all rows.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,14 +21,31 @@ sys.path.insert(0, str(HERE))  # native_llama, the other bench_* modules
 
 # The research setting (benchmarks/README.md): ~1 M parameters, 16 sequences of
 # 64 tokens = 1,024 tokens per optimizer step (strong scaling: dp splits the batch).
-MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=512, num_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, dtype="float32")
+MODEL = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=512,
+    num_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    dtype="float32",
+)
 # Checkpoint rows: a bigger model, so that the bytes (not fixed costs) dominate: ~13 M parameters,
 # ~155 MB of weights + AdamW states.
-CKPT_MODEL = dict(vocab_size=4096, hidden_size=384, intermediate_size=1024, num_layers=6, num_attention_heads=6,
-                  num_key_value_heads=6, max_position_embeddings=64, dtype="float32")
-OPTIM = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0, warmup_steps=0,
-             lr_decay_style="constant")
+CKPT_MODEL = dict(
+    vocab_size=4096,
+    hidden_size=384,
+    intermediate_size=1024,
+    num_layers=6,
+    num_attention_heads=6,
+    num_key_value_heads=6,
+    max_position_embeddings=64,
+    dtype="float32",
+)
+OPTIM = dict(
+    lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0, warmup_steps=0, lr_decay_style="constant"
+)
 SEQ, GLOBAL_SEQS, MICRO_SEQS, PP_M, SEED = 64, 16, 8, 8, 1
 SAME_LOSS_RTOL = 1e-4
 
@@ -58,12 +76,24 @@ def preimport() -> None:
     ``destroy_process_group()`` and be torn down during interpreter shutdown."""
     import importlib
 
-    for name in ("nanotrain.models.llama", "nanotrain.training.step", "nanotrain.optim", "nanotrain.checkpoint",
-                 "nanotrain.parallel.parallel_context", "nanotrain.parallel.data_parallel",
-                 "nanotrain.parallel.pipeline_parallel", "native_llama", "torch.distributed.device_mesh",
-                 "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.distributed.pipelining",
-                 "torch.distributed.fsdp", "torch.distributed._composable.replicate_with_fsdp",
-                 "torch.distributed.checkpoint.state_dict", "torch.profiler"):
+    for name in (
+        "nanotrain.models.llama",
+        "nanotrain.training.step",
+        "nanotrain.optim",
+        "nanotrain.checkpoint",
+        "nanotrain.parallel.parallel_context",
+        "nanotrain.parallel.data_parallel",
+        "nanotrain.parallel.pipeline_parallel",
+        "native_llama",
+        "torch.distributed.device_mesh",
+        "torch.distributed.tensor",
+        "torch.distributed.tensor.parallel",
+        "torch.distributed.pipelining",
+        "torch.distributed.fsdp",
+        "torch.distributed._composable.replicate_with_fsdp",
+        "torch.distributed.checkpoint.state_dict",
+        "torch.profiler",
+    ):
         importlib.import_module(name)
 
 
@@ -76,8 +106,7 @@ class Bench:
         self.reps, self.steps, self.warmup = reps, steps, warmup
         self.total_steps = 2 * (warmup + reps * steps) + 8
         gen = torch.Generator().manual_seed(0)
-        self.batches = [torch.randint(0, MODEL["vocab_size"], (GLOBAL_SEQS, SEQ + 1), generator=gen)
-                        for _ in range(8)]
+        self.batches = [torch.randint(0, MODEL["vocab_size"], (GLOBAL_SEQS, SEQ + 1), generator=gen) for _ in range(8)]
 
     def batch(self, i: int):
         return self.batches[i % len(self.batches)]
@@ -138,8 +167,10 @@ class Bench:
         wall, cpu = (time.perf_counter() - wall0) / steps, (time.process_time() - cpu0) / steps
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60)
         path = directory / f"{os.environ.get('NANOTRAIN_BENCH_JOB', 'job')}-{side}-rank{dist.get_rank()}.txt"
-        path.write_text(f"{side}: {steps} steps under the profiler: {1e3 * wall:.1f} ms wall, "
-                        f"{1e3 * cpu:.1f} ms process CPU per step\n\n{table}\n")
+        path.write_text(
+            f"{side}: {steps} steps under the profiler: {1e3 * wall:.1f} ms wall, "
+            f"{1e3 * cpu:.1f} ms process CPU per step\n\n{table}\n"
+        )
 
     def throughput_row(self, name: str, result: dict, tokens: int, target: float, **extra) -> dict:
         ours, native = result["ours"], result["native"]
@@ -151,13 +182,20 @@ class Bench:
         rel = [abs(a - b) / abs(b) for a, b in zip(lo, ln)]
         n_warm = max(1, self.warmup)
         row = {
-            "name": name, "ours": round(tokens / s_ours, 1), "native": round(tokens / s_nat, 1),
-            "unit": "tokens/s", "ratio": round(s_nat / s_ours, 3), "target": target,
+            "name": name,
+            "ours": round(tokens / s_ours, 1),
+            "native": round(tokens / s_nat, 1),
+            "unit": "tokens/s",
+            "ratio": round(s_nat / s_ours, 3),
+            "target": target,
             "same_loss": bool(rel[0] <= SAME_LOSS_RTOL),
-            "loss_ours": lo[0], "loss_native": ln[0], "loss_rel_first": rel[0],
+            "loss_ours": lo[0],
+            "loss_native": ln[0],
+            "loss_rel_first": rel[0],
             "loss_rel_max": max(rel[:n_warm]),
             "ratio_paired": round(paired, 3),
-            "ms_ours": round(1e3 * s_ours, 2), "ms_native": round(1e3 * s_nat, 2),
+            "ms_ours": round(1e3 * s_ours, 2),
+            "ms_native": round(1e3 * s_nat, 2),
             "cpu_ms_ours": round(1e3 * statistics.median(ours["cpu_s"][n_warm:] or ours["cpu_s"]), 2),
             "cpu_ms_native": round(1e3 * statistics.median(native["cpu_s"][n_warm:] or native["cpu_s"]), 2),
             "ms_ours_reps": [round(1e3 * s, 2) for s in ours["rep_s"]],
@@ -182,7 +220,7 @@ def optim_args():
 
 def micro_batches(batch, dp_rank: int, dp: int, micro: int):
     per = batch.shape[0] // dp
-    mine = batch[dp_rank * per:(dp_rank + 1) * per]
+    mine = batch[dp_rank * per : (dp_rank + 1) * per]
     return [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(micro)]
 
 

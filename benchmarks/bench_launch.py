@@ -7,6 +7,7 @@ one launcher for the product, the benchmarks and the tests. A benchmark script c
 OUT``: the script ends with ``entry(main, worker)``, which runs ``worker`` on such a rank and
 ``main`` otherwise.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,12 @@ def run_workers(script: str, world: int, payload, timeout_s: float = 1800, log_d
     (kept), else to a temporary directory."""
     with tempfile.TemporaryDirectory(prefix="nanotrain-bench-") as tmp:
         out = Path(tmp) / "result.json"
-        run_ranks([sys.executable, "-u", script, "--worker", json.dumps(payload), str(out)], world,
-                  Path(log_dir or Path(tmp) / "logs"), timeout_s)
+        run_ranks(
+            [sys.executable, "-u", script, "--worker", json.dumps(payload), str(out)],
+            world,
+            Path(log_dir or Path(tmp) / "logs"),
+            timeout_s,
+        )
         return json.loads(out.read_text())
 
 

@@ -6,6 +6,7 @@ optimizer, clipping and loss helpers they share.
 Kept in one module, apart from the harness and the jobs, so that the two implementations being
 compared sit next to each other and can be checked for doing the same work.
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -21,8 +22,19 @@ if TYPE_CHECKING:
 class Ours:
     """nanotrain's public pieces, wired as nanotrain/training/trainer.py wires them."""
 
-    def __init__(self, bench: Bench, dp=1, tp=1, pp=1, mode="ALL_REDUCE", engine="1f1b", v=1, micro=MICRO_SEQS,
-                 spec: dict = MODEL, pc=None):
+    def __init__(
+        self,
+        bench: Bench,
+        dp=1,
+        tp=1,
+        pp=1,
+        mode="ALL_REDUCE",
+        engine="1f1b",
+        v=1,
+        micro=MICRO_SEQS,
+        spec: dict = MODEL,
+        pc=None,
+    ):
         from nanotrain.models.llama_parallelize import build_llama
         from nanotrain.optim import build_lr_scheduler, build_optimizer
         from nanotrain.parallel.data_parallel import BucketedGradSync
@@ -33,8 +45,9 @@ class Ours:
         self.pc = pc or ParallelContext(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp)
         self.args = model_args(spec)
         self.pp, self.v = pp, v
-        self.model = build_llama(self.args, self.pc.tp_pg, mode=mode, pp_rank=self.pc.pp_rank, pp_size=pp,
-                                virtual_stages=v, seed=SEED)
+        self.model = build_llama(
+            self.args, self.pc.tp_pg, mode=mode, pp_rank=self.pc.pp_rank, pp_size=pp, virtual_stages=v, seed=SEED
+        )
         self.grad_sync = BucketedGradSync(list(self.model.parameters()), self.pc.dp_cp_pg)
         self.optimizer = build_optimizer(self.model.named_parameters(), optim_args(), self.pc.dp_cp_pg)
         self.scheduler = build_lr_scheduler(self.optimizer, optim_args(), bench.total_steps)
@@ -44,16 +57,21 @@ class Ours:
         from nanotrain.training.step import train_step
 
         micro = micro_batches(self.bench.batch(i), self.pc.dp_rank, self.pc.dp_size, self.micro)
-        return train_step(self.model, micro, self.grad_sync, self.optimizer, self.scheduler, self.pc,
-                          OPTIM["clip_grad"], self.engine).loss
+        return train_step(
+            self.model, micro, self.grad_sync, self.optimizer, self.scheduler, self.pc, OPTIM["clip_grad"], self.engine
+        ).loss
 
     def layer_stages(self) -> dict[int, int]:
         """Virtual stage of every decoder layer (the split the model was cut by, computed for every
         rank from the config), for the native split."""
         from nanotrain.models.llama_arch import stage_blocks
 
-        return {int(name.split(".")[1]): stage for stage, blocks in enumerate(stage_blocks(self.args, self.pp, self.v))
-                for name in blocks if name.startswith("layers.")}
+        return {
+            int(name.split(".")[1]): stage
+            for stage, blocks in enumerate(stage_blocks(self.args, self.pp, self.v))
+            for name in blocks
+            if name.startswith("layers.")
+        }
 
 
 # ------------------------------------------------------------------------------- native side
@@ -92,9 +110,9 @@ def native_clip_(params, max_norm: float, pp_group=None):
         parts.append(n.full_tensor() if isinstance(n, DTensor) else n)
     total = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
     if pp_group is not None:
-        total = total ** 2
+        total = total**2
         dist.all_reduce(total, group=pp_group)
-        total = total ** 0.5
+        total = total**0.5
     for ps in groups.values():
         torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
     return total
@@ -159,8 +177,18 @@ class NativePipeline:
     ``PipelineStage`` per local stage, Schedule1F1B / ScheduleInterleaved1F1B; optionally DTensor
     TP and FSDP2 replicate/fully_shard per stage (the native 3D)."""
 
-    def __init__(self, bench: Bench, layer_stages: dict[int, int], pp: int, v: int, m: int, dp=1, tp=1,
-                 dp_kind="replicate", schedule="1f1b"):
+    def __init__(
+        self,
+        bench: Bench,
+        layer_stages: dict[int, int],
+        pp: int,
+        v: int,
+        m: int,
+        dp=1,
+        tp=1,
+        dp_kind="replicate",
+        schedule="1f1b",
+    ):
         import torch
         import torch.distributed as dist
         from native_llama import apply_dp, apply_tp, build_native, cross_entropy, pipeline_stage_module
@@ -202,7 +230,7 @@ class NativePipeline:
 
         batch = self.bench.batch(i)
         per = batch.shape[0] // self.dp
-        batch = batch[self.dp_rank * per:(self.dp_rank + 1) * per]
+        batch = batch[self.dp_rank * per : (self.dp_rank + 1) * per]
         x, y = batch[:, :-1], batch[:, 1:]
         losses: list = []
         with loss_parallel() if self.tp > 1 else nullcontext():

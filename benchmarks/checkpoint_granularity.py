@@ -13,6 +13,7 @@ gradients. Results are printed as one JSON line. The ranks are local processes s
 launcher of ``submit.py --local`` (``nanotrain.launch.local.run_local``); their logs go to
 ``<dir>/ranks/``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,18 +31,39 @@ from nanotrain.config import Config, ModelArgs, OptimizerArgs, ParallelismArgs, 
 
 MODELS = {
     # configs/tiny_cpu.yaml's model
-    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=256, num_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=256, dtype="float32"),
+    "tiny": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=256,
+        num_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        dtype="float32",
+    ),
     # ~96M parameters (Llama-style, tied 32k vocabulary)
-    "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=10, num_attention_heads=12,
-                 num_key_value_heads=12, max_position_embeddings=1024, dtype="float32", tie_word_embeddings=True),
+    "100m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_layers=10,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        max_position_embeddings=1024,
+        dtype="float32",
+        tie_word_embeddings=True,
+    ),
 }
 
 
 def bench_config(model_name: str, dp: int, tp: int, zero: int, seed: int = 0) -> Config:
     """The run being checkpointed, as a config: the model is built from it by ``llama_arch``."""
-    return Config(parallelism=ParallelismArgs(dp=dp, tp=tp), model=ModelArgs(**MODELS[model_name]),
-                  training=TrainingArgs(seed=seed), optimizer=OptimizerArgs(lr=1e-3, warmup_steps=1, zero_stage=zero))
+    return Config(
+        parallelism=ParallelismArgs(dp=dp, tp=tp),
+        model=ModelArgs(**MODELS[model_name]),
+        training=TrainingArgs(seed=seed),
+        optimizer=OptimizerArgs(lr=1e-3, warmup_steps=1, zero_stage=zero),
+    )
 
 
 def _build(config: Config, pc):
@@ -77,8 +99,17 @@ def _worker(opts) -> None:
     for i in range(opts.repeats):
         dist.barrier()
         t0 = time.perf_counter()
-        save_checkpoint(opts.dir, i + 1, model, optimizer, scheduler, pc, extra={"consumed_samples": i},
-                        keep_last=1, granularity=opts.granularity)
+        save_checkpoint(
+            opts.dir,
+            i + 1,
+            model,
+            optimizer,
+            scheduler,
+            pc,
+            extra={"consumed_samples": i},
+            keep_last=1,
+            granularity=opts.granularity,
+        )
         saves.append(time.perf_counter() - t0)
         dist.barrier()
         t0 = time.perf_counter()
@@ -97,9 +128,27 @@ def run(model: str, dp: int, tp: int, zero: int, granularity: str, directory: st
     world = dp * tp
     result = Path(tempfile.mkstemp(suffix=".json")[1])
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU for every rank, GPUs or not
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", model, "--dp", str(dp),
-               "--tp", str(tp), "--zero", str(zero), "--granularity", granularity, "--dir", directory,
-               "--repeats", str(repeats), "--result", str(result)]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--model",
+        model,
+        "--dp",
+        str(dp),
+        "--tp",
+        str(tp),
+        "--zero",
+        str(zero),
+        "--granularity",
+        granularity,
+        "--dir",
+        directory,
+        "--repeats",
+        str(repeats),
+        "--result",
+        str(result),
+    ]
     status = run_local(command, world, Path(directory) / "ranks", quiet=True)
     if status:
         raise SystemExit(f"bench ranks failed (status {status}); logs in {Path(directory) / 'ranks'}")
@@ -115,12 +164,22 @@ def run(model: str, dp: int, tp: int, zero: int, granularity: str, directory: st
     load_checkpoint(directory, *single)
     reshard_s = time.perf_counter() - t0
     n_params = sum(p.numel() for p in single[0].parameters())
-    return {"model": model, "params": n_params, "dp": dp, "tp": tp, "zero": zero, "granularity": granularity,
-            "files": len(files), "mb": round(sum(p.stat().st_size for p in files) / 1e6, 2),
-            "save_s": round(statistics.median(times["save_s"]), 4),
-            "load_s": round(statistics.median(times["load_s"]), 4),
-            "save_min_s": round(min(times["save_s"]), 4), "load_min_s": round(min(times["load_s"]), 4),
-            "load_resharded_1proc_s": round(reshard_s, 4), "verify_all_s": round(hash_s, 4)}
+    return {
+        "model": model,
+        "params": n_params,
+        "dp": dp,
+        "tp": tp,
+        "zero": zero,
+        "granularity": granularity,
+        "files": len(files),
+        "mb": round(sum(p.stat().st_size for p in files) / 1e6, 2),
+        "save_s": round(statistics.median(times["save_s"]), 4),
+        "load_s": round(statistics.median(times["load_s"]), 4),
+        "save_min_s": round(min(times["save_s"]), 4),
+        "load_min_s": round(min(times["load_s"]), 4),
+        "load_resharded_1proc_s": round(reshard_s, 4),
+        "verify_all_s": round(hash_s, 4),
+    }
 
 
 def main(argv=None) -> None:

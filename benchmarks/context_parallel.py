@@ -15,6 +15,7 @@ PyTorch's own ``context_parallel`` cannot be the side-by-side baseline here: in 
 dispatches only the CUDA flash / efficient / cuDNN attention kernels, and on CPU it fails with
 "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,15 +42,23 @@ from nanotrain.parallel.data_parallel import BucketedGradSync  # noqa: E402
 from nanotrain.parallel.parallel_context import ParallelContext, destroy_process_groups  # noqa: E402
 from nanotrain.training.step import train_step  # noqa: E402
 
-MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, max_position_embeddings=4096)
+MODEL = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+)
 SEQUENCES = 4  # per step, global: one process takes all, dp2 two each, cp2 all (halves of each)
 
 
 def run_layout(layout: str, seq: int, steps: int, warmup: int) -> dict:
     world = dist.get_world_size()
-    pc = ParallelContext(context_parallel_size=world if layout == "cp2" else 1,
-                         data_parallel_size=world if layout == "dp2" else 1)
+    pc = ParallelContext(
+        context_parallel_size=world if layout == "cp2" else 1, data_parallel_size=world if layout == "dp2" else 1
+    )
     try:
         return measure(pc, seq, steps, warmup)  # its model, optimizer and sync are freed on return
     finally:
@@ -75,8 +84,11 @@ def measure(pc, seq: int, steps: int, warmup: int) -> dict:
         first_loss = stats.loss if first_loss is None else first_loss
         if step >= warmup:
             times.append(elapsed)
-    return {"tokens_per_s": SEQUENCES * seq / statistics.median(times), "activation_bytes": max_over_ranks(activation),
-            "first_loss": first_loss}
+    return {
+        "tokens_per_s": SEQUENCES * seq / statistics.median(times),
+        "activation_bytes": max_over_ranks(activation),
+        "first_loss": first_loss,
+    }
 
 
 def worker(payload: dict) -> dict:
@@ -90,8 +102,9 @@ def worker(payload: dict) -> dict:
 
 def launch(layout: str, seqs: list[int], steps: int, warmup: int, timeout_s: float = 1800, log_dir=None) -> dict:
     world = 1 if layout == "1 process" else 2
-    results = run_workers(__file__, world, {"layout": layout, "seqs": seqs, "steps": steps, "warmup": warmup},
-                          timeout_s, log_dir)
+    results = run_workers(
+        __file__, world, {"layout": layout, "seqs": seqs, "steps": steps, "warmup": warmup}, timeout_s, log_dir
+    )
     return {int(k): v for k, v in results.items()}
 
 
@@ -103,12 +116,15 @@ def main() -> int:
     steps, warmup = (2, 1) if opts.quick else (6, 2)
     t0 = time.perf_counter()
     results = {layout: launch(layout, opts.seq, steps, warmup) for layout in ("1 process", "cp2", "dp2")}
-    print(f"\nContext parallelism — tiny Llama ({MODEL['num_layers']} layers, hidden {MODEL['hidden_size']}, "
-          f"GQA {MODEL['num_attention_heads']}/{MODEL['num_key_value_heads']}), {SEQUENCES} sequences per step, "
-          f"gloo, 1 thread per rank, {os.cpu_count()} CPU cores; median of {steps} steps after {warmup} warm-up; "
-          f"{time.perf_counter() - t0:.0f} s\n")
-    print("| seq | layout | tokens/s | activation MB per rank (one micro-batch) | vs 1 process | first loss "
-          "| same loss |")
+    print(
+        f"\nContext parallelism — tiny Llama ({MODEL['num_layers']} layers, hidden {MODEL['hidden_size']}, "
+        f"GQA {MODEL['num_attention_heads']}/{MODEL['num_key_value_heads']}), {SEQUENCES} sequences per step, "
+        f"gloo, 1 thread per rank, {os.cpu_count()} CPU cores; median of {steps} steps after {warmup} warm-up; "
+        f"{time.perf_counter() - t0:.0f} s\n"
+    )
+    print(
+        "| seq | layout | tokens/s | activation MB per rank (one micro-batch) | vs 1 process | first loss | same loss |"
+    )
     print("|---|---|---|---|---|---|---|")
     same_everywhere = True
     for seq in opts.seq:
@@ -117,9 +133,11 @@ def main() -> int:
             r = results[layout][seq]
             same = same_loss(r["first_loss"], ref["first_loss"])
             same_everywhere &= same
-            print(f"| {seq} | {layout} | {r['tokens_per_s']:,.0f} | {r['activation_bytes'] / 2**20:.1f} | "
-                  f"{r['activation_bytes'] / ref['activation_bytes']:.2f} | {r['first_loss']:.6f} | "
-                  f"{'yes' if same else 'NO'} |")
+            print(
+                f"| {seq} | {layout} | {r['tokens_per_s']:,.0f} | {r['activation_bytes'] / 2**20:.1f} | "
+                f"{r['activation_bytes'] / ref['activation_bytes']:.2f} | {r['first_loss']:.6f} | "
+                f"{'yes' if same else 'NO'} |"
+            )
     return 0 if same_everywhere else 1
 
 

@@ -20,6 +20,7 @@ Reported: launches that ended with a signal, other failures, and launches where 
 that a process group survived its destruction (the cause of the abort, seen even when the race
 is not lost). Every launch has a hard timeout and its processes are stopped.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,12 @@ def trainer_launch(layout: str, tmp: Path, i: int, timeout_s: float) -> tuple[st
 
     sizes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, **LAYOUTS[layout]}
     sets = [f"parallelism.{k}={v}" for k, v in sizes.items()] + [
-        "training.train_steps=2", "checkpoints.interval=0", "logging.log_interval=1",
-        f"logging.dir={tmp}", f"logging.run_name=run{i}"]
+        "training.train_steps=2",
+        "checkpoints.interval=0",
+        "logging.log_interval=1",
+        f"logging.dir={tmp}",
+        f"logging.run_name=run{i}",
+    ]
     config = load_config(ROOT / "configs" / "tiny_cpu.yaml", sets)
     run_dir = rundir.resolve_run(config, None)
     path = rundir.write_run_dir(config, run_dir)
@@ -109,12 +114,17 @@ def main() -> int:
                 failures.append(name)
             if leaked:
                 leaks.append(name)
-            print(f"[{i + 1}/{opts.n}] {name}: {outcome}{' (terminate called)' if aborted else ''}"
-                  f"{' (process group leaked)' if leaked else ''} {time.perf_counter() - t:.1f} s", flush=True)
+            print(
+                f"[{i + 1}/{opts.n}] {name}: {outcome}{' (terminate called)' if aborted else ''}"
+                f"{' (process group leaked)' if leaked else ''} {time.perf_counter() - t:.1f} s",
+                flush=True,
+            )
             if outcome != "ok":
                 print(text[-3000:], flush=True)
-    print(f"\nexit_stress: {opts.n} launches ({', '.join(opts.paths)} x {', '.join(opts.layouts)}) in "
-          f"{time.perf_counter() - t0:.0f} s")
+    print(
+        f"\nexit_stress: {opts.n} launches ({', '.join(opts.paths)} x {', '.join(opts.layouts)}) in "
+        f"{time.perf_counter() - t0:.0f} s"
+    )
     print(f"ended with a signal: {len(signals)}" + (f" ({', '.join(signals)})" if signals else ""))
     print(f"other failures: {len(failures)}" + (f" ({', '.join(failures)})" if failures else ""))
     print(f"process group alive after destroy: {len(leaks)}" + (f" ({', '.join(leaks)})" if leaks else ""))

@@ -15,6 +15,7 @@ tokens/s = micro-batch * seq * accumulation / median step time (CUDA-synchronise
 MFU = tokens/s * ``training_flops_per_token(model, seq)`` / ``peak_bf16_tflops(device name)``
 (PaLM convention, nanotrain/logging/flops.py). Prints one JSON object; ``--out`` also writes it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,20 @@ sys.path.insert(0, str(ROOT))
 
 # configs/3d_16gpu.yaml's model (TinyLlama shape, ~1.1 B parameters); repeated here so that the
 # script also runs where PyYAML is missing (``--config`` reads a YAML instead).
-MODEL_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22, num_attention_heads=32,
-                num_key_value_heads=4, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5,
-                tie_word_embeddings=False, dtype="bfloat16", init_std=0.02)
+MODEL_1B = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    dtype="bfloat16",
+    init_std=0.02,
+)
 
 
 def model_args(config: str | None):
@@ -49,19 +61,30 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="take the model from this YAML config (default: 3d_16gpu's model)")
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--micro-batch", type=int, nargs="+", default=[16, 12, 8, 4, 2, 1],
-                        help="candidates, largest first; the first that fits is used")
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        nargs="+",
+        default=[16, 12, 8, 4, 2, 1],
+        help="candidates, largest first; the first that fits is used",
+    )
     parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="torch.compile every decoder layer")
     parser.add_argument("--out", type=Path, help="also write the JSON result here")
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="a tiny model on the CPU (gloo): checks this script without a GPU")
+    parser.add_argument(
+        "--cpu-smoke", action="store_true", help="a tiny model on the CPU (gloo): checks this script without a GPU"
+    )
     opts = parser.parse_args()
 
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", str(29500 + os.getpid() % 1000))):
+    for key, value in (
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_RANK", "0"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
+    ):
         os.environ.setdefault(key, value)
     import torch
 
@@ -84,11 +107,19 @@ def main() -> int:
     if opts.cpu_smoke:
         from nanotrain.config import ModelArgs
 
-        args = ModelArgs(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=opts.seq)
+        args = ModelArgs(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=opts.seq,
+        )
     t0 = time.perf_counter()
-    model = build_llama(args, pc.tp_pg, seed=0, device=device, compute_dtype=torch.bfloat16,
-                        compile_layers=opts.compile)
+    model = build_llama(
+        args, pc.tp_pg, seed=0, device=device, compute_dtype=torch.bfloat16, compile_layers=opts.compile
+    )
     init_s = time.perf_counter() - t0
     optim_args = OptimizerArgs(lr=3e-4, weight_decay=0.1, clip_grad=1.0, warmup_steps=0, lr_decay_style="constant")
     grad_sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg)
@@ -143,20 +174,34 @@ def main() -> int:
     memory = {"peak_memory_gib": None, "peak_reserved_gib": None, "device_used_gib": None}
     if device.type == "cuda":  # reserved and device-wide: the allocator's reserve, the CUDA context,
         free, total = torch.cuda.mem_get_info(device)  # cuBLAS workspaces, NCCL buffers besides the peak
-        memory = {"peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
-                  "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1),
-                  "device_used_gib": round((total - free) / 2**30, 1)}
+        memory = {
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1),
+            "device_used_gib": round((total - free) / 2**30, 1),
+        }
     result = {
-        "device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "device": name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
-        "backend": pc.backend, "params": parameter_count(args).total, "seq": opts.seq, "micro_batch": micro,
-        "accumulation": opts.accumulation, "tokens_per_step": tokens, "compile": opts.compile,
-        "step_ms_median": round(1e3 * step_s, 1), "step_ms": [round(1e3 * t, 1) for t in times],
-        "tokens_per_s": round(tps), "model_tflops_per_s": round(tps * flops_per_token / 1e12, 1),
-        "peak_bf16_tflops": peak, "mfu": round(tps * flops_per_token / (peak * 1e12), 4) if peak else None,
+        "backend": pc.backend,
+        "params": parameter_count(args).total,
+        "seq": opts.seq,
+        "micro_batch": micro,
+        "accumulation": opts.accumulation,
+        "tokens_per_step": tokens,
+        "compile": opts.compile,
+        "step_ms_median": round(1e3 * step_s, 1),
+        "step_ms": [round(1e3 * t, 1) for t in times],
+        "tokens_per_s": round(tps),
+        "model_tflops_per_s": round(tps * flops_per_token / 1e12, 1),
+        "peak_bf16_tflops": peak,
+        "mfu": round(tps * flops_per_token / (peak * 1e12), 4) if peak else None,
         "flops_per_token": flops_per_token,
         **memory,
-        "loss_first_last": [losses[0], losses[-1]], "init_s": round(init_s, 1), "oom_tried": errors,
+        "loss_first_last": [losses[0], losses[-1]],
+        "init_s": round(init_s, 1),
+        "oom_tried": errors,
     }
     text = json.dumps(result)
     print(text)

@@ -55,6 +55,7 @@ Under --cpu-smoke the Python runs fork from one process that imported torch and 
 (nanotrain's fork server, as a local CPU job's ranks do): ~3 CPU seconds less each. On a GPU
 every run is a fresh interpreter.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,10 +89,26 @@ COMPILE_STEPS = 3
 COMPILE_REL_TOL = 0.02
 SMOKE_CACHE_DOCS = 50  # --cpu-smoke: documents tokenised both ways and compared byte for byte
 
-GPU_MODEL = dict(vocab_size=256, hidden_size=1024, intermediate_size=4096, num_layers=12, num_attention_heads=16,
-                 num_key_value_heads=4, max_position_embeddings=2048, dtype="bfloat16")  # 0.18 B parameters
-CPU_MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64, dtype="bfloat16")
+GPU_MODEL = dict(
+    vocab_size=256,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_layers=12,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    dtype="bfloat16",
+)  # 0.18 B parameters
+CPU_MODEL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    dtype="bfloat16",
+)
 REQUIRED = ("torch", "numpy", "yaml", "safetensors", "tensorboard", "submitit", "cloudpickle", "pytest")
 OPTIONAL = ("datasets", "transformers")
 SINGLE_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -150,8 +167,12 @@ class Check:
         self.out, self.start, self.budget, self.smoke = out, start, budget, smoke
         self.logs = out / "gpu_check"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.summary: dict = {"mode": "cpu-smoke" if smoke else "gpu", "budget_s": budget,
-                              "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start)), "stages": []}
+        self.summary: dict = {
+            "mode": "cpu-smoke" if smoke else "gpu",
+            "budget_s": budget,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start)),
+            "stages": [],
+        }
         self.facts: dict = {}  # what a later stage needs from an earlier one (GPU count, the reference memory)
         self.ws: Workspace | None = None
 
@@ -165,8 +186,11 @@ class Check:
         t0 = time.monotonic()
         stopped = None
         if limit < MIN_STAGE_S:
-            entry.update(status="timeout", rc=124, note=f"not started: {max(0.0, self.left()):.0f} s left of the "
-                                                           f"{self.budget:.0f} s budget")
+            entry.update(
+                status="timeout",
+                rc=124,
+                note=f"not started: {max(0.0, self.left()):.0f} s left of the {self.budget:.0f} s budget",
+            )
         else:
             try:
                 entry.update(fn(self, time.monotonic() + limit))
@@ -192,8 +216,15 @@ class Check:
         tmp.write_text(json.dumps(self.summary, indent=1) + "\n")
         os.replace(tmp, path)
 
-    def run(self, cmd: list[str], name: str, deadline: float, cap: float = math.inf, env: dict | None = None,
-            fork: bool = False) -> dict:
+    def run(
+        self,
+        cmd: list[str],
+        name: str,
+        deadline: float,
+        cap: float = math.inf,
+        env: dict | None = None,
+        fork: bool = False,
+    ) -> dict:
         """``cmd`` in a session of its own, output to ``logs/NAME.log``, killed with everything it
         started at min(deadline, now + cap): rc 124. ``fork`` (with ``env``, --cpu-smoke only):
         forked from the workspace's fork server instead of started afresh."""
@@ -206,8 +237,15 @@ class Check:
             if fork and self.smoke:
                 proc = self.ws.fork(cmd, env, fh.fileno())
             else:
-                proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                proc = subprocess.Popen(
+                    cmd,
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
             try:
                 rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -244,12 +282,24 @@ def base_config(logs: Path, smoke: bool) -> dict:
         # configs/3d_16gpu.yaml's settings where the check can keep them (its env included)
         "parallelism": {"tp_mode": "ALL_REDUCE", "tp_linear_async_communication": False},
         "model": dict(CPU_MODEL if smoke else GPU_MODEL),
-        "training": {"train_steps": 1, "sequence_length": 64 if smoke else 2048, "micro_batch_size": 2 if smoke else 4,
-                     "batch_accumulation_per_replica": 2, "seed": 42},
+        "training": {
+            "train_steps": 1,
+            "sequence_length": 64 if smoke else 2048,
+            "micro_batch_size": 2 if smoke else 4,
+            "batch_accumulation_per_replica": 2,
+            "seed": 42,
+        },
         # constant after warm-up: the learning rates do not depend on train_steps, so a run
         # extended by a resume follows the uninterrupted one step for step
-        "optimizer": {"lr": 4e-4, "weight_decay": 0.1, "betas": [0.9, 0.95], "clip_grad": 1.0, "warmup_steps": 2,
-                      "lr_decay_style": "constant", "zero_stage": 1},
+        "optimizer": {
+            "lr": 4e-4,
+            "weight_decay": 0.1,
+            "betas": [0.9, 0.95],
+            "clip_grad": 1.0,
+            "warmup_steps": 2,
+            "lr_decay_style": "constant",
+            "zero_stage": 1,
+        },
         "data": {"source": "stdlib", "tokenizer": "byte"},
         "checkpoints": {"interval": 0, "resume": True},
         "logging": {"dir": str(logs), "log_interval": 1, "tensorboard": True},
@@ -270,8 +320,10 @@ class Workspace:
         if smoke:  # as on the GPU machine: no `datasets` for the trainer
             shim = tmp / "no-datasets" / "datasets"
             shim.mkdir(parents=True)
-            (shim / "__init__.py").write_text('raise ImportError("datasets: not installed on the GPU machine '
-                                              '(made unimportable by gpu_trainer_check.py --cpu-smoke)")\n')
+            (shim / "__init__.py").write_text(
+                'raise ImportError("datasets: not installed on the GPU machine '
+                '(made unimportable by gpu_trainer_check.py --cpu-smoke)")\n'
+            )
             paths.insert(0, str(shim.parent))
         self.env = dict(env, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1")
         if smoke:  # CPU even where a GPU is visible: a forked run must never initialise CUDA
@@ -311,8 +363,15 @@ class Workspace:
 
     def single_rank_env(self) -> dict:
         self.port += 1
-        return dict(self.env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port))
+        return dict(
+            self.env,
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(self.port),
+        )
 
     def token_cache(self) -> dict:
         """Where ``datasets`` is missing (the GPU machine; always under --cpu-smoke), write the
@@ -380,11 +439,17 @@ def token_cache_matches(config_path: Path, tmp: Path) -> bool:
 
     config = load_config(str(config_path))
     ours = write_token_cache(config_path, str(tmp / "cache-ours"), SMOKE_CACHE_DOCS)["path"]
-    theirs = TokenDataset.build(config.data, seq_len=config.training.sequence_length, cache_dir=str(tmp / "cache-nt"),
-                                vocab_size=config.model.vocab_size, max_documents=SMOKE_CACHE_DOCS).path
+    theirs = TokenDataset.build(
+        config.data,
+        seq_len=config.training.sequence_length,
+        cache_dir=str(tmp / "cache-nt"),
+        vocab_size=config.model.vocab_size,
+        max_documents=SMOKE_CACHE_DOCS,
+    ).path
     same = all((Path(ours) / f).read_bytes() == (Path(theirs) / f).read_bytes() for f in ("tokens.bin",))
     return same and json.loads((Path(ours) / "meta.json").read_text()) == json.loads(
-        (Path(theirs) / "meta.json").read_text())
+        (Path(theirs) / "meta.json").read_text()
+    )
 
 
 def tb_losses(run_dir: Path) -> dict[int, float]:
@@ -418,8 +483,12 @@ def compare(reference: dict[int, float], got: dict[int, float], steps: range) ->
     missing = [s for s in steps if s not in got or s not in reference]
     diffs = [abs(got[s] - reference[s]) for s in steps if s in got and s in reference]
     worst = None if not diffs else (math.inf if any(math.isnan(d) for d in diffs) else max(diffs))
-    return {"steps": [steps.start, steps.stop - 1], "max_abs_diff": worst, "missing_steps": missing,
-            "identical": not missing and worst == 0.0}
+    return {
+        "steps": [steps.start, steps.stop - 1],
+        "max_abs_diff": worst,
+        "missing_steps": missing,
+        "identical": not missing and worst == 0.0,
+    }
 
 
 def resume_verdict(cmp: dict, noise: float | None, resumed_from: int | None, expected_from: int) -> tuple[bool, str]:
@@ -431,8 +500,9 @@ def resume_verdict(cmp: dict, noise: float | None, resumed_from: int | None, exp
         return True, "identical"
     d = cmp["max_abs_diff"]
     if noise and d <= NOISE_FACTOR * noise:
-        return True, (f"NOT bit-identical: max |diff| {d:.3g}, within nondeterminism (two fresh runs differ "
-                      f"by {noise:.3g})")
+        return True, (
+            f"NOT bit-identical: max |diff| {d:.3g}, within nondeterminism (two fresh runs differ by {noise:.3g})"
+        )
     return False, f"max |diff| {d:.3g} (two fresh runs differ by {noise or 0:.3g})"
 
 
@@ -449,9 +519,19 @@ def train(check: Check, name: str, run_name: str, items: dict, deadline: float, 
     cfg = ws.config(name, {"logging.run_name": run_name, **items})
     memory = ws.tmp / f"{name}.memory.json"
     log = f"trainer-{name}"
-    result = {"name": name, "train_steps": items["training.train_steps"], "config": str(cfg),
-              **check.run([PY, THIS, "--task", str(cfg), "--memory-out", str(memory)], log, deadline, cap,
-                          ws.single_rank_env(), fork=True)}
+    result = {
+        "name": name,
+        "train_steps": items["training.train_steps"],
+        "config": str(cfg),
+        **check.run(
+            [PY, THIS, "--task", str(cfg), "--memory-out", str(memory)],
+            log,
+            deadline,
+            cap,
+            ws.single_rank_env(),
+            fork=True,
+        ),
+    }
     result.update(read_run(ws.logs / run_name, check.log_text(log), memory))
     result["ok"] = result["rc"] == 0 and result.get("step") == result["train_steps"]
     return result
@@ -461,18 +541,25 @@ def stage_trainer(check: Check, deadline: float) -> dict:
     ws = check.ws
     S = ws.steps
     out: dict = {"steps_S": S, "token_cache": ws.token_cache()}
-    legs = [("uninterrupted", "uninterrupted", {"training.train_steps": 3 * S}),
-            ("first", "resume", {"training.train_steps": S, "checkpoints.interval": S}),
-            ("resumed", "resume", {"training.train_steps": 2 * S, "checkpoints.interval": max(1, S // 2),
-                                   "checkpoints.async_save": True}),
-            ("resumed-async", "resume", {"training.train_steps": 3 * S}),
-            ("compiled", "compiled", {"training.train_steps": COMPILE_STEPS, "training.compile": True})]
+    legs = [
+        ("uninterrupted", "uninterrupted", {"training.train_steps": 3 * S}),
+        ("first", "resume", {"training.train_steps": S, "checkpoints.interval": S}),
+        (
+            "resumed",
+            "resume",
+            {"training.train_steps": 2 * S, "checkpoints.interval": max(1, S // 2), "checkpoints.async_save": True},
+        ),
+        ("resumed-async", "resume", {"training.train_steps": 3 * S}),
+        ("compiled", "compiled", {"training.train_steps": COMPILE_STEPS, "training.compile": True}),
+    ]
     runs: dict[str, dict] = {}
     problems, timed_out = [], False
     for name, run_name, items in legs:
         if name == "compiled" and ws.smoke:
-            out["compile"] = {"status": "skipped", "note": "cpu-smoke: inductor takes ~55 s for the tiny model "
-                                                           "on the CI machine's CPU (> 20 s)"}
+            out["compile"] = {
+                "status": "skipped",
+                "note": "cpu-smoke: inductor takes ~55 s for the tiny model on the CI machine's CPU (> 20 s)",
+            }
             continue
         needs = {"resumed": "first", "resumed-async": "resumed"}.get(name)
         if needs and not runs.get(needs, {}).get("ok"):
@@ -501,8 +588,10 @@ def stage_trainer(check: Check, deadline: float) -> dict:
         fresh = compare(ref, runs["first"]["all_losses"], range(1, S + 1))
         out["fresh_runs"] = fresh  # two runs from scratch: what differs here is nondeterminism
         noise = fresh["max_abs_diff"]
-    for key, name, steps, start in (("resume_sync", "resumed", range(S + 1, 2 * S + 1), S),
-                                    ("resume_async", "resumed-async", range(2 * S + 1, 3 * S + 1), 2 * S)):
+    for key, name, steps, start in (
+        ("resume_sync", "resumed", range(S + 1, 2 * S + 1), S),
+        ("resume_async", "resumed-async", range(2 * S + 1, 3 * S + 1), 2 * S),
+    ):
         if ref and runs.get(name, {}).get("ok"):
             cmp = compare(ref, runs[name]["all_losses"], steps)
             ok, cmp["verdict"] = resume_verdict(cmp, noise, runs[name]["resumed_from_step"], start)
@@ -516,13 +605,23 @@ def stage_trainer(check: Check, deadline: float) -> dict:
         finite = len(rel) == COMPILE_STEPS and all(math.isfinite(got[s]) for s in steps)
         worst = max(rel) if rel and finite else None
         ok = finite and worst <= COMPILE_REL_TOL
-        out["compile"] = {"status": "passed" if ok else "failed", "max_rel_diff_vs_eager": worst,
-                          "losses": [[s, got.get(s)] for s in steps], "eager": [[s, ref.get(s)] for s in steps],
-                          "wall_s": runs["compiled"]["wall_s"], "memory": runs["compiled"].get("memory")}
+        out["compile"] = {
+            "status": "passed" if ok else "failed",
+            "max_rel_diff_vs_eager": worst,
+            "losses": [[s, got.get(s)] for s in steps],
+            "eager": [[s, ref.get(s)] for s in steps],
+            "wall_s": runs["compiled"]["wall_s"],
+            "memory": runs["compiled"].get("memory"),
+        }
         if not ok:
             problems.append(f"compile: losses {out['compile']['losses']} vs eager {out['compile']['eager']}")
-    spans = {"uninterrupted": range(1, 3 * S + 1), "first": range(1, S + 1), "resumed": range(S + 1, 2 * S + 1),
-             "resumed-async": range(2 * S + 1, 3 * S + 1), "compiled": range(1, COMPILE_STEPS + 1)}
+    spans = {
+        "uninterrupted": range(1, 3 * S + 1),
+        "first": range(1, S + 1),
+        "resumed": range(S + 1, 2 * S + 1),
+        "resumed-async": range(2 * S + 1, 3 * S + 1),
+        "compiled": range(1, COMPILE_STEPS + 1),
+    }
     out["runs"] = [leg_summary(r, spans[name]) for name, r in runs.items()]
     if problems:
         status = "timeout" if timed_out else "failed"
@@ -534,9 +633,11 @@ def stage_trainer(check: Check, deadline: float) -> dict:
         notes.append("compile: skipped")
     mem = out.get("memory", {})
     if mem.get("max_memory_allocated_gib") is not None:
-        notes.append(f"peak {mem['max_memory_allocated_gib']} GiB allocated, {mem['max_memory_reserved_gib']} "
-                     f"reserved, {mem.get('device_used_peak_gib')} on the device "
-                     f"(estimate {mem['dry_run_estimate_gib']})")
+        notes.append(
+            f"peak {mem['max_memory_allocated_gib']} GiB allocated, {mem['max_memory_reserved_gib']} "
+            f"reserved, {mem.get('device_used_peak_gib')} on the device "
+            f"(estimate {mem['dry_run_estimate_gib']})"
+        )
     u = runs["uninterrupted"]
     if u.get("mfu") is not None:
         notes.append(f"{u['tokens_per_sec']:,.0f} tokens/s, MFU {100 * u['mfu']:.1f}%")
@@ -552,14 +653,18 @@ def memory_report(run: dict, config_path: Path) -> dict:
     def gib(key: str) -> float | None:
         return round(m[key] / 2**30, 2) if m.get(key) is not None else None
 
-    report = {"dry_run_estimate_gib": round(estimate_memory(load_config(str(config_path))).total / GB, 2),
-              "max_memory_allocated_gib": gib("max_memory_allocated"),
-              "max_memory_reserved_gib": gib("max_memory_reserved"),
-              "device_used_peak_gib": gib("device_used_peak_bytes"), "device_total_gib": gib("device_total_bytes"),
-              "peak_rss_gib": gib("peak_rss_bytes")}
+    report = {
+        "dry_run_estimate_gib": round(estimate_memory(load_config(str(config_path))).total / GB, 2),
+        "max_memory_allocated_gib": gib("max_memory_allocated"),
+        "max_memory_reserved_gib": gib("max_memory_reserved"),
+        "device_used_peak_gib": gib("device_used_peak_bytes"),
+        "device_total_gib": gib("device_total_bytes"),
+        "peak_rss_gib": gib("peak_rss_bytes"),
+    }
     if report["max_memory_allocated_gib"]:
-        report["estimate_over_allocated"] = round(report["dry_run_estimate_gib"]
-                                                  / report["max_memory_allocated_gib"], 3)
+        report["estimate_over_allocated"] = round(
+            report["dry_run_estimate_gib"] / report["max_memory_allocated_gib"], 3
+        )
     return report
 
 
@@ -598,10 +703,13 @@ def task_with_memory(config: str, memory_out: Path) -> None:
         stats = {"device": "cpu", "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             free, total = torch.cuda.mem_get_info(device)
-            stats.update(device=torch.cuda.get_device_name(device),
-                         max_memory_allocated=torch.cuda.max_memory_allocated(device),
-                         max_memory_reserved=torch.cuda.max_memory_reserved(device),
-                         device_used_at_exit_bytes=total - free, **seen)
+            stats.update(
+                device=torch.cuda.get_device_name(device),
+                max_memory_allocated=torch.cuda.max_memory_allocated(device),
+                max_memory_reserved=torch.cuda.max_memory_reserved(device),
+                device_used_at_exit_bytes=total - free,
+                **seen,
+            )
             stats["device_used_peak_bytes"] = max(stats.get("device_used_peak_bytes", 0), total - free)
         memory_out.write_text(json.dumps(stats) + "\n")
 
@@ -653,20 +761,31 @@ def stage_versions(check: Check, deadline: float) -> dict:
     problems += [f"missing {', '.join(missing)} (benchmarks/gpu_wheels.sh, then carry .whl/)"] if missing else []
     if not check.smoke and not gpus:
         problems.append("torch sees no CUDA device")
-    what = (f"python {info.get('python')}, torch {info.get('torch')}, CUDA {info.get('cuda')}, "
-            f"NCCL {info.get('nccl')}, {len(gpus)} x {gpus[0]['name'] if gpus else 'no GPU'}")
+    what = (
+        f"python {info.get('python')}, torch {info.get('torch')}, CUDA {info.get('cuda')}, "
+        f"NCCL {info.get('nccl')}, {len(gpus)} x {gpus[0]['name'] if gpus else 'no GPU'}"
+    )
     if not (info.get("packages") or {}).get("datasets"):
         what += "; no datasets (the check writes the token cache)"
-    return {"status": "failed" if problems else "passed", "rc": r["rc"], "note": "; ".join(problems) or what,
-            "nvidia_smi": smi, **info}
+    return {
+        "status": "failed" if problems else "passed",
+        "rc": r["rc"],
+        "note": "; ".join(problems) or what,
+        "nvidia_smi": smi,
+        **info,
+    }
 
 
 def stage_gpu_tests(check: Check, deadline: float) -> dict:
     if check.smoke:
         return {"status": "skipped", "note": "cpu-smoke: every test in tests/test_gpu.py needs CUDA"}
     xml = check.logs / "gpu_tests.xml"
-    r = check.run([PY, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p", "no:cacheprovider",
-                   f"--junitxml={xml}"], "gpu_tests", deadline, env=check.ws.env)
+    r = check.run(
+        [PY, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p", "no:cacheprovider", f"--junitxml={xml}"],
+        "gpu_tests",
+        deadline,
+        env=check.ws.env,
+    )
     counts = {}
     if xml.is_file():
         suite = ET.parse(xml).getroot()
@@ -675,33 +794,64 @@ def stage_gpu_tests(check: Check, deadline: float) -> dict:
     ran = counts.get("tests", 0) - counts.get("skipped", 0)
     ok = r["rc"] == 0 and ran > 0
     status = "passed" if ok else ("timeout" if r["rc"] == 124 else "failed")
-    note = (f"{ran} passed, {counts.get('skipped', 0)} skipped" if ok else
-            f"rc {r['rc']}: {counts} (see {r['log']})")
+    note = f"{ran} passed, {counts.get('skipped', 0)} skipped" if ok else f"rc {r['rc']}: {counts} (see {r['log']})"
     return {"status": status, "note": note, **r, **counts}
 
 
 def stage_multi_gpu(check: Check, deadline: float) -> dict:
     ws, S, gpus = check.ws, check.ws.steps, check.facts.get("gpus", 0)
     four = gpus >= 4 or check.smoke
-    layout = {"parallelism.dp": 1, "parallelism.tp": 2 if four else 1, "parallelism.pp": 2,
-              "parallelism.pp_engine": "1f1b"}
+    layout = {
+        "parallelism.dp": 1,
+        "parallelism.tp": 2 if four else 1,
+        "parallelism.pp": 2,
+        "parallelism.pp_engine": "1f1b",
+    }
     name = "tp2 x pp2 1f1b" if four else "pp2 1f1b"
     if check.smoke:
         from nanotrain.config import load_config, validate
 
         validate(load_config(str(ws.config("multi-gpu", layout))))
-        return {"status": "skipped", "layout": name,
-                "note": f"cpu-smoke: {name} config validated, not run (4 ranks cost ~20 s on 2 cores)"}
+        return {
+            "status": "skipped",
+            "layout": name,
+            "note": f"cpu-smoke: {name} config validated, not run (4 ranks cost ~20 s on 2 cores)",
+        }
     if gpus < 2:
         return {"status": "skipped", "note": f"{gpus} GPU: NCCL refuses two ranks on one device"}
     ws.token_cache()
-    legs = [("mg-uninterrupted", [str(ws.config("mg-uninterrupted", {
-                "logging.run_name": "mg-uninterrupted", "training.train_steps": 2 * S, **layout})), "--local"]),
-            ("mg-first", [str(ws.config("mg-first", {
-                "logging.run_name": "mg-resume", "training.train_steps": S, "checkpoints.interval": S, **layout})),
-                "--local"]),
-            ("mg-resumed", ["--resume", str(ws.logs / "mg-resume"), "--local",
-                            "--set", f"training.train_steps={2 * S}"])]
+    legs = [
+        (
+            "mg-uninterrupted",
+            [
+                str(
+                    ws.config(
+                        "mg-uninterrupted",
+                        {"logging.run_name": "mg-uninterrupted", "training.train_steps": 2 * S, **layout},
+                    )
+                ),
+                "--local",
+            ],
+        ),
+        (
+            "mg-first",
+            [
+                str(
+                    ws.config(
+                        "mg-first",
+                        {
+                            "logging.run_name": "mg-resume",
+                            "training.train_steps": S,
+                            "checkpoints.interval": S,
+                            **layout,
+                        },
+                    )
+                ),
+                "--local",
+            ],
+        ),
+        ("mg-resumed", ["--resume", str(ws.logs / "mg-resume"), "--local", "--set", f"training.train_steps={2 * S}"]),
+    ]
     runs, problems = {}, []
     for leg, args in legs:
         if runs and not all(r["ok"] for r in runs.values()):
@@ -723,8 +873,11 @@ def stage_multi_gpu(check: Check, deadline: float) -> dict:
         out["resume"] = cmp
         if not ok:
             problems.append(f"resume: {cmp['verdict']}")
-    spans = {"mg-uninterrupted": range(1, 2 * S + 1), "mg-first": range(1, S + 1),
-             "mg-resumed": range(S + 1, 2 * S + 1)}
+    spans = {
+        "mg-uninterrupted": range(1, 2 * S + 1),
+        "mg-first": range(1, S + 1),
+        "mg-resumed": range(S + 1, 2 * S + 1),
+    }
     out["runs"] = [leg_summary(r, spans[leg]) for leg, r in runs.items()]
     shutil.rmtree(ws.logs / "mg-uninterrupted", ignore_errors=True)
     shutil.rmtree(ws.logs / "mg-resume", ignore_errors=True)
@@ -737,12 +890,20 @@ def stage_multi_gpu(check: Check, deadline: float) -> dict:
 def stage_rehearsal(check: Check, deadline: float) -> dict:
     ws, steps = check.ws, 3 * check.ws.steps
     if check.smoke and os.environ.get("GPU_CHECK_SMOKE_REHEARSE") != "1":
-        return {"status": "skipped", "note": "cpu-smoke: a fresh interpreter per rehearsed rank costs 6-20 s on 2 "
-                                             "cores (GPU_CHECK_SMOKE_REHEARSE=1 runs it)"}
+        return {
+            "status": "skipped",
+            "note": "cpu-smoke: a fresh interpreter per rehearsed rank costs 6-20 s on 2 "
+            "cores (GPU_CHECK_SMOKE_REHEARSE=1 runs it)",
+        }
     ws.token_cache()  # submit.py checks the data before anything else
     cfg = ws.config("rehearsal", {"logging.run_name": "rehearsal", "training.train_steps": steps})
-    r = check.run([PY, "submit.py", str(cfg), "--rehearse", "--rank", "0", "--steps", str(steps), "--json"],
-                  "rehearsal", deadline, env=ws.env, fork=True)
+    r = check.run(
+        [PY, "submit.py", str(cfg), "--rehearse", "--rank", "0", "--steps", str(steps), "--json"],
+        "rehearsal",
+        deadline,
+        env=ws.env,
+        fork=True,
+    )
     text = check.log_text("rehearsal")
     if r["rc"] == 2 and "unrecognized arguments" in text and "--rehearse" in text:
         return {"status": "unavailable", "note": "submit.py has no --rehearse yet", **r}
@@ -755,10 +916,16 @@ def stage_rehearsal(check: Check, deadline: float) -> dict:
     peak = rank.get("peak_bytes") or rank.get("peak") or {}  # "peak": what --rehearse prints today
     real = check.facts.get("reference_memory", {}).get("max_memory_allocated")
     ratio = round(peak["total"] / real, 3) if real and peak.get("total") else None
-    out = {"rehearsed_peak_bytes": peak, "real_max_memory_allocated": real, "rehearsed_over_real": ratio,
-           "defects": result.get("defects", []), "ok_reported": result.get("ok")}
+    out = {
+        "rehearsed_peak_bytes": peak,
+        "real_max_memory_allocated": real,
+        "rehearsed_over_real": ratio,
+        "defects": result.get("defects", []),
+        "ok_reported": result.get("ok"),
+    }
     note = f"rehearsed peak {peak.get('total', 0) / 2**30:.2f} GiB" + (
-        f" = {ratio} x the real max_memory_allocated" if ratio else " (no real CUDA peak to compare)")
+        f" = {ratio} x the real max_memory_allocated" if ratio else " (no real CUDA peak to compare)"
+    )
     if not result.get("ok"):
         return {"status": "failed", "note": f"rehearsal reports defects: {result.get('defects')}", **r, **out}
     return {"status": "passed", "note": note, **r, **out}
@@ -776,10 +943,18 @@ def stage_bench(check: Check, deadline: float) -> dict:
             notes.append(f"{name}: no time left")
             continue
         result_path = check.logs / f"{name}.json"
-        args = (["--cpu-smoke", "--seq", "128", "--micro-batch", "2", "--steps", "2", "--warmup", "1"] if check.smoke
-                else ["--steps", "8", "--warmup", "2"])
-        r = check.run([PY, "benchmarks/gpu_train_bench.py", *args, *extra, "--out", str(result_path)], name, deadline,
-                      env=check.ws.env, fork=True)
+        args = (
+            ["--cpu-smoke", "--seq", "128", "--micro-batch", "2", "--steps", "2", "--warmup", "1"]
+            if check.smoke
+            else ["--steps", "8", "--warmup", "2"]
+        )
+        r = check.run(
+            [PY, "benchmarks/gpu_train_bench.py", *args, *extra, "--out", str(result_path)],
+            name,
+            deadline,
+            env=check.ws.env,
+            fork=True,
+        )
         res = json.loads(result_path.read_text()) if r["rc"] == 0 and result_path.is_file() else None
         out[name] = {**r, "result": res}
         if res is None:
@@ -789,18 +964,27 @@ def stage_bench(check: Check, deadline: float) -> dict:
     return {"status": "passed", "note": "; ".join(notes), **out}
 
 
-STAGES = [("versions", stage_versions), ("gpu-tests", stage_gpu_tests), ("trainer", stage_trainer),
-          ("multi-gpu", stage_multi_gpu), ("rehearsal", stage_rehearsal), ("bench", stage_bench)]
+STAGES = [
+    ("versions", stage_versions),
+    ("gpu-tests", stage_gpu_tests),
+    ("trainer", stage_trainer),
+    ("multi-gpu", stage_multi_gpu),
+    ("rehearsal", stage_rehearsal),
+    ("bench", stage_bench),
+]
 
 
 def table(summary: dict) -> str:
     rows = [("stage", "status", "wall s", "limit s", "")]
-    rows += [(s["name"], s["status"], f"{s['wall_s']:.0f}", str(s["limit_s"]), s.get("note", ""))
-             for s in summary["stages"]]
+    rows += [
+        (s["name"], s["status"], f"{s['wall_s']:.0f}", str(s["limit_s"]), s.get("note", "")) for s in summary["stages"]
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
-    lines.append(f"{summary['elapsed_s']:.0f} s of {summary['budget_s']:.0f}: "
-                 f"{'every stage that ran passed' if summary['ok'] else 'FAILED'}")
+    lines.append(
+        f"{summary['elapsed_s']:.0f} s of {summary['budget_s']:.0f}: "
+        f"{'every stage that ran passed' if summary['ok'] else 'FAILED'}"
+    )
     return "\n".join(lines)
 
 

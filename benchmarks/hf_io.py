@@ -9,6 +9,7 @@ peak includes the model itself (fp32 parameters), so the table shows both. No Py
 equivalent exists (transformers' ``save_pretrained`` needs the whole model in memory, which is
 the thing export avoids), so there is no ratio column.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,15 +25,28 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SIZES = {  # (hidden, intermediate, layers, heads, kv heads, vocab)
-    "100m": dict(hidden_size=768, intermediate_size=2048, num_layers=12, num_attention_heads=12,
-                 num_key_value_heads=4, vocab_size=32000),
-    "1b": dict(hidden_size=2048, intermediate_size=5632, num_layers=22, num_attention_heads=32,  # TinyLlama
-               num_key_value_heads=4, vocab_size=32000),
+    "100m": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_layers=22,
+        num_attention_heads=32,  # TinyLlama
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
 }
 
 
 def _args(size: str):
     from nanotrain.config import ModelArgs
+
     return ModelArgs(**SIZES[size], max_position_embeddings=2048, dtype="float32")
 
 
@@ -59,6 +73,7 @@ def prepare(size: str, ckpt_root: str) -> dict:
 
 def export(ckpt_root: str, out: str, dtype: str) -> dict:
     from nanotrain.hf.export import export_hf
+
     result = export_hf(ckpt_root, out, dtype)
     return {"seconds": result["seconds"], "bytes": result["bytes"], "peak_mb": _peak_mb()}
 
@@ -72,8 +87,13 @@ def import_(size: str, hf_dir: str) -> dict:
     before = _peak_mb()
     result = load_hf_weights(hf_dir, model, args)
     model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    return {"seconds": result["seconds"], "bytes": result["bytes"], "peak_mb": _peak_mb(),
-            "peak_before_load_mb": before, "model_mb": model_mb}
+    return {
+        "seconds": result["seconds"],
+        "bytes": result["bytes"],
+        "peak_mb": _peak_mb(),
+        "peak_before_load_mb": before,
+        "model_mb": model_mb,
+    }
 
 
 def _child(*argv: str) -> dict:
@@ -107,13 +127,17 @@ def main() -> int:
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"| model | params | export {args.dtype} s | export MB written | export peak RSS MB | import s | "
-          "import peak RSS MB | of which the model's fp32 parameters MB | RSS before the load MB |")
+    print(
+        f"| model | params | export {args.dtype} s | export MB written | export peak RSS MB | import s | "
+        "import peak RSS MB | of which the model's fp32 parameters MB | RSS before the load MB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for size, params, exp, imp in rows:
-        print(f"| {size} | {params / 1e6:.1f} M | {exp['seconds']:.1f} | {exp['bytes'] / 1e6:.0f} | "
-              f"{exp['peak_mb']:.0f} | {imp['seconds']:.1f} | {imp['peak_mb']:.0f} | {imp['model_mb']:.0f} | "
-              f"{imp['peak_before_load_mb']:.0f} |")
+        print(
+            f"| {size} | {params / 1e6:.1f} M | {exp['seconds']:.1f} | {exp['bytes'] / 1e6:.0f} | "
+            f"{exp['peak_mb']:.0f} | {imp['seconds']:.1f} | {imp['peak_mb']:.0f} | {imp['model_mb']:.0f} | "
+            f"{imp['peak_before_load_mb']:.0f} |"
+        )
     return 0
 
 

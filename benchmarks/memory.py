@@ -19,6 +19,7 @@ with the ratio estimate / measured (target: within 15%). Then the time per step 
 one process (CPU seconds, median of timed steps, modes interleaved), as a ratio to ``none``
 (targets: full <= 1.40, selective <= 1.15).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,9 +48,17 @@ from nanotrain.training.step import train_step  # noqa: E402
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
 MODES = ("none", "selective", "full")
 # A model whose layers, not its head, hold most of the activations (as in real models).
-BASE = ["model.hidden_size=64", "model.intermediate_size=256", "model.num_layers=4", "model.vocab_size=256",
-        "training.sequence_length=128", "model.max_position_embeddings=128", "parallelism.dp=1",
-        "training.micro_batch_size=2", "training.batch_accumulation_per_replica=4"]
+BASE = [
+    "model.hidden_size=64",
+    "model.intermediate_size=256",
+    "model.num_layers=4",
+    "model.vocab_size=256",
+    "training.sequence_length=128",
+    "model.max_position_embeddings=128",
+    "parallelism.dp=1",
+    "training.micro_batch_size=2",
+    "training.batch_accumulation_per_replica=4",
+]
 LAYOUTS = {
     "1 proc": ["parallelism.tp=1", "parallelism.pp=1"],
     "1 proc mb4 bf16": ["parallelism.tp=1", "parallelism.pp=1", "training.micro_batch_size=4", "model.dtype=bfloat16"],
@@ -57,11 +66,20 @@ LAYOUTS = {
     "tp2 seq-par": ["parallelism.tp=2", "parallelism.pp=1", "parallelism.tp_mode=REDUCE_SCATTER"],
     "pp2 1f1b": ["parallelism.tp=1", "parallelism.pp=2"],
     "pp2 afab": ["parallelism.tp=1", "parallelism.pp=2", "parallelism.pp_engine=afab"],
-    "pp2 interleaved v2": ["parallelism.tp=1", "parallelism.pp=2", "parallelism.pp_engine=interleaved_1f1b",
-                           "parallelism.pp_virtual_stages=2"],
+    "pp2 interleaved v2": [
+        "parallelism.tp=1",
+        "parallelism.pp=2",
+        "parallelism.pp_engine=interleaved_1f1b",
+        "parallelism.pp_virtual_stages=2",
+    ],
     "cp2": ["parallelism.tp=1", "parallelism.pp=1", "parallelism.cp=2"],
-    "cp2 tp2 seq-par zero1": ["parallelism.tp=2", "parallelism.pp=1", "parallelism.cp=2",
-                              "parallelism.tp_mode=REDUCE_SCATTER", "optimizer.zero_stage=1"],
+    "cp2 tp2 seq-par zero1": [
+        "parallelism.tp=2",
+        "parallelism.pp=1",
+        "parallelism.cp=2",
+        "parallelism.tp_mode=REDUCE_SCATTER",
+        "optimizer.zero_stage=1",
+    ],
     "tp2 pp2 bf16": ["parallelism.tp=2", "parallelism.pp=2", "model.dtype=bfloat16"],
 }
 QUICK = ("1 proc", "tp2 seq-par", "pp2 1f1b", "cp2")
@@ -121,6 +139,7 @@ def peak_saved_bytes(model, step) -> int:
 
 def state_bytes(model, optimizer) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer-state) bytes of this rank, each storage once."""
+
     def unique(tensors) -> int:
         seen = {}
         for t in tensors:
@@ -159,8 +178,17 @@ def _measure(config, pc, steps: int) -> dict:
     micro = micro_batches(config)
 
     def step():
-        return train_step(model, micro, grad_sync, optimizer, scheduler, pc, config.optimizer.clip_grad,
-                          engine, model.pipeline_message(t.micro_batch_size, t.sequence_length))
+        return train_step(
+            model,
+            micro,
+            grad_sync,
+            optimizer,
+            scheduler,
+            pc,
+            config.optimizer.clip_grad,
+            engine,
+            model.pipeline_message(t.micro_batch_size, t.sequence_length),
+        )
 
     step()  # warm-up: optimizer states exist, caches are built
     if engine is None:
@@ -187,14 +215,21 @@ def config_for(layout: str, mode: str, extra=()):
 def worker(payload: dict) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    results = {mode: measure(config_for(payload["layout"], mode, payload.get("extra", ())), payload["steps"])
-               for mode in MODES}
+    results = {
+        mode: measure(config_for(payload["layout"], mode, payload.get("extra", ())), payload["steps"]) for mode in MODES
+    }
     destroy_process_groups()
     return results
 
 
-TIMING = ["model.hidden_size=256", "model.intermediate_size=1024", "training.sequence_length=256",
-          "model.max_position_embeddings=256", "model.num_attention_heads=8", "model.num_key_value_heads=4"]
+TIMING = [
+    "model.hidden_size=256",
+    "model.intermediate_size=1024",
+    "training.sequence_length=256",
+    "model.max_position_embeddings=256",
+    "model.num_attention_heads=8",
+    "model.num_key_value_heads=4",
+]
 
 
 def time_modes(extra: list[str], steps: int) -> dict:
@@ -227,8 +262,12 @@ def time_modes(extra: list[str], steps: int) -> dict:
 
 def estimate_row(config) -> dict:
     est = estimate_memory(config)
-    return {"saved": est.saved_activations * GB, "params": est.weights * GB, "grads": est.grads * GB,
-            "optimizer": est.optimizer * GB}
+    return {
+        "saved": est.saved_activations * GB,
+        "params": est.weights * GB,
+        "grads": est.grads * GB,
+        "optimizer": est.optimizer * GB,
+    }
 
 
 def run_layout(layout: str, steps: int, extra=()) -> dict:
@@ -244,8 +283,10 @@ def main() -> int:
     layouts = () if opts.timing_only else QUICK if opts.quick else tuple(LAYOUTS)
     t0 = time.perf_counter()
     worst = 0.0
-    print("| layout | recompute | saved MB measured | estimate | ratio | params+grads+optimizer MB measured | "
-          "estimate | ratio |")
+    print(
+        "| layout | recompute | saved MB measured | estimate | ratio | params+grads+optimizer MB measured | "
+        "estimate | ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for layout in layouts:
         measured = run_layout(layout, 1)
@@ -254,14 +295,18 @@ def main() -> int:
             state_m = m["params"] + m["grads"] + m["optimizer"]
             state_e = e["params"] + e["grads"] + e["optimizer"]
             worst = max(worst, abs(e["saved"] / m["saved"] - 1), abs(state_e / state_m - 1))
-            print(f"| {layout} | {mode} | {m['saved'] / 2**20:.2f} | {e['saved'] / 2**20:.2f} | "
-                  f"{e['saved'] / m['saved']:.3f} | {state_m / 2**20:.2f} | {state_e / 2**20:.2f} | "
-                  f"{state_e / state_m:.3f} |")
+            print(
+                f"| {layout} | {mode} | {m['saved'] / 2**20:.2f} | {e['saved'] / 2**20:.2f} | "
+                f"{e['saved'] / m['saved']:.3f} | {state_m / 2**20:.2f} | {state_e / 2**20:.2f} | "
+                f"{state_e / state_m:.3f} |"
+            )
     # Time per step on one process, a model whose matmuls dominate (hidden 256, seq 256).
     steps = 3 if opts.quick else 8
     timing = time_modes(TIMING, steps)
-    print(f"\nTime per step, one process, hidden 256, 4 layers, seq 256, 4 micro-batches of 2: CPU seconds of "
-          f"this process (not wall: the machine is shared), median of {steps}, the modes interleaved step by step:\n")
+    print(
+        f"\nTime per step, one process, hidden 256, 4 layers, seq 256, 4 micro-batches of 2: CPU seconds of "
+        f"this process (not wall: the machine is shared), median of {steps}, the modes interleaved step by step:\n"
+    )
     print("| recompute | CPU s/step | vs none | saved MB | vs none | target |")
     print("|---|---|---|---|---|---|")
     targets = {"none": 1.0, "selective": 1.15, "full": 1.40}
@@ -270,10 +315,14 @@ def main() -> int:
         r, base = timing[mode], timing["none"]
         ratio = r["step_s"] / base["step_s"]
         met &= ratio <= targets[mode]
-        print(f"| {mode} | {r['step_s']:.3f} | {ratio:.2f} | {r['saved'] / 2**20:.1f} | "
-              f"{r['saved'] / base['saved']:.2f} | <= {targets[mode]:.2f} |")
-    print(f"\nworst estimate error {100 * worst:.1f}% (target 15%); {os.cpu_count()} CPU cores, gloo, 1 thread per "
-          f"rank; {time.perf_counter() - t0:.0f} s")
+        print(
+            f"| {mode} | {r['step_s']:.3f} | {ratio:.2f} | {r['saved'] / 2**20:.1f} | "
+            f"{r['saved'] / base['saved']:.2f} | <= {targets[mode]:.2f} |"
+        )
+    print(
+        f"\nworst estimate error {100 * worst:.1f}% (target 15%); {os.cpu_count()} CPU cores, gloo, 1 thread per "
+        f"rank; {time.perf_counter() - t0:.0f} s"
+    )
     return 0 if met else 1
 
 

@@ -15,6 +15,7 @@ loss, which must equal the one process's (a benchmark of a wrong computation is 
 PyTorch has no native MoE / expert-parallel module to run side by side (torchtitan builds its own
 on DTensor and CUDA grouped GEMMs), so dp2 — the layout ep competes with — is the baseline.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,16 @@ from nanotrain.parallel.parallel_context import ParallelContext, destroy_process
 from nanotrain.training.step import train_step  # noqa: E402
 
 MOE = dict(num_experts=8, top_k=2, expert_intermediate_size=256, aux_loss_coef=0.01)
-MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, max_position_embeddings=1024, dtype="float32")
+MODEL = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+    dtype="float32",
+)
 SEQUENCES = 4  # per step, global
 
 
@@ -59,6 +68,7 @@ class A2ATimer:
                 return self._orig(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t0
+
         dist.all_to_all_single = timed
         return self
 
@@ -68,8 +78,9 @@ class A2ATimer:
 
 def measure(layout: str, seq: int, steps: int, warmup: int) -> dict:
     world = dist.get_world_size()
-    pc = ParallelContext(expert_parallel_size=world if layout == "ep2" else 1,
-                         data_parallel_size=world if layout == "dp2" else 1)
+    pc = ParallelContext(
+        expert_parallel_size=world if layout == "ep2" else 1, data_parallel_size=world if layout == "dp2" else 1
+    )
     try:
         return _measure(pc, seq, steps, warmup)
     finally:
@@ -103,10 +114,14 @@ def _measure(pc, seq: int, steps: int, warmup: int) -> dict:
             times.append(max_over_ranks(elapsed))
             shares.append(max_over_ranks(a2a.seconds / elapsed))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"tokens_per_s": SEQUENCES * seq / statistics.median(times), "a2a_share": statistics.median(shares),
-            "imbalance": max_over_ranks(imbalance), "param_bytes": max_over_ranks(params),
-            "activation_bytes": max_over_ranks(activation),
-            "first_loss": first_loss}
+    return {
+        "tokens_per_s": SEQUENCES * seq / statistics.median(times),
+        "a2a_share": statistics.median(shares),
+        "imbalance": max_over_ranks(imbalance),
+        "param_bytes": max_over_ranks(params),
+        "activation_bytes": max_over_ranks(activation),
+        "first_loss": first_loss,
+    }
 
 
 def worker(payload: dict) -> dict:
@@ -125,23 +140,31 @@ def main() -> int:
     steps, warmup = (2, 1) if opts.quick else (6, 2)
     t0 = time.perf_counter()
     layouts = {"ep1": 1, "ep2": 2, "dp2": 2}
-    results = {name: run_workers(__file__, world, {"layout": name, "seq": opts.seq, "steps": steps, "warmup": warmup})
-               for name, world in layouts.items()}
-    print(f"\nExpert parallelism — MoE Llama ({MODEL['num_layers']} layers, hidden {MODEL['hidden_size']}, "
-          f"{MOE['num_experts']} experts top-{MOE['top_k']}, expert width {MOE['expert_intermediate_size']}), "
-          f"{SEQUENCES} x {opts.seq} tokens per step, gloo, 1 thread per rank, {os.cpu_count()} CPU cores; "
-          f"median of {steps} steps after {warmup} warm-up; {time.perf_counter() - t0:.0f} s\n")
-    print("| layout | tokens/s | vs dp2 | all-to-all share | load max/mean | param MB per rank "
-          "| activation MB per rank | first loss | same loss |")
+    results = {
+        name: run_workers(__file__, world, {"layout": name, "seq": opts.seq, "steps": steps, "warmup": warmup})
+        for name, world in layouts.items()
+    }
+    print(
+        f"\nExpert parallelism — MoE Llama ({MODEL['num_layers']} layers, hidden {MODEL['hidden_size']}, "
+        f"{MOE['num_experts']} experts top-{MOE['top_k']}, expert width {MOE['expert_intermediate_size']}), "
+        f"{SEQUENCES} x {opts.seq} tokens per step, gloo, 1 thread per rank, {os.cpu_count()} CPU cores; "
+        f"median of {steps} steps after {warmup} warm-up; {time.perf_counter() - t0:.0f} s\n"
+    )
+    print(
+        "| layout | tokens/s | vs dp2 | all-to-all share | load max/mean | param MB per rank "
+        "| activation MB per rank | first loss | same loss |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     ref, dp2 = results["ep1"], results["dp2"]
     same_everywhere = True
     for name, r in results.items():
         same = same_loss(r["first_loss"], ref["first_loss"])
         same_everywhere &= same
-        print(f"| {name} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / dp2['tokens_per_s']:.2f} | "
-              f"{r['a2a_share']:.1%} | {r['imbalance']:.2f} | {r['param_bytes'] / 2**20:.2f} | "
-              f"{r['activation_bytes'] / 2**20:.1f} | {r['first_loss']:.6f} | {'yes' if same else 'NO'} |")
+        print(
+            f"| {name} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / dp2['tokens_per_s']:.2f} | "
+            f"{r['a2a_share']:.1%} | {r['imbalance']:.2f} | {r['param_bytes'] / 2**20:.2f} | "
+            f"{r['activation_bytes'] / 2**20:.1f} | {r['first_loss']:.6f} | {'yes' if same else 'NO'} |"
+        )
     return 0 if same_everywhere else 1
 
 

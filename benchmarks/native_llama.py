@@ -21,6 +21,7 @@ the way the native parallel APIs expect it:
 full tensors from the same (seed, name) generators, fused ones split into their parts), so both
 sides start from bit-identical weights and their first losses agree to rounding.
 """
+
 from __future__ import annotations
 
 import copy
@@ -144,7 +145,7 @@ def init_like_nanotrain(model: NativeLlama, seed: int) -> None:
             a, f = layer.attention, layer.feed_forward
             q, kv = a.wq.out_features, a.wk.out_features
             qkv = draw(f"layers.{i}.attn.qkv.weight", (q + 2 * kv, h), std)
-            a.wq.weight.copy_(qkv[:q]), a.wk.weight.copy_(qkv[q:q + kv]), a.wv.weight.copy_(qkv[q + kv:])
+            a.wq.weight.copy_(qkv[:q]), a.wk.weight.copy_(qkv[q : q + kv]), a.wv.weight.copy_(qkv[q + kv :])
             a.wo.weight.copy_(draw(f"layers.{i}.attn.o_proj.weight", (h, q), scaled))
             ffn = f.w1.out_features
             gate_up = draw(f"layers.{i}.mlp.gate_up.weight", (2 * ffn, h), std)
@@ -177,31 +178,40 @@ def apply_tp(model: NativeLlama, tp_mesh, sequence_parallel: bool, loss_parallel
     sp = sequence_parallel
     top = {}
     if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
-                                                output_layouts=Shard(1) if sp else Replicate())
+        top["tok_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()
+        )
     if model.norm is not None and sp:
         top["norm"] = SequenceParallel()
     if model.output is not None:
-        top["output"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
-                                        output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                        use_local_output=not loss_parallel)
+        top["output"] = ColwiseParallel(
+            input_layouts=Shard(1) if sp else Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
     if top:
         parallelize_module(model, tp_mesh, top)
     for layer in model.layers.values():
         plan = {
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel(),
         }
         if sp:
-            plan.update({
-                "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                desired_input_layouts=(Replicate(), None, None)),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            })
+            plan.update(
+                {
+                    "attention_norm": SequenceParallel(),
+                    "ffn_norm": SequenceParallel(),
+                    "attention": PrepareModuleInput(
+                        input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                    ),
+                    "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                }
+            )
         parallelize_module(layer, tp_mesh, plan)
     return model
 

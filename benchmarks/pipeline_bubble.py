@@ -15,6 +15,7 @@ Caveat on small machines: with more stages than cores (pp 4 on 2 cores) ranks sh
 compute slows down while neighbours compute and the measured bubble understates the idle time a
 rank would see with a core (or GPU) of its own.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_launch import entry, run_workers  # noqa: E402
 
-MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=8, num_attention_heads=8,
-             num_key_value_heads=4, max_position_embeddings=64)
+MODEL = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+)
 SEQ, MICRO_BATCH, VIRTUAL = 64, 2, 2
 ENGINES = ("afab", "1f1b", "interleaved_1f1b")
 
@@ -117,13 +125,28 @@ def main() -> None:
         configs = [(e, m) for e in ENGINES for m in opts.m if not (e == "interleaved_1f1b" and m % pp)]
         for engine_name, m, r in launch(pp, configs, steps, warmup):
             theory = theoretical_bubble(engine_name, pp, m, r["v"])
-            rows.append((pp, engine_name, r["v"], m, tokens[m] / r["step_s"], statistics.mean(r["bubble"]),
-                         max(r["bubble"]), theory, r["live_stage0"]))
-    print(f"\nPipeline bubble — tiny Llama ({MODEL['num_layers']} layers, hidden {MODEL['hidden_size']}, "
-          f"seq {SEQ}, micro-batch {MICRO_BATCH}), gloo, 1 thread per stage, {os.cpu_count()} CPU cores; "
-          f"median of {steps} steps after {warmup} warm-up; {time.perf_counter() - t0:.0f} s\n")
-    print("| pp | engine | v | m | tokens/s | bubble measured (mean of stages) | worst stage | "
-          "theoretical | peak live micro-batches (stage 0) |")
+            rows.append(
+                (
+                    pp,
+                    engine_name,
+                    r["v"],
+                    m,
+                    tokens[m] / r["step_s"],
+                    statistics.mean(r["bubble"]),
+                    max(r["bubble"]),
+                    theory,
+                    r["live_stage0"],
+                )
+            )
+    print(
+        f"\nPipeline bubble — tiny Llama ({MODEL['num_layers']} layers, hidden {MODEL['hidden_size']}, "
+        f"seq {SEQ}, micro-batch {MICRO_BATCH}), gloo, 1 thread per stage, {os.cpu_count()} CPU cores; "
+        f"median of {steps} steps after {warmup} warm-up; {time.perf_counter() - t0:.0f} s\n"
+    )
+    print(
+        "| pp | engine | v | m | tokens/s | bubble measured (mean of stages) | worst stage | "
+        "theoretical | peak live micro-batches (stage 0) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for pp, name, v, m, tps, mean_b, max_b, theory, live in rows:
         print(f"| {pp} | {name} | {v} | {m} | {tps:,.0f} | {mean_b:.2f} | {max_b:.2f} | {theory:.2f} | {live} |")

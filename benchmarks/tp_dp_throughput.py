@@ -9,6 +9,7 @@ Each layout is a fresh set of local processes (1 thread per rank); layouts run a
 (A B C A B C ...) and the median over repeats is reported. A step is timed from a barrier to the
 slowest rank's end (all-reduce MAX), after warm-up steps.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,7 @@ LAYOUTS = [  # name, dp, tp, mode, async
 SEQ, GLOBAL_SEQS = 64, 16
 
 
-def worker(dp: int, tp: int, mode: str, async_comm: bool, steps: int, warmup: int, micro_batch: int,
-           out: str) -> None:
+def worker(dp: int, tp: int, mode: str, async_comm: bool, steps: int, warmup: int, micro_batch: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -57,7 +57,7 @@ def worker(dp: int, tp: int, mode: str, async_comm: bool, steps: int, warmup: in
     times, losses = [], []
     for step in range(warmup + steps):
         batch = torch.randint(0, config.model.vocab_size, (GLOBAL_SEQS, SEQ + 1), generator=gen)
-        mine = batch[pc.dp_rank * per_replica:(pc.dp_rank + 1) * per_replica]
+        mine = batch[pc.dp_rank * per_replica : (pc.dp_rank + 1) * per_replica]
         micro = [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(micro_batch)]
         dist.barrier()
         start = time.perf_counter()
@@ -78,8 +78,19 @@ def run_layout(dp, tp, mode, async_comm, steps, warmup, micro_batch) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        command = [sys.executable, __file__, "--worker", str(dp), str(tp), mode, str(int(async_comm)),
-                   str(steps), str(warmup), str(micro_batch), str(out)]
+        command = [
+            sys.executable,
+            __file__,
+            "--worker",
+            str(dp),
+            str(tp),
+            mode,
+            str(int(async_comm)),
+            str(steps),
+            str(warmup),
+            str(micro_batch),
+            str(out),
+        ]
         status = run_local(command, dp * tp, Path(tmp) / "logs", quiet=True)
         if status != 0:
             raise RuntimeError(f"layout dp{dp} tp{tp} {mode} failed: see logs")
@@ -95,8 +106,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--micro-batch", type=int, default=8,
-                        help="sequences per micro-batch (16 sequences per step in all)")
+    parser.add_argument(
+        "--micro-batch", type=int, default=8, help="sequences per micro-batch (16 sequences per step in all)"
+    )
     args = parser.parse_args()
     medians: dict[str, list[float]] = {name: [] for name, *_ in LAYOUTS}
     first_loss: dict[str, float] = {}
@@ -112,8 +124,10 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for name, dp, tp, *_ in LAYOUTS:
         step = statistics.median(medians[name])
-        print(f"| {name} | {dp * tp} | {step * 1e3:.0f} | {tokens / step:,.0f} | {base / step:.2f} | "
-              f"{first_loss[name]:.6f} |")
+        print(
+            f"| {name} | {dp * tp} | {step * 1e3:.0f} | {tokens / step:,.0f} | {base / step:.2f} | "
+            f"{first_loss[name]:.6f} |"
+        )
     return 0
 
 

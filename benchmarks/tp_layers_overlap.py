@@ -6,6 +6,7 @@ Prints the median ms per fwd+bwd (MAX over ranks) for each mode with async off/o
 Gloo runs collectives on a background thread, so overlap is real when a core is free for it; with
 1 compute thread per rank and ranks <= cores it can hide part of the communication.
 """
+
 import os
 import statistics
 import sys
@@ -45,8 +46,11 @@ def main():
     for mode in ("ALL_REDUCE", "REDUCE_SCATTER"):
         sync, asyn = bench(pc, mode, False, S, B, H, Fdim), bench(pc, mode, True, S, B, H, Fdim)
         if pc.world_rank == 0:
-            print(f"tp={pc.tp_size} {mode:15s} S={S} B={B} H={H} F={Fdim}: sync {sync:7.1f} ms, "
-                  f"async {asyn:7.1f} ms, async/sync {asyn / sync:.2f}", flush=True)
+            print(
+                f"tp={pc.tp_size} {mode:15s} S={S} B={B} H={H} F={Fdim}: sync {sync:7.1f} ms, "
+                f"async {asyn:7.1f} ms, async/sync {asyn / sync:.2f}",
+                flush=True,
+            )
     pc.destroy()
 
 

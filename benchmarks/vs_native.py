@@ -26,6 +26,7 @@ The shared harness (settings, timing loop, meters) is ``bench_common.py``, the t
 ``bench_sides.py``, the checkpoint rows ``bench_checkpoint.py``; this file holds the jobs, the
 launcher and the report, and is the entry point.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,7 +79,7 @@ def _tp_memory(b: Bench, ours: Ours, native: NativeFlat) -> tuple[float, float]:
     from native_llama import cross_entropy
     from torch.distributed.tensor.parallel import loss_parallel
 
-    (x, y), = micro_batches(b.batch(0), 0, 1, GLOBAL_SEQS)[:1]
+    ((x, y),) = micro_batches(b.batch(0), 0, 1, GLOBAL_SEQS)[:1]
     x, y = x[:MICRO_SEQS], y[:MICRO_SEQS]
     with SavedBytes([ours.model]) as meter_ours:
         loss = ours.model(x, y)
@@ -94,10 +95,16 @@ def job_tp2(b: Bench, mode: str) -> list[dict]:
     ours, native = Ours(b, tp=2, mode=mode), NativeFlat(b, tp=2, sequence_parallel=sp)
     r = b.alternate({"ours": ours.step, "native": native.step})
     mem_ours, mem_native = _tp_memory(b, ours, native)
-    name = ("tp2 REDUCE_SCATTER vs Colwise/Rowwise + SequenceParallel" if sp
-            else "tp2 ALL_REDUCE vs Colwise/Rowwise (DTensor)")
-    return [b.throughput_row(name, r, GLOBAL_SEQS * SEQ, 1.3, activation_bytes_ours=mem_ours,
-                             activation_bytes_native=mem_native)]
+    name = (
+        "tp2 REDUCE_SCATTER vs Colwise/Rowwise + SequenceParallel"
+        if sp
+        else "tp2 ALL_REDUCE vs Colwise/Rowwise (DTensor)"
+    )
+    return [
+        b.throughput_row(
+            name, r, GLOBAL_SEQS * SEQ, 1.3, activation_bytes_ours=mem_ours, activation_bytes_native=mem_native
+        )
+    ]
 
 
 def job_tp2_ar(b: Bench) -> list[dict]:
@@ -123,16 +130,22 @@ def job_pp2(b: Bench, schedule: str) -> list[dict]:
         live_afab = max_over_ranks(afab.engine.last_stats.peak_live_microbatches)
         mem = {
             "name": f"memory: peak activation bytes, 1f1b vs afab (pp2, m={PP_M}, worst stage)",
-            "ours": peak_1f1b, "native": peak_afab, "unit": "bytes", "ratio": round(peak_1f1b / peak_afab, 3),
-            "target": round(2 / PP_M, 3), "lower_is_better": True, "same_loss": None,
+            "ours": peak_1f1b,
+            "native": peak_afab,
+            "unit": "bytes",
+            "ratio": round(peak_1f1b / peak_afab, 3),
+            "target": round(2 / PP_M, 3),
+            "lower_is_better": True,
+            "same_loss": None,
             "columns": ["nanotrain 1f1b", "nanotrain afab"],
             "peak_live_microbatches": [live_1f1b, live_afab],
             "note": "engine instrumentation (saved-for-backward bytes of in-flight micro-batches); "
-                    f"target = pp/m = 2/{PP_M}",
+            f"target = pp/m = 2/{PP_M}",
         }
         return [row, mem]
-    return [b.throughput_row(f"pp2 interleaved_1f1b v=2 m={PP_M} vs ScheduleInterleaved1F1B", r,
-                             GLOBAL_SEQS * SEQ, 1.0)]
+    return [
+        b.throughput_row(f"pp2 interleaved_1f1b v=2 m={PP_M} vs ScheduleInterleaved1F1B", r, GLOBAL_SEQS * SEQ, 1.0)
+    ]
 
 
 def job_pp2_1f1b(b: Bench) -> list[dict]:
@@ -148,8 +161,14 @@ def job_3d(b: Bench) -> list[dict]:
     ours = Ours(b, dp=2, tp=2, pp=2, engine="1f1b", micro=GLOBAL_SEQS // 2 // m)
     native = NativePipeline(b, ours.layer_stages(), pp=2, v=1, m=m, dp=2, tp=2, dp_kind="replicate")
     r = b.alternate({"ours": ours.step, "native": native.step})
-    return [b.throughput_row("dp2·tp2·pp2 (1f1b, m=4) vs DeviceMesh + DTensor TP + pipelining + FSDP2 replicate",
-                             r, GLOBAL_SEQS * SEQ, 1.2)]
+    return [
+        b.throughput_row(
+            "dp2·tp2·pp2 (1f1b, m=4) vs DeviceMesh + DTensor TP + pipelining + FSDP2 replicate",
+            r,
+            GLOBAL_SEQS * SEQ,
+            1.2,
+        )
+    ]
 
 
 # name: (world size, function). Run in this order; a job is one launch.
@@ -177,6 +196,7 @@ def worker(job: str, reps: int, steps: int, warmup: int, out: str) -> None:
     torch.set_num_threads(1)
     os.environ["NANOTRAIN_BENCH_JOB"] = job
     import warnings
+
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     preimport()
@@ -233,13 +253,18 @@ def markdown(rows: list[dict], meta: dict) -> str:
         target = "—" if r.get("target") is None else (("≤ " if r.get("lower_is_better") else "≥ ") + f"{r['target']}")
         name = r["name"] + (f" ({r['columns'][0]} / {r['columns'][1]})" if r.get("columns") else "")
         same = "—" if r.get("same_loss") is None else ("yes" if r["same_loss"] else "**NO**")
-        lines.append(f"| {name} | {fmt_value(r['ours'], r['unit'])} | {fmt_value(r['native'], r['unit'])} | "
-                     f"{r['unit']} | {r['ratio']} | {r.get('ratio_paired', '—')} | {target} | {met(r)} | {same} |")
-    lines += ["", "ratio = nanotrain / native of the median tokens/s (checkpoint rows: MB/s); paired = median over "
-              "the alternations of native step time / nanotrain step time, each pair run back to back (robust to "
-              "load from other processes); memory rows: first column / second column, lower is better. same "
-              "loss: first-step losses within 1e-4 relative (checkpoint rows: the loaded states give the saved "
-              "loss and the same next training step on both sides)."]
+        lines.append(
+            f"| {name} | {fmt_value(r['ours'], r['unit'])} | {fmt_value(r['native'], r['unit'])} | "
+            f"{r['unit']} | {r['ratio']} | {r.get('ratio_paired', '—')} | {target} | {met(r)} | {same} |"
+        )
+    lines += [
+        "",
+        "ratio = nanotrain / native of the median tokens/s (checkpoint rows: MB/s); paired = median over "
+        "the alternations of native step time / nanotrain step time, each pair run back to back (robust to "
+        "load from other processes); memory rows: first column / second column, lower is better. same "
+        "loss: first-step losses within 1e-4 relative (checkpoint rows: the loaded states give the saved "
+        "loss and the same next training step on both sides).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -250,13 +275,20 @@ def tp_memory_row(rows: list[dict]) -> dict | None:
         return None
     ours = rs["activation_bytes_ours"] / ar["activation_bytes_ours"]
     native = rs["activation_bytes_native"] / ar["activation_bytes_native"]
-    return {"name": "memory: activation bytes per micro-batch, REDUCE_SCATTER vs ALL_REDUCE (tp2)",
-            "ours": rs["activation_bytes_ours"], "native": ar["activation_bytes_ours"], "unit": "bytes",
-            "ratio": round(ours, 3), "target": 1.0, "lower_is_better": True, "same_loss": None,
-            "columns": ["nanotrain REDUCE_SCATTER", "nanotrain ALL_REDUCE"],
-            "native_sp_over_tp": round(native, 3),
-            "native_bytes": [rs["activation_bytes_native"], ar["activation_bytes_native"]],
-            "note": "saved-for-backward bytes of one 8-sequence micro-batch's forward, max over tp ranks"}
+    return {
+        "name": "memory: activation bytes per micro-batch, REDUCE_SCATTER vs ALL_REDUCE (tp2)",
+        "ours": rs["activation_bytes_ours"],
+        "native": ar["activation_bytes_ours"],
+        "unit": "bytes",
+        "ratio": round(ours, 3),
+        "target": 1.0,
+        "lower_is_better": True,
+        "same_loss": None,
+        "columns": ["nanotrain REDUCE_SCATTER", "nanotrain ALL_REDUCE"],
+        "native_sp_over_tp": round(native, 3),
+        "native_bytes": [rs["activation_bytes_native"], ar["activation_bytes_native"]],
+        "note": "saved-for-backward bytes of one 8-sequence micro-batch's forward, max over tp ranks",
+    }
 
 
 def main() -> int:
@@ -270,10 +302,18 @@ def main() -> int:
     parser.add_argument("--reps", type=int, help="alternations (default 30; quick 3)")
     parser.add_argument("--steps", type=int, help="steps per side per alternation (default 2; quick 1)")
     parser.add_argument("--warmup", type=int, help="untimed steps of each side first (default 3; quick 2)")
-    parser.add_argument("--profile", type=Path, metavar="DIR",
-                        help="after timing, torch.profiler tables of 3 steps per side and rank into DIR")
-    parser.add_argument("--out", type=Path, default=HERE / "results",
-                        help="directory for latest.json / latest.md (default benchmarks/results)")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="after timing, torch.profiler tables of 3 steps per side and rank into DIR",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=HERE / "results",
+        help="directory for latest.json / latest.md (default benchmarks/results)",
+    )
     opts = parser.parse_args()
     # Short blocks, many of them: A and B alternate every `steps` steps, so both sides sample the
     # same stretches of machine load.
@@ -297,20 +337,29 @@ def main() -> int:
                 continue
             rows += got
             for r in got:
-                print(f"[bench] {job} ({time.perf_counter() - tj:.0f} s): {r['name']}: ours {r['ours']} "
-                      f"native {r['native']} {r['unit']} ratio {r['ratio']} same_loss {r['same_loss']}", flush=True)
+                print(
+                    f"[bench] {job} ({time.perf_counter() - tj:.0f} s): {r['name']}: ours {r['ours']} "
+                    f"native {r['native']} {r['unit']} ratio {r['ratio']} same_loss {r['same_loss']}",
+                    flush=True,
+                )
     mem = tp_memory_row(rows)
     if mem:
         rows.append(mem)
     import torch
 
     meta = {
-        "command": "make bench" + (" QUICK=1" if opts.quick else "")
+        "command": "make bench"
+        + (" QUICK=1" if opts.quick else "")
         + (f" (--only {' '.join(jobs)})" if opts.only else ""),
-        "wall_s": time.perf_counter() - t0, "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "wall_s": time.perf_counter() - t0,
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores ({platform.processor() or cpu_model()})",
-        "torch": torch.__version__, "reps": reps, "steps": steps, "warmup": warmup,
-        "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        "torch": torch.__version__,
+        "reps": reps,
+        "steps": steps,
+        "warmup": warmup,
+        "loadavg_start": load_start,
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
     }
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "latest.json").write_text(json.dumps(rows, indent=1) + "\n")

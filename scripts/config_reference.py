@@ -4,6 +4,7 @@
 Generated from nanotrain/config/schema.py so the README can never drift from the code: the test
 suite checks that the README carries exactly this output.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,10 +76,12 @@ def reference() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """No arguments (a stray one is refused in one `error:` line, exit 2, not ignored)."""
+
     def body() -> int:
         ArgParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
         sys.stdout.write(reference())
         return 0
+
     return answer(body)
 
 

@@ -10,6 +10,7 @@ not inside it, not holding it) then loads with ``LlamaForCausalLM.from_pretraine
 before anything is written. The work is ``nanotrain.hf.export`` (streamed tensor by
 tensor; see its docstring).
 """
+
 from __future__ import annotations
 
 import sys
@@ -32,10 +33,17 @@ def _main(argv: list[str] | None) -> int:
     parser = ArgParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="run directory, checkpoints root or checkpoint directory")
     parser.add_argument("out_dir", help="Hugging Face model directory to write")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="dtype of the written weights (default float32: the master weights, exact)")
-    parser.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD),
-                        help="split model.safetensors into index-sharded files above this size (default 5GB)")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="dtype of the written weights (default float32: the master weights, exact)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default=str(DEFAULT_MAX_SHARD),
+        help="split model.safetensors into index-sharded files above this size (default 5GB)",
+    )
     args = parser.parse_args(argv)
     max_shard = shard_size(args.max_shard_size)
     plan_export(args.src, args.out_dir, args.dtype)  # every check that needs no torch, first
@@ -44,8 +52,10 @@ def _main(argv: list[str] | None) -> int:
     from nanotrain.hf.export import export_hf
 
     result = export_hf(args.src, args.out_dir, args.dtype, max_shard)
-    print(f"exported {result['checkpoint']} -> {args.out_dir}: {len(result['files'])} weight file(s), "
-          f"{result['bytes'] / 1e6:.1f} MB {args.dtype}, {result['seconds']:.2f} s")
+    print(
+        f"exported {result['checkpoint']} -> {args.out_dir}: {len(result['files'])} weight file(s), "
+        f"{result['bytes'] / 1e6:.1f} MB {args.dtype}, {result['seconds']:.2f} s"
+    )
     return 0
 
 

@@ -32,6 +32,7 @@ wall time without the CPU are listed apart (I/O, such as a data path that is a h
 there). Exit status of this script: 0 when no mutation broke the contract, else 1 (2, with one
 `error:` line, for a wrong argument of its own).
 """
+
 from __future__ import annotations
 
 import json
@@ -57,43 +58,91 @@ from nanotrain.commands.cli import main as cli_main  # noqa: E402
 from nanotrain.config.cli_args import ArgParser, answer, non_negative_int  # noqa: E402
 from nanotrain.config.loader import sections  # noqa: E402
 
-_BOMB = "[&a [l, l, l, l, l, l, l, l, l], " + ", ".join(
-    f"&{b} [{', '.join([f'*{a}'] * 9)}]" for a, b in zip("abcdefgh", "bcdefghi")) + "]"
+_BOMB = (
+    "[&a [l, l, l, l, l, l, l, l, l], "
+    + ", ".join(f"&{b} [{', '.join([f'*{a}'] * 9)}]" for a, b in zip("abcdefgh", "bcdefghi"))
+    + "]"
+)
 
 # (kind, YAML text of the value). The text is placed verbatim after `field: `.
 VALUES: list[tuple[str, str]] = [
-    ("wrong-type", '"two"'), ("wrong-type", "true"), ("wrong-type", "[1, 2]"), ("wrong-type", "{a: 1}"),
-    ("wrong-type", "3.5"), ("wrong-type", "!!binary aGVsbG8="), ("wrong-type", "2026-12-01"),
-    ("wrong-type", "[[1, [2, [3]]]]"), ("wrong-type", "{dp: {tp: {pp: 1}}}"),
-    ("null", "null"), ("null", "~"), ("null", ""),
-    ("non-finite", ".nan"), ("non-finite", ".inf"), ("non-finite", "-.inf"), ("non-finite", '"nan"'),
-    ("non-finite", '"-inf"'), ("non-finite", "1e999"), ("non-finite", "[.nan, .inf]"),
-    ("huge", "9223372036854775808"), ("huge", "1" + "0" * 29), ("huge", "1" + "0" * 40),
-    ("huge", "1.0e+300"), ("huge", "9007199254740993"), ("huge", "1048577"), ("huge", '"' + "x" * 5000 + '"'),
-    ("huge", "[" + "1, " * 20000 + "1]"), ("huge", '"' + "y" * 300 + '"'),
-    ("negative", "-1"), ("negative", "-0.0"), ("negative", "-1.0e-9"), ("negative", "-9999999999"),
-    ("zero-empty", "0"), ("zero-empty", "0.0"), ("zero-empty", '""'), ("zero-empty", "[]"), ("zero-empty", "{}"),
-    ("zero-empty", "4.9e-324"), ("zero-empty", '" "'),
-    ("unicode", '"ünïcødé"'), ("unicode", '"日本語"'), ("unicode", '"\\u202eevil"'), ("unicode", '"🙂"'),
-    ("unicode", '"nul\\0byte"'), ("unicode", '"tab\\tchar"'), ("unicode", '"line\\nbreak"'),
-    ("unicode", '"\\udc80"'), ("unicode", "\ufeffbom"),
-    ("shell", '"$(rm -rf /)"'), ("shell", '"`id`"'), ("shell", '"; echo pwned"'), ("shell", '"a|b&&c>d"'),
-    ("shell", "\"'\\\"\""), ("shell", '"--wrap=hostname"'), ("shell", '"../../etc/passwd"'), ("shell", '"/"'),
-    ("shell", '"*"'), ("shell", '"~root"'), ("shell", '"%j%t"'),
-    ("alias", _BOMB), ("alias", "&r [*r]"), ("alias", "&m {x: *m}"), ("alias", "*undefined"),
-    ("alias", "&fair 2"), ("alias", "!!python/object/apply:os.system [id]"),
+    ("wrong-type", '"two"'),
+    ("wrong-type", "true"),
+    ("wrong-type", "[1, 2]"),
+    ("wrong-type", "{a: 1}"),
+    ("wrong-type", "3.5"),
+    ("wrong-type", "!!binary aGVsbG8="),
+    ("wrong-type", "2026-12-01"),
+    ("wrong-type", "[[1, [2, [3]]]]"),
+    ("wrong-type", "{dp: {tp: {pp: 1}}}"),
+    ("null", "null"),
+    ("null", "~"),
+    ("null", ""),
+    ("non-finite", ".nan"),
+    ("non-finite", ".inf"),
+    ("non-finite", "-.inf"),
+    ("non-finite", '"nan"'),
+    ("non-finite", '"-inf"'),
+    ("non-finite", "1e999"),
+    ("non-finite", "[.nan, .inf]"),
+    ("huge", "9223372036854775808"),
+    ("huge", "1" + "0" * 29),
+    ("huge", "1" + "0" * 40),
+    ("huge", "1.0e+300"),
+    ("huge", "9007199254740993"),
+    ("huge", "1048577"),
+    ("huge", '"' + "x" * 5000 + '"'),
+    ("huge", "[" + "1, " * 20000 + "1]"),
+    ("huge", '"' + "y" * 300 + '"'),
+    ("negative", "-1"),
+    ("negative", "-0.0"),
+    ("negative", "-1.0e-9"),
+    ("negative", "-9999999999"),
+    ("zero-empty", "0"),
+    ("zero-empty", "0.0"),
+    ("zero-empty", '""'),
+    ("zero-empty", "[]"),
+    ("zero-empty", "{}"),
+    ("zero-empty", "4.9e-324"),
+    ("zero-empty", '" "'),
+    ("unicode", '"ünïcødé"'),
+    ("unicode", '"日本語"'),
+    ("unicode", '"\\u202eevil"'),
+    ("unicode", '"🙂"'),
+    ("unicode", '"nul\\0byte"'),
+    ("unicode", '"tab\\tchar"'),
+    ("unicode", '"line\\nbreak"'),
+    ("unicode", '"\\udc80"'),
+    ("unicode", "\ufeffbom"),
+    ("shell", '"$(rm -rf /)"'),
+    ("shell", '"`id`"'),
+    ("shell", '"; echo pwned"'),
+    ("shell", '"a|b&&c>d"'),
+    ("shell", '"\'\\""'),
+    ("shell", '"--wrap=hostname"'),
+    ("shell", '"../../etc/passwd"'),
+    ("shell", '"/"'),
+    ("shell", '"*"'),
+    ("shell", '"~root"'),
+    ("shell", '"%j%t"'),
+    ("alias", _BOMB),
+    ("alias", "&r [*r]"),
+    ("alias", "&m {x: *m}"),
+    ("alias", "*undefined"),
+    ("alias", "&fair 2"),
+    ("alias", "!!python/object/apply:os.system [id]"),
 ]
 DOC_KINDS = ("duplicate-field", "duplicate-section", "section-scalar", "section-list", "unknown-key")
 
 
 @dataclass
 class Mutation:
-    config: str      # shipped config name
+    config: str  # shipped config name
     section: str
-    field: str       # "" for document-level mutations
+    field: str  # "" for document-level mutations
     kind: str
-    text: str        # the value's YAML text ("" for document kinds)
-    via: str         # "file" | "set"
+    text: str  # the value's YAML text ("" for document kinds)
+    via: str  # "file" | "set"
 
     def label(self) -> str:
         where = f"{self.section}.{self.field}" if self.field else self.section
@@ -183,26 +232,46 @@ def run_in_process(argv: list[str], cwd: Path) -> Outcome:
 
 def run_subprocess(argv: list[str], cwd: Path) -> Outcome:
     """`python submit.py ARGV` as a real process in `cwd`."""
-    return run_process([sys.executable, str(ROOT / "submit.py"), *argv], cwd, [cwd], HANG_S,
-                       dict(os.environ, PYTHONPATH=str(ROOT)))
+    return run_process(
+        [sys.executable, str(ROOT / "submit.py"), *argv], cwd, [cwd], HANG_S, dict(os.environ, PYTHONPATH=str(ROOT))
+    )
 
 
 ALL_CATEGORIES = ("config", *CATEGORIES)
 
 
-def fuzz(limit: int = 0, subprocess_sample: int = 20, seed: int = 0, verbose: bool = False,
-         stream=sys.stdout, progress: int = 0, categories=ALL_CATEGORIES, corpus: bool = True) -> dict:
+def fuzz(
+    limit: int = 0,
+    subprocess_sample: int = 20,
+    seed: int = 0,
+    verbose: bool = False,
+    stream=sys.stdout,
+    progress: int = 0,
+    categories=ALL_CATEGORIES,
+    corpus: bool = True,
+) -> dict:
     """The fixed corpus first (fuzzing/corpus.yaml, in full; `corpus=False` only for tests of the
     rest), then each of `categories`: "config" (the config mutations) and those of
     fuzzing.suite.CATEGORIES. `limit`: a seeded sample of that many of each category (0 = all);
     `subprocess_sample`: that many of each also run as real processes. Returns the counts and
     the failures (the suite's under "suite", and all of them in "failures")."""
-    suite = run_suite([c for c in categories if c != "config"], limit, subprocess_sample, seed, corpus,
-                      progress, verbose, stream)
-    report = _mutate(limit, subprocess_sample, seed, verbose, stream, progress) if "config" in categories else {
-        "mutations": 0, "subprocess_runs": 0, "counts": {}, "failures": [], "by_kind": {}, "wall_slow": [],
-        "worst_cpu_s": {"in-process": 0.0, "subprocess": 0.0, "subprocess-wall": 0.0},
-        "slowest": {"in-process": "", "subprocess": ""}}
+    suite = run_suite(
+        [c for c in categories if c != "config"], limit, subprocess_sample, seed, corpus, progress, verbose, stream
+    )
+    report = (
+        _mutate(limit, subprocess_sample, seed, verbose, stream, progress)
+        if "config" in categories
+        else {
+            "mutations": 0,
+            "subprocess_runs": 0,
+            "counts": {},
+            "failures": [],
+            "by_kind": {},
+            "wall_slow": [],
+            "worst_cpu_s": {"in-process": 0.0, "subprocess": 0.0, "subprocess-wall": 0.0},
+            "slowest": {"in-process": "", "subprocess": ""},
+        }
+    )
     report["suite"] = suite
     report["failures"] = suite["failures"] + report["failures"]
     return report
@@ -248,45 +317,69 @@ def _mutate(limit: int, subprocess_sample: int, seed: int, verbose: bool, stream
                 if how == "subprocess":
                     worst["subprocess-wall"] = max(worst["subprocess-wall"], o.wall_s)
                 if not v.startswith("ok"):
-                    failures.append(f"{v} ({how}, {o.cpu_s:.2f} s CPU): {m.label()}\n    "
-                                    + (o.crash or o.stderr or str(o.wrote)).strip().replace("\n", "\n    ")[:800])
+                    failures.append(
+                        f"{v} ({how}, {o.cpu_s:.2f} s CPU): {m.label()}\n    "
+                        + (o.crash or o.stderr or str(o.wrote)).strip().replace("\n", "\n    ")[:800]
+                    )
                 elif verbose:
                     print(f"{v}: {m.label()}: {o.stderr.strip()[:160]}", file=stream)
             if progress and (i + 1) % progress == 0:
-                print(f"... {i + 1}/{len(todo)} mutations, {len(failures)} broke the contract",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"... {i + 1}/{len(todo)} mutations, {len(failures)} broke the contract",
+                    file=sys.stderr,
+                    flush=True,
+                )
             for leftover in work.iterdir():  # never expected; counted above, removed for the next
                 subprocess.run(["rm", "-rf", str(leftover)], check=False)
-    report = {"mutations": len(todo), "subprocess_runs": len(sampled), "counts": dict(counts),
-              "failures": failures, "worst_cpu_s": worst, "slowest": slowest, "wall_slow": wall_slow,
-              "by_kind": {f"{k} {v}": n for (k, v), n in sorted(kinds.items())}}
+    report = {
+        "mutations": len(todo),
+        "subprocess_runs": len(sampled),
+        "counts": dict(counts),
+        "failures": failures,
+        "worst_cpu_s": worst,
+        "slowest": slowest,
+        "wall_slow": wall_slow,
+        "by_kind": {f"{k} {v}": n for (k, v), n in sorted(kinds.items())},
+    }
     return report
 
 
 def print_report(report: dict, stream=sys.stdout) -> None:
     suite = report.get("suite")
     if suite and suite["cases"]:
-        print(f"corpus and categories: {suite['cases']} cases in {suite['seconds']:.1f} s (each in-process; "
-              f"{suite['subprocess_runs']} also as a process)", file=stream)
+        print(
+            f"corpus and categories: {suite['cases']} cases in {suite['seconds']:.1f} s (each in-process; "
+            f"{suite['subprocess_runs']} also as a process)",
+            file=stream,
+        )
         for key, n in sorted(suite["counts"].items()):
             print(f"  {key}: {n}", file=stream)
         for how, (cpu, label) in suite["worst_cpu_s"].items():
             print(f"  slowest {how}: {cpu:.3f} s CPU: {ascii(label)[1:-1]}", file=stream)
-    print(f"mutations: {report['mutations']} (each in-process; {report['subprocess_runs']} also as a "
-          "`python submit.py --dry-run` process)", file=stream)
+    print(
+        f"mutations: {report['mutations']} (each in-process; {report['subprocess_runs']} also as a "
+        "`python submit.py --dry-run` process)",
+        file=stream,
+    )
     for key, n in sorted(report["counts"].items()):
         print(f"  {key}: {n}", file=stream)
     print("by kind:", file=stream)
     for key, n in report["by_kind"].items():
         print(f"  {key}: {n}", file=stream)
     w = report["worst_cpu_s"]
-    print(f"slowest answer: {w['in-process']:.3f} s CPU in-process, {w['subprocess']:.3f} s CPU "
-          f"({w['subprocess-wall']:.3f} s wall) as a process; limit {LIMIT_S} s", file=stream)
+    print(
+        f"slowest answer: {w['in-process']:.3f} s CPU in-process, {w['subprocess']:.3f} s CPU "
+        f"({w['subprocess-wall']:.3f} s wall) as a process; limit {LIMIT_S} s",
+        file=stream,
+    )
     for how, label in report["slowest"].items():
         if label:
             print(f"  slowest {how}: {label}", file=stream)
-    print(f"answers over {LIMIT_S} s of wall time but not of CPU (load or I/O; look at repeated "
-          f"labels): {len(report['wall_slow'])}", file=stream)
+    print(
+        f"answers over {LIMIT_S} s of wall time but not of CPU (load or I/O; look at repeated "
+        f"labels): {len(report['wall_slow'])}",
+        file=stream,
+    )
     for line in report["wall_slow"][:15]:
         print("  " + line, file=stream)
     bad = report["failures"]
@@ -305,17 +398,31 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = ArgParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--limit", type=non_negative_int, default=0,
-                        help="a seeded sample of this many cases of each category (0 = all); the corpus runs in full")
+    parser.add_argument(
+        "--limit",
+        type=non_negative_int,
+        default=0,
+        help="a seeded sample of this many cases of each category (0 = all); the corpus runs in full",
+    )
     parser.add_argument("--subprocess", type=non_negative_int, default=20, help="how many also run as real processes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="print every answer")
-    parser.add_argument("--category", action="append", choices=ALL_CATEGORIES,
-                        help="run only this category (repeatable; default all); the corpus always runs first")
+    parser.add_argument(
+        "--category",
+        action="append",
+        choices=ALL_CATEGORIES,
+        help="run only this category (repeatable; default all); the corpus always runs first",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the whole report (every failure) to PATH")
     args = parser.parse_args(argv)
-    report = fuzz(args.limit, args.subprocess, args.seed, args.verbose, progress=1000,
-                  categories=tuple(args.category or ALL_CATEGORIES))
+    report = fuzz(
+        args.limit,
+        args.subprocess,
+        args.seed,
+        args.verbose,
+        progress=1000,
+        categories=tuple(args.category or ALL_CATEGORIES),
+    )
     print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))

@@ -6,6 +6,7 @@
 Reads config.json only (no torch); refuses, in one ``error:`` line naming each (exit status 2),
 what nanotrain's Llama cannot compute (another architecture, rope scaling, biases, sliding windows).
 """
+
 from __future__ import annotations
 
 import sys

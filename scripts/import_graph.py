@@ -7,6 +7,7 @@ The layers, bottom up: config, parallel, models, data, optim, checkpoint, hf, lo
 rehearse, estimate, runtime, launch, commands (tests/test_layering.py holds the same list). An edge
 that points up this list is marked `UP` (tests/test_layering.py fails on it).
 """
+
 from __future__ import annotations
 
 import ast
@@ -19,8 +20,22 @@ sys.path.insert(0, str(ROOT))
 
 from nanotrain.config.cli_args import ArgParser, answer  # noqa: E402
 
-ORDER = ("config", "parallel", "models", "data", "optim", "checkpoint", "hf", "logging", "training", "rehearse",
-         "estimate", "runtime", "launch", "commands")
+ORDER = (
+    "config",
+    "parallel",
+    "models",
+    "data",
+    "optim",
+    "checkpoint",
+    "hf",
+    "logging",
+    "training",
+    "rehearse",
+    "estimate",
+    "runtime",
+    "launch",
+    "commands",
+)
 
 
 def edges() -> dict[tuple[str, str], set[str]]:
@@ -30,8 +45,11 @@ def edges() -> dict[tuple[str, str], set[str]]:
         parts = path.relative_to(ROOT).with_suffix("").parts
         module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            )
             for name in names:
                 if name.startswith("nanotrain."):
                     out[(module, name)].add(str(node.lineno))

@@ -8,6 +8,7 @@
 This is the "validate your setup" step of nanotron's README done offline: the grid is pure
 arithmetic (nanotrain.parallel.grid), identical to what ParallelContext builds at run time.
 """
+
 from __future__ import annotations
 
 import sys
@@ -40,8 +41,9 @@ def _main(argv: list[str] | None) -> int:
     grid = RankGrid(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep)
     if args.rank is not None:
         if not 0 <= args.rank < grid.world_size:
-            raise ConfigError(f"--rank {args.rank} is outside the world of {grid.world_size} ranks: "
-                              f"give 0 to {grid.world_size - 1}")
+            raise ConfigError(
+                f"--rank {args.rank} is outside the world of {grid.world_size} ranks: give 0 to {grid.world_size - 1}"
+            )
         print(f"rank {args.rank}: {grid.coords(args.rank)._asdict()}")
         for name in GROUPS:
             print(f"  {name:>5}_pg: {list(grid.group_of(name, args.rank))}")

@@ -13,6 +13,7 @@ A wrong input is one ``error:`` line and exit status 2, before anything is writt
 Not required for resuming: ``load_checkpoint`` reshards online when the topology changed. This is
 for preparing a checkpoint once (e.g. for a different cluster) and for inspecting the result.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,10 +37,17 @@ def _main(argv: list[str] | None) -> int:
     parser = ArgParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="checkpoint directory, or a checkpoints root")
     parser.add_argument("dst", help="checkpoints root to write into (apart from SRC)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override, e.g. parallelism.tp=4 (repeatable)")
-    parser.add_argument("--granularity", choices=("rank", "param"), default="rank",
-                        help="one file per rank (default) or per parameter")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, e.g. parallelism.tp=4 (repeatable)",
+    )
+    parser.add_argument(
+        "--granularity", choices=("rank", "param"), default="rank", help="one file per rank (default) or per parameter"
+    )
     args = parser.parse_args(argv)
     plan_reshard(args.src, args.dst, args.overrides)  # every check that needs no torch, first
     # Imported only now: the tensor code costs seconds of torch import, which a wrong argument

@@ -38,6 +38,7 @@ What is counted (the path is the list of stops in the order they are called):
 The printed path is one line per visit: its depth (stops above its first), the module, and its
 functions, ``name xN`` for N calls in a row; ``<`` marks a return, ``^`` names a climb's caller.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,17 +56,48 @@ sys.path.insert(0, str(ROOT))
 from nanotrain.config.cli_args import ArgParser, answer, non_negative_int  # noqa: E402
 
 PACKAGE = str(ROOT / "nanotrain") + os.sep
-ORDER = ("config", "parallel", "models", "data", "optim", "checkpoint", "hf", "logging", "training", "rehearse",
-         "estimate", "runtime", "launch", "commands")
+ORDER = (
+    "config",
+    "parallel",
+    "models",
+    "data",
+    "optim",
+    "checkpoint",
+    "hf",
+    "logging",
+    "training",
+    "rehearse",
+    "estimate",
+    "runtime",
+    "launch",
+    "commands",
+)
 ENTRY = ("nanotrain.runtime.task", "run_task")
 FIRST_STEP = ("nanotrain.training.step", "train_step")
 KEPT_DUNDERS = ("__init__", "__call__", "__post_init__")
-ONE_PROCESS = ("parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "parallelism.cp=1", "parallelism.ep=1",
-               "training.train_steps=1", "logging.run_name=startup")
+ONE_PROCESS = (
+    "parallelism.dp=1",
+    "parallelism.tp=1",
+    "parallelism.pp=1",
+    "parallelism.cp=1",
+    "parallelism.ep=1",
+    "training.train_steps=1",
+    "logging.run_name=startup",
+)
 # What an outer launcher sets would change the launcher `runtime/env.py` detects.
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                  "NANOTRAIN_LAUNCHER", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID",
-                  "SLURM_PROCID")
+_LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NANOTRAIN_LAUNCHER",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "SLURM_JOB_ID",
+    "SLURM_PROCID",
+)
 
 
 def module_of(filename: str) -> str | None:
@@ -168,9 +200,9 @@ class Tracer:
         values = []
         for name in code.co_varnames[:count]:
             value = local.get(name)
-            if isinstance(value, tuple) and name not in code.co_varnames[:code.co_argcount]:
+            if isinstance(value, tuple) and name not in code.co_varnames[: code.co_argcount]:
                 values.extend(value)
-            elif isinstance(value, dict) and name not in code.co_varnames[:code.co_argcount]:
+            elif isinstance(value, dict) and name not in code.co_varnames[: code.co_argcount]:
                 values.extend(value.values())
             else:
                 values.append(value)
@@ -183,8 +215,11 @@ class Tracer:
             found = False
             for klass in type(obj).__mro__:
                 for attr in vars(klass).values():
-                    funcs = (attr.fget, attr.fset, attr.fdel) if isinstance(attr, property) else (
-                        (attr.func,) if isinstance(attr, functools.cached_property) else ())
+                    funcs = (
+                        (attr.fget, attr.fset, attr.fdel)
+                        if isinstance(attr, property)
+                        else ((attr.func,) if isinstance(attr, functools.cached_property) else ())
+                    )
                     found = found or any(getattr(f, "__code__", None) is code for f in funcs)
             self._accessor[key] = found
         return self._accessor[key]
@@ -197,8 +232,11 @@ class Tracer:
             self.built[id(value)] = value
 
     def _keep_returned(self, value) -> None:
-        items = list(value.values()) if isinstance(value, dict) else (
-            list(value) if isinstance(value, (tuple, list)) else [value])
+        items = (
+            list(value.values())
+            if isinstance(value, dict)
+            else (list(value) if isinstance(value, (tuple, list)) else [value])
+        )
         for item in [value, *items]:
             self._keep(item)
 
@@ -225,8 +263,12 @@ def returns(path: list[list[Stop]]) -> list[bool]:
 
 
 def counts(stops: list[Stop]) -> dict[str, int]:
-    return {"stops": len(stops), "modules": len({s.module for s in stops}), "climbs": sum(s.climb for s in stops),
-            "returns": sum(returns(visits(stops)))}
+    return {
+        "stops": len(stops),
+        "modules": len({s.module for s in stops}),
+        "climbs": sum(s.climb for s in stops),
+        "returns": sum(returns(visits(stops))),
+    }
 
 
 def describe(visit: list[Stop]) -> str:
@@ -255,8 +297,11 @@ def trace(config_arg: str, overrides: list[str]) -> list[Stop]:
     from nanotrain.config.loader import dump_config
     from nanotrain.runtime import task
 
-    schema_types = tuple(v for v in vars(schema).values()
-                         if isinstance(v, type) and dataclasses.is_dataclass(v) and v.__module__ == schema.__name__)
+    schema_types = tuple(
+        v
+        for v in vars(schema).values()
+        if isinstance(v, type) and dataclasses.is_dataclass(v) and v.__module__ == schema.__name__
+    )
     with tempfile.TemporaryDirectory(prefix="nanotrain-startup-path-") as tmp:
         config = load_config(config_arg, [*overrides, *ONE_PROCESS, f"logging.dir={tmp}"])
         path = Path(tmp) / "config.yaml"
@@ -285,12 +330,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = ArgParser(prog="scripts/startup_path.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", nargs="?", default=str(ROOT / "configs" / "tiny_cpu.yaml"),
-                        help="YAML config (default: configs/tiny_cpu.yaml); run as one process, one step")
-    parser.add_argument("--set", metavar="SECTION.FIELD=VALUE", action="append", default=[],
-                        help="override a config field, as submit.py's --set; repeatable")
-    parser.add_argument("--depth", type=non_negative_int, metavar="D",
-                        help="only the stops at most D deep (the entry is 0): the path and its counts")
+    parser.add_argument(
+        "config",
+        nargs="?",
+        default=str(ROOT / "configs" / "tiny_cpu.yaml"),
+        help="YAML config (default: configs/tiny_cpu.yaml); run as one process, one step",
+    )
+    parser.add_argument(
+        "--set",
+        metavar="SECTION.FIELD=VALUE",
+        action="append",
+        default=[],
+        help="override a config field, as submit.py's --set; repeatable",
+    )
+    parser.add_argument(
+        "--depth",
+        type=non_negative_int,
+        metavar="D",
+        help="only the stops at most D deep (the entry is 0): the path and its counts",
+    )
     args = parser.parse_args(argv)
     if os.environ.get("PYTHONHASHSEED") != "0" or any(v in os.environ for v in _LAUNCHER_VARS):
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}

@@ -89,7 +89,9 @@ def slurm_cluster() -> list[str]:
     try:
         res = subprocess.run(
             ["sinfo", "-h", "-N", "-p", "debug", "-o", "%N %T"],
-            capture_output=True, text=True, timeout=15,
+            capture_output=True,
+            text=True,
+            timeout=15,
         )
     except subprocess.TimeoutExpired:
         _unavailable("`sinfo` timed out (slurmctld not answering)")
@@ -98,8 +100,7 @@ def slurm_cluster() -> list[str]:
     # A '*' suffix means "not responding"; drained/down nodes can't run jobs either.
     usable = {"idle", "mixed", "allocated", "completing"}
     nodes = sorted(
-        name for name, state in (line.split() for line in res.stdout.splitlines() if line.strip())
-        if state in usable
+        name for name, state in (line.split() for line in res.stdout.splitlines() if line.strip()) if state in usable
     )
     if not nodes:
         _unavailable(f"no usable node in partition debug: {res.stdout.strip()!r}")

@@ -3,6 +3,7 @@ a synchronous run, resumes bit-exactly from a checkpoint written in the backgrou
 previous checkpoint as `latest` when a rank is killed during a background write, and a
 preemption during an in-flight save commits it, saves the stop step once and exits 0. The slow
 writes come from a test-only hook (tests/hooks/sitecustomize.py)."""
+
 from __future__ import annotations
 
 import json
@@ -30,17 +31,19 @@ def sets(items: list[str]) -> list[str]:
 
 
 def hooked(**variables: str) -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOKS), os.environ.get("PYTHONPATH", "")]),
-            **variables}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOKS), os.environ.get("PYTHONPATH", "")]), **variables}
 
 
 @pytest.mark.timeout(600)
 def test_async_run_and_resume_are_bit_exact(tmp_path, shared_runs):
     straight = shared_runs.straight("2-2-2")  # synchronous saves (at the end only)
     run_dir = tmp_path / "async"
-    proc = subprocess.run(cli(str(TINY), "--local", *sets([f"logging.dir={tmp_path}", "logging.run_name=async",
-                                                           *SETTINGS, *ASYNC])),
-                          capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        cli(str(TINY), "--local", *sets([f"logging.dir={tmp_path}", "logging.run_name=async", *SETTINGS, *ASYNC])),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert tb_losses(run_dir) == tb_losses(straight)
     root = run_dir / "checkpoints"
@@ -64,11 +67,17 @@ def test_async_run_and_resume_are_bit_exact(tmp_path, shared_runs):
 @pytest.mark.timeout(400)
 def test_kill_9_during_background_write_keeps_previous_checkpoint(tmp_path):
     run_dir = tmp_path / "killed"
-    items = [f"logging.dir={tmp_path}", "logging.run_name=killed", "training.train_steps=400",
-             "logging.log_interval=1", *ASYNC]
+    items = [
+        f"logging.dir={tmp_path}",
+        "logging.run_name=killed",
+        "training.train_steps=400",
+        "logging.log_interval=1",
+        *ASYNC,
+    ]
     env = hooked(NANOTRAIN_TEST_SLOW_WRITE="step_000010:120")
-    proc = subprocess.Popen(cli(str(TINY), "--local", *sets(items)), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cli(str(TINY), "--local", *sets(items)), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         # Training goes on while step 10's files are being written (the writer sleeps).
         wait_until(lambda: step_of(run_dir) >= 12 or proc.poll() is not None, 300, "step 12")
@@ -88,12 +97,21 @@ def test_kill_9_during_background_write_keeps_previous_checkpoint(tmp_path):
 @pytest.mark.timeout(300)
 def test_preemption_during_an_in_flight_save(tmp_path):
     run_dir = tmp_path / "preempted"
-    items = [f"logging.dir={tmp_path}", "logging.run_name=preempted", "training.train_steps=400",
-             "logging.log_interval=1", "parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=2", *ASYNC]
+    items = [
+        f"logging.dir={tmp_path}",
+        "logging.run_name=preempted",
+        "training.train_steps=400",
+        "logging.log_interval=1",
+        "parallelism.dp=1",
+        "parallelism.tp=1",
+        "parallelism.pp=2",
+        *ASYNC,
+    ]
     release = tmp_path / "release"  # step 5's background write waits for it (tests/hooks)
     env = hooked(NANOTRAIN_TEST_SLOW_WRITE=f"step_000005:until={release}")
-    proc = subprocess.Popen(cli(str(TINY), "--local", *sets(items)), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cli(str(TINY), "--local", *sets(items)), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         wait_until(lambda: step_of(run_dir) >= 6 or proc.poll() is not None, 200, "step 6")
         assert not (run_dir / "checkpoints" / "step_000005").exists()  # still being written
@@ -130,8 +148,10 @@ def test_background_save_holds_the_step_boundary_state(tmp_path):
 
     def state(objs):
         params = {n: p.detach().clone() for n, p in objs[0].named_parameters()}
-        opt = {n: (s["exp_avg"].clone(), s["exp_avg_sq"].clone(), float(s["step"]))
-               for n, s in optimizer_state_by_name(objs[1]).items()}
+        opt = {
+            n: (s["exp_avg"].clone(), s["exp_avg_sq"].clone(), float(s["step"]))
+            for n, s in optimizer_state_by_name(objs[1]).items()
+        }
         return params, opt
 
     objs = tiny()

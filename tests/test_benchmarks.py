@@ -1,6 +1,7 @@
 """Smoke test of the side-by-side benchmark harness (benchmarks/vs_native.py): a few rows, one
 timed step each, on CPU/gloo. Checks the plumbing (launch, both sides train the same model from
 the same weights, results JSON + Markdown), not the speed."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,26 @@ FIELDS = {"name", "ours", "native", "unit", "ratio", "target", "same_loss"}
 
 
 def test_vs_native_quick_rows(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vs_native.py"), "--only", "tp2_ar", "pp2_1f1b",
-                           "--reps", "1", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "vs_native.py"),
+            "--only",
+            "tp2_ar",
+            "pp2_1f1b",
+            "--reps",
+            "1",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "latest.json").read_text())
     names = [r["name"] for r in rows]
@@ -47,8 +65,13 @@ def test_gpu_scripts_run_on_cpu(tmp_path):
         assert syntax.returncode == 0, (script, syntax.stderr)
     out = tmp_path / "out"
     env = dict(os.environ, OUT=str(out), PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--cpu-smoke"], env=env,
-                          capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--cpu-smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = json.loads((out / "gpu_check.json").read_text())
     stages = {s["name"]: s for s in summary["stages"]}
@@ -77,8 +100,12 @@ def test_gpu_scripts_run_on_cpu(tmp_path):
 
 
 def test_context_parallel_benchmark_runs_and_agrees(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "context_parallel.py"), "--quick", "--seq", "128"],
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "context_parallel.py"), "--quick", "--seq", "128"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]  # exit 1 when a loss differs
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 128 |")]
     assert len(rows) == 3 and all(row.rstrip().endswith("| yes |") for row in rows), proc.stdout
@@ -87,9 +114,25 @@ def test_context_parallel_benchmark_runs_and_agrees(tmp_path):
 def test_checkpoint_granularity_benchmark_runs(tmp_path):
     """benchmarks/checkpoint_granularity.py (the measurement behind one checkpoint file per rank):
     its ranks start, save, load and report, and the one-process resharding load agrees on size."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "checkpoint_granularity.py"), "--model", "tiny",
-                           "--dp", "1", "--tp", "2", "--repeats", "1", "--dir", str(tmp_path / "ckpt")],
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "checkpoint_granularity.py"),
+            "--model",
+            "tiny",
+            "--dp",
+            "1",
+            "--tp",
+            "2",
+            "--repeats",
+            "1",
+            "--dir",
+            str(tmp_path / "ckpt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["params"] == 279_104 and result["tp"] == 2 and result["files"] > 0 and result["save_s"] > 0
@@ -98,12 +141,32 @@ def test_checkpoint_granularity_benchmark_runs(tmp_path):
 def test_async_checkpoint_benchmark_runs(tmp_path):
     """benchmarks/async_checkpoint.py (the stall and throughput table in the README): every row,
     ours and DCP's, is measured and printed, and it leaves nothing behind in its directory."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "async_checkpoint.py"), "--mb", "24",
-                           "--repeats", "1", "--batch", "4", "--dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "async_checkpoint.py"),
+            "--mb",
+            "24",
+            "--repeats",
+            "1",
+            "--batch",
+            "4",
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    for row in ("raw write (1 file, fsync)", "nanotrain sync save", "async: training blocked (stall)",
-                "async: until committed", "DCP save", "DCP async_save: until done"):
+    for row in (
+        "raw write (1 file, fsync)",
+        "nanotrain sync save",
+        "async: training blocked (stall)",
+        "async: until committed",
+        "DCP save",
+        "DCP async_save: until done",
+    ):
         assert any(line.startswith(row) for line in proc.stdout.splitlines()), (row, proc.stdout)
     assert "sync save throughput / raw write:" in proc.stdout and "vs PyTorch-native DCP" in proc.stdout
     assert list(tmp_path.iterdir()) == []

@@ -10,6 +10,7 @@
 * The model refuses inputs on another device with one clear error, and the trainer's
   ``BatchPrefetcher`` moves batches to a non-CPU device (``meta`` stands in for CUDA here).
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,12 +39,24 @@ BF16_REL_TOL = 3e-4
 # every gradient is; cross_entropy's per-token statistics are fp32 on purpose.)
 WIRE_MODULES = ("nanotrain.parallel.tensor_parallel.functional", "nanotrain.parallel.pipeline_parallel.p2p")
 LAYOUTS = {
-    "dp2-tp2-pp2-1f1b-zero1": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2",
-                               "parallelism.pp_engine=1f1b", "optimizer.zero_stage=1",
-                               "parallelism.tp_mode=ALL_REDUCE"],
-    "cp2-tp2-pp2-interleaved": ["parallelism.dp=1", "parallelism.cp=2", "parallelism.tp=2", "parallelism.pp=2",
-                                "parallelism.pp_engine=interleaved_1f1b", "parallelism.pp_virtual_stages=2",
-                                "parallelism.tp_mode=REDUCE_SCATTER", "training.batch_accumulation_per_replica=4"],
+    "dp2-tp2-pp2-1f1b-zero1": [
+        "parallelism.dp=2",
+        "parallelism.tp=2",
+        "parallelism.pp=2",
+        "parallelism.pp_engine=1f1b",
+        "optimizer.zero_stage=1",
+        "parallelism.tp_mode=ALL_REDUCE",
+    ],
+    "cp2-tp2-pp2-interleaved": [
+        "parallelism.dp=1",
+        "parallelism.cp=2",
+        "parallelism.tp=2",
+        "parallelism.pp=2",
+        "parallelism.pp_engine=interleaved_1f1b",
+        "parallelism.pp_virtual_stages=2",
+        "parallelism.tp_mode=REDUCE_SCATTER",
+        "training.batch_accumulation_per_replica=4",
+    ],
 }
 VARIANTS = (("float32", True), ("bfloat16", True), ("bfloat16", False))  # (dtype, tp async)
 
@@ -54,17 +67,29 @@ def _train(layout: str, tmp: str) -> dict:
     from nanotrain.training.builder import build_parallel_context, build_parts
     from nanotrain.training.trainer import DistributedTrainer
 
-    base = [f"logging.dir={tmp}", f"training.train_steps={STEPS}", "logging.log_interval=1",
-            "checkpoints.interval=0", "checkpoints.resume=false", "logging.tensorboard=false",
-            f"data.source={ROOT}/nanotrain/**/*.py", "training.sequence_length=32", *LAYOUTS[layout]]
+    base = [
+        f"logging.dir={tmp}",
+        f"training.train_steps={STEPS}",
+        "logging.log_interval=1",
+        "checkpoints.interval=0",
+        "checkpoints.resume=false",
+        "logging.tensorboard=false",
+        f"data.source={ROOT}/nanotrain/**/*.py",
+        "training.sequence_length=32",
+        *LAYOUTS[layout],
+    ]
     config = load_config(ROOT / "configs" / "tiny_cpu.yaml", base)
     pc = build_parallel_context(config, timeout_s=60)
     contract = install(pc.device)
     out = {"losses": {}, "wire": {}}
     for dtype, async_tp in VARIANTS:
         name = f"{layout}-{dtype}-{'async' if async_tp else 'sync'}"
-        variant = [f"model.dtype={dtype}", f"parallelism.tp_linear_async_communication={async_tp}",
-                   f"logging.run_name={name}", f"checkpoints.path={tmp}/{name}/ckpt"]
+        variant = [
+            f"model.dtype={dtype}",
+            f"parallelism.tp_linear_async_communication={async_tp}",
+            f"logging.run_name={name}",
+            f"checkpoints.path={tmp}/{name}/ckpt",
+        ]
         run_config = load_config(ROOT / "configs" / "tiny_cpu.yaml", base + variant)
         contract.calls.clear()
         trainer = DistributedTrainer(build_parts(run_config, pc, Path(tmp) / name), lambda: False)
@@ -108,8 +133,17 @@ def test_bf16_trainer_within_tolerance_of_fp32_with_bf16_on_the_wire(layout, tmp
 
 
 def test_model_refuses_inputs_on_another_device():
-    model = build_llama(ModelArgs(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
-                                 num_attention_heads=2, max_position_embeddings=8), None)
+    model = build_llama(
+        ModelArgs(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=8,
+        ),
+        None,
+    )
     ids = torch.zeros(1, 8, dtype=torch.int64, device="meta")
     with pytest.raises(RuntimeError, match="input_ids is on meta, the model on cpu; move batches"):
         model(ids, ids)

@@ -14,6 +14,7 @@ Few process launches, each doing many checks (a launch costs seconds of torch im
     one process also loads the dp2 x pp2 tied checkpoint;
   * 2 ranks, one SIGKILLed while writing; single-process kills at every stage of the commit.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def config_for(dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, model=MODEL) -> Config:
-    return Config(parallelism=ParallelismArgs(dp=dp, tp=tp, pp=pp), model=model,
-                  optimizer=replace(OPTIM, zero_stage=zero))
+    return Config(
+        parallelism=ParallelismArgs(dp=dp, tp=tp, pp=pp), model=model, optimizer=replace(OPTIM, zero_stage=zero)
+    )
 
 
 # ----------------------------------------------------------------------------- helpers in ranks
@@ -89,31 +91,56 @@ def steps(run: Run, pc, start: int, stop: int) -> list[float]:
     per = GLOBAL_BATCH // pc.dp_size
     losses = []
     for step in range(start, stop):
-        mine = global_batch(step)[pc.dp_rank * per:(pc.dp_rank + 1) * per]
+        mine = global_batch(step)[pc.dp_rank * per : (pc.dp_rank + 1) * per]
         micro = [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(MICRO_BATCH)]
-        losses.append(train_step(run.model, micro, run.grad_sync, run.optimizer, run.scheduler, pc,
-                                 OPTIM.clip_grad, engine=run.engine).loss)
+        losses.append(
+            train_step(
+                run.model, micro, run.grad_sync, run.optimizer, run.scheduler, pc, OPTIM.clip_grad, engine=run.engine
+            ).loss
+        )
     return losses
 
 
 def save(root, step, run: Run, pc, zero, **kw):
     extra = {"consumed_samples": step * GLOBAL_BATCH, "consumed_tokens": step * GLOBAL_BATCH * 16}
-    return save_checkpoint(root, step, run.model, run.optimizer, run.scheduler, pc, extra=extra,
-                           config=config_for(pc.dp_size, pc.tp_size, pc.pp_size, zero, run.args), **kw)
+    return save_checkpoint(
+        root,
+        step,
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        pc,
+        extra=extra,
+        config=config_for(pc.dp_size, pc.tp_size, pc.pp_size, zero, run.args),
+        **kw,
+    )
 
 
 def load(root, run: Run, pc, zero, **kw):
-    return load_checkpoint(root, run.model, run.optimizer, run.scheduler, pc,
-                           config=config_for(pc.dp_size, pc.tp_size, pc.pp_size, zero, run.args), **kw)
+    return load_checkpoint(
+        root,
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        pc,
+        config=config_for(pc.dp_size, pc.tp_size, pc.pp_size, zero, run.args),
+        **kw,
+    )
 
 
 def snapshot(run: Run) -> dict:
     """This rank's exact state: local params, optimizer entries, scheduler, lr."""
     from nanotrain.optim import optimizer_state_by_name
-    return {"params": {n: p.detach().clone() for n, p in run.model.named_parameters()},
-            "optim": {n: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
-                      for n, s in optimizer_state_by_name(run.optimizer).items()},
-            "sched": run.scheduler.state_dict(), "lr": [g["lr"] for g in run.optimizer.param_groups]}
+
+    return {
+        "params": {n: p.detach().clone() for n, p in run.model.named_parameters()},
+        "optim": {
+            n: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+            for n, s in optimizer_state_by_name(run.optimizer).items()
+        },
+        "sched": run.scheduler.state_dict(),
+        "lr": [g["lr"] for g in run.optimizer.param_groups],
+    }
 
 
 def assert_same_snapshot(a: dict, b: dict, label: str) -> None:
@@ -124,7 +151,7 @@ def assert_same_snapshot(a: dict, b: dict, label: str) -> None:
     for n in a["optim"]:
         for k, v in a["optim"][n].items():
             w = b["optim"][n][k]
-            assert (torch.equal(v, w) if torch.is_tensor(v) else v == w), f"{label}: optimizer {n}.{k}"
+            assert torch.equal(v, w) if torch.is_tensor(v) else v == w, f"{label}: optimizer {n}.{k}"
     assert a["sched"] == b["sched"], label
     assert a["lr"] == b["lr"], label
 
@@ -137,6 +164,7 @@ def full_state(run: Run, pc, zero: int) -> dict:
     """Full (unsharded) params and AdamW states of this pp stage, put together here with
     collectives, without the checkpoint code: the reference the checkpoints are compared to."""
     from nanotrain.optim import optimizer_state_by_name
+
     states = optimizer_state_by_name(run.optimizer)
     params, optim = {}, {}
     for name, p in run.model.named_parameters():
@@ -147,7 +175,7 @@ def full_state(run: Run, pc, zero: int) -> dict:
         for k in ("exp_avg", "exp_avg_sq"):
             flat = torch.zeros(p.numel(), dtype=p.dtype)
             if s is not None:
-                flat[s["start"]:s["stop"]] = s[k].reshape(-1)
+                flat[s["start"] : s["stop"]] = s[k].reshape(-1)
             if zero == 1 and pc.dp_size > 1:
                 dist.all_reduce(flat, group=pc.dp_cp_pg)
             entry[k] = gather_full(flat.view(p.shape), info, pc.tp_pg)
@@ -183,8 +211,12 @@ def forbid_pickle():
         def __init__(self, *a, **k):
             refuse()
 
-    saved = [(pickle, "load", pickle.load), (pickle, "loads", pickle.loads), (pickle, "Unpickler", pickle.Unpickler),
-             (torch, "load", torch.load)]
+    saved = [
+        (pickle, "load", pickle.load),
+        (pickle, "loads", pickle.loads),
+        (pickle, "Unpickler", pickle.Unpickler),
+        (torch, "load", torch.load),
+    ]
     if hasattr(c10d, "_unpickler"):
         saved.append((c10d, "_unpickler", c10d._unpickler))
     for mod, name, _ in saved:
@@ -251,6 +283,7 @@ def same_topology_round_trip(pc, root: str, zero: int, damaged_file: str, how: s
 
 def launch_dp2_tp2(root: str) -> dict:
     from nanotrain.parallel.parallel_context import ParallelContext
+
     pc = ParallelContext(tensor_parallel_size=2, data_parallel_size=2)
     out = {}
     # ZeRO-1: rank 3 (dp1, tp1) alone reads this optimizer range; ZeRO-0: tp rank 1 reads its model shard.
@@ -283,6 +316,7 @@ def reshard_load(pc, src_root: str, zero: int, out_root: str, offline_root: str 
 
 def launch_reshard(src_root: str, dp: int, tp: int, zero: int, out_root: str, offline_root=None) -> dict:
     from nanotrain.parallel.parallel_context import ParallelContext
+
     pc = ParallelContext(tensor_parallel_size=tp, data_parallel_size=dp)
     out = reshard_load(pc, src_root, zero, out_root, offline_root)
     pc.destroy()
@@ -291,10 +325,13 @@ def launch_reshard(src_root: str, dp: int, tp: int, zero: int, out_root: str, of
 
 def launch_single(root: str, src_root: str, out_root: str, pp_root: str) -> dict:
     from nanotrain.parallel.parallel_context import ParallelContext
+
     pc = ParallelContext()
-    out = {"round_trip": same_topology_round_trip(pc, root, 0, "model/pp-00_tp-00.safetensors", "flip"),
-           "reshard": reshard_load(pc, src_root, 0, out_root),
-           "from_pp": reshard_load(pc, pp_root, 0, out_root + "_from_pp", args=TIED)}
+    out = {
+        "round_trip": same_topology_round_trip(pc, root, 0, "model/pp-00_tp-00.safetensors", "flip"),
+        "reshard": reshard_load(pc, src_root, 0, out_root),
+        "from_pp": reshard_load(pc, pp_root, 0, out_root + "_from_pp", args=TIED),
+    }
     pc.destroy()
     return out
 
@@ -303,6 +340,7 @@ def launch_dp2_pp2_tied(root: str) -> dict:
     """Pipeline (1f1b) with the tied embedding replicated on the last stage, ZeRO-1 over dp: the
     replica's optimizer ranges differ from the original's, both are saved; same-topology exact."""
     from nanotrain.parallel.parallel_context import ParallelContext
+
     pc = ParallelContext(pipeline_parallel_size=2, data_parallel_size=2)
     out = same_topology_round_trip(pc, root, 1, "optimizer/pp-01_tp-00_dp-01.safetensors", "flip", args=TIED)
     pc.destroy()
@@ -313,6 +351,7 @@ def launch_killed_while_saving(root: str) -> None:
     """tp2: step 1 saved; rank 1 dies (SIGKILL) right after writing its first shard of step 2."""
     from nanotrain.checkpoint import format as fmt
     from nanotrain.parallel.parallel_context import ParallelContext
+
     pc = ParallelContext(tensor_parallel_size=2)
     run = setup(pc, 0)
     steps(run, pc, 0, 1)
@@ -325,6 +364,7 @@ def launch_killed_while_saving(root: str) -> None:
             out = write(*a, **k)
             os.kill(os.getpid(), signal.SIGKILL)
             return out
+
         fmt.write_safetensors = write_then_die
     save(root, 2, run, pc, 0)
     raise AssertionError("unreachable: rank 1 was killed, rank 0 waits for it")
@@ -340,16 +380,32 @@ def runs(tmp_path_factory):
     out["pp"] = run_distributed(launch_dp2_pp2_tied, 4, str(base / "pp"), timeout=240)
     src = base / "dp2tp2" / "z1"  # the clean dp2 x tp2 ZeRO-1 checkpoint at step N
     offline = base / "offline_tp4"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "reshard_checkpoint.py"), str(src), str(offline),
-                           "--set", "parallelism.dp=1", "--set", "parallelism.tp=4", "--set", "optimizer.zero_stage=1"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "reshard_checkpoint.py"),
+            str(src),
+            str(offline),
+            "--set",
+            "parallelism.dp=1",
+            "--set",
+            "parallelism.tp=4",
+            "--set",
+            "optimizer.zero_stage=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     out["offline_stdout"] = proc.stdout
-    out["tp4"] = run_distributed(launch_reshard, 4, str(src), 1, 4, 1, str(base / "re_tp4"), str(offline),
-                                 timeout=240)[0]
+    out["tp4"] = run_distributed(launch_reshard, 4, str(src), 1, 4, 1, str(base / "re_tp4"), str(offline), timeout=240)[
+        0
+    ]
     out["dp4"] = run_distributed(launch_reshard, 4, str(src), 4, 1, 0, str(base / "re_dp4"), timeout=240)[0]
-    out["single"] = run_distributed(launch_single, 1, str(base / "single"), str(src), str(base / "re_single"),
-                                    str(base / "pp" / "z1"), timeout=240)[0]
+    out["single"] = run_distributed(
+        launch_single, 1, str(base / "single"), str(src), str(base / "re_single"), str(base / "pp" / "z1"), timeout=240
+    )[0]
     return out
 
 
@@ -375,8 +431,13 @@ def test_reshard_is_exact_and_training_continues(runs, target):
     _, params, optim = read_full_state(runs["base"] / f"re_{target}")
     assert_full_equal({"params": params, "optim": optim}, ref, f"re-saved at {target}")
     uninterrupted = runs["dp2tp2"][0][1]["losses"][N:]
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(uninterrupted), rtol=1e-5, atol=0,
-                               msg=lambda m: f"{target}: continued losses: {m}")
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]),
+        torch.tensor(uninterrupted),
+        rtol=1e-5,
+        atol=0,
+        msg=lambda m: f"{target}: continued losses: {m}",
+    )
 
 
 @pytest.mark.timeout(900)
@@ -420,18 +481,28 @@ def test_meta_json_and_layout(runs):
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["format"] == "nanotrain-checkpoint" and meta["format_version"] == 1
     assert meta["step"] == N and meta["extra"]["consumed_samples"] == N * GLOBAL_BATCH
-    assert {k: meta["topology"][k] for k in ("dp", "tp", "pp", "cp", "ep", "zero_stage")} == \
-        {"dp": 2, "tp": 2, "pp": 1, "cp": 1, "ep": 1, "zero_stage": 1}
+    assert {k: meta["topology"][k] for k in ("dp", "tp", "pp", "cp", "ep", "zero_stage")} == {
+        "dp": 2,
+        "tp": 2,
+        "pp": 1,
+        "cp": 1,
+        "ep": 1,
+        "zero_stage": 1,
+    }
     assert meta["topology"]["pp_engine"] == "1f1b" and meta["world_size"] == 4
     assert len(meta["config_hash"]) == 64 and meta["config"]["model"]["hidden_size"] == MODEL.hidden_size
     assert meta["scheduler"]["last_epoch"] == N
-    expected = {"model/pp-00_tp-00.safetensors", "model/pp-00_tp-01.safetensors",
-                *(f"optimizer/pp-00_tp-{t:02d}_dp-{d:02d}.safetensors" for t in (0, 1) for d in (0, 1)),
-                *(f"state/rank-{r:05d}.safetensors" for r in range(4))}
+    expected = {
+        "model/pp-00_tp-00.safetensors",
+        "model/pp-00_tp-01.safetensors",
+        *(f"optimizer/pp-00_tp-{t:02d}_dp-{d:02d}.safetensors" for t in (0, 1) for d in (0, 1)),
+        *(f"state/rank-{r:05d}.safetensors" for r in range(4)),
+    }
     assert set(meta["files"]) == expected
     import hashlib
 
     from safetensors import safe_open
+
     for rel, rec in meta["files"].items():  # sha256 of the header and of each tensor's bytes
         data = (ckpt / rel).read_bytes()
         assert len(data) == rec["bytes"], rel
@@ -440,10 +511,14 @@ def test_meta_json_and_layout(runs):
         header = json.loads(data[8:head_len])
         for key, digest in rec["tensors"].items():
             a, b = header[key]["data_offsets"]
-            assert hashlib.sha256(data[head_len + a:head_len + b]).hexdigest() == digest, (rel, key)
+            assert hashlib.sha256(data[head_len + a : head_len + b]).hexdigest() == digest, (rel, key)
         assert set(rec["tensors"]) == set(header) - {"__metadata__"}
-        assert hashlib.sha256((rec["header_sha256"] + "".join(rec["tensors"][k] for k in header if k != "__metadata__"))
-                              .encode()).hexdigest() == rec["digest"]
+        assert (
+            hashlib.sha256(
+                (rec["header_sha256"] + "".join(rec["tensors"][k] for k in header if k != "__metadata__")).encode()
+            ).hexdigest()
+            == rec["digest"]
+        )
         with safe_open(str(ckpt / rel), "pt") as f:  # plain safetensors files
             assert set(f.keys()) == set(rec["tensors"])
     assert (ckpt.parent / "latest").read_text().strip() == ckpt.name
@@ -457,8 +532,11 @@ def test_meta_json_and_layout(runs):
     kv = MODEL.num_key_value_heads * hidden // MODEL.num_attention_heads
     assert header["shard"]["global_shape"] == [hidden + 2 * kv, hidden]
     # tp rank 1 holds the second half of each of q, k and v
-    assert [g[0] for _, g in header["shard"]["pairs"]] == [[hidden // 2, hidden], [hidden + kv // 2, hidden + kv],
-                                                          [hidden + kv + kv // 2, hidden + 2 * kv]]
+    assert [g[0] for _, g in header["shard"]["pairs"]] == [
+        [hidden // 2, hidden],
+        [hidden + kv // 2, hidden + kv],
+        [hidden + kv + kv // 2, hidden + 2 * kv],
+    ]
 
 
 # ----------------------------------------------------------------------------- atomicity
@@ -482,8 +560,13 @@ def _save_and_die(root: str, stage: str) -> None:
     pool threads, so a parallel region would wait for them forever; one thread uses none."""
     torch.set_num_threads(1)
     from nanotrain.checkpoint import format as fmt
-    target = {"shards": "write_safetensors", "meta": "write_complete", "rename": "commit_rename",
-              "latest": "update_latest"}[stage]
+
+    target = {
+        "shards": "write_safetensors",
+        "meta": "write_complete",
+        "rename": "commit_rename",
+        "latest": "update_latest",
+    }[stage]
     original = getattr(fmt, target)
     calls = []
 
@@ -492,6 +575,7 @@ def _save_and_die(root: str, stage: str) -> None:
         if stage == "shards" and len(calls) == 1:
             return original(*a, **k)  # one shard is on disk, the rest is not
         os.kill(os.getpid(), signal.SIGKILL)
+
     setattr(fmt, target, die)
     objs = tiny(1)
     tiny_step(objs, 0)
@@ -568,6 +652,7 @@ def test_corrupt_newest_falls_back_with_warning_naming_file(tmp_path, caplog):
     with pytest.raises(CheckpointError, match="sha256 mismatch"):  # an explicit path never falls back
         load_checkpoint(root, *tiny(5), path=root / "step_000003.damaged")
     from nanotrain.checkpoint.format import verify_checkpoint
+
     assert len(verify_checkpoint(root / "step_000003.damaged")) == 1
 
 
@@ -592,6 +677,7 @@ def test_wrong_model_is_an_error_not_a_fallback(tmp_path):
     from dataclasses import replace
 
     from nanotrain.models.llama_parallelize import build_llama
+
     root = tmp_path / "ck"
     save_checkpoint(root, 1, *tiny(), config=config_for())
     wider = build_llama(replace(MODEL, intermediate_size=2 * MODEL.intermediate_size), None)
@@ -645,9 +731,12 @@ def _offline_round_trip(tmp_path, args, there: list[str], back: list[str]) -> di
 def test_offline_reshard_through_pp_tp_dp_and_back_is_exact(tmp_path):
     """One process, tied embeddings: (1,1,1) -> tp4 pp2 dp3 ZeRO-1 (vocab padded, tied replica,
     ZeRO ranges cutting tp shards) -> (1,1,1) ZeRO-0 -> loaded: every tensor bit-identical."""
-    meta = _offline_round_trip(tmp_path, replace(TIED, vocab_size=250),  # tp4 pads it to 252
-                               ["parallelism.tp=4", "parallelism.pp=2", "parallelism.dp=3", "optimizer.zero_stage=1"],
-                               ["parallelism.tp=1", "parallelism.pp=1", "parallelism.dp=1", "optimizer.zero_stage=0"])
+    meta = _offline_round_trip(
+        tmp_path,
+        replace(TIED, vocab_size=250),  # tp4 pads it to 252
+        ["parallelism.tp=4", "parallelism.pp=2", "parallelism.dp=3", "optimizer.zero_stage=1"],
+        ["parallelism.tp=1", "parallelism.pp=1", "parallelism.dp=1", "optimizer.zero_stage=0"],
+    )
     assert len([f for f in meta["files"] if f.startswith("model/")]) == 8
     assert len([f for f in meta["files"] if f.startswith("optimizer/")]) == 24
 
@@ -660,14 +749,21 @@ def test_offline_reshard_moe_across_ep_and_back_is_exact(tmp_path):
     -> ep1 ZeRO-0 -> loaded: every tensor bit-identical."""
     from nanotrain.config import MoEArgs
 
-    args = replace(MODEL, num_layers=3, moe=MoEArgs(num_experts=4, top_k=2, expert_intermediate_size=32,
-                                                    num_shared_experts=1, first_dense_layers=1))
-    meta = _offline_round_trip(tmp_path, args,
-                               ["parallelism.ep=4", "parallelism.tp=2", "parallelism.dp=2", "optimizer.zero_stage=1"],
-                               ["parallelism.ep=1", "parallelism.tp=1", "parallelism.dp=1", "optimizer.zero_stage=0"])
+    args = replace(
+        MODEL,
+        num_layers=3,
+        moe=MoEArgs(num_experts=4, top_k=2, expert_intermediate_size=32, num_shared_experts=1, first_dense_layers=1),
+    )
+    meta = _offline_round_trip(
+        tmp_path,
+        args,
+        ["parallelism.ep=4", "parallelism.tp=2", "parallelism.dp=2", "optimizer.zero_stage=1"],
+        ["parallelism.ep=1", "parallelism.tp=1", "parallelism.dp=1", "optimizer.zero_stage=0"],
+    )
     assert meta["topology"]["ep"] == 4 and meta["world_size"] == 16
     assert sorted(f for f in meta["files"] if f.startswith("model/")) == [
-        f"model/pp-00_tp-{t:02d}_ep-{e:02d}.safetensors" for t, e in ((0, 0), (0, 1), (0, 2), (0, 3), (1, 0))]
+        f"model/pp-00_tp-{t:02d}_ep-{e:02d}.safetensors" for t, e in ((0, 0), (0, 1), (0, 2), (0, 3), (1, 0))
+    ]
     assert len([f for f in meta["files"] if f.startswith("optimizer/")]) == 16
     experts = meta["index"]["model"]["layers.1.mlp.experts.gate_up.weight"]
     assert sorted(e["shard"]["pairs"][0][1][0][0] for e in experts) == [0, 1, 2, 3]  # one expert per ep rank

@@ -18,6 +18,7 @@ every tensor the old checkpoint holds (parameters, AdamW moments, RNG states) an
 (2) resuming the old checkpoint and resuming that re-save, in the current format, give the same
 step-6 parameters, bit for bit, and both log the old code's losses of steps 4..6 exactly.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,11 +62,22 @@ def _resaved(out: Path) -> Path:
     model = build_llama(config.model, None)
     optimizer = build_optimizer(model.named_parameters(), config.optimizer, zero_stage=0)
     scheduler = build_lr_scheduler(optimizer, config.optimizer, config.training.train_steps)
-    loaded = load_checkpoint(FIXTURE / RUN / "checkpoints", model, optimizer, scheduler, config=config,
-                             move_damaged=False)
+    loaded = load_checkpoint(
+        FIXTURE / RUN / "checkpoints", model, optimizer, scheduler, config=config, move_damaged=False
+    )
     assert loaded.step == RESUME_STEP and not loaded.resharded and loaded.rng_restored
-    return save_checkpoint(out, loaded.step, model, optimizer, scheduler, extra=loaded.extra, config=config,
-                           keep_last=None, rank_state=loaded.rank_state, run_id=loaded.meta["run_id"])
+    return save_checkpoint(
+        out,
+        loaded.step,
+        model,
+        optimizer,
+        scheduler,
+        extra=loaded.extra,
+        config=config,
+        keep_last=None,
+        rank_state=loaded.rank_state,
+        run_id=loaded.meta["run_id"],
+    )
 
 
 def _contents(step: Path) -> dict:

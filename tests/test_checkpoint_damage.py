@@ -1,6 +1,7 @@
 """Issue 17, items 1 and 2b at the checkpoint level (one process, real files): a damaged
 checkpoint is moved aside and replaced, never trusted by a save, never counted or pruned in
 favour of; another run's checkpoints are refused and never pruned."""
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,11 @@ def test_damaged_latest_is_moved_aside_and_rewritten_by_the_retrained_run(tmp_pa
     assert load_checkpoint(root, *again).step == 20
     assert all(torch.equal(p, expected[n]) for n, p in again[0].named_parameters())
     assert "step_000020.damaged" in names(root)  # kept for inspection, never counted
-    assert [n for n in names(root) if n.startswith("step_") and "." not in n] == \
-        ["step_000010", "step_000015", "step_000020"]
+    assert [n for n in names(root) if n.startswith("step_") and "." not in n] == [
+        "step_000010",
+        "step_000015",
+        "step_000020",
+    ]
 
 
 def test_a_save_verifies_the_checkpoint_it_would_skip(tmp_path):

@@ -2,6 +2,7 @@
 editing this file): either some mode of flags.py's table accepts the pair, or the command line
 holding just that pair is refused in one `error:` line naming both, exit 2, before any config is
 read (the config given does not exist, so reading it would be another error)."""
+
 from __future__ import annotations
 
 import itertools
@@ -33,8 +34,7 @@ def test_every_flag_is_in_the_table():
     assert {flags.flag_name(a) for a in ACTIONS} == known
 
 
-@pytest.mark.parametrize("a, b", list(itertools.combinations(ACTIONS, 2)),
-                         ids=lambda action: flags.flag_name(action))
+@pytest.mark.parametrize("a, b", list(itertools.combinations(ACTIONS, 2)), ids=lambda action: flags.flag_name(action))
 def test_every_pair_is_accepted_or_refused_naming_both(a, b, tmp_path, capsys):
     name_a, name_b = flags.flag_name(a), flags.flag_name(b)
     if flags.together(name_a, name_b):
@@ -50,16 +50,28 @@ def test_every_pair_is_accepted_or_refused_naming_both(a, b, tmp_path, capsys):
     assert name_a in lines[0] and name_b in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("argv, line", [
-    (["--gpus", "8", "c.yaml"], "error: --gpus only applies to --plan: add --plan"),
-    (["--status", "d", "--set", "a.b=1"],
-     "error: --status takes a run directory and shows where it stands; it cannot be combined with --set"),
-    (["--resume", "d", "--rank", "0", "--rehearse"],
-     "error: --rehearse runs a config's ranks here; it cannot be combined with --resume"),
-    (["c.yaml", "--resume", "d", "--dry-run"],
-     "error: --resume takes a run directory instead of a config; it cannot be combined with CONFIG"),
-    (["c.yaml", "--emit", "d", "--local"], "error: --emit writes a SLURM script; it cannot be combined with --local"),
-])
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--gpus", "8", "c.yaml"], "error: --gpus only applies to --plan: add --plan"),
+        (
+            ["--status", "d", "--set", "a.b=1"],
+            "error: --status takes a run directory and shows where it stands; it cannot be combined with --set",
+        ),
+        (
+            ["--resume", "d", "--rank", "0", "--rehearse"],
+            "error: --rehearse runs a config's ranks here; it cannot be combined with --resume",
+        ),
+        (
+            ["c.yaml", "--resume", "d", "--dry-run"],
+            "error: --resume takes a run directory instead of a config; it cannot be combined with CONFIG",
+        ),
+        (
+            ["c.yaml", "--emit", "d", "--local"],
+            "error: --emit writes a SLURM script; it cannot be combined with --local",
+        ),
+    ],
+)
 def test_wording(argv, line, capsys):
     assert main(argv) == 2
     assert capsys.readouterr().err.strip().startswith(line)
@@ -74,17 +86,20 @@ def test_triples_need_one_mode():
         flags.check_flags(["--resume", "--emit", "--local"])
 
 
-@pytest.mark.parametrize("given, mode", [
-    ([], flags.Mode.RUN),
-    ([flags.CONFIG, "--set"], flags.Mode.RUN),
-    ([flags.CONFIG, "--local"], flags.Mode.LOCAL),
-    (["--resume", "--local"], flags.Mode.RESUME),
-    (["--resume", "--dry-run", "--local"], flags.Mode.DRY_RUN),
-    (["--emit", "--resume"], flags.Mode.EMIT),
-    ([flags.CONFIG, "--prepare-data", "--local"], flags.Mode.PREPARE_DATA),
-    (["--status"], flags.Mode.STATUS),
-    ([flags.CONFIG, "--plan", "--gpus"], flags.Mode.PLAN),
-    ([flags.CONFIG, "--rehearse", "--rank"], flags.Mode.REHEARSE),
-])
+@pytest.mark.parametrize(
+    "given, mode",
+    [
+        ([], flags.Mode.RUN),
+        ([flags.CONFIG, "--set"], flags.Mode.RUN),
+        ([flags.CONFIG, "--local"], flags.Mode.LOCAL),
+        (["--resume", "--local"], flags.Mode.RESUME),
+        (["--resume", "--dry-run", "--local"], flags.Mode.DRY_RUN),
+        (["--emit", "--resume"], flags.Mode.EMIT),
+        ([flags.CONFIG, "--prepare-data", "--local"], flags.Mode.PREPARE_DATA),
+        (["--status"], flags.Mode.STATUS),
+        ([flags.CONFIG, "--plan", "--gpus"], flags.Mode.PLAN),
+        ([flags.CONFIG, "--rehearse", "--rank"], flags.Mode.REHEARSE),
+    ],
+)
 def test_the_mode_is_the_first_row_that_holds_the_command(given, mode):
     assert flags.check_flags(given) is mode

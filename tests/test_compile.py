@@ -2,6 +2,7 @@
 compiler) and gives the eager loss within fp32 tolerance (the forward graph only here: compiling
 the backward graph too takes minutes on 2 cores), with unchanged parameter names; without a
 working backend the run does not start: one ``error:`` line, exit 2. One tiny layer, one process."""
+
 from __future__ import annotations
 
 import subprocess
@@ -17,8 +18,16 @@ from nanotrain.parallel.part.recompute import compile_layers_
 from helpers.needs import unavailable
 from helpers.runs import TINY, cli
 
-ARGS = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=16, dtype="float32")
+ARGS = ModelArgs(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=16,
+    dtype="float32",
+)
 
 
 @pytest.mark.timeout(600)
@@ -41,8 +50,12 @@ def test_no_compiler_is_a_clear_error(monkeypatch, tmp_path):
     assert problem is not None and "no-such-c++" in problem
     with pytest.raises(RuntimeError, match="training.compile: .*training.compile: false"):
         compile_layers_([torch.nn.Linear(2, 2)], "cpu")
-    proc = subprocess.run(cli(str(TINY), "--local", "--set", "training.compile=true", "--set",
-                              f"logging.dir={tmp_path}"), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        cli(str(TINY), "--local", "--set", "training.compile=true", "--set", f"logging.dir={tmp_path}"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "training.compile" in errors[0] and "no-such-c++" in errors[0], proc.stderr

@@ -1,6 +1,7 @@
 """Context parallelism equals the single-process model: loss, logits and every gradient, for
 cp = 2 and 4, with GQA, tied and untied embeddings, and cp x tp in both tp modes; plus the zig-zag
 split itself (every position once, balanced causal work)."""
+
 from __future__ import annotations
 
 import functools
@@ -15,8 +16,17 @@ from nanotrain.parallel.context_parallel import cp_positions
 from helpers.dist import run_distributed
 from helpers.models import full_grad
 
-ARGS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=8,
-            num_key_value_heads=4, max_position_embeddings=64, dtype="float32", init_std=0.02)
+ARGS = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    dtype="float32",
+    init_std=0.02,
+)
 SEQ, BATCH = 32, 2
 CASES = [(mode, tied) for mode in ("ALL_REDUCE", "REDUCE_SCATTER") for tied in (False, True)]
 
@@ -46,12 +56,13 @@ def model_outputs(cp: int, tp: int) -> dict:
     positions = cp_positions(SEQ, cp, pc.cp_rank)
     results = {}
     for mode, tied in CASES:
-        model = build_llama(ModelArgs(**{**ARGS, "tie_word_embeddings": tied}), pc.tp_pg, mode=mode, seed=7,
-                           cp_pg=pc.cp_pg)
+        model = build_llama(
+            ModelArgs(**{**ARGS, "tie_word_embeddings": tied}), pc.tp_pg, mode=mode, seed=7, cp_pg=pc.cp_pg
+        )
         logits = model(ids)  # [S/cp, B, V/tp] of this rank's tokens
         parts = [torch.empty_like(logits) for _ in range(tp)]
         dist.all_gather(parts, logits.contiguous(), group=pc.tp_pg)
-        local = torch.cat(parts, dim=-1)[..., :ARGS["vocab_size"]]
+        local = torch.cat(parts, dim=-1)[..., : ARGS["vocab_size"]]
         full_logits = torch.zeros(SEQ, BATCH, ARGS["vocab_size"])
         full_logits[positions] = local
         dist.all_reduce(full_logits, group=pc.cp_pg)  # each position is held by one cp rank
@@ -88,8 +99,9 @@ def test_cp_model_equals_single_process(cp, tp):
         torch.testing.assert_close(got["logits"], ref["logits"], rtol=1e-5, atol=1e-5, msg=f"logits {case}")
         assert got["grads"].keys() == ref["grads"].keys()
         for name, grad in ref["grads"].items():
-            torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, n=name: f"grad {n} {case}: {m}")
+            torch.testing.assert_close(
+                got["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"grad {n} {case}: {m}"
+            )
 
 
 def loss_without_cp_group() -> float:

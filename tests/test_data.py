@@ -3,6 +3,7 @@
 Everything runs in-process on small files made in tmp_path or on a slice of the Python standard
 library; nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,13 @@ from nanotrain.data import (
 )
 from nanotrain.data import dataset as dataset_mod
 
-DOCS = ["hello world\nsecond line", "", "naïve café ☕ — ünïcödé", "def f(x):\n    return x + 1\n",
-        "the quick brown fox jumps over the lazy dog " * 3]
+DOCS = [
+    "hello world\nsecond line",
+    "",
+    "naïve café ☕ — ünïcödé",
+    "def f(x):\n    return x + 1\n",
+    "the quick brown fox jumps over the lazy dog " * 3,
+]
 
 
 def byte_stream(docs) -> list[int]:
@@ -42,8 +48,9 @@ def byte_stream(docs) -> list[int]:
 
 
 def build(tmp_path, source, seq_len=8, **kw) -> TokenDataset:
-    args = DataArgs(source=str(source), **{k: kw.pop(k) for k in list(kw) if k in
-                                            ("text_column", "tokenizer", "num_workers")})
+    args = DataArgs(
+        source=str(source), **{k: kw.pop(k) for k in list(kw) if k in ("text_column", "tokenizer", "num_workers")}
+    )
     kw.setdefault("vocab_size", 256)
     return TokenDataset.build(args, seq_len=seq_len, cache_dir=str(tmp_path / "cache"), **kw)
 
@@ -57,11 +64,13 @@ def write_jsonl(path, docs, column="text"):
 def stdlib_ds(tmp_path_factory) -> TokenDataset:
     """The first 40 stdlib files, tokenised once for the sampler tests (about 0.3 M tokens)."""
     cache = tmp_path_factory.mktemp("stdlib_cache")
-    return TokenDataset.build(DataArgs(source="stdlib"), seq_len=16, cache_dir=str(cache),
-                              vocab_size=256, max_documents=40)
+    return TokenDataset.build(
+        DataArgs(source="stdlib"), seq_len=16, cache_dir=str(cache), vocab_size=256, max_documents=40
+    )
 
 
 # ---- tokenizers -------------------------------------------------------------------------------
+
 
 def test_byte_tokenizer_round_trip():
     tok = ByteTokenizer()
@@ -77,8 +86,11 @@ def _train_bpe(path, vocab_size=300):
 
     tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["[UNK]", "<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["[UNK]", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([d for d in DOCS if d] * 20, trainer=trainer)
     tok.decoder = decoders.ByteLevel()
     tok.save(str(path))
@@ -103,10 +115,12 @@ def test_tokenizer_json_path(tmp_path):
 
 def test_tokenizer_vocab_larger_than_model(tmp_path):
     _train_bpe(tmp_path / "tok.json", vocab_size=300)
-    args = DataArgs(source=str(write_jsonl(tmp_path / "d.jsonl", DOCS)),
-                    tokenizer=str(tmp_path / "tok.json"))
-    with pytest.raises(DataError, match=r"model.vocab_size=256 is smaller than the vocabulary of "
-                                        r"data.tokenizer=.*set model.vocab_size >= 3\d\d"):
+    args = DataArgs(source=str(write_jsonl(tmp_path / "d.jsonl", DOCS)), tokenizer=str(tmp_path / "tok.json"))
+    with pytest.raises(
+        DataError,
+        match=r"model.vocab_size=256 is smaller than the vocabulary of "
+        r"data.tokenizer=.*set model.vocab_size >= 3\d\d",
+    ):
         check_data_config(args, vocab_size=256)
     with pytest.raises(DataError, match="model.vocab_size=256"):
         TokenDataset.build(args, seq_len=4, cache_dir=str(tmp_path / "c"), vocab_size=256)
@@ -126,6 +140,7 @@ def test_tokenizer_errors(tmp_path, monkeypatch):
 
 # ---- sources ----------------------------------------------------------------------------------
 
+
 def test_jsonl_source(tmp_path):
     ds = build(tmp_path, write_jsonl(tmp_path / "d.jsonl", DOCS))
     assert ds.tokens.tolist() == byte_stream(DOCS)
@@ -136,6 +151,7 @@ def test_json_array_and_csv_sources(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps([{"text": d} for d in DOCS]))
     assert build(tmp_path, tmp_path / "a.json").tokens.tolist() == byte_stream(DOCS)
     import csv
+
     with open(tmp_path / "b.csv", "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["body", "n"])
@@ -153,6 +169,7 @@ def test_txt_source_one_document_per_file(tmp_path):
 def test_parquet_source(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     pq.write_table(pa.table({"content": DOCS, "n": list(range(len(DOCS)))}), tmp_path / "d.parquet")
     ds = build(tmp_path, tmp_path / "d.parquet", text_column="content")
     assert ds.tokens.tolist() == byte_stream(DOCS)
@@ -187,11 +204,11 @@ def test_stdlib_source(tmp_path):
 def test_hub_names_are_not_paths():
     assert resolve_source("wikitext").kind == "hub"
     src = resolve_source("Salesforce/wikitext:wikitext-2-raw-v1")
-    assert (src.kind, src.hub_name, src.hub_config) == ("hub", "Salesforce/wikitext",
-                                                        "wikitext-2-raw-v1")
+    assert (src.kind, src.hub_name, src.hub_config) == ("hub", "Salesforce/wikitext", "wikitext-2-raw-v1")
 
 
 # ---- packing ----------------------------------------------------------------------------------
+
 
 def test_packing_windows_and_shifted_targets(tmp_path):
     ds = build(tmp_path, write_jsonl(tmp_path / "d.jsonl", DOCS), seq_len=8)
@@ -200,9 +217,9 @@ def test_packing_windows_and_shifted_targets(tmp_path):
     w = ds.windows(range(ds.num_windows))
     assert w.shape == (ds.num_windows, 9) and w.dtype == np.int64
     for i in range(ds.num_windows):
-        assert w[i].tolist() == stream[i * 8: i * 8 + 9]
+        assert w[i].tolist() == stream[i * 8 : i * 8 + 9]
     # Every token after the first is a target exactly once.
-    assert np.concatenate([x[1:] for x in w]).tolist() == stream[1: ds.num_windows * 8 + 1]
+    assert np.concatenate([x[1:] for x in w]).tolist() == stream[1 : ds.num_windows * 8 + 1]
 
     sampler = GlobalSampler(ds, seed=0, dp=1, micro_batch_size=3, batch_accumulation=2)
     for ids, targets in sampler.batch_for_step(0, 0):
@@ -217,6 +234,7 @@ def test_sequence_length_change_reuses_cache(tmp_path):
 
 
 # ---- sampling ---------------------------------------------------------------------------------
+
 
 def _step(sampler, step, consumed=None):
     """All of a step's samples in global order: dp ranks, then micro-batches, then rows."""
@@ -237,8 +255,9 @@ def test_determinism(stdlib_ds):
 
 def test_dp_splits_read_the_same_global_samples(stdlib_ds):
     shapes = [(1, 4, 2), (2, 2, 2), (4, 1, 2), (2, 4, 1), (4, 2, 1)]  # (dp, m, mbs), G = 8
-    samplers = [GlobalSampler(stdlib_ds, seed=3, dp=dp, micro_batch_size=mbs, batch_accumulation=m)
-                for dp, m, mbs in shapes]
+    samplers = [
+        GlobalSampler(stdlib_ds, seed=3, dp=dp, micro_batch_size=mbs, batch_accumulation=m) for dp, m, mbs in shapes
+    ]
     for step in (0, 1, 5):
         ref = _step(samplers[0], step)
         for s in samplers[1:]:
@@ -270,7 +289,7 @@ def test_epoch_wrap_reshuffles(tmp_path):
     s = GlobalSampler(ds, seed=5, dp=1, micro_batch_size=3, batch_accumulation=1)
     first, second = s.window_indices(0, W), s.window_indices(W, W)
     assert sorted(first) == sorted(second) == list(range(W))  # each epoch: every window once
-    assert not np.array_equal(first, second)                  # in a new order (seed, epoch)
+    assert not np.array_equal(first, second)  # in a new order (seed, epoch)
     # A step straddling the epoch boundary takes the end of one and the start of the next.
     straddle = s.window_indices(W - 2, 5)
     assert straddle.tolist() == first[-2:].tolist() + second[:3].tolist()
@@ -281,6 +300,7 @@ def test_epoch_wrap_reshuffles(tmp_path):
 
 # ---- cache ------------------------------------------------------------------------------------
 
+
 def test_cache_reuse_does_not_retokenise(tmp_path, monkeypatch):
     src = write_jsonl(tmp_path / "d.jsonl", DOCS)
     first = build(tmp_path, src)
@@ -290,6 +310,7 @@ def test_cache_reuse_does_not_retokenise(tmp_path, monkeypatch):
 
     def no_tokenising(*a, **k):
         raise AssertionError("re-tokenised despite a cache")
+
     monkeypatch.setattr(dataset_mod, "_tokenise", no_tokenising)
     second = build(tmp_path, src)
     assert second.from_cache and second.path == first.path
@@ -314,9 +335,16 @@ def test_one_rank_builds_the_others_load(tmp_path):
     results: dict = {}
 
     def rank(r):
-        results[r] = prepare_dataset(args, seq_len=4, cache_dir=str(tmp_path / "cache"),
-                                     vocab_size=256, builder=r == 0, needs_data=r != 2,
-                                     barrier=barrier.wait)
+        results[r] = prepare_dataset(
+            args,
+            seq_len=4,
+            cache_dir=str(tmp_path / "cache"),
+            vocab_size=256,
+            builder=r == 0,
+            needs_data=r != 2,
+            barrier=barrier.wait,
+        )
+
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
     for t in threads:
         t.start()
@@ -330,11 +358,15 @@ def test_builder_failure_does_not_hang_the_others(tmp_path):
     args = DataArgs(source=str(tmp_path / "missing.jsonl"))
     calls = []
     with pytest.raises(DataError, match="no such file"):
-        prepare_dataset(args, seq_len=4, cache_dir=str(tmp_path), builder=True,
-                        barrier=lambda: calls.append("builder"))
+        prepare_dataset(args, seq_len=4, cache_dir=str(tmp_path), builder=True, barrier=lambda: calls.append("builder"))
     with pytest.raises(DataError, match="tokenised cache .* is missing"):
-        prepare_dataset(DataArgs(source=str(write_jsonl(tmp_path / "d.jsonl", DOCS))), seq_len=4,
-                        cache_dir=str(tmp_path), builder=False, barrier=lambda: calls.append("other"))
+        prepare_dataset(
+            DataArgs(source=str(write_jsonl(tmp_path / "d.jsonl", DOCS))),
+            seq_len=4,
+            cache_dir=str(tmp_path),
+            builder=False,
+            barrier=lambda: calls.append("other"),
+        )
     assert calls == ["builder", "other"]
 
 
@@ -352,6 +384,7 @@ def test_build_sampler_from_config(tmp_path):
 
 # ---- errors -----------------------------------------------------------------------------------
 
+
 def _errors(tmp_path, args, match, *, seq_len=8, check=True):
     """The error from the pre-submit check (when it can see it) and from the real build."""
     if check:
@@ -366,11 +399,13 @@ def _errors(tmp_path, args, match, *, seq_len=8, check=True):
 
 
 def test_error_missing_path(tmp_path):
-    _errors(tmp_path, DataArgs(source=str(tmp_path / "nope.jsonl")),
-            r"data.source: no such file or directory .*nope.jsonl.*point data.source at")
+    _errors(
+        tmp_path,
+        DataArgs(source=str(tmp_path / "nope.jsonl")),
+        r"data.source: no such file or directory .*nope.jsonl.*point data.source at",
+    )
     _errors(tmp_path, DataArgs(source=str(tmp_path / "nope")), "no such file or directory")
-    _errors(tmp_path, DataArgs(source=str(tmp_path / "*.parquet")),
-            r"data.source: the glob .* matches no files")
+    _errors(tmp_path, DataArgs(source=str(tmp_path / "*.parquet")), r"data.source: the glob .* matches no files")
     (tmp_path / "empty_dir").mkdir()
     _errors(tmp_path, DataArgs(source=str(tmp_path / "empty_dir")), r"directory .* holds no")
 
@@ -383,35 +418,46 @@ def test_error_mixed_kinds(tmp_path):
 
 def test_error_empty_dataset(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
-    _errors(tmp_path, DataArgs(source=str(tmp_path / "empty.jsonl")),
-            r"data.source: .*empty.jsonl' is empty \(1 file\(s\), all 0 bytes\)")
+    _errors(
+        tmp_path,
+        DataArgs(source=str(tmp_path / "empty.jsonl")),
+        r"data.source: .*empty.jsonl' is empty \(1 file\(s\), all 0 bytes\)",
+    )
     write_jsonl(tmp_path / "blank.jsonl", ["", ""])
-    _errors(tmp_path, DataArgs(source=str(tmp_path / "blank.jsonl")),
-            r"has 2 documents but every 'text' is empty", check=False)
+    _errors(
+        tmp_path,
+        DataArgs(source=str(tmp_path / "blank.jsonl")),
+        r"has 2 documents but every 'text' is empty",
+        check=False,
+    )
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "none.parquet")
-    _errors(tmp_path, DataArgs(source=str(tmp_path / "none.parquet")),
-            r"has no documents \(0 rows\)", check=False)
+    _errors(tmp_path, DataArgs(source=str(tmp_path / "none.parquet")), r"has no documents \(0 rows\)", check=False)
 
 
 def test_error_missing_text_column(tmp_path):
     src = write_jsonl(tmp_path / "d.jsonl", DOCS, column="content")
-    msg = _errors(tmp_path, DataArgs(source=str(src)),
-                  r"data.text_column: 'text' is not a column of .*columns present: \['content', 'id'\]")
+    msg = _errors(
+        tmp_path,
+        DataArgs(source=str(src)),
+        r"data.text_column: 'text' is not a column of .*columns present: \['content', 'id'\]",
+    )
     assert "set data.text_column" in msg
-    _errors(tmp_path, DataArgs(source="stdlib", text_column="body"),
-            r"columns present: \['path', 'text'\]")
-    _errors(tmp_path, DataArgs(source=str(src), text_column="id"),
-            r"column 'id' .* not text", check=False)
+    _errors(tmp_path, DataArgs(source="stdlib", text_column="body"), r"columns present: \['path', 'text'\]")
+    _errors(tmp_path, DataArgs(source=str(src), text_column="id"), r"column 'id' .* not text", check=False)
 
 
 def test_error_too_little_data(tmp_path):
     ds = build(tmp_path, write_jsonl(tmp_path / "d.jsonl", DOCS[:1]), seq_len=8)
     assert ds.num_windows == 2
-    with pytest.raises(DataError, match=r"too little data for one global batch: 2 windows of "
-                                        r"training.sequence_length\+1=9 tokens exist .* 8 needed "
-                                        r"\(parallelism.dp=2 x .*=2 x .*micro_batch_size=2\)"):
+    with pytest.raises(
+        DataError,
+        match=r"too little data for one global batch: 2 windows of "
+        r"training.sequence_length\+1=9 tokens exist .* 8 needed "
+        r"\(parallelism.dp=2 x .*=2 x .*micro_batch_size=2\)",
+    ):
         GlobalSampler(ds, seed=0, dp=2, micro_batch_size=2, batch_accumulation=2)
 
 

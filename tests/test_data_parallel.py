@@ -4,6 +4,7 @@ Process launches are the expensive part, so there is one launch per dp size (2 a
 every check and returns numbers; the tests below only look at them. References are computed inside
 each rank by replaying every rank's data in a single process.
 """
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +15,7 @@ from nanotrain.parallel.data_parallel import BucketedGradSync, zero_partition
 from helpers.dist import run_distributed
 
 TINY_CAP_MB = 0.002  # ~2 KB: one bucket per parameter or two; forces many buckets
-BIG_CAP_MB = 25.0    # the default: one bucket for the whole model
+BIG_CAP_MB = 25.0  # the default: one bucket for the whole model
 
 
 class MLP(nn.Module):
@@ -59,8 +60,7 @@ def _loss(model, x, y, **kw):
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-            for n, p in model.named_parameters()}
+    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
 
 
 def _ref_avg(seeds, extras=False, flags=None) -> dict[str, torch.Tensor]:
@@ -105,11 +105,12 @@ def _dp_worker(world: int) -> dict:
         sync.finish_grad_sync()
         got = _grads(model)
         out[("basic", cap)] = {
-            "n_buckets": len(sync.buckets), "n_params": len(sync.params), "log": log,
+            "n_buckets": len(sync.buckets),
+            "n_params": len(sync.params),
+            "log": log,
             "err_avg": _max_err(got, _ref_avg(range(world))),
             "err_concat": _max_err(got, _ref_concat(range(world))),
-            "views": all(p.grad.data_ptr() == sync.grad_view(p).data_ptr()
-                         for p in model.parameters()),
+            "views": all(p.grad.data_ptr() == sync.grad_view(p).data_ptr() for p in model.parameters()),
         }
 
     # 2. no_sync: 3 micro-batches == one big batch; then a second step after zero_grad and a
@@ -148,15 +149,15 @@ def _dp_worker(world: int) -> dict:
     out["unused"] = {
         "err": _max_err(got, _ref_avg(range(world), extras=True, flags=flags)),
         "unused_zero": bool((got["unused.weight"] == 0).all()),
-        "order": [i for i, *_ in sync.launch_log], "n_buckets": len(sync.buckets),
+        "order": [i for i, *_ in sync.launch_log],
+        "n_buckets": len(sync.buckets),
         "in_backward": in_backward,
         "fingerprint": torch.cat([g.flatten() for g in got.values()]),
     }
 
     # 4. ZeRO-1 vs plain AdamW for 10 steps (same synced grads), plus an end-to-end single-
     #    process run on the concatenated batch; warmup + cosine schedule driving both.
-    args = OptimizerArgs(lr=1e-2, weight_decay=0.1, warmup_steps=3, lr_decay_style="cosine",
-                         min_lr=1e-3)
+    args = OptimizerArgs(lr=1e-2, weight_decay=0.1, warmup_steps=3, lr_decay_style="cosine", min_lr=1e-3)
     model, ref, e2e = _model(), _model(), _model()
     opt = build_optimizer(model.named_parameters(), args, group, zero_stage=1)
     ref_opt = build_optimizer(ref.named_parameters(), args, None, zero_stage=0)
@@ -191,7 +192,9 @@ def _dp_worker(world: int) -> dict:
             state_err = max(state_err, (st[key] - r[key][a:b]).abs().max().item())
         state_err = max(state_err, abs(st["step"].item() - r["step"].item()))
     out["zero"] = {
-        "diffs": diffs, "e2e_diffs": e2e_diffs, "lrs": lrs,
+        "diffs": diffs,
+        "e2e_diffs": e2e_diffs,
+        "lrs": lrs,
         "ref_lrs": [g["lr"] for g in ref_opt.param_groups],
         "state_elems": sum(s["exp_avg"].numel() for s in opt.state.values()),
         "state_elems_sq": sum(s["exp_avg_sq"].numel() for s in opt.state.values()),
@@ -229,9 +232,14 @@ def _dp_worker(world: int) -> dict:
         diffs.append(max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
     owned = sum(b - a for a, b in opt.param_ranges().values())
     out["zero_sharded"] = {
-        "diffs": diffs, "gathered": gathered, "whole": whole, "shards": sync.shards, "n_buckets": len(sync.buckets),
+        "diffs": diffs,
+        "gathered": gathered,
+        "whole": whole,
+        "shards": sync.shards,
+        "n_buckets": len(sync.buckets),
         "padding": [b.buffer.numel() - sum(p.numel() for p in b.params) for b in sync.buckets],
-        "owned": owned, "state_elems": sum(st["exp_avg"].numel() for st in opt.state.values()),
+        "owned": owned,
+        "state_elems": sum(st["exp_avg"].numel() for st in opt.state.values()),
         "params": torch.cat([p.detach().flatten() for p in model.parameters()]),
         "total": sum(p.numel() for p in model.parameters()),
     }

@@ -1,6 +1,7 @@
 """Issue 17, item 6: data errors that used to surface only inside the ranks (after the run directory
 was made and the job queued) are found by `submit.py` from a sample of rows and the total size:
 exit 2, one `error:` line naming the file (and line) and the field, nothing written."""
+
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ def jsonl(rows) -> bytes:
 def parquet(path, column) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     pq.write_table(pa.table({"text": column}), str(path))
 
 
@@ -33,23 +35,46 @@ def corrupt_parquet(path) -> None:
 TEXT = "t" * 400
 # (id, file name, writer of its content, fragments of the one error line)
 CASES = [
-    ("non-string", "a.jsonl", lambda p: p.write_bytes(jsonl({"text": i} for i in range(400))),
-     ["data.text_column", "a.jsonl line 1", "JSON int", "not text"]),
-    ("mixed", "a.jsonl",
-     lambda p: p.write_bytes(jsonl([{"text": TEXT}] * 30 + [{"text": [1, 2]}] + [{"text": TEXT}] * 30)),
-     ["data.text_column", "a.jsonl line 31", "JSON list"]),
-    ("not-an-object", "a.jsonl", lambda p: p.write_bytes(jsonl([{"text": TEXT}] * 30 + [[TEXT]])),
-     ["data.source", "a.jsonl line 31", "JSON list, not an object"]),
-    ("non-json", "a.jsonl", lambda p: p.write_bytes(jsonl([{"text": TEXT}] * 30) + b"this is not json\n" * 9),
-     ["data.source", "a.jsonl line 31 is not JSON"]),
+    (
+        "non-string",
+        "a.jsonl",
+        lambda p: p.write_bytes(jsonl({"text": i} for i in range(400))),
+        ["data.text_column", "a.jsonl line 1", "JSON int", "not text"],
+    ),
+    (
+        "mixed",
+        "a.jsonl",
+        lambda p: p.write_bytes(jsonl([{"text": TEXT}] * 30 + [{"text": [1, 2]}] + [{"text": TEXT}] * 30)),
+        ["data.text_column", "a.jsonl line 31", "JSON list"],
+    ),
+    (
+        "not-an-object",
+        "a.jsonl",
+        lambda p: p.write_bytes(jsonl([{"text": TEXT}] * 30 + [[TEXT]])),
+        ["data.source", "a.jsonl line 31", "JSON list, not an object"],
+    ),
+    (
+        "non-json",
+        "a.jsonl",
+        lambda p: p.write_bytes(jsonl([{"text": TEXT}] * 30) + b"this is not json\n" * 9),
+        ["data.source", "a.jsonl line 31 is not JSON"],
+    ),
     ("binary", "a.jsonl", lambda p: p.write_bytes(os.urandom(20000) + b"\0"), ["data.source", "binary"]),
     ("latin-1", "a.txt", lambda p: p.write_bytes("caf\xe9 ".encode("latin-1") * 5000), ["data.source", "not UTF-8"]),
     ("empty-lines", "a.jsonl", lambda p: p.write_bytes(b"\n" * 5000), ["data.source", "no documents", "empty lines"]),
     ("corrupt-parquet", "a.parquet", corrupt_parquet, ["data.source", "a.parquet", "corrupt parquet", "'text'"]),
-    ("int-parquet", "a.parquet", lambda p: parquet(p, list(range(500))),
-     ["data.text_column", "a.parquet", "holds int64"]),
-    ("too-little", "a.jsonl", lambda p: p.write_bytes(jsonl([{"text": "hello world"}] * 3)),
-     ["too little data for one global batch", "at most", "16 needed", "parallelism.dp=2"]),
+    (
+        "int-parquet",
+        "a.parquet",
+        lambda p: parquet(p, list(range(500))),
+        ["data.text_column", "a.parquet", "holds int64"],
+    ),
+    (
+        "too-little",
+        "a.jsonl",
+        lambda p: p.write_bytes(jsonl([{"text": "hello world"}] * 3)),
+        ["too little data for one global batch", "at most", "16 needed", "parallelism.dp=2"],
+    ),
 ]
 
 
@@ -58,8 +83,10 @@ def test_bad_data_exits_2_before_launch(case, tmp_path, capsys, monkeypatch):
     _, name, write, fragments = case
     monkeypatch.chdir(tmp_path)
     write(tmp_path / name)
-    code, out, err = run_cli([TINY, "--local", "--set", f"data.source={tmp_path / name}", "--set",
-                              f"logging.dir={tmp_path / 'logs'}"], capsys)
+    code, out, err = run_cli(
+        [TINY, "--local", "--set", f"data.source={tmp_path / name}", "--set", f"logging.dir={tmp_path / 'logs'}"],
+        capsys,
+    )
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (out, err)
     for fragment in fragments:

@@ -9,6 +9,7 @@ Asserted: every rehearsed pp rank's peak within 10% of that rank's estimate, and
 within 10% of the estimate `--dry-run` prints; every axis's bytes per step within 5% of the
 planner's. `make test` runs the 1B grid and the MoE config; `make test-full` all of them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,33 +26,77 @@ from nanotrain.rehearse.rank import rehearse_rank
 from nanotrain.rehearse.report import step_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
-GIB = 2 ** 30
+GIB = 2**30
 SHAPES = {
-    "1b": ["model.vocab_size=32000", "model.hidden_size=2048", "model.intermediate_size=5632",
-           "model.num_attention_heads=32", "model.num_key_value_heads=4"],
-    "8b": ["model.vocab_size=128256", "model.hidden_size=4096", "model.intermediate_size=14336",
-           "model.num_attention_heads=32", "model.num_key_value_heads=8", "model.max_position_embeddings=8192"],
-    "70b": ["model.vocab_size=128256", "model.hidden_size=8192", "model.intermediate_size=28672",
-            "model.num_attention_heads=64", "model.num_key_value_heads=8", "model.max_position_embeddings=8192"],
+    "1b": [
+        "model.vocab_size=32000",
+        "model.hidden_size=2048",
+        "model.intermediate_size=5632",
+        "model.num_attention_heads=32",
+        "model.num_key_value_heads=4",
+    ],
+    "8b": [
+        "model.vocab_size=128256",
+        "model.hidden_size=4096",
+        "model.intermediate_size=14336",
+        "model.num_attention_heads=32",
+        "model.num_key_value_heads=8",
+        "model.max_position_embeddings=8192",
+    ],
+    "70b": [
+        "model.vocab_size=128256",
+        "model.hidden_size=8192",
+        "model.intermediate_size=28672",
+        "model.num_attention_heads=64",
+        "model.num_key_value_heads=8",
+        "model.max_position_embeddings=8192",
+    ],
 }
 LAYOUTS = {
-    "pp2-1f1b": ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=2", "model.num_layers=4",
-                 "training.batch_accumulation_per_replica=4"],
-    "tp2-sp": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=1", "parallelism.tp_mode=REDUCE_SCATTER",
-               "model.num_layers=2", "training.batch_accumulation_per_replica=2"],
-    "cp2": ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=1", "parallelism.cp=2", "model.num_layers=2",
-            "training.batch_accumulation_per_replica=2"],
-    "tp2-pp2-full": ["parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=2", "model.num_layers=4",
-                     "training.recompute=full", "training.batch_accumulation_per_replica=4"],
+    "pp2-1f1b": [
+        "parallelism.dp=2",
+        "parallelism.tp=1",
+        "parallelism.pp=2",
+        "model.num_layers=4",
+        "training.batch_accumulation_per_replica=4",
+    ],
+    "tp2-sp": [
+        "parallelism.dp=2",
+        "parallelism.tp=2",
+        "parallelism.pp=1",
+        "parallelism.tp_mode=REDUCE_SCATTER",
+        "model.num_layers=2",
+        "training.batch_accumulation_per_replica=2",
+    ],
+    "cp2": [
+        "parallelism.dp=2",
+        "parallelism.tp=1",
+        "parallelism.pp=1",
+        "parallelism.cp=2",
+        "model.num_layers=2",
+        "training.batch_accumulation_per_replica=2",
+    ],
+    "tp2-pp2-full": [
+        "parallelism.dp=1",
+        "parallelism.tp=2",
+        "parallelism.pp=2",
+        "model.num_layers=4",
+        "training.recompute=full",
+        "training.batch_accumulation_per_replica=4",
+    ],
 }
-CASES = [pytest.param(shape, layout, marks=[] if shape == "1b" else [pytest.mark.full])
-         for shape in SHAPES for layout in LAYOUTS]
+CASES = [
+    pytest.param(shape, layout, marks=[] if shape == "1b" else [pytest.mark.full])
+    for shape in SHAPES
+    for layout in LAYOUTS
+]
 
 
 def config_of(shape: str, layout: str):
     if shape == "moe":
-        return load_config(ROOT / "configs" / "moe_16gpu.yaml", ["model.num_layers=4",
-                                                                 "training.batch_accumulation_per_replica=2"])
+        return load_config(
+            ROOT / "configs" / "moe_16gpu.yaml", ["model.num_layers=4", "training.batch_accumulation_per_replica=2"]
+        )
     return load_config(ROOT / "configs" / "3d_16gpu.yaml", SHAPES[shape] + LAYOUTS[layout])
 
 
@@ -95,5 +140,5 @@ def test_planner_volumes_within_5_percent(shape, layout):
             sent[axis] = sent.get(axis, 0.0) + nbytes
         want = traffic_bytes(config, pp)
         for axis in ("tp", "cp", "pp", "dp"):
-            if want[axis] or sent.get(axis, 0.0) > 2 ** 20:
+            if want[axis] or sent.get(axis, 0.0) > 2**20:
                 assert want[axis] == pytest.approx(sent.get(axis, 0.0), rel=0.05), (pp, axis, want, sent)

@@ -6,6 +6,7 @@ with evaluation on must give the identical `train/loss` sequence, and `val/loss`
 (1,1,1), (2,2,2) and (cp2, tp2 under sequence parallelism, pp2, ZeRO-1) to rel 1e-5. One more run
 trains on a 0.6/0.3/0.1 mixture and reports `data/tokens/*` in those shares.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,9 +43,12 @@ class EvalRuns:
         lines = (ROOT / "README.md").read_text().splitlines()
         with open(val, "w") as fh:
             for i in range(0, len(lines), 20):
-                fh.write(json.dumps({"text": "\n".join(lines[i:i + 20])}) + "\n")
-        self.extra = [f"data.validation={{source: {val}}}", f"training.eval_interval={EVAL_INTERVAL}",
-                      "training.eval_batches=2"]
+                fh.write(json.dumps({"text": "\n".join(lines[i : i + 20])}) + "\n")
+        self.extra = [
+            f"data.validation={{source: {val}}}",
+            f"training.eval_interval={EVAL_INTERVAL}",
+            "training.eval_batches=2",
+        ]
 
     def __getitem__(self, topo):
         if topo not in self.done:
@@ -66,7 +70,7 @@ def test_eval_leaves_training_unchanged(eval_runs, shared_runs):
     assert steps == list(range(EVAL_INTERVAL, STEPS + 1, EVAL_INTERVAL))
     assert f"step {STEPS}/{STEPS} | val/loss" in out
     (_, loss), (_, ppl) = scalars(run_dir, "val/loss")[-1], scalars(run_dir, "val/ppl")[-1]
-    assert ppl == pytest.approx(2.718281828 ** loss, rel=1e-5)
+    assert ppl == pytest.approx(2.718281828**loss, rel=1e-5)
 
 
 @pytest.mark.timeout(900)

@@ -1,6 +1,7 @@
 """Failure behaviour: one rank killed with SIGKILL ends the whole job non-zero within 60 s with the
 last complete checkpoint intact (locally and on real SLURM), and a cancelled SLURM run continues
 with `submit.py --resume` from its latest complete checkpoint."""
+
 from __future__ import annotations
 
 import signal
@@ -22,16 +23,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def common(tmp_path: Path, name: str, steps: int) -> list[str]:
-    items = [f"logging.dir={tmp_path}", f"logging.run_name={name}", f"training.train_steps={steps}",
-             "logging.log_interval=1", "checkpoints.interval=5"]
+    items = [
+        f"logging.dir={tmp_path}",
+        f"logging.run_name={name}",
+        f"training.train_steps={steps}",
+        "logging.log_interval=1",
+        "checkpoints.interval=5",
+    ]
     return set_args(items)
 
 
 @pytest.mark.timeout(400)
 def test_sigkill_of_one_local_rank_ends_the_job(tmp_path):
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(cli(str(TINY), "--local", *common(tmp_path, "killed", 400)),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cli(str(TINY), "--local", *common(tmp_path, "killed", 400)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_until(lambda: step_of(run_dir) >= 7 or proc.poll() is not None, 300, "step 7")
         _, killed_at = signal_rank(run_dir, 3, signal.SIGKILL)
@@ -47,8 +57,13 @@ def test_sigkill_of_one_local_rank_ends_the_job(tmp_path):
 
 
 def slurm_submit(tmp_path: Path, name: str, steps: int) -> tuple[str, Path]:
-    proc = subprocess.run([sys.executable, str(ROOT / "submit.py"), str(TINY), *common(tmp_path, name, steps)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "submit.py"), str(TINY), *common(tmp_path, name, steps)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     return submitted_job_id(proc.stdout), tmp_path / name
 
@@ -78,8 +93,13 @@ def test_resume_of_a_cancelled_slurm_run(slurm_cluster, tmp_path):
     # `--resume` refuses while the job is still in the queue (issue 17, item 3): COMPLETING counts
     wait_until(lambda: job_state_in_queue(job_id) not in LIVE_JOB_STATES, 120, "the job to leave the queue")
 
-    resumed = subprocess.run([sys.executable, str(ROOT / "submit.py"), "--resume", str(run_dir)],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    resumed = subprocess.run(
+        [sys.executable, str(ROOT / "submit.py"), "--resume", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert resumed.returncode == 0, resumed.stderr
     new_job = submitted_job_id(resumed.stdout)
     assert new_job != job_id and wait_for_job(new_job, timeout=400) == "COMPLETED"

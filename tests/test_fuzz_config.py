@@ -3,6 +3,7 @@ a small sample of the config mutations (the full run, ~26,000 cases, is by hand)
 exit 0 or one `error:` line and exit 2, never a traceback or a hang, nothing written, < 2 CPU s,
 and what each corpus case says it must be (refused naming the field, or accepted meaning what the
 user meant). Also: every category generates every field, argument and hostile kind it claims."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,19 @@ def test_every_field_and_kind_is_mutated():
     todo = fuzz_config.mutations(sorted((ROOT / "configs").glob("*.yaml")))
     assert len(todo) >= 1000
     kinds = {m.kind for m in todo}
-    assert {"wrong-type", "null", "non-finite", "huge", "negative", "zero-empty", "unicode", "shell", "alias",
-            "duplicate-field", "duplicate-section"} <= kinds
+    assert {
+        "wrong-type",
+        "null",
+        "non-finite",
+        "huge",
+        "negative",
+        "zero-empty",
+        "unicode",
+        "shell",
+        "alias",
+        "duplicate-field",
+        "duplicate-section",
+    } <= kinds
     fields = {(m.section, m.field) for m in todo}
     for section, cls in fuzz_config.sections().items():
         for name in cls.__dataclass_fields__:
@@ -66,6 +78,7 @@ def test_verdict_flags_what_breaks_the_contract():
 def test_an_escaping_exception_is_caught_as_a_traceback(tmp_path, monkeypatch):
     def broken(_argv):
         raise TypeError("boom")
+
     monkeypatch.setattr(fuzz_config, "cli_main", broken)
     outcome = fuzz_config.run_in_process(["x.yaml", "--dry-run"], tmp_path)
     assert fuzz_config.verdict(outcome) == "traceback" and "TypeError: boom" in outcome.crash
@@ -73,15 +86,39 @@ def test_an_escaping_exception_is_caught_as_a_traceback(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- corpus and categories
 ISSUE_EXAMPLES = {  # every example of wrong input the hardening issue names, by corpus id
-    "emit-empty", "init-from-hf-fifo-config-json", "hf-config-fifo-config-json", "recursive-glob-of-root",
-    "num-layers-2-53", "sbatch-never-answers", "slurm-time-sexagesimal-set", "slurm-time-sexagesimal-file",
-    "dp-leading-zero-set", "dp-leading-zero-file", "collective-timeout-1e300", "optimizer-warmup-equals-train-steps",
-    "optimizer-eps-zero", "stdlib-too-small-for-one-batch", "run-name-256-byte-component",
-    "checkpoints-path-symlink-loop", "logging-dir-proc", "export-bad-dtype", "reshard-bad-granularity",
-    "hf-config-no-argument", "inspect-topology-rank-outside", "fuzz-config-negative-limit",
-    "reshard-tp-not-dividing-heads", "reshard-pp-above-layers", "reshard-src-is-dst", "export-src-is-dst",
-    "reshard-ep-dense-model", "status-with-resume", "status-with-set", "status-with-dry-run",
-    "c1-control-in-partition", "bidi-override-in-run-name", "line-separator-in-setup",
+    "emit-empty",
+    "init-from-hf-fifo-config-json",
+    "hf-config-fifo-config-json",
+    "recursive-glob-of-root",
+    "num-layers-2-53",
+    "sbatch-never-answers",
+    "slurm-time-sexagesimal-set",
+    "slurm-time-sexagesimal-file",
+    "dp-leading-zero-set",
+    "dp-leading-zero-file",
+    "collective-timeout-1e300",
+    "optimizer-warmup-equals-train-steps",
+    "optimizer-eps-zero",
+    "stdlib-too-small-for-one-batch",
+    "run-name-256-byte-component",
+    "checkpoints-path-symlink-loop",
+    "logging-dir-proc",
+    "export-bad-dtype",
+    "reshard-bad-granularity",
+    "hf-config-no-argument",
+    "inspect-topology-rank-outside",
+    "fuzz-config-negative-limit",
+    "reshard-tp-not-dividing-heads",
+    "reshard-pp-above-layers",
+    "reshard-src-is-dst",
+    "export-src-is-dst",
+    "reshard-ep-dense-model",
+    "status-with-resume",
+    "status-with-set",
+    "status-with-dry-run",
+    "c1-control-in-partition",
+    "bidi-override-in-run-name",
+    "line-separator-in-setup",
 }
 
 
@@ -91,9 +128,10 @@ def test_corpus_holds_every_example_of_the_issue():
     assert ISSUE_EXAMPLES <= ids, sorted(ISSUE_EXAMPLES - ids)
     assert {c.target for c in todo} == {"submit", *cases.SCRIPTS}
     refused = [c for c in todo if c.expect == "ok-2"]
-    assert all(c.names for c in refused if c.target == "submit" and "@cfg@" in c.argv), \
-        [c.label for c in refused if not c.names and c.target == "submit" and "@cfg@" in c.argv]
-    assert suite.select(tuple(suite.CATEGORIES), limit=1)[:len(todo)] == todo  # the corpus runs first
+    assert all(c.names for c in refused if c.target == "submit" and "@cfg@" in c.argv), [
+        c.label for c in refused if not c.names and c.target == "submit" and "@cfg@" in c.argv
+    ]
+    assert suite.select(tuple(suite.CATEGORIES), limit=1)[: len(todo)] == todo  # the corpus runs first
 
 
 def test_corpus_keeps_its_answers():
@@ -113,6 +151,7 @@ def _path_like_fields() -> set[tuple[str, str]]:
     """String fields of the schema whose description says they name a file, folder or glob
     (fields of the list/mapping sections data.sources and data.validation count as theirs)."""
     from nanotrain.config.schema import SourceArgs, ValidationArgs
+
     word = re.compile(r"\b(path|dir|director(y|ies)|files?|glob|folder)\b")
     out = set()
     owners = [(s, c, None) for s, c in fuzz_config.sections().items()]
@@ -136,8 +175,9 @@ def test_every_path_field_and_argument_gets_every_hostile_path():
         role = "out" if arg == "--emit" else "in"
         assert all(f"submit.py {arg} {what}" in labels for what in hostile_for(role).values())
     for role in ("in", "out"):
-        assert {"fifo", "loop", "long", "proc_file", "proc_dir", "sys_new", "broken", "dir", "unreadable"} \
-            <= set(hostile_for(role))
+        assert {"fifo", "loop", "long", "proc_file", "proc_dir", "sys_new", "broken", "dir", "unreadable"} <= set(
+            hostile_for(role)
+        )
 
 
 def test_every_script_and_its_arguments_are_mutated():
@@ -156,11 +196,41 @@ def test_every_yaml11_scalar_goes_into_every_field_and_every_unicode_category_ev
     y = {c.label for c in categories.yaml11_cases()}
     for section, name in values.scalar_fields():
         assert all({f"{section}.{name}: {t} [file]", f"{section}.{name}={t} [set]"} <= y for t in values.YAML11)
-    assert {"1:30:00", "010", "0o10", "0x1F", "0b11", "1_000", "yes", "no", "on", "off", "y", "n", ".5", "1e3",
-            "+1", "~", "2026-12-01", "=", "<<"} <= set(values.YAML11)
+    assert {
+        "1:30:00",
+        "010",
+        "0o10",
+        "0x1F",
+        "0b11",
+        "1_000",
+        "yes",
+        "no",
+        "on",
+        "off",
+        "y",
+        "n",
+        ".5",
+        "1e3",
+        "+1",
+        "~",
+        "2026-12-01",
+        "=",
+        "<<",
+    } <= set(values.YAML11)
     u = categories.unicode_cases()
-    assert {cat.split("-")[0] for cat, _ in values.UNICODE} >= {"Cc", "Zl", "Zp", "Cs", "bidi", "Cf", "Co", "Cn",
-                                                                 "Mn", "Nd", "Zs"}
+    assert {cat.split("-")[0] for cat, _ in values.UNICODE} >= {
+        "Cc",
+        "Zl",
+        "Zp",
+        "Cs",
+        "bidi",
+        "Cf",
+        "Co",
+        "Cn",
+        "Mn",
+        "Nd",
+        "Zs",
+    }
     for cat, ch in values.UNICODE:
         mine = [c.label for c in u if f" {cat} {ascii(ch)}" in c.label]
         for form in ("[file, escaped]", "[file, raw]", "[set]", "key", "--set path"):
@@ -185,8 +255,10 @@ def test_strict_verdict_and_expectations_catch_what_passes_as_one_line():
     assert runner.expectation(case, ok0, "ok-0", "", [])[0] == "accepted"
     assert runner.expectation(case, ok2, "ok-2", "", [])[0] == "unnamed"
     loose = dataclasses.replace(case, expect="any", names=[])
-    assert runner.expectation(loose, harness.Outcome(0, "", 0.1, 0.1, stdout="p=a\u2028b"), "ok-0", "", [])[0] \
+    assert (
+        runner.expectation(loose, harness.Outcome(0, "", 0.1, 0.1, stdout="p=a\u2028b"), "ok-0", "", [])[0]
         == "unsafe-output"
+    )
 
 
 def test_the_yaml11_oracle_knows_what_a_user_means():

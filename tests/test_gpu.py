@@ -12,6 +12,7 @@
 * a checkpoint's fused AdamW state, loaded through nanotrain's loader, sits on the device and
   takes the uninterrupted optimizer's next step exactly.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,16 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=512, num_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, dtype="bfloat16")
+TINY = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=512,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    dtype="bfloat16",
+)
 
 
 def _model(device, compute_dtype=None, seed=0):
@@ -63,8 +72,14 @@ def test_nccl_parallel_context_world_size_1(tmp_path):
         print("OK", torch.cuda.get_device_name(pc.device))
     """)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(29400 + os.getpid() % 500), PYTHONPATH=str(ROOT))
+    env.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(29400 + os.getpid() % 500),
+        PYTHONPATH=str(ROOT),
+    )
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
 

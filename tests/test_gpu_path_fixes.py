@@ -1,6 +1,7 @@
 """The GPU path's launch-time choices, checked on CPU: which GPU a rank takes, the process groups'
 timeout against the hang watchdog's, NCCL's dump settings, the data-build wait, the torch API
 floor of the collectives, and a stop vote that never blocks the host on a silent step."""
+
 from __future__ import annotations
 
 import ast
@@ -43,14 +44,18 @@ def gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
         monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
         return chosen
+
     return visible
 
 
-@pytest.mark.parametrize("local_world, local_rank, visible, index", [
-    (4, 2, 4, 2),  # every rank sees the node's GPUs: its own by LOCAL_RANK
-    (4, 2, 1, 0),  # each rank sees exactly one (bound per task)
-    (1, 0, 8, 0),  # one rank on the node: no other rank can share its GPU
-])
+@pytest.mark.parametrize(
+    "local_world, local_rank, visible, index",
+    [
+        (4, 2, 4, 2),  # every rank sees the node's GPUs: its own by LOCAL_RANK
+        (4, 2, 1, 0),  # each rank sees exactly one (bound per task)
+        (1, 0, 8, 0),  # one rank on the node: no other rank can share its GPU
+    ],
+)
 def test_rank_picks_its_gpu(gpus, monkeypatch, local_world, local_rank, visible, index):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
@@ -62,15 +67,27 @@ def test_rank_picks_its_gpu(gpus, monkeypatch, local_world, local_rank, visible,
 def test_a_subset_of_gpus_per_rank_is_refused(gpus, monkeypatch):
     """4 ranks on the node, 2 GPUs visible to each (a per-task binding): ranks 0 and 2 would
     both take index 0, i.e. the same physical GPU."""
-    for key, value in {"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "2", "CUDA_VISIBLE_DEVICES": "0,1",
-                       "SLURM_STEP_GPUS": "0,1", "SLURM_LOCALID": "2"}.items():
+    for key, value in {
+        "LOCAL_WORLD_SIZE": "4",
+        "LOCAL_RANK": "2",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "SLURM_STEP_GPUS": "0,1",
+        "SLURM_LOCALID": "2",
+    }.items():
         monkeypatch.setenv(key, value)
     chosen = gpus(2)
     with pytest.raises(RuntimeError) as err:
         ParallelContext._select_device()
     message = str(err.value)
-    for part in ("LOCAL_RANK=2", "LOCAL_WORLD_SIZE=4", "device_count()=2", "CUDA_VISIBLE_DEVICES=0,1",
-                 "SLURM_STEP_GPUS=0,1", "SLURM_LOCALID=2", "Fix:"):
+    for part in (
+        "LOCAL_RANK=2",
+        "LOCAL_WORLD_SIZE=4",
+        "device_count()=2",
+        "CUDA_VISIBLE_DEVICES=0,1",
+        "SLURM_STEP_GPUS=0,1",
+        "SLURM_LOCALID=2",
+        "Fix:",
+    ):
         assert part in message, message
     assert chosen == []
 
@@ -111,7 +128,7 @@ def test_timeout_rule_holds_over_what_validation_allows():
         watchdog_s, groups_s = hang_timeouts(setting)
         assert watchdog_s == setting and groups_s >= max(setting + 120, 1.2 * setting)
         assert timedelta(seconds=groups_s).total_seconds() == groups_s  # torch takes a timedelta
-        assert groups_s * 1e9 < 2 ** 63  # and counts it in int64 nanoseconds (steady_clock)
+        assert groups_s * 1e9 < 2**63  # and counts it in int64 nanoseconds (steady_clock)
     validate(load_config(TINY, [f"training.collective_timeout_s={MAX_COLLECTIVE_TIMEOUT_S}"]))
     with pytest.raises(ConfigError, match="training.collective_timeout_s"):
         validate(load_config(TINY, [f"training.collective_timeout_s={MAX_COLLECTIVE_TIMEOUT_S * 2}"]))
@@ -121,9 +138,12 @@ def test_nccl_dumps_into_the_run_directory(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     environ: dict = {}
     nccl_debug_env(tmp_path, environ)
-    assert environ == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-                       "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                       "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "hang" / "nccl_trace_rank_")}
+    assert environ == {
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "hang" / "nccl_trace_rank_"),
+    }
     assert (tmp_path / "hang").is_dir()
     mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "500", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_"}
     nccl_debug_env(tmp_path, mine)  # the user's settings win; the other buffer size follows theirs
@@ -136,8 +156,9 @@ def test_data_build_waits_on_the_store_not_in_a_collective(monkeypatch, tmp_path
     monkeypatch.setattr(dist, "barrier", lambda *a, **kw: met.append("collective"))
     monkeypatch.setattr(build, "wait_for_builders", lambda: met.append("store"))
     config = load_config(TINY)
-    out = build.prepare_dataset(config.data, seq_len=8, cache_dir=str(tmp_path), builder=False, needs_data=False,
-                                barrier=dist.barrier)  # as the trainer hands it in
+    out = build.prepare_dataset(
+        config.data, seq_len=8, cache_dir=str(tmp_path), builder=False, needs_data=False, barrier=dist.barrier
+    )  # as the trainer hands it in
     assert out is None and met == ["store"]
 
 
@@ -256,6 +277,7 @@ class CountingStandIn(MetaAccelerator):
 
         def synchronize():
             stand_in.synchronized += 1
+
         event.synchronize = synchronize
         return event
 

@@ -38,8 +38,15 @@ def _reference_groups(shape, axes):
 
 
 GROUP_AXES = {
-    "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "ep": ("ep",),
-    "dp_cp": ("dp", "cp"), "mp": ("ep", "pp", "tp"), "world": AXES, "tp_ep": ("ep", "tp"),
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "dp": ("dp",),
+    "pp": ("pp",),
+    "ep": ("ep",),
+    "dp_cp": ("dp", "cp"),
+    "mp": ("ep", "pp", "tp"),
+    "world": AXES,
+    "tp_ep": ("ep", "tp"),
     "cp_tp": ("cp", "tp"),
 }
 

@@ -78,8 +78,9 @@ def count_store_ops(tp, pp, dp):
     from nanotrain.parallel.parallel_context import ParallelContext
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    inner = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
-                          timeout=timedelta(seconds=60))
+    inner = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timeout=timedelta(seconds=60)
+    )
     store = _counting_store(inner)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     os.environ["TORCH_DIST_INIT_BARRIER"] = "1"  # a store barrier after each new group
@@ -155,9 +156,11 @@ def test_store_operations_grow_with_own_groups(tp, pp, dp):
             pp_ranks, i = grid.group_of("pp", rank), grid.coords(rank).pp
             if i in (0, pp - 1):
                 assert run["sums"]["embedding"] == pp_ranks[0] + pp_ranks[-1]
-    print(f"{grid.world_size} ranks, rank 0: {sum(results[0]['first']['ops'].values())} store operations "
-          f"locally synchronised, {sum(results[0]['again']['ops'].values())} globally "
-          f"({grid_groups} groups in the grid)")
+    print(
+        f"{grid.world_size} ranks, rank 0: {sum(results[0]['first']['ops'].values())} store operations "
+        f"locally synchronised, {sum(results[0]['again']['ops'].values())} globally "
+        f"({grid_groups} groups in the grid)"
+    )
 
 
 def test_counts_the_readme_states_for_16384_gpus():

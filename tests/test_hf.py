@@ -11,6 +11,7 @@ random HF models are built here and saved once per session).
   a restart without the HF directory, which resumes from the run's own checkpoint) exported again
   is bit-identical to the HF source, tensor by tensor.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,6 +62,7 @@ def in_float64(hf):
     def rms_norm(norm):
         def forward(h):
             return norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
         return forward
 
     hf.model.rotary_emb.forward = rope
@@ -121,8 +123,12 @@ def test_export_after_3d_zero1_training_matches_nanotrain_logits(hf_dirs, traine
 
     ckpts, _ = trained_checkpoint
     out, sharded = tmp_path / "out", tmp_path / "sharded"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "export_hf.py"), str(ckpts), str(out)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "export_hf.py"), str(ckpts), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     export_hf(ckpts, sharded, max_shard_size=parse_size("60KB"))
     assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()
@@ -147,8 +153,9 @@ def test_export_after_3d_zero1_training_matches_nanotrain_logits(hf_dirs, traine
     assert (got64 - ref64).abs().max().item() <= 1e-10 * ref64.abs().max().item()
     # The export holds the trained weights, not the HF initialisation.
     initial = transformers.LlamaForCausalLM.from_pretrained(str(hf_dirs["gqa"])).state_dict()
-    assert not torch.equal(state["model.layers.0.self_attn.q_proj.weight"],
-                           initial["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        state["model.layers.0.self_attn.q_proj.weight"], initial["model.layers.0.self_attn.q_proj.weight"]
+    )
 
     text = "def f(x):\n\treturn x  # héllo wörld ✓ \x00 \x7f"
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
@@ -176,9 +183,18 @@ def test_submit_init_from_hf_lr0_round_trip_is_bit_identical(hf_dirs, tmp_path):
     shutil.copytree(hf_dirs["mha"], hf_copy)
     section = hf_llama.model_section(json.loads((hf_copy / "config.json").read_text()))
     sets = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in section.items()]
-    sets += ["parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=2", "training.sequence_length=32",
-             "training.batch_accumulation_per_replica=2", "optimizer.lr=0", "optimizer.min_lr=0",
-             "optimizer.warmup_steps=0", "checkpoints.interval=0", f"checkpoints.init_from_hf={hf_copy}"]
+    sets += [
+        "parallelism.dp=1",
+        "parallelism.tp=2",
+        "parallelism.pp=2",
+        "training.sequence_length=32",
+        "training.batch_accumulation_per_replica=2",
+        "optimizer.lr=0",
+        "optimizer.min_lr=0",
+        "optimizer.warmup_steps=0",
+        "checkpoints.interval=0",
+        f"checkpoints.init_from_hf={hf_copy}",
+    ]
     data = tmp_path / "data.txt"  # a small local text: no tokenising of the standard library per run
     data.write_text((ROOT / "README.md").read_text()[:20000])
     sets.append(f"data.source={data}")
@@ -188,12 +204,18 @@ def test_submit_init_from_hf_lr0_round_trip_is_bit_identical(hf_dirs, tmp_path):
     hf_copy.rename(tmp_path / "gone")  # a restart resumes from the run's checkpoint, not from HF
     out = _submit(run, *sets, "training.train_steps=3")
     assert "resumed from" in out and "initialised from Hugging Face" not in out, out
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "export_hf.py"), str(run), str(tmp_path / "x")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "export_hf.py"), str(run), str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "x" / "nanotrain_export.json").read_text())["step"] == 3
-    source, exported = load_file(str(tmp_path / "gone" / "model.safetensors")), \
-        load_file(str(tmp_path / "x" / "model.safetensors"))
+    source, exported = (
+        load_file(str(tmp_path / "gone" / "model.safetensors")),
+        load_file(str(tmp_path / "x" / "model.safetensors")),
+    )
     source.pop("lm_head.weight", None)  # tied: HF may store the head beside the embedding
     assert source.keys() == exported.keys()
     for k in source:

@@ -2,6 +2,7 @@
 ``error:`` line per problem naming both values, no traceback (``submit.py --dry-run``, which runs
 the same pre-launch checks as a launch). The HF directories are written here with safetensors and
 JSON (no transformers needed); tests/test_hf.py proves the mapping against transformers itself."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,17 @@ from nanotrain.models import hf_llama
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
 # configs/tiny_cpu.yaml's model section
-TINY_MODEL = ModelArgs(vocab_size=256, hidden_size=64, intermediate_size=256, num_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5)
+TINY_MODEL = ModelArgs(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=256,
+    num_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+)
 
 
 def write_hf(path: Path, config_edit=None, tensor_edit=None, args: ModelArgs = TINY_MODEL) -> Path:
@@ -41,8 +51,14 @@ def write_hf(path: Path, config_edit=None, tensor_edit=None, args: ModelArgs = T
 
 
 def dry_run(tmp_path: Path, hf: Path, *sets: str, capsys) -> tuple[int, str, str]:
-    argv = [str(TINY), "--dry-run", "--set", f"logging.dir={tmp_path / 'logs'}",
-            "--set", f"checkpoints.init_from_hf={hf}"]
+    argv = [
+        str(TINY),
+        "--dry-run",
+        "--set",
+        f"logging.dir={tmp_path / 'logs'}",
+        "--set",
+        f"checkpoints.init_from_hf={hf}",
+    ]
     for s in sets:
         argv += ["--set", s]
     code = main(argv)
@@ -57,19 +73,43 @@ def _arch(c):
 BAD = [
     # (id, config edit, tensor edit, fragments of the one error line)
     ("another-architecture", _arch, None, ["model_type 'mistral'", "MistralForCausalLM", "only 'llama'"]),
-    ("rope-scaling", lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}), None,
-     ["rope scaling 'llama3'", "plain RoPE"]),
+    (
+        "rope-scaling",
+        lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+        None,
+        ["rope scaling 'llama3'", "plain RoPE"],
+    ),
     ("attention-bias", lambda c: c.update(attention_bias=True), None, ["attention_bias: true", "no bias"]),
-    ("bias-tensor", None, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}),
-     ["bias tensors present", "model.layers.0.self_attn.q_proj.bias"]),
-    ("missing-tensor", None, lambda t: t.pop("model.layers.2.mlp.up_proj.weight"),
-     ["tensor missing", "model.layers.2.mlp.up_proj.weight"]),
-    ("shape-mismatch", None, lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": torch.zeros(64, 64)}),
-     ["model.layers.1.self_attn.k_proj.weight has shape [64, 64]", "needs [32, 64]"]),
-    ("vocab-larger", lambda c: c.update(vocab_size=300), None,
-     ["model.vocab_size (256) is smaller than", "vocab_size 300", "set model.vocab_size: 300"]),
-    ("field-mismatch", lambda c: c.update(rms_norm_eps=1e-6), None,
-     ["model.rms_norm_eps is 1e-05 but config.json has rms_norm_eps 1e-06", "set model.rms_norm_eps: 1.0e-06"]),
+    (
+        "bias-tensor",
+        None,
+        lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}),
+        ["bias tensors present", "model.layers.0.self_attn.q_proj.bias"],
+    ),
+    (
+        "missing-tensor",
+        None,
+        lambda t: t.pop("model.layers.2.mlp.up_proj.weight"),
+        ["tensor missing", "model.layers.2.mlp.up_proj.weight"],
+    ),
+    (
+        "shape-mismatch",
+        None,
+        lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": torch.zeros(64, 64)}),
+        ["model.layers.1.self_attn.k_proj.weight has shape [64, 64]", "needs [32, 64]"],
+    ),
+    (
+        "vocab-larger",
+        lambda c: c.update(vocab_size=300),
+        None,
+        ["model.vocab_size (256) is smaller than", "vocab_size 300", "set model.vocab_size: 300"],
+    ),
+    (
+        "field-mismatch",
+        lambda c: c.update(rms_norm_eps=1e-6),
+        None,
+        ["model.rms_norm_eps is 1e-05 but config.json has rms_norm_eps 1e-06", "set model.rms_norm_eps: 1.0e-06"],
+    ),
 ]
 
 
@@ -91,8 +131,9 @@ def test_missing_dir_and_no_weights(tmp_path, capsys):
     code, _, err = dry_run(tmp_path, tmp_path / "nope", capsys=capsys)
     assert code == 2 and err.count("error:") == 1 and "is not a directory" in err, err
     (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "config.json").write_text(json.dumps(hf_llama.hf_config(
-        TINY_MODEL, dtype="float32", bos_token_id=0, eos_token_id=0)))
+    (tmp_path / "empty" / "config.json").write_text(
+        json.dumps(hf_llama.hf_config(TINY_MODEL, dtype="float32", bos_token_id=0, eos_token_id=0))
+    )
     code, _, err = dry_run(tmp_path, tmp_path / "empty", capsys=capsys)
     assert code == 2 and err.count("error:") == 1 and "neither model.safetensors nor" in err, err
 
@@ -104,8 +145,9 @@ def test_every_mismatch_is_named_on_the_one_line(tmp_path, capsys):
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: model."), err
     assert "rope_theta 500000.0" in lines[0] and "; model." in lines[0] and "rms_norm_eps 1e-06" in lines[0], err
     # hf_config.py prints the section that fixes them: with it the same directory passes.
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "hf_config.py"), str(hf)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "hf_config.py"), str(hf)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     section = yaml.safe_load(proc.stdout)
     assert section["checkpoints"]["init_from_hf"] == str(hf.resolve())
@@ -122,7 +164,7 @@ def test_index_sharded_dir_is_read(tmp_path):
     single = write_hf(tmp_path / "one")
     tensors = load_file(str(single / "model.safetensors"))
     names = sorted(tensors)
-    parts = [names[: len(names) // 2], names[len(names) // 2:]]
+    parts = [names[: len(names) // 2], names[len(names) // 2 :]]
     sharded = tmp_path / "two"
     sharded.mkdir()
     (sharded / "config.json").write_text((single / "config.json").read_text())
@@ -133,15 +175,19 @@ def test_index_sharded_dir_is_read(tmp_path):
         weight_map.update({n: fname for n in part})
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     hf = check_hf_dir(sharded, TINY_MODEL)
-    assert {r["file"] for r in hf.tensors.values()} == {"model-00001-of-00002.safetensors",
-                                                         "model-00002-of-00002.safetensors"}
+    assert {r["file"] for r in hf.tensors.values()} == {
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    }
 
 
 def test_product_never_imports_transformers():
     """Export and import use safetensors and JSON only (transformers is a dev dependency)."""
-    code = ("import sys; import nanotrain.hf.export, nanotrain.hf.import_weights, "
-            "nanotrain.commands.cli; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))")
+    code = (
+        "import sys; import nanotrain.hf.export, nanotrain.hf.import_weights, "
+        "nanotrain.commands.cli; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", proc.stdout

@@ -1,4 +1,5 @@
 """scripts/inspect_topology.py: every group of the grid, offline (no process is launched)."""
+
 from __future__ import annotations
 
 import ast
@@ -28,8 +29,17 @@ def test_every_group_of_3d_16gpu():
 
 
 def test_one_rank_view_and_overrides():
-    proc = run(str(ROOT / "configs" / "tiny_cpu.yaml"), "--set", "parallelism.tp=4",
-               "--set", "parallelism.pp=1", "--set", "model.num_key_value_heads=4", "--rank", "5")
+    proc = run(
+        str(ROOT / "configs" / "tiny_cpu.yaml"),
+        "--set",
+        "parallelism.tp=4",
+        "--set",
+        "parallelism.pp=1",
+        "--set",
+        "model.num_key_value_heads=4",
+        "--rank",
+        "5",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "rank 5: {'ep': 0, 'pp': 0, 'dp': 1, 'cp': 0, 'tp': 1}" in proc.stdout
     assert "tp_pg: [4, 5, 6, 7]" in proc.stdout and "dp_pg: [1, 5]" in proc.stdout

@@ -1,6 +1,7 @@
 """Environment -> torch env:// variables for each launcher. Real SLURM and local runs are covered
 by test_slurm_submit.py / test_launch_local.py; here are the cases one machine cannot show
 (4 real nodes with GPUs bound per node, torchrun inside srun), on submitit's own parser."""
+
 from __future__ import annotations
 
 import os
@@ -11,15 +12,36 @@ import pytest
 from nanotrain.runtime.env import detect_launcher, export_user_env, setup_distributed_env
 
 SLURM_4_NODES = {
-    "SLURM_JOB_ID": "4242", "SLURM_PROCID": "13", "SLURM_LOCALID": "1", "SLURM_NTASKS": "16",
-    "SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "3", "SLURM_JOB_NODELIST": "gpu[001-003,007]",
-    "SLURM_STEP_ID": "0", "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_PROCID": "13",
+    "SLURM_LOCALID": "1",
+    "SLURM_NTASKS": "16",
+    "SLURM_JOB_NUM_NODES": "4",
+    "SLURM_NODEID": "3",
+    "SLURM_JOB_NODELIST": "gpu[001-003,007]",
+    "SLURM_STEP_ID": "0",
+    "CUDA_VISIBLE_DEVICES": "0,1,2,3",
     # inherited from the submitting shell by sbatch's --export=ALL: must not leak into the job
-    "MASTER_ADDR": "login-node", "MASTER_PORT": "1234", "RANK": "0", "WORLD_SIZE": "1",
+    "MASTER_ADDR": "login-node",
+    "MASTER_PORT": "1234",
+    "RANK": "0",
+    "WORLD_SIZE": "1",
 }
-CLEAN = ["SLURM_JOB_ID", "SLURM_PROCID", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-         "NANOTRAIN_LAUNCHER", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
-         "LOCAL_WORLD_SIZE", "SUBMITIT_EXECUTOR", "NANOTRAIN_MASTER_PORT"]
+CLEAN = [
+    "SLURM_JOB_ID",
+    "SLURM_PROCID",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "NANOTRAIN_LAUNCHER",
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "SUBMITIT_EXECUTOR",
+    "NANOTRAIN_MASTER_PORT",
+]
 
 
 @pytest.fixture
@@ -69,8 +91,14 @@ def test_single_process_gets_a_free_port(env):
 
 def test_local_launcher_marker(env):
     env.setenv("NANOTRAIN_LAUNCHER", "local")
-    for key, value in {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "23456"}.items():
+    for key, value in {
+        "RANK": "3",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "3",
+        "LOCAL_WORLD_SIZE": "8",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "23456",
+    }.items():
         env.setenv(key, value)
     dist_env = setup_distributed_env()
     assert (dist_env.launcher, dist_env.rank, dist_env.world_size, dist_env.num_nodes) == ("local", 3, 8, 1)
@@ -86,13 +114,29 @@ def test_user_env_exported(env):
 def test_every_launcher_exports_local_world_size(env, launcher):
     """ParallelContext picks the GPU from LOCAL_RANK and LOCAL_WORLD_SIZE, so every launch path
     must leave both in the environment, agreeing with its DistEnv."""
-    given = {"slurm": SLURM_4_NODES,
-             "torchrun": {"TORCHELASTIC_RUN_ID": "abc", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
-                          "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"},
-             "env://": {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
-             "local": {"NANOTRAIN_LAUNCHER": "local", "RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3",
-                       "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "23456"},
-             "single": {}}[launcher]
+    given = {
+        "slurm": SLURM_4_NODES,
+        "torchrun": {
+            "TORCHELASTIC_RUN_ID": "abc",
+            "RANK": "5",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "4",
+            "MASTER_ADDR": "n1",
+            "MASTER_PORT": "29500",
+        },
+        "env://": {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+        "local": {
+            "NANOTRAIN_LAUNCHER": "local",
+            "RANK": "3",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "3",
+            "LOCAL_WORLD_SIZE": "8",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "23456",
+        },
+        "single": {},
+    }[launcher]
     for key, value in given.items():
         env.setenv(key, value)
     dist_env = setup_distributed_env()

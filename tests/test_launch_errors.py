@@ -2,6 +2,7 @@
 files that are not what submit.py wrote, a partition the cluster lacks, and Ctrl-C of a local run.
 Each is one `error:` line that names the field or file, exit 2 (130 for Ctrl-C), no traceback, and
 nothing left behind. Tests that spawn processes have hard timeouts."""
+
 from __future__ import annotations
 
 import json
@@ -39,14 +40,17 @@ def one_error_line(err: str) -> str:
 
 
 # ------------------------------------------------------------------ places that cannot be written
-@pytest.mark.parametrize("args,fragments", [
-    (["--dry-run", "--set", "logging.dir={f}"], ["logging.dir:", "is a file, not a directory"]),
-    (["--dry-run", "--set", "logging.dir={f}/sub"], ["logging.dir:", "is a file, not a directory"]),
-    (["--dry-run", "--set", "checkpoints.path={f}/ckpt"], ["checkpoints.path:", "is a file"]),
-    (["--emit", "{f}"], ["--emit:", "is a file, not a directory"]),
-    (["--local", "--set", "logging.dir={f}"], ["logging.dir:", "is a file"]),
-    (["--dry-run", "--set", "logging.dir={d}/" + "x" * 300], ["logging.dir:", "300 bytes", "255"]),
-])
+@pytest.mark.parametrize(
+    "args,fragments",
+    [
+        (["--dry-run", "--set", "logging.dir={f}"], ["logging.dir:", "is a file, not a directory"]),
+        (["--dry-run", "--set", "logging.dir={f}/sub"], ["logging.dir:", "is a file, not a directory"]),
+        (["--dry-run", "--set", "checkpoints.path={f}/ckpt"], ["checkpoints.path:", "is a file"]),
+        (["--emit", "{f}"], ["--emit:", "is a file, not a directory"]),
+        (["--local", "--set", "logging.dir={f}"], ["logging.dir:", "is a file"]),
+        (["--dry-run", "--set", "logging.dir={d}/" + "x" * 300], ["logging.dir:", "300 bytes", "255"]),
+    ],
+)
 def test_unwritable_places(args, fragments, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     blocker = tmp_path / "a_file"
@@ -81,20 +85,25 @@ def read_only_dir(tmp_path):
         unavailable("private read-only mount", "needs root and unshare")
 
     def run(argv: list[str]) -> subprocess.CompletedProcess:
-        script = f"mount -t tmpfs -o ro none {target} && exec \"$@\""
-        return subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", *argv], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=60)
+        script = f'mount -t tmpfs -o ro none {target} && exec "$@"'
+        return subprocess.run(
+            ["unshare", "-m", "sh", "-c", script, "sh", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=60
+        )
+
     probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=30)
     if probe.returncode != 0:
         unavailable("private read-only mount", "unshare -m is not permitted here")
     return target, run
 
 
-@pytest.mark.parametrize("args,field", [
-    (["--dry-run", "--set", "logging.dir={ro}/logs"], "logging.dir"),
-    (["--set", "logging.dir={ro}/logs"], "logging.dir"),
-    (["--emit", "{ro}/scripts"], "--emit"),
-])
+@pytest.mark.parametrize(
+    "args,field",
+    [
+        (["--dry-run", "--set", "logging.dir={ro}/logs"], "logging.dir"),
+        (["--set", "logging.dir={ro}/logs"], "logging.dir"),
+        (["--emit", "{ro}/scripts"], "--emit"),
+    ],
+)
 def test_read_only_file_system(args, field, read_only_dir):
     target, run = read_only_dir
     proc = run([*SUBMIT, str(TINY), *[a.format(ro=target) for a in args]])
@@ -104,13 +113,16 @@ def test_read_only_file_system(args, field, read_only_dir):
 
 
 # ------------------------------------------------------------------ run-directory files
-@pytest.mark.parametrize("content,fragment", [
-    ("[1, 2, 3]", "expected a JSON object, found a list"),
-    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "not UTF-8 text"),
-    ("{not json", "not JSON"),
-    ('{"mode": 7}', "'mode' is int"),
-    ('{"mode": "kubernetes"}', "not 'slurm' or 'local'"),
-])
+@pytest.mark.parametrize(
+    "content,fragment",
+    [
+        ("[1, 2, 3]", "expected a JSON object, found a list"),
+        (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "not UTF-8 text"),
+        ("{not json", "not JSON"),
+        ('{"mode": 7}', "'mode' is int"),
+        ('{"mode": "kubernetes"}', "not 'slurm' or 'local'"),
+    ],
+)
 @pytest.mark.parametrize("flag", ["--resume", "--status"])
 def test_damaged_launch_json_is_named(flag, content, fragment, tmp_path, capsys):
     run_dir = tmp_path / "run"
@@ -124,13 +136,16 @@ def test_damaged_launch_json_is_named(flag, content, fragment, tmp_path, capsys)
     assert line.startswith(f"error: {path}: ") and fragment in line, line
 
 
-@pytest.mark.parametrize("progress,fragment", [
-    ({"step": "12", "total_steps": 100}, "'step' is '12', not a whole number"),
-    ({"step": 12, "total_steps": 100, "loss": "2.5"}, "'loss' is '2.5', not a number"),
-    ({"step": 12, "total_steps": True}, "'total_steps' is 'True'"),
-    ([12, 100], "expected a JSON object"),
-    ("garbage", "not a JSON progress record"),
-])
+@pytest.mark.parametrize(
+    "progress,fragment",
+    [
+        ({"step": "12", "total_steps": 100}, "'step' is '12', not a whole number"),
+        ({"step": 12, "total_steps": 100, "loss": "2.5"}, "'loss' is '2.5', not a number"),
+        ({"step": 12, "total_steps": True}, "'total_steps' is 'True'"),
+        ([12, 100], "expected a JSON object"),
+        ("garbage", "not a JSON progress record"),
+    ],
+)
 def test_damaged_progress_json_is_named(progress, fragment, tmp_path, capsys):
     write_launch_record(tmp_path, mode="local", argv=[])
     path = tmp_path / "progress.json"
@@ -155,8 +170,13 @@ needs_slurm = pytest.mark.usefixtures("slurm_cluster")
 
 @needs_slurm
 def test_unknown_partition_is_one_line_before_anything_is_written(tmp_path):
-    proc = subprocess.run([*SUBMIT, str(TINY), "--set", "slurm.partition=no_such_partition"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*SUBMIT, str(TINY), "--set", "slurm.partition=no_such_partition"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     line = one_error_line(proc.stderr)
     assert proc.returncode == 2 and "slurm.partition: 'no_such_partition' is not a partition" in line
     assert list(tmp_path.iterdir()) == []
@@ -164,8 +184,13 @@ def test_unknown_partition_is_one_line_before_anything_is_written(tmp_path):
 
 @needs_slurm
 def test_dry_run_warns_about_a_partition_of_another_cluster(tmp_path):
-    proc = subprocess.run([*SUBMIT, str(TINY), "--dry-run", "--set", "slurm.partition=elsewhere"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*SUBMIT, str(TINY), "--dry-run", "--set", "slurm.partition=elsewhere"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0 and proc.stderr == ""
     assert "warning: slurm.partition: 'elsewhere' is not a partition of this cluster" in proc.stdout
 
@@ -173,8 +198,13 @@ def test_dry_run_warns_about_a_partition_of_another_cluster(tmp_path):
 @needs_slurm
 def test_sbatch_refusal_is_one_line_and_removes_the_run_dir(tmp_path):
     """sbatch refuses after submitit pickled the job into the run directory: both go again."""
-    proc = subprocess.run([*SUBMIT, str(TINY), "--set", "slurm.sbatch_extra={begin: not-a-time}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*SUBMIT, str(TINY), "--set", "slurm.sbatch_extra={begin: not-a-time}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     line = one_error_line(proc.stderr)
     assert proc.returncode == 2 and line.startswith("error: sbatch refused the job: sbatch: error:"), line
     assert list(tmp_path.iterdir()) == []
@@ -196,6 +226,7 @@ def test_refused_resume_keeps_the_run_dir_as_it_was(tmp_path, capsys):
 def test_ctrl_c_before_anything_started(monkeypatch, capsys):
     def interrupted(*_args, **_kwargs):
         raise KeyboardInterrupt
+
     monkeypatch.setattr(cli, "load_config", interrupted)
     code, _, err = run_cli([TINY, "--dry-run"], capsys)
     assert code == 130 and err.strip() == "interrupted: no run was started"
@@ -205,11 +236,28 @@ def test_ctrl_c_of_a_local_run_saves_and_says_how_to_resume(tmp_path):
     """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it): the ranks save at
     the next step boundary and stop; the launcher names the checkpoint and the resume command,
     exits 130, and nobody prints a traceback."""
-    cmd = [*SUBMIT, str(TINY), "--local", "--set", "parallelism.dp=1", "--set", "parallelism.tp=1",
-           "--set", "parallelism.pp=1", "--set", "training.train_steps=100000", "--set", "checkpoints.interval=1000",
-           "--set", f"logging.dir={tmp_path / 'logs'}", "--set", "logging.run_name=cc"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = [
+        *SUBMIT,
+        str(TINY),
+        "--local",
+        "--set",
+        "parallelism.dp=1",
+        "--set",
+        "parallelism.tp=1",
+        "--set",
+        "parallelism.pp=1",
+        "--set",
+        "training.train_steps=100000",
+        "--set",
+        "checkpoints.interval=1000",
+        "--set",
+        f"logging.dir={tmp_path / 'logs'}",
+        "--set",
+        "logging.run_name=cc",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     progress = tmp_path / "logs" / "cc" / "progress.json"
     try:
         deadline = time.monotonic() + 240
@@ -226,20 +274,27 @@ def test_ctrl_c_of_a_local_run_saves_and_says_how_to_resume(tmp_path):
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
     last = err.strip().splitlines()[-1]
     run_dir = tmp_path / "logs" / "cc"
-    assert last.startswith("interrupted: the ranks saved at a step boundary and stopped; latest checkpoint: "
-                           f"{run_dir / 'checkpoints' / 'step_'}"), last
+    assert last.startswith(
+        "interrupted: the ranks saved at a step boundary and stopped; latest checkpoint: "
+        f"{run_dir / 'checkpoints' / 'step_'}"
+    ), last
     assert last.endswith(f"resume with: python submit.py --resume {run_dir}"), last
     assert (run_dir / "checkpoints" / "latest").is_file()
 
 
-@pytest.mark.parametrize("forced,failed,fragment", [
-    (False, None, "the ranks saved at a step boundary and stopped"),
-    (True, None, "the ranks were killed (second Ctrl-C)"),
-    (False, "rank 3 exited with status 1 (log: x)", "rank 3 exited with status 1 (log: x) while stopping"),
-])
+@pytest.mark.parametrize(
+    "forced,failed,fragment",
+    [
+        (False, None, "the ranks saved at a step boundary and stopped"),
+        (True, None, "the ranks were killed (second Ctrl-C)"),
+        (False, "rank 3 exited with status 1 (log: x)", "rank 3 exited with status 1 (log: x) while stopping"),
+    ],
+)
 def test_interrupt_report_without_a_checkpoint(forced, failed, fragment, tmp_path):
     from nanotrain.launch.local import Interrupted, report_interrupt
 
     line = report_interrupt(tmp_path / "run", tmp_path / "run" / "checkpoints", Interrupted(forced, failed))
-    assert line == (f"interrupted: {fragment}; no checkpoint was saved yet, so "
-                    f"python submit.py --resume {tmp_path / 'run'} starts from step 0")
+    assert line == (
+        f"interrupted: {fragment}; no checkpoint was saved yet, so "
+        f"python submit.py --resume {tmp_path / 'run'} starts from step 0"
+    )

@@ -1,5 +1,6 @@
 """The local path: `submit.py CONFIG --local` runs every rank as a local gloo process, streams
 rank 0, and a failing rank ends the whole job quickly (a hang is a failure)."""
+
 from __future__ import annotations
 
 import json
@@ -28,10 +29,25 @@ def alive(pid: int) -> bool:
 
 def test_local_run_8_processes(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "submit.py"), str(ROOT / "configs" / "tiny_cpu.yaml"), "--local",
-         "--set", f"logging.dir={tmp_path}", "--set", "logging.run_name=local8",
-         "--set", "training.train_steps=3", "--set", "checkpoints.interval=0"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            str(ROOT / "submit.py"),
+            str(ROOT / "configs" / "tiny_cpu.yaml"),
+            "--local",
+            "--set",
+            f"logging.dir={tmp_path}",
+            "--set",
+            "logging.run_name=local8",
+            "--set",
+            "training.train_steps=3",
+            "--set",
+            "checkpoints.interval=0",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "smoke: ok: world=8 backend=gloo launcher=local" in proc.stdout  # rank 0 streamed
     reports = read_smoke_reports(tmp_path / "local8")
@@ -48,9 +64,11 @@ def test_failing_rank_ends_the_job(tmp_path):
     """Rank 2 fails at once while the others would sleep for 10 minutes: the job must end
     within seconds with rank 2's status, and no rank may survive."""
     script = tmp_path / "rank.py"
-    script.write_text("import os, sys, time\n"
-                      "if os.environ['RANK'] == '2':\n    sys.exit(3)\n"
-                      "print('pid', os.getpid(), flush=True)\ntime.sleep(600)\n")
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '2':\n    sys.exit(3)\n"
+        "print('pid', os.getpid(), flush=True)\ntime.sleep(600)\n"
+    )
     start = time.monotonic()
     status = run_local([sys.executable, str(script)], 4, tmp_path / "job", quiet=True)
     assert status == 3
@@ -78,8 +96,9 @@ def _launch(tmp_path, fork: str) -> tuple[list, list[str], dict]:
     script = tmp_path / "rank_script.py"
     script.write_text(RANK_SCRIPT)
     log_dir = tmp_path / f"fork-{fork}"
-    with RankProcesses([sys.executable, str(script), "a b", "c"], 3, log_dir,
-                       env={"NANOTRAIN_FORK_SERVER": fork}) as ranks:
+    with RankProcesses(
+        [sys.executable, str(script), "a b", "c"], 3, log_dir, env={"NANOTRAIN_FORK_SERVER": fork}
+    ) as ranks:
         ranks.start()
         assert (ranks._server is not None) == (fork == "1")
         deadline = time.monotonic() + 60

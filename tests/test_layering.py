@@ -12,6 +12,7 @@ resolves), so ``__init__`` modules are left out of the circle search.
 The tests follow one rule of their own: shared test helpers live in the package ``tests/helpers``
 (imported as ``helpers.xxx``), and no test module imports another test module.
 """
+
 from __future__ import annotations
 
 import ast
@@ -21,8 +22,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "nanotrain"
 TESTS = ROOT / "tests"
-ORDER = ("config", "parallel", "models", "data", "optim", "checkpoint", "hf", "logging", "training", "rehearse",
-         "estimate", "runtime", "launch", "commands")
+ORDER = (
+    "config",
+    "parallel",
+    "models",
+    "data",
+    "optim",
+    "checkpoint",
+    "hf",
+    "logging",
+    "training",
+    "rehearse",
+    "estimate",
+    "runtime",
+    "launch",
+    "commands",
+)
 
 
 def module_name(path: Path) -> str:
@@ -82,7 +97,9 @@ def test_no_import_closes_a_circle():
         state[node] = 1
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                circles.append(" -> ".join(path[path.index(nxt):] + [node, nxt]) if nxt in path else f"{node} -> {nxt}")
+                circles.append(
+                    " -> ".join(path[path.index(nxt) :] + [node, nxt]) if nxt in path else f"{node} -> {nxt}"
+                )
             elif nxt not in state:
                 visit(nxt, path + [node])
         state[node] = 2
@@ -109,8 +126,10 @@ def test_no_test_module_imports_another():
             for name in names:
                 if name.split(".")[0].startswith("test_"):
                     offenders.append(f"tests/{path.name}:{node.lineno} imports {name}")
-    assert not offenders, ("test modules that import another test module (move what they share into "
-                           "tests/helpers/):\n" + "\n".join(offenders))
+    assert not offenders, (
+        "test modules that import another test module (move what they share into "
+        "tests/helpers/):\n" + "\n".join(offenders)
+    )
 
 
 def test_the_import_graph_script_draws_these_layers():

@@ -3,6 +3,7 @@ the parameters of every (tp rank, pp rank) equal the real model part's, the stag
 one the pipeline step keeps, and the config -> plan mapping carries every field. In one process:
 ``build_llama`` with ``pp_rank`` / ``pp_size`` builds one stage, and a stand-in group with
 ``size()`` / ``rank()`` gives it one tp rank's shards."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -19,8 +20,15 @@ from nanotrain.models.llama_parallelize import build_llama, plan_from_config
 from nanotrain.parallel.grid import GroupShape
 from nanotrain.parallel.tensor_parallel import TensorParallelLinearMode
 
-ARGS = ModelArgs(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=6, num_attention_heads=8,
-                 num_key_value_heads=4, max_position_embeddings=64)
+ARGS = ModelArgs(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+)
 
 
 def _model(args: ModelArgs, tp: int, tp_rank: int, pp: int, pp_rank: int, v: int) -> torch.nn.Module:
@@ -29,9 +37,18 @@ def _model(args: ModelArgs, tp: int, tp_rank: int, pp: int, pp_rank: int, v: int
 
 # (tp, pp, virtual stages, tied, vocab): vocab 259 and 257 are not multiples of tp (padded rows);
 # vocab 640 makes the head cost ~2 layers, so the split moves layers off the last stage.
-LAYOUTS = [(1, 1, 1, False, 256), (1, 1, 1, True, 259), (2, 1, 1, False, 259), (4, 1, 1, True, 258),
-           (1, 2, 1, True, 256), (2, 2, 1, False, 259), (2, 3, 1, True, 259), (1, 4, 1, False, 640),
-           (2, 2, 2, True, 259), (4, 2, 2, False, 257)]
+LAYOUTS = [
+    (1, 1, 1, False, 256),
+    (1, 1, 1, True, 259),
+    (2, 1, 1, False, 259),
+    (4, 1, 1, True, 258),
+    (1, 2, 1, True, 256),
+    (2, 2, 1, False, 259),
+    (2, 3, 1, True, 259),
+    (1, 4, 1, False, 640),
+    (2, 2, 2, True, 259),
+    (4, 2, 2, False, 257),
+]
 
 
 @pytest.mark.parametrize("tp,pp,v,tied,vocab", LAYOUTS)
@@ -78,9 +95,18 @@ def test_unshardable_layer_is_refused():
 
 
 def test_the_plan_carries_the_config():
-    config = Config(parallelism=ParallelismArgs(tp=2, pp=2, pp_engine="interleaved_1f1b", pp_virtual_stages=2,
-                                                tp_mode="REDUCE_SCATTER", tp_linear_async_communication=True),
-                    model=replace(ARGS, dtype="bfloat16"), training=TrainingArgs(seed=11))
+    config = Config(
+        parallelism=ParallelismArgs(
+            tp=2,
+            pp=2,
+            pp_engine="interleaved_1f1b",
+            pp_virtual_stages=2,
+            tp_mode="REDUCE_SCATTER",
+            tp_linear_async_communication=True,
+        ),
+        model=replace(ARGS, dtype="bfloat16"),
+        training=TrainingArgs(seed=11),
+    )
     pc = SimpleNamespace(tp_pg=GroupShape(2, 1), pp_rank=1, pp_size=2, cp_pg=None, ep_pg=None)
     plan = plan_from_config(config, pc)
     model = LLAMA.build_part(config, pc)

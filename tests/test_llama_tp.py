@@ -1,6 +1,7 @@
 """The whole Llama under tensor parallelism equals the single-process model: logits, loss and
 every gradient, for tp=2 and tp=4, both tp modes, async on/off, tied and untied embeddings.
 The vocabulary (258) is not divisible by 4, so padding is exercised too."""
+
 from __future__ import annotations
 
 import functools
@@ -15,12 +16,25 @@ from nanotrain.parallel.sharding import get_shard_info
 from helpers.dist import run_distributed
 from helpers.models import full_grad
 
-ARGS = dict(vocab_size=258, hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=8,
-            num_key_value_heads=8, max_position_embeddings=64, dtype="float32", init_std=0.02)
+ARGS = dict(
+    vocab_size=258,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    max_position_embeddings=64,
+    dtype="float32",
+    init_std=0.02,
+)
 SEQ, BATCH = 16, 2
-CASES = [(mode, async_comm, tied, kv)
-         for mode in ("ALL_REDUCE", "REDUCE_SCATTER") for async_comm in (False, True)
-         for tied in (False, True) for kv in (8, 4)]
+CASES = [
+    (mode, async_comm, tied, kv)
+    for mode in ("ALL_REDUCE", "REDUCE_SCATTER")
+    for async_comm in (False, True)
+    for tied in (False, True)
+    for kv in (8, 4)
+]
 
 
 def full_logits(logits: torch.Tensor, tp_group, vocab: int) -> torch.Tensor:
@@ -54,8 +68,12 @@ def model_outputs(tp: int) -> dict:
             if get_shard_info(p).is_sharded:
                 dist.all_reduce(full, group=pc.tp_pg)
             weights[name] = full
-        results[(mode, async_comm, tied, kv)] = {"logits": logits, "loss": loss.detach(), "grads": grads,
-                                                 "weights": weights}
+        results[(mode, async_comm, tied, kv)] = {
+            "logits": logits,
+            "loss": loss.detach(),
+            "grads": grads,
+            "weights": weights,
+        }
     rank = dist.get_rank()
     pc.destroy()
     return results if rank == 0 else {}
@@ -73,8 +91,9 @@ def test_tp_model_equals_single_process(tp):
     failures = []
     for case in CASES:
         ref, got = reference[case], sharded[case]
-        torch.testing.assert_close(got["logits"], ref["logits"], rtol=1e-5, atol=1e-5,
-                                   msg=lambda m: f"logits {case}: {m}")
+        torch.testing.assert_close(
+            got["logits"], ref["logits"], rtol=1e-5, atol=1e-5, msg=lambda m: f"logits {case}: {m}"
+        )
         torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-6, atol=1e-6)
         assert got["grads"].keys() == ref["grads"].keys()
         for name, grad in ref["grads"].items():

@@ -12,8 +12,17 @@ import pytest
 pytestmark = pytest.mark.slurm
 
 # States after which a job never runs again (sacct spelling, first word only).
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
-            "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 def _run(*cmd: str, timeout: float = 30) -> str:
@@ -44,11 +53,22 @@ def test_two_node_job_completes(slurm_cluster, tmp_path):
     assert len(slurm_cluster) >= 2, f"slurm/local-cluster.sh brings up 2 nodes; usable: {slurm_cluster}"
     out_file = tmp_path / "job.out"
     # `hostname` prints the real host on every emulated node, so report SLURMD_NODENAME.
-    job_id = _run(
-        "sbatch", "--parsable", "-N2", "--ntasks-per-node=2", "--time=2",
-        f"--chdir={tmp_path}", f"--output={out_file}", "--job-name=nanotrain-smoke",
-        "--wrap", 'srun bash -c "echo node=\\$SLURMD_NODENAME rank=\\$SLURM_PROCID"',
-    ).strip().split(";")[0]
+    job_id = (
+        _run(
+            "sbatch",
+            "--parsable",
+            "-N2",
+            "--ntasks-per-node=2",
+            "--time=2",
+            f"--chdir={tmp_path}",
+            f"--output={out_file}",
+            "--job-name=nanotrain-smoke",
+            "--wrap",
+            'srun bash -c "echo node=\\$SLURMD_NODENAME rank=\\$SLURM_PROCID"',
+        )
+        .strip()
+        .split(";")[0]
+    )
 
     state = _wait_for_job(job_id)
 

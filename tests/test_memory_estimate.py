@@ -1,5 +1,6 @@
 """The --dry-run memory estimate: parameter count equals the real model's, the engine's
 in-flight micro-batches are counted, the GPU-memory warning fires, and a 512-node plan is fast."""
+
 from __future__ import annotations
 
 import resource
@@ -21,8 +22,10 @@ TINY = ROOT / "configs" / "tiny_cpu.yaml"
 def test_parameter_count_matches_the_model(tied):
     from nanotrain.models.llama_parallelize import build_llama
 
-    config = load_config(TINY, ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1",
-                                f"model.tie_word_embeddings={str(tied).lower()}"])
+    config = load_config(
+        TINY,
+        ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", f"model.tie_word_embeddings={str(tied).lower()}"],
+    )
     model = build_llama(config.model, None)
     numel = sum(p.numel() for p in model.parameters())
     assert estimate_memory(config).weights * GB == pytest.approx(4 * numel)
@@ -74,11 +77,27 @@ def test_512_node_plan_under_2_seconds(tmp_path):
     cpu_before = _children_cpu_seconds()
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "submit.py"), str(ROOT / "configs" / "3d_16gpu.yaml"), "--dry-run",
-         "--set", "parallelism.dp=1024", "--set", "slurm.gpus_per_node=8", "--set", f"logging.dir={tmp_path}",
-         # one global batch of 1024 replicas must fit in the config's 'stdlib' data (~12M tokens)
-         "--set", "training.micro_batch_size=1", "--set", "training.batch_accumulation_per_replica=4"],
-        capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            str(ROOT / "submit.py"),
+            str(ROOT / "configs" / "3d_16gpu.yaml"),
+            "--dry-run",
+            "--set",
+            "parallelism.dp=1024",
+            "--set",
+            "slurm.gpus_per_node=8",
+            "--set",
+            f"logging.dir={tmp_path}",
+            # one global batch of 1024 replicas must fit in the config's 'stdlib' data (~12M tokens)
+            "--set",
+            "training.micro_batch_size=1",
+            "--set",
+            "training.batch_accumulation_per_replica=4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     wall = time.monotonic() - start
     cpu = _children_cpu_seconds() - cpu_before
     assert proc.returncode == 0, proc.stderr
@@ -88,8 +107,13 @@ def test_512_node_plan_under_2_seconds(tmp_path):
 
 
 def test_context_parallel_divides_activations_and_zero_shards():
-    base = ["parallelism.dp=1", "training.sequence_length=4096", "model.max_position_embeddings=4096",
-            "optimizer.zero_stage=1", "slurm.gpus_per_node=8"]  # on CPU cp keeps causal masks too
+    base = [
+        "parallelism.dp=1",
+        "training.sequence_length=4096",
+        "model.max_position_embeddings=4096",
+        "optimizer.zero_stage=1",
+        "slurm.gpus_per_node=8",
+    ]  # on CPU cp keeps causal masks too
     one = estimate_memory(load_config(TINY, base))
     two = estimate_memory(load_config(TINY, base + ["parallelism.cp=2"]))
     assert two.optimizer == pytest.approx(one.optimizer / 2)  # ZeRO-1 shards over dp x cp

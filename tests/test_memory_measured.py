@@ -6,6 +6,7 @@ and within 15% under full recompute: at hidden 64 the few bytes a fully recomput
 are matched by the ids, targets and RoPE tables the formula leaves out (measured 0.87-0.88; none
 and selective 0.98-1.00). The multi-rank layouts (tp, cp, pp engines) are in the benchmark's
 table (README)."""
+
 from __future__ import annotations
 
 import sys
@@ -27,8 +28,15 @@ from memory import peak_saved_bytes  # noqa: E402
 
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
 TOLERANCE = {"none": 0.09, "selective": 0.09, "full": 0.15}
-BASE = ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "model.hidden_size=64",
-        "model.intermediate_size=256", "training.sequence_length=64", "model.max_position_embeddings=64"]
+BASE = [
+    "parallelism.dp=1",
+    "parallelism.tp=1",
+    "parallelism.pp=1",
+    "model.hidden_size=64",
+    "model.intermediate_size=256",
+    "training.sequence_length=64",
+    "model.max_position_embeddings=64",
+]
 
 
 def batch(config) -> torch.Tensor:
@@ -62,6 +70,7 @@ def test_first_pipeline_stage_layers_within_9_percent_or_15_under_full_recompute
 
     measured = peak_saved_bytes(model, step)
     layers = sum(name.startswith("layers.") for name in llama_arch.rank_blocks(m, 2, 0))
-    estimate = layers * llama_parallelize_costs.activation_bytes_per_layer(m, t.sequence_length, t.micro_batch_size,
-                                                               recompute=mode, cpu=True)
+    estimate = layers * llama_parallelize_costs.activation_bytes_per_layer(
+        m, t.sequence_length, t.micro_batch_size, recompute=mode, cpu=True
+    )
     assert estimate == pytest.approx(measured, rel=TOLERANCE[mode]), (estimate, measured)

@@ -1,6 +1,7 @@
 """Metrics: TensorBoard tags read back with tensorboard's own reader, a live `tensorboard` server
 listing them over HTTP, console output, progress.json, and the FLOP/parameter counts against a
 hand count and the real model."""
+
 from __future__ import annotations
 
 import io
@@ -22,7 +23,7 @@ from nanotrain.logging import SCALAR_TAGS, MetricsLogger, metrics_logger_for, pe
 from nanotrain.models.llama_arch import attention_flops_per_token, parameter_count, training_flops_per_token
 from nanotrain.models.llama_parallelize_costs import hardware_flops_per_token
 
-TOKENS_PER_STEP = 4 * 2 * 3 * 64      # dp 4 x micro-batch 2 x accumulation 3 x seq 64
+TOKENS_PER_STEP = 4 * 2 * 3 * 64  # dp 4 x micro-batch 2 x accumulation 3 x seq 64
 FLOPS_PER_TOKEN = 3.0e9
 WORLD = 8
 STEP_TIME = 0.25
@@ -31,10 +32,19 @@ CPU_TAGS = set(SCALAR_TAGS) - {"perf/mfu", "perf/hfu"}
 
 
 def write_steps(run_dir, stream=None, **kwargs) -> list:
-    logger = MetricsLogger(run_dir, {"model": {"hidden_size": 64}, "optimizer": {"betas": (0.9, 0.95)}},
-                           True, total_steps=5, tokens_per_step=TOKENS_PER_STEP,
-                           flops_per_token=FLOPS_PER_TOKEN, device="cpu", world_size=WORLD,
-                           log_interval=2, stream=stream or io.StringIO(), **kwargs)
+    logger = MetricsLogger(
+        run_dir,
+        {"model": {"hidden_size": 64}, "optimizer": {"betas": (0.9, 0.95)}},
+        True,
+        total_steps=5,
+        tokens_per_step=TOKENS_PER_STEP,
+        flops_per_token=FLOPS_PER_TOKEN,
+        device="cpu",
+        world_size=WORLD,
+        log_interval=2,
+        stream=stream or io.StringIO(),
+        **kwargs,
+    )
     written = [logger.log(step, LOSSES[step], 1e-3 * step, 0.5 + step, STEP_TIME) for step in LOSSES]
     logger.close()
     return written
@@ -61,8 +71,7 @@ def test_tensorboard_tags_on_cpu(tmp_path):
     assert [e.value for e in acc.Scalars("train/grad_norm")] == pytest.approx([2.5, 4.5, 5.5])
     tokens_per_sec = TOKENS_PER_STEP / STEP_TIME
     assert acc.Scalars("perf/tokens_per_sec")[0].value == pytest.approx(tokens_per_sec)
-    assert acc.Scalars("perf/tflops_per_gpu")[0].value == pytest.approx(
-        FLOPS_PER_TOKEN * tokens_per_sec / WORLD / 1e12)
+    assert acc.Scalars("perf/tflops_per_gpu")[0].value == pytest.approx(FLOPS_PER_TOKEN * tokens_per_sec / WORLD / 1e12)
     assert 0.01 < acc.Scalars("mem/peak_gb")[0].value < 64  # this process's peak RSS, GiB
 
     texts = [t for t in acc.Tags()["tensors"] if t.startswith("config")]
@@ -102,8 +111,9 @@ def test_hfu_beside_mfu_when_recompute_adds_flops(tmp_path):
     assert model < hardware_flops_per_token(args, 64, "selective") < full
     assert hardware_flops_per_token(args, 64, "none") == model
     out = io.StringIO()
-    write_steps(tmp_path, stream=out, device_name="NVIDIA H100 80GB HBM3",
-                hardware_flops_per_token=FLOPS_PER_TOKEN * 1.3)
+    write_steps(
+        tmp_path, stream=out, device_name="NVIDIA H100 80GB HBM3", hardware_flops_per_token=FLOPS_PER_TOKEN * 1.3
+    )
     acc = read_events(tmp_path / "tb")
     assert set(acc.Tags()["scalars"]) == set(SCALAR_TAGS)
     assert acc.Scalars("perf/hfu")[0].value == pytest.approx(1.3 * acc.Scalars("perf/mfu")[0].value)
@@ -122,8 +132,16 @@ def test_resumed_run_replaces_the_steps_after_its_checkpoint(tmp_path):
     """A run that logged to step 4 and resumes from a step-2 checkpoint must not show 3 and 4
     twice: the new writer's purge_step makes TensorBoard drop the stale points."""
     for start, losses in ((0, {1: 9.0, 2: 8.0, 3: 7.0, 4: 6.0}), (2, {3: 97.0, 4: 96.0, 5: 95.0})):
-        logger = MetricsLogger(tmp_path, {}, True, total_steps=5, tokens_per_step=10, flops_per_token=1.0,
-                               start_step=start, stream=io.StringIO())
+        logger = MetricsLogger(
+            tmp_path,
+            {},
+            True,
+            total_steps=5,
+            tokens_per_step=10,
+            flops_per_token=1.0,
+            start_step=start,
+            stream=io.StringIO(),
+        )
         for step, loss in losses.items():
             logger.log(step, loss, 1e-3, 1.0, 0.1)
         logger.close()
@@ -136,8 +154,9 @@ def test_resumed_run_replaces_the_steps_after_its_checkpoint(tmp_path):
 
 def test_disabled_rank_writes_nothing(tmp_path):
     out = io.StringIO()
-    logger = MetricsLogger(tmp_path / "run", {}, False, total_steps=3, tokens_per_step=1,
-                           flops_per_token=1.0, stream=out)
+    logger = MetricsLogger(
+        tmp_path / "run", {}, False, total_steps=3, tokens_per_step=1, flops_per_token=1.0, stream=out
+    )
     assert all(logger.log(s, 1.0, 1e-3, 1.0, 0.1) is None for s in (1, 2, 3))
     assert logger.should_log(3)
     logger.close()
@@ -155,8 +174,15 @@ def test_logger_from_config(tmp_path):
 
 
 # ---------------------------------------------------------------------------- FLOPs / params
-SMALL = dict(vocab_size=259, hidden_size=48, intermediate_size=136, num_layers=3, num_attention_heads=6,
-             num_key_value_heads=2, max_position_embeddings=64)
+SMALL = dict(
+    vocab_size=259,
+    hidden_size=48,
+    intermediate_size=136,
+    num_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def test_flops_hand_count():
@@ -164,8 +190,8 @@ def test_flops_hand_count():
     # head_dim 8; q 48, k and v 2 heads x 8 = 16 each.
     qkv, o_proj, mlp = 48 * (48 + 16 + 16), 48 * 48, 3 * 48 * 136
     assert (qkv, o_proj, mlp) == (3840, 2304, 19584)
-    per_layer = qkv + o_proj + mlp                     # 25,728
-    matmul = 3 * per_layer + 259 * 48                  # layers + LM head = 77,184 + 12,432
+    per_layer = qkv + o_proj + mlp  # 25,728
+    matmul = 3 * per_layer + 259 * 48  # layers + LM head = 77,184 + 12,432
     assert parameter_count(args).matmul == matmul == 89_616
     assert attention_flops_per_token(args, 32) == 12 * 3 * 48 * 32 == 55_296
     assert training_flops_per_token(args, 32) == 6 * 89_616 + 55_296 == 592_992
@@ -220,9 +246,24 @@ def test_tensorboard_server_lists_the_scalars(tmp_path):
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1",
-         "--port", str(port), "--load_fast=false", "--reload_interval", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "tensorboard.main",
+            "--logdir",
+            str(logdir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--load_fast=false",
+            "--reload_interval",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline, tags, last_error = time.monotonic() + 90, {}, None
         while time.monotonic() < deadline:

@@ -2,6 +2,7 @@
 the realised shares of a 0.6/0.3/0.1 mixture over every 1,000 consecutive samples, the stream
 being the same at every dp split and after a restart at any position, per-source epochs with
 fresh shuffles, and held-out windows that training never reads."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,10 @@ def corpora(tmp_path_factory):
     root = tmp_path_factory.mktemp("mix")
     # documents per source: web 400, code 160, books 40 (books runs out first)
     sizes = {"web": 400, "code": 160, "books": 40}
-    paths = {name: write_corpus(root / f"{name}.jsonl", ord("a") + i, n, SEQ * 1 - 1)
-             for i, (name, n) in enumerate(sizes.items())}
+    paths = {
+        name: write_corpus(root / f"{name}.jsonl", ord("a") + i, n, SEQ * 1 - 1)
+        for i, (name, n) in enumerate(sizes.items())
+    }
     return root, paths
 
 
@@ -62,8 +65,9 @@ def test_pattern_shares_within_a_fifth_of_a_percent_over_any_thousand():
         period, k = pattern.period, len(weights)
         want = np.asarray(weights) / np.sum(weights)
         src, _ = pattern.locate(np.arange(0, 2 * period + 1000))
-        counts = np.vstack([np.zeros((1, k), np.int64),
-                            np.cumsum(np.eye(k, dtype=np.int64)[src], axis=0)])  # [0, n) per n
+        counts = np.vstack(
+            [np.zeros((1, k), np.int64), np.cumsum(np.eye(k, dtype=np.int64)[src], axis=0)]
+        )  # [0, n) per n
         shares = (counts[1000:] - counts[:-1000]) / 1000  # every start
         assert np.abs(shares - want).max() < 0.002, weights
         prefixes = np.arange(0, 2 * period + 1)
@@ -95,9 +99,13 @@ def test_same_stream_at_every_dp_and_after_restart(corpora):
     want = ref.samples(0, 16 * 20)
     for dp, mbs, m in ((2, 2, 4), (4, 1, 4), (8, 2, 1)):
         s, _ = build_samplers(mixture_config(root, paths, dp=dp, mbs=mbs, m=m))
-        got = np.concatenate([np.concatenate([torch.cat([ids, t[:, -1:]], 1).numpy()
-                                              for ids, t in s.batch(step * 16, r)])
-                              for step in range(20) for r in range(dp)])
+        got = np.concatenate(
+            [
+                np.concatenate([torch.cat([ids, t[:, -1:]], 1).numpy() for ids, t in s.batch(step * 16, r)])
+                for step in range(20)
+                for r in range(dp)
+            ]
+        )
         np.testing.assert_array_equal(got, want)
     # a fresh sampler (a resumed or resharded run) at consumed sample 1,000: the next 100 samples
     # equal those of the uninterrupted stream
@@ -111,7 +119,7 @@ def test_exhausted_source_starts_a_new_shuffled_epoch(corpora):
     src, win = train.locate(0, 2 * 400 * 10 + 100)  # books: 40 windows, ~200 draws = 5 epochs
     n = train.parts[2].num_windows
     books = win[src == 2]
-    epochs = [books[i * n:(i + 1) * n] for i in range(4)]
+    epochs = [books[i * n : (i + 1) * n] for i in range(4)]
     for e in epochs:
         assert sorted(e) == list(range(n))  # every window once per epoch
     assert not np.array_equal(epochs[0], epochs[1])  # and a new order

@@ -4,6 +4,7 @@ over a grid of shapes (GQA and MHA, tied and untied, padded vocabularies, dense 
 shared experts, leading dense layers and a layer frequency) and layouts (tp, pp, virtual stages,
 ep): the whole model's parameters, each rank's parameters and routed experts, the model FLOPs
 behind MFU, and the FLOPs each recompute mode adds (HFU). All on the meta device: no storage."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -18,14 +19,23 @@ from nanotrain.models.llama_parallelize import build_llama, flops_per_token
 from nanotrain.parallel.grid import GroupShape
 
 SEQ = 48
-BASE = ModelArgs(vocab_size=259, hidden_size=48, intermediate_size=136, num_layers=4, num_attention_heads=6,
-                 num_key_value_heads=2, max_position_embeddings=SEQ)
+BASE = ModelArgs(
+    vocab_size=259,
+    hidden_size=48,
+    intermediate_size=136,
+    num_layers=4,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=SEQ,
+)
 SHAPES = {
     "gqa": BASE,
     "gqa-tied": replace(BASE, tie_word_embeddings=True),
     "mha": replace(BASE, num_key_value_heads=None, vocab_size=256, num_attention_heads=4),
-    "moe-shared": replace(BASE, moe=MoEArgs(num_experts=4, top_k=2, num_shared_experts=1, first_dense_layers=1,
-                                            expert_intermediate_size=40)),
+    "moe-shared": replace(
+        BASE,
+        moe=MoEArgs(num_experts=4, top_k=2, num_shared_experts=1, first_dense_layers=1, expert_intermediate_size=40),
+    ),
     "moe-sparse": replace(BASE, tie_word_embeddings=True, moe=MoEArgs(num_experts=8, top_k=1, layer_frequency=2)),
 }
 # (tp, pp, virtual stages, ep); the MoE shapes take ep > 1
@@ -50,16 +60,25 @@ def test_whole_model_counts_and_flops(shape):
         assert hardware == llama_parallelize_costs.hardware_flops_per_token(args, SEQ, mode), mode
 
 
-@pytest.mark.parametrize("shape,tp,pp,v,ep", [(shape, *layout) for shape, args in SHAPES.items()
-                                                for layout in LAYOUTS if layout[3] == 1 or args.moe])
+@pytest.mark.parametrize(
+    "shape,tp,pp,v,ep",
+    [(shape, *layout) for shape, args in SHAPES.items() for layout in LAYOUTS if layout[3] == 1 or args.moe],
+)
 def test_each_rank_holds_what_the_arithmetic_counts(shape, tp, pp, v, ep):
     args = SHAPES[shape]
     summaries = llama_arch.rank_summaries(args, pp, v)
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             for ep_rank in range(ep):
-                part = build_llama(args, GroupShape(tp, tp_rank), pp_rank=pp_rank, pp_size=pp, virtual_stages=v,
-                                   ep_pg=GroupShape(ep, ep_rank) if ep > 1 else None, initialize=False)
+                part = build_llama(
+                    args,
+                    GroupShape(tp, tp_rank),
+                    pp_rank=pp_rank,
+                    pp_size=pp,
+                    virtual_stages=v,
+                    ep_pg=GroupShape(ep, ep_rank) if ep > 1 else None,
+                    initialize=False,
+                )
                 held = llama_counts.total_parameters(part)
                 routed = sum(p.numel() for name, p in part.named_parameters() if ".mlp.experts." in name)
                 where = (pp_rank, tp_rank, ep_rank)

@@ -5,6 +5,7 @@ expert-shard owner; resuming at ep2 is bit-exact; resuming at ep1 (ZeRO-0), ep4 
 checkpoint resharded offline to ep4 (scripts/reshard_checkpoint.py) resumes to the very losses of
 the online ep4 resume. Every resume is shown by its first logged step (6) and its losses, not by
 the label it prints. Every layout keeps the global batch of 8 samples."""
+
 from __future__ import annotations
 
 import shutil
@@ -17,12 +18,24 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from helpers.runs import ROOT, TINY, cli, resumes, set_args, tb_losses
 
 STEPS = 10
-BASE = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "model.num_attention_heads=4",
-        "model.num_key_value_heads=2", "training.sequence_length=32", "training.micro_batch_size=2",
-        f"training.train_steps={STEPS}", "logging.log_interval=1", "checkpoints.interval=5",
-        "optimizer.warmup_steps=2", "optimizer.zero_stage=1", "parallelism.tp=1", "parallelism.pp=1",
-        "parallelism.dp=1",
-        "model.moe={num_experts: 4, top_k: 2, num_shared_experts: 1, aux_loss_coef: 0.05, z_loss_coef: 0.001}"]
+BASE = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "training.sequence_length=32",
+    "training.micro_batch_size=2",
+    f"training.train_steps={STEPS}",
+    "logging.log_interval=1",
+    "checkpoints.interval=5",
+    "optimizer.warmup_steps=2",
+    "optimizer.zero_stage=1",
+    "parallelism.tp=1",
+    "parallelism.pp=1",
+    "parallelism.dp=1",
+    "model.moe={num_experts: 4, top_k: 2, num_shared_experts: 1, aux_loss_coef: 0.05, z_loss_coef: 0.001}",
+]
 LAYOUTS = {
     "ep1": ["parallelism.ep=1", "training.batch_accumulation_per_replica=4", "optimizer.zero_stage=0"],
     "ep2": ["parallelism.ep=2", "training.batch_accumulation_per_replica=2"],
@@ -52,12 +65,17 @@ def _resume_from_step5(source, dest, layout: str, offline: bool = False) -> str:
     if offline:
         shutil.move(ckpts, dest / "source")
         sets = [a for item in LAYOUTS[layout] for a in ("--set", item)]
-        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "reshard_checkpoint.py"), str(dest / "source"),
-                               str(ckpts), *sets], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "reshard_checkpoint.py"), str(dest / "source"), str(ckpts), *sets],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         shutil.rmtree(dest / "source")
-    proc = subprocess.run(cli("--resume", str(dest), "--local", *_sets(LAYOUTS[layout])),
-                          capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        cli("--resume", str(dest), "--local", *_sets(LAYOUTS[layout])), capture_output=True, text=True, timeout=400
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert resumes(proc.stdout) == [(5, 6)], proc.stdout[-2000:]  # trained on from step 5, not from step 1
     return proc.stdout

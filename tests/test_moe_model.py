@@ -1,6 +1,7 @@
 """MoE model, one process: the same weights in ``transformers.MixtralForCausalLM`` give the same
 logits and load-balancing loss; the arithmetic of ``llama_arch`` matches the built model; the
 capacity drop rule drops exactly the documented assignments; MoE config errors."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,40 +16,70 @@ from nanotrain.models.llama_parallelize import build_llama
 from nanotrain.models.moe import route
 
 MOE = MoEArgs(num_experts=4, top_k=2, aux_loss_coef=0.02, z_loss_coef=0.001)
-ARGS = ModelArgs(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-5,
-                 dtype="float32", moe=MOE)
+ARGS = ModelArgs(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    dtype="float32",
+    moe=MOE,
+)
 
 
 def _mixtral(args: ModelArgs, ours):
     """A tiny random MixtralForCausalLM loaded with our model's weights (mapped here)."""
     import transformers  # a dev dependency, imported when used (seconds: not at collection)
+
     kv = args.num_key_value_heads
     hf_config = transformers.MixtralConfig(
-        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=llama_arch.expert_ffn(args),
-        num_hidden_layers=args.num_layers, num_attention_heads=args.num_attention_heads, num_key_value_heads=kv,
-        max_position_embeddings=args.max_position_embeddings, rope_theta=args.rope_theta,
-        rms_norm_eps=args.rms_norm_eps, num_local_experts=args.moe.num_experts,
-        num_experts_per_tok=args.moe.top_k, router_aux_loss_coef=args.moe.aux_loss_coef,
-        output_router_logits=True, tie_word_embeddings=False, sliding_window=None, attention_dropout=0.0)
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=llama_arch.expert_ffn(args),
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=args.max_position_embeddings,
+        rope_theta=args.rope_theta,
+        rms_norm_eps=args.rms_norm_eps,
+        num_local_experts=args.moe.num_experts,
+        num_experts_per_tok=args.moe.top_k,
+        router_aux_loss_coef=args.moe.aux_loss_coef,
+        output_router_logits=True,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        attention_dropout=0.0,
+    )
     hf_config._attn_implementation = "eager"
     hf = transformers.MixtralForCausalLM(hf_config).eval()
     w = {n: p.detach() for n, p in ours.named_parameters()}
     d = args.hidden_size // args.num_attention_heads
     q_out, kv_out = args.num_attention_heads * d, kv * d
-    state = {"model.embed_tokens.weight": w["embed.weight"], "model.norm.weight": w["final_norm.weight"],
-             "lm_head.weight": w["lm_head.weight"]}
+    state = {
+        "model.embed_tokens.weight": w["embed.weight"],
+        "model.norm.weight": w["final_norm.weight"],
+        "lm_head.weight": w["lm_head.weight"],
+    }
     for i in range(args.num_layers):
         q, k, v = w[f"layers.{i}.attn.qkv.weight"].split([q_out, kv_out, kv_out])
         pre, hf_pre = f"layers.{i}.", f"model.layers.{i}."
-        state.update({
-            hf_pre + "self_attn.q_proj.weight": q, hf_pre + "self_attn.k_proj.weight": k,
-            hf_pre + "self_attn.v_proj.weight": v, hf_pre + "self_attn.o_proj.weight": w[pre + "attn.o_proj.weight"],
-            hf_pre + "input_layernorm.weight": w[pre + "input_norm.weight"],
-            hf_pre + "post_attention_layernorm.weight": w[pre + "post_attn_norm.weight"],
-            hf_pre + "mlp.gate.weight": w[pre + "mlp.router.weight"],
-            hf_pre + "mlp.experts.gate_up_proj": w[pre + "mlp.experts.gate_up.weight"],
-            hf_pre + "mlp.experts.down_proj": w[pre + "mlp.experts.down.weight"]})
+        state.update(
+            {
+                hf_pre + "self_attn.q_proj.weight": q,
+                hf_pre + "self_attn.k_proj.weight": k,
+                hf_pre + "self_attn.v_proj.weight": v,
+                hf_pre + "self_attn.o_proj.weight": w[pre + "attn.o_proj.weight"],
+                hf_pre + "input_layernorm.weight": w[pre + "input_norm.weight"],
+                hf_pre + "post_attention_layernorm.weight": w[pre + "post_attn_norm.weight"],
+                hf_pre + "mlp.gate.weight": w[pre + "mlp.router.weight"],
+                hf_pre + "mlp.experts.gate_up_proj": w[pre + "mlp.experts.gate_up.weight"],
+                hf_pre + "mlp.experts.down_proj": w[pre + "mlp.experts.down.weight"],
+            }
+        )
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
     return hf
@@ -104,6 +135,7 @@ def test_aux_losses_reach_the_gradient_with_their_coefficients():
             r = route(logits, MOE.top_k, None)
             losses.append(MOE.aux_loss_coef * r.aux + MOE.z_loss_coef * r.z)
             return orig(x)
+
         layer.mlp.forward = spy
     lm = b(ids, ids)
     ((lm + sum(losses) / len(losses)) / 2).backward()
@@ -112,8 +144,9 @@ def test_aux_losses_reach_the_gradient_with_their_coefficients():
 
 
 def test_arithmetic_matches_the_built_model():
-    shared = dataclasses.replace(MOE, num_shared_experts=1, expert_intermediate_size=16, first_dense_layers=1,
-                                 layer_frequency=2)
+    shared = dataclasses.replace(
+        MOE, num_shared_experts=1, expert_intermediate_size=16, first_dense_layers=1, layer_frequency=2
+    )
     args = dataclasses.replace(ARGS, num_layers=4, moe=shared)
     assert llama_arch.moe_layer_indices(args) == [1, 3]
     model = build_llama(args, None)
@@ -124,8 +157,7 @@ def test_arithmetic_matches_the_built_model():
     unused = 2 * (shared.num_experts - shared.top_k) * 3 * args.hidden_size * 16
     assert count.active == count.total - unused
     dense = dataclasses.replace(args, moe=None)
-    assert llama_arch.parameter_count(dense).total == sum(
-        p.numel() for p in build_llama(dense, None).parameters())
+    assert llama_arch.parameter_count(dense).total == sum(p.numel() for p in build_llama(dense, None).parameters())
     blocks = {b.name: b.cost for b in llama_arch.pipeline_blocks(args)}
     assert blocks["layers.1"] != blocks["layers.0"]
     # FLOPs count active weights only
@@ -194,8 +226,9 @@ def test_capacity_in_the_model_drops_what_the_load_exceeds():
     ids = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     runs = {}
     for factor in (None, 100.0, 0.5):
-        model = build_llama(dataclasses.replace(ARGS, moe=dataclasses.replace(MOE, capacity_factor=factor)), None,
-                           seed=3)
+        model = build_llama(
+            dataclasses.replace(ARGS, moe=dataclasses.replace(MOE, capacity_factor=factor)), None, seed=3
+        )
         model.begin_step(1)
         with torch.no_grad():
             runs[factor] = (model(ids), model.moe_state)

@@ -11,6 +11,7 @@ the same function of the same tokens in both. ep4 and dp2·ep2·pp2 run ZeRO-1 (
 sharded over dp x cp x ep, the experts' over dp x cp), the others ZeRO-0.
 
 One launch per topology; one 1-process launch computes the reference."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,19 +24,40 @@ from nanotrain.config import ModelArgs, MoEArgs, OptimizerArgs
 
 from helpers.dist import run_distributed
 
-MOE = MoEArgs(num_experts=4, top_k=2, expert_intermediate_size=32, num_shared_experts=1, first_dense_layers=1,
-              aux_loss_coef=0.1, z_loss_coef=0.01)
-MODEL = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=32, dtype="float32", moe=MOE)
+MOE = MoEArgs(
+    num_experts=4,
+    top_k=2,
+    expert_intermediate_size=32,
+    num_shared_experts=1,
+    first_dense_layers=1,
+    aux_loss_coef=0.1,
+    z_loss_coef=0.01,
+)
+MODEL = ModelArgs(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    dtype="float32",
+    moe=MOE,
+)
 OPTIM = OptimizerArgs(lr=3e-3, weight_decay=0.1, warmup_steps=2, min_lr=3e-4, clip_grad=0.3)
 STEPS, SEQ, MICRO_BATCH, GLOBAL_BATCH = 10, 16, 2, 8
 # (dp, tp, pp, ep, cp, tp_mode); ZERO1: the topologies trained with optimizer.zero_stage 1
-TOPOLOGIES = [(1, 1, 1, 2, 1, "ALL_REDUCE"), (1, 1, 1, 4, 1, "ALL_REDUCE"), (1, 2, 1, 2, 1, "ALL_REDUCE"),
-              (1, 1, 2, 2, 1, "ALL_REDUCE"), (2, 1, 2, 2, 1, "ALL_REDUCE"),
-              # context parallel and sequence-parallel tp: the router sees this rank's tokens, so the
-              # load-balancing loss (a product of two means over tokens) would differ: it is off
-              # here; the z-loss (a mean over tokens) stays exact and on.
-              (1, 2, 1, 2, 2, "REDUCE_SCATTER")]
+TOPOLOGIES = [
+    (1, 1, 1, 2, 1, "ALL_REDUCE"),
+    (1, 1, 1, 4, 1, "ALL_REDUCE"),
+    (1, 2, 1, 2, 1, "ALL_REDUCE"),
+    (1, 1, 2, 2, 1, "ALL_REDUCE"),
+    (2, 1, 2, 2, 1, "ALL_REDUCE"),
+    # context parallel and sequence-parallel tp: the router sees this rank's tokens, so the
+    # load-balancing loss (a product of two means over tokens) would differ: it is off
+    # here; the z-loss (a mean over tokens) stays exact and on.
+    (1, 2, 1, 2, 2, "REDUCE_SCATTER"),
+]
 ZERO1 = {(1, 1, 1, 4, 1, "ALL_REDUCE"), (2, 1, 2, 2, 1, "ALL_REDUCE")}
 
 
@@ -59,8 +81,9 @@ def _model(aux: bool) -> ModelArgs:
     return MODEL if aux else dataclasses.replace(MODEL, moe=dataclasses.replace(MOE, aux_loss_coef=0.0))
 
 
-def train(dp: int, tp: int, pp: int, ep: int, cp: int = 1, mode: str = "ALL_REDUCE", aux: bool = True,
-          zero: int = 0) -> dict:
+def train(
+    dp: int, tp: int, pp: int, ep: int, cp: int = 1, mode: str = "ALL_REDUCE", aux: bool = True, zero: int = 0
+) -> dict:
     import torch.distributed as dist
 
     from nanotrain.models.llama_parallelize import build_llama
@@ -71,11 +94,17 @@ def train(dp: int, tp: int, pp: int, ep: int, cp: int = 1, mode: str = "ALL_REDU
     from nanotrain.parallel.tensor_parallel import allreduce_sequence_parallel_grads_
     from nanotrain.training.step import forward_backward, train_step
 
-    pc = ParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-                         expert_parallel_size=ep, context_parallel_size=cp)
+    pc = ParallelContext(
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        data_parallel_size=dp,
+        expert_parallel_size=ep,
+        context_parallel_size=cp,
+    )
     per_rank = GLOBAL_BATCH // (dp * ep)
-    model = build_llama(_model(aux), pc.tp_pg, mode=mode, pp_rank=pc.pp_rank, pp_size=pp, seed=11, ep_pg=pc.ep_pg,
-                       cp_pg=pc.cp_pg)
+    model = build_llama(
+        _model(aux), pc.tp_pg, mode=mode, pp_rank=pc.pp_rank, pp_size=pp, seed=11, ep_pg=pc.ep_pg, cp_pg=pc.cp_pg
+    )
     grad_sync = build_grad_sync(list(model.parameters()), pc, bucket_cap_mb=0.01)
     optimizer = build_optimizer(model.named_parameters(), OPTIM, zero_stage=zero, **optimizer_groups(pc))
     if zero == 1 and ep > 1:  # two domains: dense states over dp x cp x ep, experts' over dp x cp
@@ -85,7 +114,7 @@ def train(dp: int, tp: int, pp: int, ep: int, cp: int = 1, mode: str = "ALL_REDU
     engine = PipelineEngine("afab", pc.pp_pg) if pp > 1 else None
 
     def mine(step):
-        rows = global_batch(step)[pc.data_rank * per_rank:(pc.data_rank + 1) * per_rank]
+        rows = global_batch(step)[pc.data_rank * per_rank : (pc.data_rank + 1) * per_rank]
         return [(mb[:, :-1], mb[:, 1:]) for mb in rows.split(MICRO_BATCH)]
 
     # step 0's gradients, synced, without an optimizer step
@@ -117,12 +146,19 @@ def train(dp: int, tp: int, pp: int, ep: int, cp: int = 1, mode: str = "ALL_REDU
         if logits is not None and tp > 1:
             parts = [torch.empty_like(logits) for _ in range(tp)]
             dist.all_gather(parts, logits.contiguous(), group=pc.tp_pg)
-            logits = torch.cat(parts, dim=-1)[..., :MODEL.vocab_size]
-    stats = [train_step(model, mine(step), grad_sync, optimizer, scheduler, pc, OPTIM.clip_grad, engine)
-             for step in range(STEPS)]
+            logits = torch.cat(parts, dim=-1)[..., : MODEL.vocab_size]
+    stats = [
+        train_step(model, mine(step), grad_sync, optimizer, scheduler, pc, OPTIM.clip_grad, engine)
+        for step in range(STEPS)
+    ]
     weights = {n: _full(p, p, pc) for n, p in model.named_parameters()}
-    out = {"loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats], "grads": grads,
-           "weights": weights, "logits": logits}
+    out = {
+        "loss": [s.loss for s in stats],
+        "grad_norm": [s.grad_norm for s in stats],
+        "grads": grads,
+        "weights": weights,
+        "logits": logits,
+    }
     keep = pc.dp_rank == 0 and pc.tp_rank == 0 and pc.ep_rank == 0 and pc.cp_rank == 0
     pc.destroy()
     return out if keep else {}
@@ -148,9 +184,14 @@ def _merged(per_rank: list[dict], key: str) -> dict:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("topology", TOPOLOGIES, ids=[f"dp{a}-tp{b}-pp{c}-ep{d}-cp{e}-{m[0]}"
-                                                    + ("-zero1" if (a, b, c, d, e, m) in ZERO1 else "")
-                                                    for a, b, c, d, e, m in TOPOLOGIES])
+@pytest.mark.parametrize(
+    "topology",
+    TOPOLOGIES,
+    ids=[
+        f"dp{a}-tp{b}-pp{c}-ep{d}-cp{e}-{m[0]}" + ("-zero1" if (a, b, c, d, e, m) in ZERO1 else "")
+        for a, b, c, d, e, m in TOPOLOGIES
+    ],
+)
 def test_expert_parallel_equals_single_process(topology):
     aux = topology[-1] == "ALL_REDUCE" and topology[4] == 1
     ref = reference(aux)

@@ -1,5 +1,6 @@
 """Optimizer construction, LR schedule values, state-by-name round trips (single process), and the
 global grad-norm clipping across tp/pp/dp (one 4-rank gloo launch covering three layouts)."""
+
 import math
 
 import pytest
@@ -35,10 +36,10 @@ def _lrs(args, train_steps, n):
 def test_schedule_warmup_then_cosine():
     args = OptimizerArgs(lr=1e-3, warmup_steps=10, lr_decay_style="cosine", min_lr=1e-4)
     lrs = _lrs(args, 110, 115)
-    assert lrs[0] == pytest.approx(1e-4)       # lr / warmup: small, not zero
+    assert lrs[0] == pytest.approx(1e-4)  # lr / warmup: small, not zero
     assert lrs[4] == pytest.approx(5e-4)
-    assert lrs[9] == pytest.approx(1e-3)       # warmup reaches lr on its last step
-    assert lrs[10] == pytest.approx(1e-3)      # decay starts at the peak
+    assert lrs[9] == pytest.approx(1e-3)  # warmup reaches lr on its last step
+    assert lrs[10] == pytest.approx(1e-3)  # decay starts at the peak
     assert lrs[60] == pytest.approx((1e-3 + 1e-4) / 2)  # half way: cosine midpoint
     assert lrs[35] == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi / 4)))
     assert lrs[110] == pytest.approx(1e-4) and lrs[114] == pytest.approx(1e-4)  # min after end
@@ -54,12 +55,14 @@ def test_schedule_linear_constant_and_no_warmup():
 
 
 def test_schedule_wsd_linear_and_1_sqrt():
-    lin = OptimizerArgs(lr=2.0, warmup_steps=2, lr_decay_style="wsd", decay_fraction=0.4,
-                        decay_shape="linear", min_lr=0.0)
+    lin = OptimizerArgs(
+        lr=2.0, warmup_steps=2, lr_decay_style="wsd", decay_fraction=0.4, decay_shape="linear", min_lr=0.0
+    )
     # 10 steps: warmup 0-1, stable 2-5 at lr, decay over the last round(0.4*10)=4 steps (6-9)
     assert _lrs(lin, 10, 12) == pytest.approx([1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 1.5, 1.0, 0.5, 0.0, 0.0])
-    sq = OptimizerArgs(lr=1.0, warmup_steps=0, lr_decay_style="wsd", decay_fraction=0.5,
-                       decay_shape="1-sqrt", min_lr=0.1)
+    sq = OptimizerArgs(
+        lr=1.0, warmup_steps=0, lr_decay_style="wsd", decay_fraction=0.5, decay_shape="1-sqrt", min_lr=0.1
+    )
     lrs = _lrs(sq, 8, 9)
     assert lrs[:4] == pytest.approx([1.0] * 4)
     assert lrs[4:] == pytest.approx([0.1 + 0.9 * (1 - math.sqrt(p / 4)) for p in range(5)])
@@ -142,8 +145,10 @@ def test_state_by_name_round_trip_continues_identically(src_stage, dst_stage):
     opt_a = build_optimizer(a.named_parameters(), args, None, zero_stage=src_stage)
     assert isinstance(opt_a, ZeroOneOptimizer) == (src_stage == 1)
     _train(a, opt_a, 3, seed=1)
-    states = {k: {kk: (vv.clone() if torch.is_tensor(vv) else vv) for kk, vv in v.items()}
-              for k, v in optimizer_state_by_name(opt_a).items()}
+    states = {
+        k: {kk: (vv.clone() if torch.is_tensor(vv) else vv) for kk, vv in v.items()}
+        for k, v in optimizer_state_by_name(opt_a).items()
+    }
     assert states["fc.weight"]["exp_avg"].shape == (64,) and states["fc.weight"]["step"].item() == 3
 
     b = Tiny()
@@ -174,11 +179,14 @@ def _full_model(stages: int):
     """Per stage: a fused row-sharded weight, a column-sharded weight, a replicated bias; the
     gradients are the full (unsharded) ones, with different magnitudes per tensor."""
     g = torch.Generator().manual_seed(42)
-    return [{
-        "w_rows": torch.randn(16, 6, generator=g) * (s + 1),
-        "w_cols": torch.randn(5, 8, generator=g) * 0.1,
-        "bias": torch.randn(16, generator=g) * 3,
-    } for s in range(stages)]
+    return [
+        {
+            "w_rows": torch.randn(16, 6, generator=g) * (s + 1),
+            "w_cols": torch.randn(5, 8, generator=g) * 0.1,
+            "bias": torch.randn(16, generator=g) * 3,
+        }
+        for s in range(stages)
+    ]
 
 
 def _clip_worker() -> dict:
@@ -186,9 +194,11 @@ def _clip_worker() -> dict:
     from nanotrain.parallel.sharding import copy_from_full_, get_shard_info, set_shard_info
 
     out = {}
-    for label, sizes in (("tp2_pp2", dict(tensor_parallel_size=2, pipeline_parallel_size=2)),
-                         ("tp2_dp2", dict(tensor_parallel_size=2, data_parallel_size=2)),
-                         ("tp4", dict(tensor_parallel_size=4))):
+    for label, sizes in (
+        ("tp2_pp2", dict(tensor_parallel_size=2, pipeline_parallel_size=2)),
+        ("tp2_dp2", dict(tensor_parallel_size=2, data_parallel_size=2)),
+        ("tp4", dict(tensor_parallel_size=4)),
+    ):
         pc = ParallelContext(**sizes)
         full = _full_model(pc.pp_size)
         res = {}
@@ -202,7 +212,7 @@ def _clip_worker() -> dict:
             torch.nn.utils.clip_grad_norm_(ref, max_norm)
             norm = clip_grad_norm_([p for p, _ in params], max_norm, pc)
             # clipped local grads vs the slices of the clipped reference grads
-            ref_stage = ref[3 * pc.pp_rank:3 * pc.pp_rank + 3]
+            ref_stage = ref[3 * pc.pp_rank : 3 * pc.pp_rank + 3]
             err = 0.0
             for (p, _), t in zip(params, ref_stage):
                 tmp = nn.Parameter(torch.zeros_like(p.grad))

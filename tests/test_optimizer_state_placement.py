@@ -6,6 +6,7 @@ meta device stands in for CUDA here (torch accepts fused/capturable AdamW over m
 and torch's ``_process_value_according_to_param_policy`` is the oracle. ZeRO-1 runs over torch's
 ``fake`` backend at dp 2 in this process (no peers: nothing is communicated while loading).
 """
+
 import itertools
 
 import pytest
@@ -40,10 +41,15 @@ def fake_dp2():
 def _cpu_states(optimizer) -> dict:
     """What the checkpoint loader hands over: host tensors, one range per parameter."""
     g = torch.Generator().manual_seed(0)
-    return {name: {**s, "step": torch.tensor([3.0]),  # saved as a 1-element tensor
-                   "exp_avg": torch.randn(s["stop"] - s["start"], generator=g),
-                   "exp_avg_sq": torch.rand(s["stop"] - s["start"], generator=g)}
-            for name, s in optimizer_state_by_name(optimizer).items()}
+    return {
+        name: {
+            **s,
+            "step": torch.tensor([3.0]),  # saved as a 1-element tensor
+            "exp_avg": torch.randn(s["stop"] - s["start"], generator=g),
+            "exp_avg_sq": torch.rand(s["stop"] - s["start"], generator=g),
+        }
+        for name, s in optimizer_state_by_name(optimizer).items()
+    }
 
 
 def _check_placement(optimizer) -> list[str]:

@@ -2,6 +2,7 @@
 message — whether the receive was posted ahead (``expect``) or at the communication point, and
 every tensor arrives intact, over several steps of changing shapes and dtypes (the receiver
 knows each spec, as the engine does from ``model.pipeline_message``)."""
+
 from __future__ import annotations
 
 import torch

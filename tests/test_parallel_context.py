@@ -44,7 +44,10 @@ def _inspect(pc):
     out["sizes"] = (pc.ep_size, pc.pp_size, pc.dp_size, pc.cp_size, pc.tp_size)
     out["ranks_by_attr"] = (pc.ep_rank, pc.pp_rank, pc.dp_rank, pc.cp_rank, pc.tp_rank)
     out["global_from_coords"] = pc.get_global_rank(
-        ep_rank=pc.ep_rank, pp_rank=pc.pp_rank, dp_rank=pc.dp_rank, cp_rank=pc.cp_rank,
+        ep_rank=pc.ep_rank,
+        pp_rank=pc.pp_rank,
+        dp_rank=pc.dp_rank,
+        cp_rank=pc.cp_rank,
         tp_rank=pc.tp_rank,
     )
     out["local_ranks"] = tuple(pc.get_local_ranks(rank))
@@ -240,8 +243,15 @@ def groups_freed_on_destroy_2():
     from nanotrain.training.step import train_step
 
     pc = ParallelContext(data_parallel_size=2)
-    args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=16)
+    args = ModelArgs(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
     model = build_llama(args, pc.tp_pg, seed=0)
     grad_sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg)
     optim_args = OptimizerArgs(lr=1e-3, warmup_steps=0)

@@ -4,6 +4,7 @@ being listed here), every submit.py path argument and every script path argument
 a symbolic-link loop, a 256-byte name and a path under /proc: each is one `error:` line naming
 the field or argument, exit 2, within 2 s, nothing written. In-process calls; a hang (a FIFO
 opened for reading) is ended by SIGALRM after 10 s and fails the test."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -66,6 +67,7 @@ def _refused(call, tmp: Path, name: str, capsys) -> None:
 
     def hang(*_):
         raise TimeoutError(f"{name}: no answer within 10 s (a FIFO opened?)")
+
     old = signal.signal(signal.SIGALRM, hang)
     signal.alarm(10)
     try:
@@ -93,10 +95,15 @@ def test_the_schema_marks_every_path_field():
     """The enumeration the tests below rely on finds the fields known today (a mark dropped by
     an edit of schema.py would silently take a field out of the checks)."""
     found = dict(path_fields())
-    assert found == {"data.source": DATA_SOURCE, "data.tokenizer": TOKENIZER,
-                     "data.sources[].source": DATA_SOURCE, "data.validation.source": DATA_SOURCE,
-                     "checkpoints.path": "create dir", "checkpoints.init_from_hf": HF_DIR,
-                     "logging.dir": "create dir"}
+    assert found == {
+        "data.source": DATA_SOURCE,
+        "data.tokenizer": TOKENIZER,
+        "data.sources[].source": DATA_SOURCE,
+        "data.validation.source": DATA_SOURCE,
+        "checkpoints.path": "create dir",
+        "checkpoints.init_from_hf": HF_DIR,
+        "logging.dir": "create dir",
+    }
     assert all(f.split("[]")[0] in LIST_ENTRY for f in found if "[]" in f)
 
 
@@ -111,22 +118,25 @@ def test_every_path_field(field, bad, tmp_path, capsys, monkeypatch):
     if field == "data.validation.source":
         base += ["--set", "data.validation.fraction=null"]
     argv = [TINY, "--dry-run", *base, *_override(field, value)]
-    _refused(lambda: _cli(argv), tmp_path,
-             field.replace("[]", "[0]"), capsys)
+    _refused(lambda: _cli(argv), tmp_path, field.replace("[]", "[0]"), capsys)
 
 
 def _cli(argv) -> int:
     from nanotrain.commands.cli import main
+
     return main([str(a) for a in argv])
 
 
 @pytest.mark.parametrize("bad", BAD)
-@pytest.mark.parametrize("argv,name", [
-    (["{bad}", "--dry-run"], "config file"),
-    (["--status", "{bad}"], "--status"),
-    (["--resume", "{bad}"], "--resume"),
-    ([str(TINY), "--emit", "{bad}"], "--emit"),
-])
+@pytest.mark.parametrize(
+    "argv,name",
+    [
+        (["{bad}", "--dry-run"], "config file"),
+        (["--status", "{bad}"], "--status"),
+        (["--resume", "{bad}"], "--resume"),
+        ([str(TINY), "--emit", "{bad}"], "--emit"),
+    ],
+)
 def test_every_submit_path_argument(argv, name, bad, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     value = _bad_path(bad, tmp_path)
@@ -134,14 +144,17 @@ def test_every_submit_path_argument(argv, name, bad, tmp_path, capsys, monkeypat
 
 
 @pytest.mark.parametrize("bad", BAD)
-@pytest.mark.parametrize("script,argv,name", [
-    ("export_hf", ["{bad}", "{tmp}/out"], "SRC"),
-    ("export_hf", ["{tmp}", "{bad}"], "OUT_DIR"),
-    ("reshard_checkpoint", ["{bad}", "{tmp}/out", "--set", "parallelism.dp=1"], "SRC"),
-    ("reshard_checkpoint", ["{tmp}", "{bad}", "--set", "parallelism.dp=1"], "DST"),
-    ("hf_config", ["{bad}"], "PATH"),
-    ("inspect_topology", ["{bad}"], "config file"),
-])
+@pytest.mark.parametrize(
+    "script,argv,name",
+    [
+        ("export_hf", ["{bad}", "{tmp}/out"], "SRC"),
+        ("export_hf", ["{tmp}", "{bad}"], "OUT_DIR"),
+        ("reshard_checkpoint", ["{bad}", "{tmp}/out", "--set", "parallelism.dp=1"], "SRC"),
+        ("reshard_checkpoint", ["{tmp}", "{bad}", "--set", "parallelism.dp=1"], "DST"),
+        ("hf_config", ["{bad}"], "PATH"),
+        ("inspect_topology", ["{bad}"], "config file"),
+    ],
+)
 def test_every_script_path_argument(script, argv, name, bad, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     main = _script(script)
@@ -158,8 +171,7 @@ def test_hf_files_are_checked_before_they_are_opened(tmp_path, capsys, monkeypat
 
 def test_a_recursive_glob_from_the_root_is_bounded(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    _refused(lambda: _cli([TINY, "--dry-run", "--set", "data.source=/**/*.parquet"]), tmp_path,
-             "data.source", capsys)
+    _refused(lambda: _cli([TINY, "--dry-run", "--set", "data.source=/**/*.parquet"]), tmp_path, "data.source", capsys)
 
 
 def test_bounded_glob_and_walk(tmp_path):
@@ -197,22 +209,29 @@ def test_each_kind_of_wrong_path(tmp_path):
     os.symlink(tmp_path / "gone", tmp_path / "broken")
     sock = socket.socket(socket.AF_UNIX)
     sock.bind(str(tmp_path / "s"))
-    cases = [("", FILE, "an empty path"), ("a\0b", FILE, "NUL byte"),
-             (f"{tmp_path}/d", FILE, "is a directory, not a regular file"),
-             (f"{tmp_path}/f", DIR, "is a file, not a directory"),
-             (f"{tmp_path}/f/sub", CREATE_DIR, "is a file, not a directory"),
-             (f"{tmp_path}/broken", FILE, "broken symbolic link"),
-             (f"{tmp_path}/broken/x", CREATE_DIR, "broken symbolic link"),
-             (f"{tmp_path}/s", FILE, "is a socket, not a regular file"),
-             ("/dev/null", FILE, "pseudo file system"),
-             (f"{tmp_path}/missing", DIR, "no such file or directory"),
-             ("/" + "a/" * 2100, CREATE_DIR, "bytes long")]
+    cases = [
+        ("", FILE, "an empty path"),
+        ("a\0b", FILE, "NUL byte"),
+        (f"{tmp_path}/d", FILE, "is a directory, not a regular file"),
+        (f"{tmp_path}/f", DIR, "is a file, not a directory"),
+        (f"{tmp_path}/f/sub", CREATE_DIR, "is a file, not a directory"),
+        (f"{tmp_path}/broken", FILE, "broken symbolic link"),
+        (f"{tmp_path}/broken/x", CREATE_DIR, "broken symbolic link"),
+        (f"{tmp_path}/s", FILE, "is a socket, not a regular file"),
+        ("/dev/null", FILE, "pseudo file system"),
+        (f"{tmp_path}/missing", DIR, "no such file or directory"),
+        ("/" + "a/" * 2100, CREATE_DIR, "bytes long"),
+    ]
     try:
         for path, expect, fragment in cases:
             line = path_problem("the.field", path, expect)
             assert line and line.startswith("the.field: ") and fragment in line and "\n" not in line, (path, line)
-        for path, expect in ((f"{tmp_path}/f", FILE), (f"{tmp_path}/d", DIR), (f"{tmp_path}/d/new/er", CREATE_DIR),
-                             *([("/dev/shm", CREATE_DIR)] if os.access("/dev/shm", os.W_OK) else [])):
+        for path, expect in (
+            (f"{tmp_path}/f", FILE),
+            (f"{tmp_path}/d", DIR),
+            (f"{tmp_path}/d/new/er", CREATE_DIR),
+            *([("/dev/shm", CREATE_DIR)] if os.access("/dev/shm", os.W_OK) else []),
+        ):
             assert path_problem("the.field", path, expect) is None, path
     finally:
         sock.close()

@@ -4,6 +4,7 @@ activation meter shows 1f1b holding at most pp micro-batches per stage where afa
 
 Two process launches (pp=2, pp=4), each running every case; the schedule checks run in-process
 on a small event simulator."""
+
 from __future__ import annotations
 
 import functools
@@ -16,8 +17,16 @@ from nanotrain.parallel.pipeline_parallel import balanced_split, schedule_action
 
 from helpers.dist import run_distributed
 
-MODEL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=8, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=16, dtype="float32")
+MODEL = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=16,
+    dtype="float32",
+)
 SEQ, MICRO_BATCH = 8, 2
 
 
@@ -25,8 +34,14 @@ def cases(pp: int) -> list[tuple[str, int, int, bool]]:
     """(engine, virtual stages, micro-batches, tied)."""
     out = []
     for tied in (False, True):
-        out += [("afab", 1, 3, tied), ("afab", 1, 8, tied), ("1f1b", 1, pp, tied), ("1f1b", 1, 8, tied),
-                ("interleaved_1f1b", 2, pp, tied), ("interleaved_1f1b", 2, 2 * pp, tied)]
+        out += [
+            ("afab", 1, 3, tied),
+            ("afab", 1, 8, tied),
+            ("1f1b", 1, pp, tied),
+            ("1f1b", 1, 8, tied),
+            ("interleaved_1f1b", 2, pp, tied),
+            ("interleaved_1f1b", 2, 2 * pp, tied),
+        ]
     if pp == 2:
         out += [("interleaved_1f1b", 3, 4, True), ("interleaved_1f1b", 4, 6, False)]
     return out
@@ -109,8 +124,12 @@ def test_llama_stage_split_balances_lm_head():
     assert 1.5 < cost["head"] / cost["layer"] < 2.5
     blocks = pipeline_blocks(args)
     names, costs, attaches = [b.name for b in blocks], [b.cost for b in blocks], [b.attach for b in blocks]
-    stage_of = {name: chunk.virtual_stage for r in range(4)
-                for chunk in place_stages(names, costs, attaches, r, 4) for name in chunk.blocks}
+    stage_of = {
+        name: chunk.virtual_stage
+        for r in range(4)
+        for chunk in place_stages(names, costs, attaches, r, 4)
+        for name in chunk.blocks
+    }
     per_stage = [sum(1 for i in range(8) if stage_of[f"layers.{i}"] == s) for s in range(4)]
     assert per_stage in ([2, 2, 3, 1], [2, 3, 2, 1])  # head ~ 2 layers: max stage cost 3 layers, evenly
     assert stage_of["embed"] == 0 and stage_of["lm_head"] == 3
@@ -167,16 +186,17 @@ def check_p2p(pc) -> None:
 
     nxt, prev = (rank + 1) % pp, (rank - 1) % pp
     mine, theirs = payload(rank), payload(prev)
-    got = p2p.communicate(sends=[Send(t, nxt, i) for i, t in enumerate(mine)],
-                          recvs=[Recv(prev, i, MessageSpec(tuple(t.shape), t.dtype), requires_grad=i == 0)
-                                 for i, t in enumerate(theirs)])
+    got = p2p.communicate(
+        sends=[Send(t, nxt, i) for i, t in enumerate(mine)],
+        recvs=[Recv(prev, i, MessageSpec(tuple(t.shape), t.dtype), requires_grad=i == 0) for i, t in enumerate(theirs)],
+    )
     for index, (sent, received) in enumerate(zip(theirs, got)):
         assert received.dtype == sent.dtype and received.shape == sent.shape
         assert received.requires_grad == (index == 0) and received.is_contiguous()
         assert torch.equal(received.detach(), sent.detach())
     p2p.wait_sends()
     with pytest.raises(ValueError):
-        p2p.communicate(sends=[Send(torch.zeros(1), nxt, 2 ** 30)])
+        p2p.communicate(sends=[Send(torch.zeros(1), nxt, 2**30)])
     with pytest.raises(RuntimeError, match="expects"):
         check_message(torch.zeros(2, 3), MessageSpec((3, 2), torch.float32), "x")
     with pytest.raises(TypeError, match="NCCL"):
@@ -216,8 +236,11 @@ def run_cases(pp: int) -> dict:
         results[(engine_name, v, m, tied)] = {
             "eval_loss": eval_loss.item() if torch.is_tensor(eval_loss) else None,
             "eval_clean": untouched and no_graph,
-            "loss": None if not torch.is_tensor(loss) else loss.item(), "grads": grads, "replicas": replicas,
-            "live": stats.peak_live_microbatches, "bytes": stats.peak_activation_bytes,
+            "loss": None if not torch.is_tensor(loss) else loss.item(),
+            "grads": grads,
+            "replicas": replicas,
+            "live": stats.peak_live_microbatches,
+            "bytes": stats.peak_activation_bytes,
             "bubble": stats.bubble,
         }
         if pc.pp_rank == 0:  # the single-process reference, same seed and data
@@ -266,19 +289,33 @@ def config_driven_steps(pc) -> dict:
     from nanotrain.training.step import train_step
 
     m = 2 * pc.pp_size
-    config = config_from_dict({
-        "parallelism": {"pp": pc.pp_size, "pp_engine": "interleaved_1f1b", "pp_virtual_stages": 2},
-        "model": {**MODEL, "tie_word_embeddings": True},
-        "training": {"sequence_length": SEQ, "micro_batch_size": MICRO_BATCH, "batch_accumulation_per_replica": m,
-                     "seed": 3, "train_steps": 3},
-        "optimizer": {"warmup_steps": 1, "lr": 1e-2}})
+    config = config_from_dict(
+        {
+            "parallelism": {"pp": pc.pp_size, "pp_engine": "interleaved_1f1b", "pp_virtual_stages": 2},
+            "model": {**MODEL, "tie_word_embeddings": True},
+            "training": {
+                "sequence_length": SEQ,
+                "micro_batch_size": MICRO_BATCH,
+                "batch_accumulation_per_replica": m,
+                "seed": 3,
+                "train_steps": 3,
+            },
+            "optimizer": {"warmup_steps": 1, "lr": 1e-2},
+        }
+    )
     losses = {}
     for api in ("config", "explicit"):
         if api == "config":
             model, engine = build_model(config, pc), build_engine(config, pc)
         else:
-            model = build_llama(ModelArgs(**{**MODEL, "tie_word_embeddings": True}), pc.tp_pg, pp_rank=pc.pp_rank,
-                               pp_size=pc.pp_size, virtual_stages=2, seed=3)
+            model = build_llama(
+                ModelArgs(**{**MODEL, "tie_word_embeddings": True}),
+                pc.tp_pg,
+                pp_rank=pc.pp_rank,
+                pp_size=pc.pp_size,
+                virtual_stages=2,
+                seed=3,
+            )
             engine = PipelineEngine("interleaved_1f1b", pc.pp_pg)
         sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg)
         optimizer = build_optimizer(model.named_parameters(), config.optimizer, pc.dp_cp_pg)
@@ -288,8 +325,17 @@ def config_driven_steps(pc) -> dict:
             data = microbatches(m, MODEL["vocab_size"])  # the same batch: the loss must fall
             if api == "config":  # as the trainer does: no data on middle stages, the message from the model
                 middle = not (pc.is_pipeline_first_stage or pc.is_pipeline_last_stage)
-                stats = train_step(model, [None] * m if middle else data, sync, optimizer, scheduler, pc,
-                                   config.optimizer.clip_grad, engine, model.pipeline_message(MICRO_BATCH, SEQ))
+                stats = train_step(
+                    model,
+                    [None] * m if middle else data,
+                    sync,
+                    optimizer,
+                    scheduler,
+                    pc,
+                    config.optimizer.clip_grad,
+                    engine,
+                    model.pipeline_message(MICRO_BATCH, SEQ),
+                )
             else:
                 stats = train_step(model, data, sync, optimizer, scheduler, pc, config.optimizer.clip_grad, engine)
             losses[api].append(stats.loss)
@@ -325,8 +371,9 @@ def test_pipeline_equals_single_process(pp):
                 merged[name] = grad
         assert merged.keys() == ref["grads"].keys(), label
         for name, grad in merged.items():
-            torch.testing.assert_close(grad, ref["grads"][name], rtol=0, atol=1e-5,
-                                       msg=lambda msg: f"{label} grad {name}: {msg}")
+            torch.testing.assert_close(
+                grad, ref["grads"][name], rtol=0, atol=1e-5, msg=lambda msg: f"{label} grad {name}: {msg}"
+            )
 
 
 @pytest.mark.timeout(300)

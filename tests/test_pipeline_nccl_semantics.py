@@ -16,6 +16,7 @@ one batch each) deadlocks 1f1b in the first steady-state exchange once batches r
 so does interleaved 1f1b exchanging between the forward and the backward of a steady-state pair
 (why its pairs communicate once, as Megatron's do: ``schedules.interleaved_1f1b_steps``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,8 +31,16 @@ from nanotrain.parallel.pipeline_parallel import P2P, PipelineEngine, schedule_a
 
 from helpers.nccl_sim import Deadlock, NcclSemanticsWorld, run_ranks
 
-MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=8, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=16, dtype="float32")
+MODEL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=16,
+    dtype="float32",
+)
 SEQ, MBS = 8, 2
 MODES = {"serialized": dict(serialize=True), "per-communicator": dict(per_flow=True)}
 
@@ -63,16 +72,27 @@ def _reference(m: int, compute_dtype=None) -> tuple[float, dict]:
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _run(engine: str, pp: int, v: int, m: int, eager_sends: bool = False, post_ahead: bool = False,
-         per_flow: bool = False, serialize: bool = False, compute_dtype=None, forward_only: bool = False,
-         timeout: float = 5.0) -> tuple[float, dict, NcclSemanticsWorld]:
+def _run(
+    engine: str,
+    pp: int,
+    v: int,
+    m: int,
+    eager_sends: bool = False,
+    post_ahead: bool = False,
+    per_flow: bool = False,
+    serialize: bool = False,
+    compute_dtype=None,
+    forward_only: bool = False,
+    timeout: float = 5.0,
+) -> tuple[float, dict, NcclSemanticsWorld]:
     world = NcclSemanticsWorld(pp, timeout=timeout, eager_sends=eager_sends, per_flow=per_flow, serialize=serialize)
     data = _data(m)
 
     def rank_main(rank: int):
         torch.set_num_threads(1)
-        model = build_llama(ModelArgs(**MODEL), None, pp_rank=rank, pp_size=pp, virtual_stages=v, seed=5,
-                           compute_dtype=compute_dtype)
+        model = build_llama(
+            ModelArgs(**MODEL), None, pp_rank=rank, pp_size=pp, virtual_stages=v, seed=5, compute_dtype=compute_dtype
+        )
         transport = world.transport(rank)
         if post_ahead:
             transport.matches_by_tag = True  # the gloo strategy, on NCCL's semantics
@@ -82,8 +102,10 @@ def _run(engine: str, pp: int, v: int, m: int, eager_sends: bool = False, post_a
             loss = pipe.forward_only(model, data, message)
         else:
             loss = pipe.forward_backward(model, data, None, message)
-        return (loss.item() if torch.is_tensor(loss) else None,
-                {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        return (
+            loss.item() if torch.is_tensor(loss) else None,
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        )
 
     results = run_ranks(pp, rank_main, timeout=60)
     grads = {n: g for _, rank_grads in results for n, g in rank_grads.items()}
@@ -143,7 +165,8 @@ def test_control_interleaved_exchanging_between_forward_and_backward_deadlocks(m
     """Interleaved 1f1b communicating around every action (as 1f1b does) instead of once per
     steady-state pair: neighbours each post a lone send the other receives only after its next
     batch, on one communicator (pp 2, v 2, m 4)."""
-    monkeypatch.setattr(engine_module, "schedule_steps",
-                        lambda name, *args: [(a,) for a in schedule_actions(name, *args)])
+    monkeypatch.setattr(
+        engine_module, "schedule_steps", lambda name, *args: [(a,) for a in schedule_actions(name, *args)]
+    )
     with pytest.raises(Deadlock, match="send to"):
         _run("interleaved_1f1b", 2, 2, 4, serialize=True, timeout=1.5)

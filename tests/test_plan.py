@@ -2,6 +2,7 @@
 real validation, keep the global batch, fit the memory the estimate gives them, and come ranked
 by the cost model; a model that fits nowhere and every bad request is one `error:` line, exit 2;
 the answer for 8 to 262,144 GPUs costs under 2 CPU seconds."""
+
 from __future__ import annotations
 
 import re
@@ -23,9 +24,17 @@ from helpers.runs import set_args
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "3d_16gpu.yaml"
-LLAMA_8B = ["model.hidden_size=4096", "model.num_layers=32", "model.num_attention_heads=32",
-            "model.num_key_value_heads=8", "model.intermediate_size=14336", "model.vocab_size=128256",
-            "training.sequence_length=8192", "model.max_position_embeddings=8192", "slurm.gpus_per_node=8"]
+LLAMA_8B = [
+    "model.hidden_size=4096",
+    "model.num_layers=32",
+    "model.num_attention_heads=32",
+    "model.num_key_value_heads=8",
+    "model.intermediate_size=14336",
+    "model.vocab_size=128256",
+    "training.sequence_length=8192",
+    "model.max_position_embeddings=8192",
+    "slurm.gpus_per_node=8",
+]
 
 
 def run_cli(argv, capsys):
@@ -50,8 +59,9 @@ def _proposals(out: str, config=CONFIG) -> list[tuple[str, list[str]]]:
     return found
 
 
-@pytest.mark.parametrize("gpus,extra", [(16, []), (512, ["slurm.gpus_per_node=8"]),
-                                        (4096, ["slurm.gpus_per_node=8"]), (64, LLAMA_8B)])
+@pytest.mark.parametrize(
+    "gpus,extra", [(16, []), (512, ["slurm.gpus_per_node=8"]), (4096, ["slurm.gpus_per_node=8"]), (64, LLAMA_8B)]
+)
 def test_proposals_validate_fit_and_keep_the_batch(gpus, extra, capsys):
     base = load_config(CONFIG, extra)
     batch = base.training.micro_batch_size * base.training.batch_accumulation_per_replica * base.parallelism.dp
@@ -103,8 +113,13 @@ def test_cost_model_ranks_what_it_should():
 
     one = cost(parallelism__dp=1, parallelism__pp=4, training__batch_accumulation_per_replica=8)
     more = cost(parallelism__dp=1, parallelism__pp=4, training__batch_accumulation_per_replica=16)
-    interleaved = cost(parallelism__dp=1, parallelism__pp=4, training__batch_accumulation_per_replica=8,
-                       parallelism__pp_engine="interleaved_1f1b", parallelism__pp_virtual_stages=2)
+    interleaved = cost(
+        parallelism__dp=1,
+        parallelism__pp=4,
+        training__batch_accumulation_per_replica=8,
+        parallelism__pp_engine="interleaved_1f1b",
+        parallelism__pp_virtual_stages=2,
+    )
     assert one[2]["bubble"] == pytest.approx(one[2]["compute"] * 3 / 8)
     assert more[2]["bubble"] / more[2]["compute"] == pytest.approx(3 / 16)
     assert interleaved[2]["bubble"] == pytest.approx(one[2]["bubble"] / 2)
@@ -115,16 +130,25 @@ def test_cost_model_ranks_what_it_should():
     selective = cost(**flat, training__recompute="selective")
     assert none[0] < selective[0] < full[0] and full[1] == none[1]  # model FLOPs unchanged
     assert 1.25 < full[2]["compute"] / none[2]["compute"] < 1.4  # one more forward of the layers
-    tp8 = load_config(CONFIG, LLAMA_8B + ["parallelism.dp=1", "parallelism.tp=8", "parallelism.pp=1",
-                                          "training.batch_accumulation_per_replica=64"])
+    tp8 = load_config(
+        CONFIG,
+        LLAMA_8B
+        + ["parallelism.dp=1", "parallelism.tp=8", "parallelism.pp=1", "training.batch_accumulation_per_replica=64"],
+    )
     inside = planner.step_time(tp8, hw)
     across = planner.step_time(tp8, planner.Hardware(gpus_per_node=4))
     assert across[2]["tp"] > 5 * inside[2]["tp"] > 0
 
 
 def test_fits_nowhere_says_so_and_what_would_help(capsys):
-    huge = ["model.hidden_size=16384", "model.num_layers=8", "model.intermediate_size=53248",
-            "model.num_attention_heads=128", "model.num_key_value_heads=8", "slurm.gpus_per_node=8"]
+    huge = [
+        "model.hidden_size=16384",
+        "model.num_layers=8",
+        "model.intermediate_size=53248",
+        "model.num_attention_heads=128",
+        "model.num_key_value_heads=8",
+        "slurm.gpus_per_node=8",
+    ]
     code, out, err = run_cli([CONFIG, "--plan", "--gpus", 8, "--gpu-memory-gb", 16, *_sets(huge)], capsys)
     assert code == 2
     line = err.strip()
@@ -141,22 +165,25 @@ def test_fits_nowhere_says_so_and_what_would_help(capsys):
         assert run_cli([CONFIG, "--plan", "--gpus", fewest // 2, "--gpu-memory-gb", 16, *_sets(huge)], capsys)[0] == 2
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--plan", "--gpus", "0"], "--gpus 0: plan for at least 1 GPU"),
-    (["--plan", "--gpus", "-8"], "--gpus -8: plan for at least 1 GPU"),
-    (["--plan", "--gpus", "2000000"], "at most 1,048,576 ranks"),
-    (["--plan", "--gpus", "18"], "--gpus 18 is not a multiple of slurm.gpus_per_node (4): plan for 16 or 20"),
-    (["--plan", "--gpus", "2"], "--gpus 2 is not a multiple of slurm.gpus_per_node (4): plan for 4 GPUs"),
-    (["--plan", "--gpu-memory-gb", "0"], "--gpu-memory-gb 0: give the memory of one GPU"),
-    (["--plan", "--gpu-memory-gb", "2"], "nothing is left after the 2 GB reserve"),
-    (["--plan", "--efficiency", "1.5"], "--efficiency 1.5: must be a fraction of peak"),
-    (["--plan", "--inter-node-gbs", "-1"], "--inter-node-gbs -1: must be a positive number"),
-    (["--gpus", "16"], "--gpus only applies to --plan: add --plan"),
-    (["--plan", "--dry-run"], "not allowed with argument"),
-    (["--plan", "--local"], "cannot be combined with --local"),
-    (["--plan", "--status", "logs/x"], "cannot be combined with --status"),
-    (["--plan", "--gpus", "eight"], "invalid int value"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--plan", "--gpus", "0"], "--gpus 0: plan for at least 1 GPU"),
+        (["--plan", "--gpus", "-8"], "--gpus -8: plan for at least 1 GPU"),
+        (["--plan", "--gpus", "2000000"], "at most 1,048,576 ranks"),
+        (["--plan", "--gpus", "18"], "--gpus 18 is not a multiple of slurm.gpus_per_node (4): plan for 16 or 20"),
+        (["--plan", "--gpus", "2"], "--gpus 2 is not a multiple of slurm.gpus_per_node (4): plan for 4 GPUs"),
+        (["--plan", "--gpu-memory-gb", "0"], "--gpu-memory-gb 0: give the memory of one GPU"),
+        (["--plan", "--gpu-memory-gb", "2"], "nothing is left after the 2 GB reserve"),
+        (["--plan", "--efficiency", "1.5"], "--efficiency 1.5: must be a fraction of peak"),
+        (["--plan", "--inter-node-gbs", "-1"], "--inter-node-gbs -1: must be a positive number"),
+        (["--gpus", "16"], "--gpus only applies to --plan: add --plan"),
+        (["--plan", "--dry-run"], "not allowed with argument"),
+        (["--plan", "--local"], "cannot be combined with --local"),
+        (["--plan", "--status", "logs/x"], "cannot be combined with --status"),
+        (["--plan", "--gpus", "eight"], "invalid int value"),
+    ],
+)
 def test_bad_requests_are_one_error_line(args, fragment, capsys):
     code, out, err = run_cli([CONFIG, *args], capsys)
     assert code == 2
@@ -180,8 +207,12 @@ def test_plan_answers_in_under_2_cpu_seconds(gpus):
     """CPU seconds of the whole `submit.py --plan` process (interpreter and imports included),
     as the 512-node --dry-run test measures them; wall time is only bounded against hangs."""
     before, start = _children_cpu_seconds(), time.monotonic()
-    proc = subprocess.run([sys.executable, str(ROOT / "submit.py"), str(CONFIG), "--plan", "--gpus", str(gpus),
-                           *_sets(LLAMA_8B)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "submit.py"), str(CONFIG), "--plan", "--gpus", str(gpus), *_sets(LLAMA_8B)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     cpu, wall = _children_cpu_seconds() - before, time.monotonic() - start
     assert proc.returncode == 0, proc.stderr
     assert f"plan: {gpus} GPUs" in proc.stdout and "#1 " in proc.stdout

@@ -1,5 +1,6 @@
 """The stop-signal handler in this process, with real signals (the SLURM paths that use it are in
 test_slurm_preemption.py / test_slurm_cancel.py)."""
+
 from __future__ import annotations
 
 import os

@@ -2,6 +2,7 @@
 two preparations of one source at once (one valid cache), a missing cache above
 `data.max_build_mb` refused before anything is submitted, and the real SLURM CPU job followed by
 a training job that finds the cache ready."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,13 @@ def corpus(path: Path, docs: int = 300) -> Path:
 
 
 def submit(*args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "submit.py"), str(TINY), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "submit.py"), str(TINY), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def sets(tmp_path: Path, source: Path, *extra: str) -> list[str]:
@@ -64,10 +70,10 @@ def test_prepare_locally_then_training_finds_the_cache(tmp_path):
 
 def test_two_preparations_at_once_give_one_valid_cache(tmp_path):
     source = corpus(tmp_path / "c.jsonl", docs=2000)
-    cmd = [sys.executable, str(ROOT / "submit.py"), str(TINY), "--prepare-data", "--local",
-           *sets(tmp_path, source)]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in range(2)]
+    cmd = [sys.executable, str(ROOT / "submit.py"), str(TINY), "--prepare-data", "--local", *sets(tmp_path, source)]
+    procs = [
+        subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)
+    ]
     try:
         outs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
@@ -92,16 +98,26 @@ def test_prepare_as_slurm_cpu_job_then_training_finds_it(slurm_cluster, tmp_path
     job_id = submitted_job_id(proc.stdout.replace("data preparation job", "job"))
     prep_dir = tmp_path / "logs" / "prep-prepare"
     assert wait_for_job(job_id, timeout=240) == "COMPLETED", (prep_dir / "job").iterdir()
-    status = subprocess.run([sys.executable, str(ROOT / "submit.py"), "--status", str(prep_dir)],
-                            capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        [sys.executable, str(ROOT / "submit.py"), "--status", str(prep_dir)], capture_output=True, text=True, timeout=60
+    )
     assert f"job: {job_id}" in status.stdout and "state: COMPLETED" in status.stdout, status.stdout
     assert "data: prepared 1 source(s)" in status.stdout, status.stdout
     (cache,) = caches(tmp_path)
     assert json.loads((cache / "meta.json").read_text())["num_tokens"] == expected_tokens(source)
     prepared_at = (cache / "meta.json").stat().st_mtime_ns
 
-    train = submit(*sets(tmp_path, source, "logging.run_name=train", "data.max_build_mb=0",
-                         "training.train_steps=2", "checkpoints.interval=0"), timeout=120)
+    train = submit(
+        *sets(
+            tmp_path,
+            source,
+            "logging.run_name=train",
+            "data.max_build_mb=0",
+            "training.train_steps=2",
+            "checkpoints.interval=0",
+        ),
+        timeout=120,
+    )
     assert train.returncode == 0, train.stdout + train.stderr
     train_id = submitted_job_id(train.stdout)
     assert wait_for_job(train_id, timeout=300) == "COMPLETED"

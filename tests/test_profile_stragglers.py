@@ -3,6 +3,7 @@ num_steps}` writes one torch.profiler trace per rank holding exactly the asked s
 log step the metrics rank logs `perf/step_time_max_over_median` (one all-gather of busy step
 times; that it sees a slowed rank: test_stragglers.py);
 a bad `training.profile` is one `error:` line and exit 2, before anything starts."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from helpers.runs import TINY, cli, set_args
 
-LAYOUT = ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=1", "training.train_steps=6",
-          "logging.log_interval=2", "checkpoints.interval=0"]
+LAYOUT = [
+    "parallelism.dp=2",
+    "parallelism.tp=1",
+    "parallelism.pp=1",
+    "training.train_steps=6",
+    "logging.log_interval=2",
+    "checkpoints.interval=0",
+]
 
 
 def sets(items):
@@ -24,8 +31,12 @@ def sets(items):
 @pytest.mark.timeout(300)
 def test_profile_files_hold_the_asked_steps_only_and_stragglers_are_logged(tmp_path):
     run_dir = tmp_path / "profiled"
-    items = [f"logging.dir={tmp_path}", "logging.run_name=profiled", *LAYOUT,
-             "training.profile={start_step: 3, num_steps: 2}"]
+    items = [
+        f"logging.dir={tmp_path}",
+        "logging.run_name=profiled",
+        *LAYOUT,
+        "training.profile={start_step: 3, num_steps: 2}",
+    ]
     proc = subprocess.run(cli(str(TINY), "--local", *sets(items)), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     files = sorted(p.name for p in (run_dir / "profile").iterdir())
@@ -43,13 +54,20 @@ def test_profile_files_hold_the_asked_steps_only_and_stragglers_are_logged(tmp_p
     assert [e.step for e in ratios] == [2, 4, 6] and all(e.value >= 1.0 for e in ratios)
 
 
-@pytest.mark.parametrize("setting, message", [
-    ("training.profile={start: 3, num_steps: 2}", "training.profile.start: unknown key"),
-    ("training.profile={num_steps: 2}", "training.profile.start_step: missing"),
-    ("training.profile={start_step: 0, num_steps: 2}", "training.profile.start_step: 0 must be >= 1"),
-    ("training.profile={start_step: 500, num_steps: 2}", "training.profile.start_step: 500 is after the last step"),
-])
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("training.profile={start: 3, num_steps: 2}", "training.profile.start: unknown key"),
+        ("training.profile={num_steps: 2}", "training.profile.start_step: missing"),
+        ("training.profile={start_step: 0, num_steps: 2}", "training.profile.start_step: 0 must be >= 1"),
+        ("training.profile={start_step: 500, num_steps: 2}", "training.profile.start_step: 500 is after the last step"),
+    ],
+)
 def test_bad_profile_setting_is_one_error_line(tmp_path, setting, message):
-    proc = subprocess.run(cli(str(TINY), "--dry-run", *sets([f"logging.dir={tmp_path}", setting])),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        cli(str(TINY), "--dry-run", *sets([f"logging.dir={tmp_path}", setting])),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr

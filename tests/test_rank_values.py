@@ -3,6 +3,7 @@ thing: each is now one `error:` line naming the field and the fix, exit 2, befor
 Edge values that are legitimate (the smallest accepted AdamW epsilon, betas at their bounds, an
 RMSNorm epsilon of 0, a wsd schedule that decays over the whole run, a warm-up longer than the
 run) train without NaN."""
+
 from __future__ import annotations
 
 import math
@@ -27,14 +28,26 @@ REFUSED = [
     ("decay-overflows", ["optimizer.weight_decay=1e308"], ["optimizer.weight_decay", "below 1"]),
     ("init-std-zero", ["model.init_std=0"], ["model.init_std", "never learn"]),
     ("timeout-overflow", ["training.collective_timeout_s=1e300"], ["training.collective_timeout_s", "lower it"]),
-    ("stdlib-too-small", ["model.max_position_embeddings=1048576", "training.sequence_length=1048576",
-                          "training.micro_batch_size=16"], ["too little data for one global batch", "'stdlib'"]),
-    ("weights-overflow", ["data.sources=[{name: a, source: stdlib, weight: 1.0e308}, "
-                          "{name: b, source: stdlib, weight: 1.0e308}]"], ["data.sources", "scale them down"]),
-    ("weight-never-read", ["data.sources=[{name: a, source: stdlib, weight: 1.0}, "
-                           "{name: b, source: stdlib, weight: 1.0e-6}]"], ["data.sources[1].weight", "never be read"]),
-    ("eval-beyond-fraction", ["training.eval_interval=10", "data.validation={fraction: 0.001}",
-                              "training.eval_batches=100"], ["training.eval_batches", "read windows twice"]),
+    (
+        "stdlib-too-small",
+        ["model.max_position_embeddings=1048576", "training.sequence_length=1048576", "training.micro_batch_size=16"],
+        ["too little data for one global batch", "'stdlib'"],
+    ),
+    (
+        "weights-overflow",
+        ["data.sources=[{name: a, source: stdlib, weight: 1.0e308}, {name: b, source: stdlib, weight: 1.0e308}]"],
+        ["data.sources", "scale them down"],
+    ),
+    (
+        "weight-never-read",
+        ["data.sources=[{name: a, source: stdlib, weight: 1.0}, {name: b, source: stdlib, weight: 1.0e-6}]"],
+        ["data.sources[1].weight", "never be read"],
+    ),
+    (
+        "eval-beyond-fraction",
+        ["training.eval_interval=10", "data.validation={fraction: 0.001}", "training.eval_batches=100"],
+        ["training.eval_batches", "read windows twice"],
+    ),
 ]
 
 
@@ -60,8 +73,9 @@ def test_value_that_fails_in_the_ranks_is_refused_in_one_line(items, words, caps
 
 def test_slurm_signal_before_the_job_starts_is_refused(capsys):
     """slurm.signal_delay_s at least slurm.time: the job is signalled to save as it starts."""
-    _assert_one_error_line(*_dry_run(capsys, ["slurm.time=30", "slurm.signal_delay_s=1800"]),
-                           ["slurm.signal_delay_s", "slurm.time"])
+    _assert_one_error_line(
+        *_dry_run(capsys, ["slurm.time=30", "slurm.signal_delay_s=1800"]), ["slurm.signal_delay_s", "slurm.time"]
+    )
     code, _, err = _dry_run(capsys, ["slurm.time=30", "slurm.signal_delay_s=1799"])
     assert code == 0, err
 
@@ -70,8 +84,10 @@ def test_eval_beyond_a_small_validation_source_is_refused(capsys, tmp_path):
     """A validation corpus of ~10 windows cannot give 16 samples without reading some twice."""
     small = tmp_path / "val.txt"
     small.write_text("x" * 64 * 10 + "\n")
-    _assert_one_error_line(*_dry_run(capsys, ["training.eval_interval=10", f"data.validation={{source: {small}}}"],
-                                     "--local"), ["training.eval_batches", str(small), "read windows twice"])
+    _assert_one_error_line(
+        *_dry_run(capsys, ["training.eval_interval=10", f"data.validation={{source: {small}}}"], "--local"),
+        ["training.eval_batches", str(small), "read windows twice"],
+    )
 
 
 def test_warmup_longer_than_the_run_is_a_finite_ramp():
@@ -82,9 +98,20 @@ def test_warmup_longer_than_the_run_is_a_finite_ramp():
     assert lrs == [3e-3 * (s + 1) / 100 for s in range(5)]
 
 
-EDGE = dict(model=dict(rms_norm_eps=0.0),
-            optim=dict(lr=3e-3, eps=FLOAT32_TINY, betas=(0.0, 0.99999999), weight_decay=0.1, clip_grad=1.0,
-                       lr_decay_style="wsd", decay_fraction=1.0, warmup_steps=0, min_lr=0.0))
+EDGE = dict(
+    model=dict(rms_norm_eps=0.0),
+    optim=dict(
+        lr=3e-3,
+        eps=FLOAT32_TINY,
+        betas=(0.0, 0.99999999),
+        weight_decay=0.1,
+        clip_grad=1.0,
+        lr_decay_style="wsd",
+        decay_fraction=1.0,
+        warmup_steps=0,
+        min_lr=0.0,
+    ),
+)
 STEPS, SEQ, BATCH = 4, 16, 4
 
 
@@ -97,8 +124,16 @@ def train_edges() -> dict:
     from nanotrain.training.step import train_step
 
     pc = ParallelContext(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1)
-    args = ModelArgs(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
-                     max_position_embeddings=SEQ, dtype="float32", **EDGE["model"])
+    args = ModelArgs(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=SEQ,
+        dtype="float32",
+        **EDGE["model"],
+    )
     optim = OptimizerArgs(**EDGE["optim"])
     model = build_llama(args, pc.tp_pg, seed=0, compute_dtype="float32")
     sync = build_grad_sync(list(model.parameters()), pc)
@@ -108,8 +143,9 @@ def train_edges() -> dict:
     for step in range(STEPS):
         # 16 distinct tokens of 256: most embedding rows get a zero gradient, AdamW's 0/(0+eps) case
         ids = torch.randint(0, 16, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
-        losses.append(float(train_step(model, [(ids[:, :-1], ids[:, 1:])], sync, optimizer, scheduler, pc,
-                                       optim.clip_grad).loss))
+        losses.append(
+            float(train_step(model, [(ids[:, :-1], ids[:, 1:])], sync, optimizer, scheduler, pc, optim.clip_grad).loss)
+        )
     weights = {n: bool(torch.isfinite(p).all()) for n, p in model.named_parameters()}
     pc.destroy()
     return {"losses": losses, "finite": weights}

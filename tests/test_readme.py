@@ -1,4 +1,5 @@
 """The README's first lines are the two commands, and its config reference is the schema's."""
+
 from __future__ import annotations
 
 import subprocess
@@ -15,7 +16,12 @@ def test_two_commands_first():
 
 
 def test_config_reference_is_current():
-    generated = subprocess.run([sys.executable, str(ROOT / "scripts" / "config_reference.py")],
-                               capture_output=True, text=True, timeout=60, check=True).stdout
+    generated = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "config_reference.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     readme = (ROOT / "README.md").read_text()
     assert generated in readme, "README config reference is stale: run scripts/config_reference.py"

@@ -6,6 +6,7 @@ and ZeRO-1, and an MoE model under ep2 x pp2 (its expert all-to-alls rerun in ba
 routing statistics are recorded once per forward, as without recomputation); and ``full`` keeps
 only each layer's input (autograd's saved tensors, counted).
 Checkpoints are unaffected: a run preempted under ``none`` resumes under ``full`` bit-exactly."""
+
 from __future__ import annotations
 
 import subprocess
@@ -19,8 +20,15 @@ from helpers.dist import run_distributed
 from helpers.runs import STEPS, cli, final_weights, tb_losses
 
 MODES = ("none", "selective", "full")
-MODEL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=32)
+MODEL = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+)
 OPTIM = OptimizerArgs(lr=3e-3, weight_decay=0.1, warmup_steps=1, min_lr=3e-4, clip_grad=0.5)
 STEPS_HERE, SEQ, MICRO_BATCH, GLOBAL_BATCH = 2, 16, 1, 4
 
@@ -35,9 +43,13 @@ def train(grid: dict, cases: list[dict]) -> list:
     the gradients each optimizer step saw (after clipping) and the final weights of this rank."""
     from nanotrain.parallel.parallel_context import ParallelContext
 
-    pc = ParallelContext(tensor_parallel_size=grid.get("tp", 1), pipeline_parallel_size=grid.get("pp", 1),
-                         data_parallel_size=grid.get("dp", 1), context_parallel_size=grid.get("cp", 1),
-                         expert_parallel_size=grid.get("ep", 1))
+    pc = ParallelContext(
+        tensor_parallel_size=grid.get("tp", 1),
+        pipeline_parallel_size=grid.get("pp", 1),
+        data_parallel_size=grid.get("dp", 1),
+        context_parallel_size=grid.get("cp", 1),
+        expert_parallel_size=grid.get("ep", 1),
+    )
     results = [{mode: train_one(pc, case, mode) for mode in MODES} for case in cases]
     pc.destroy()  # train_one's model, sync and optimizer are gone: nothing holds the groups
     return results
@@ -54,22 +66,32 @@ def train_one(pc, case: dict, mode: str) -> dict:
 
     dtype = case.get("dtype", "float32")
     moe = MoEArgs(**case["moe"]) if "moe" in case else None
-    model = build_llama(ModelArgs(**MODEL, tie_word_embeddings=case.get("tied", False), dtype=dtype, moe=moe),
-                       pc.tp_pg, mode=case.get("tp_mode", "ALL_REDUCE"), async_communication=case.get("async", False),
-                       pp_rank=pc.pp_rank, pp_size=pc.pp_size, virtual_stages=case.get("v", 1), seed=3,
-                       compute_dtype=dtype, cp_pg=pc.cp_pg, ep_pg=pc.ep_pg, recompute=mode)
+    model = build_llama(
+        ModelArgs(**MODEL, tie_word_embeddings=case.get("tied", False), dtype=dtype, moe=moe),
+        pc.tp_pg,
+        mode=case.get("tp_mode", "ALL_REDUCE"),
+        async_communication=case.get("async", False),
+        pp_rank=pc.pp_rank,
+        pp_size=pc.pp_size,
+        virtual_stages=case.get("v", 1),
+        seed=3,
+        compute_dtype=dtype,
+        cp_pg=pc.cp_pg,
+        ep_pg=pc.ep_pg,
+        recompute=mode,
+    )
     grad_sync = build_grad_sync(list(model.parameters()), pc, bucket_cap_mb=0.01)
-    optimizer = build_optimizer(model.named_parameters(), OPTIM, zero_stage=case.get("zero", 0),
-                                **optimizer_groups(pc))
+    optimizer = build_optimizer(model.named_parameters(), OPTIM, zero_stage=case.get("zero", 0), **optimizer_groups(pc))
     scheduler = build_lr_scheduler(optimizer, OPTIM, STEPS_HERE)
     seen, named = [], list(model.named_parameters())
-    optimizer.register_step_pre_hook(lambda *_: seen.append({n: p.grad.clone() for n, p in named
-                                                             if p.grad is not None}))
+    optimizer.register_step_pre_hook(
+        lambda *_: seen.append({n: p.grad.clone() for n, p in named if p.grad is not None})
+    )
     engine = PipelineEngine(case["engine"], pc.pp_pg) if pc.pp_size > 1 else None
     per_replica = GLOBAL_BATCH // pc.data_size
     losses, routing = [], []
     for step in range(STEPS_HERE):
-        mine = global_batch(step)[pc.data_rank * per_replica:(pc.data_rank + 1) * per_replica]
+        mine = global_batch(step)[pc.data_rank * per_replica : (pc.data_rank + 1) * per_replica]
         micro = [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(MICRO_BATCH)]
         losses.append(train_step(model, micro, grad_sync, optimizer, scheduler, pc, OPTIM.clip_grad, engine).loss)
         if moe is not None:  # one record per (micro-batch, MoE layer) forward of this stage
@@ -94,9 +116,11 @@ def assert_identical(runs: dict) -> None:
 def test_tp_pp_engines_bit_identical():
     """tp2 x pp2 (4 ranks): interleaved 1f1b under async sequence parallelism, 1f1b under async
     all-reduce tp with tied embeddings in bf16 autocast (recomputation replays autocast), afab."""
-    cases = [{"engine": "interleaved_1f1b", "v": 2, "tp_mode": "REDUCE_SCATTER", "async": True},
-             {"engine": "1f1b", "tp_mode": "ALL_REDUCE", "async": True, "tied": True, "dtype": "bfloat16"},
-             {"engine": "afab", "tp_mode": "REDUCE_SCATTER"}]
+    cases = [
+        {"engine": "interleaved_1f1b", "v": 2, "tp_mode": "REDUCE_SCATTER", "async": True},
+        {"engine": "1f1b", "tp_mode": "ALL_REDUCE", "async": True, "tied": True, "dtype": "bfloat16"},
+        {"engine": "afab", "tp_mode": "REDUCE_SCATTER"},
+    ]
     for rank in run_distributed(train, 4, {"tp": 2, "pp": 2}, cases, timeout=220):
         for runs in rank:
             assert_identical(runs)
@@ -115,8 +139,15 @@ def test_cp2_sequence_parallel_zero1_bit_identical():
 def test_moe_ep2_pp2_zero1_bit_identical():
     """ep2 x pp2 (4 ranks), 1f1b, an MoE model with a dense first layer, a shared expert and both
     auxiliary losses, ZeRO-1 over the dense and expert groups."""
-    moe = {"num_experts": 4, "top_k": 2, "expert_intermediate_size": 32, "num_shared_experts": 1,
-           "first_dense_layers": 1, "aux_loss_coef": 0.1, "z_loss_coef": 0.01}
+    moe = {
+        "num_experts": 4,
+        "top_k": 2,
+        "expert_intermediate_size": 32,
+        "num_shared_experts": 1,
+        "first_dense_layers": 1,
+        "aux_loss_coef": 0.1,
+        "z_loss_coef": 0.01,
+    }
     cases = [{"engine": "1f1b", "moe": moe, "zero": 1}]
     for rank in run_distributed(train, 4, {"ep": 2, "pp": 2}, cases, timeout=220):
         for runs in rank:
@@ -162,8 +193,12 @@ def test_full_keeps_one_input_per_layer_selective_keeps_less():
 def test_checkpoint_from_none_resumes_under_full_bit_exactly(tmp_path, shared_runs):
     straight = shared_runs.straight("2-2-2")
     run_dir, stopped = shared_runs.preempted_copy("2-2-2", tmp_path / "interrupted")
-    resumed = subprocess.run(cli("--resume", str(run_dir), "--local", "--set", "training.recompute=full"),
-                             capture_output=True, text=True, timeout=400)
+    resumed = subprocess.run(
+        cli("--resume", str(run_dir), "--local", "--set", "training.recompute=full"),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert f"at step {stopped}" in resumed.stdout
     expected, got = tb_losses(straight), tb_losses(run_dir)

@@ -5,6 +5,7 @@ rehearsal must name it with its call site; the clean tiny job must show none.
 The rehearsals run in this process (``rehearse_rank``; the CLI runs each rank in a process of its
 own, checked once at the end) on the tiny config's 8-rank grid (dp2 x tp2 x pp2, 1f1b).
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -25,8 +26,15 @@ TINY = ROOT / "configs" / "tiny_cpu.yaml"
 
 @pytest.fixture
 def tiny(tmp_path):
-    return load_config(TINY, [f"logging.dir={tmp_path / 'logs'}", "model.dtype=bfloat16",
-                              "data.validation.fraction=0.1", "training.eval_batches=1"])
+    return load_config(
+        TINY,
+        [
+            f"logging.dir={tmp_path / 'logs'}",
+            "model.dtype=bfloat16",
+            "data.validation.fraction=0.1",
+            "training.eval_batches=1",
+        ],
+    )
 
 
 def _defects(report: dict) -> list[str]:
@@ -129,9 +137,26 @@ def test_a_host_tensor_in_a_device_op_is_named(tiny, monkeypatch):
 
 
 # torch.distributed functions that move tensors between ranks (the ones nanotrain may call)
-COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
-               "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "gather", "scatter",
-               "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv"}
+COLLECTIVES = {
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+}
 
 
 def test_both_contracts_cover_every_collective_nanotrain_calls():
@@ -148,8 +173,12 @@ def test_both_contracts_cover_every_collective_nanotrain_calls():
         if "rehearse" in path.parts:  # the wrapper itself
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id in ("dist", "_dist") and node.attr in COLLECTIVES):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("dist", "_dist")
+                and node.attr in COLLECTIVES
+            ):
                 called.add(node.attr)
     assert {"all_reduce", "gather", "batch_isend_irecv"} <= called  # the scan sees them
     p2p = {"isend", "irecv", "batch_isend_irecv"}  # checked as the batch they go in
@@ -157,15 +186,19 @@ def test_both_contracts_cover_every_collective_nanotrain_calls():
     assert called - p2p <= set(contract.TENSOR_COLLECTIVES), called - set(contract.TENSOR_COLLECTIVES)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--rehearse", "--rank", "8"], "--rank 8: the world of this config has ranks 0..7"),
-    (["--rehearse", "--steps", "1"], "--steps 1: at least 2"),
-    (["--rank", "0"], "--rank only applies to --rehearse"),
-    (["--rehearse", "--local"], "cannot be combined with --local"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--rehearse", "--rank", "8"], "--rank 8: the world of this config has ranks 0..7"),
+        (["--rehearse", "--steps", "1"], "--steps 1: at least 2"),
+        (["--rank", "0"], "--rank only applies to --rehearse"),
+        (["--rehearse", "--local"], "cannot be combined with --local"),
+    ],
+)
 def test_bad_requests_get_one_line(args, message):
-    done = subprocess.run([sys.executable, "submit.py", str(TINY), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "submit.py", str(TINY), *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr
@@ -183,9 +216,24 @@ def test_default_ranks_cover_every_role():
 
 
 def test_the_command_line_reports_and_exits_zero(tmp_path):
-    done = subprocess.run([sys.executable, "submit.py", str(TINY), "--rehearse", "--rank", "0", "--steps", "2",
-                           "--set", f"logging.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "submit.py",
+            str(TINY),
+            "--rehearse",
+            "--rank",
+            "0",
+            "--steps",
+            "2",
+            "--set",
+            f"logging.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rehearsal: no defect on 1 rank(s)" in done.stdout
     assert "beside --dry-run's estimate" in done.stdout and "stubbed (nothing else is):" in done.stdout

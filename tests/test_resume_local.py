@@ -2,6 +2,7 @@
 never interrupted: the loss sequence and the final weights are bit-identical (`==`) on CPU,
 at (1,1,1), at (dp2, tp2, pp2) and at (cp2, tp2, pp2) with ZeRO-1. The uninterrupted and the
 preempted runs are the session's shared ones (``helpers.runs``); the resume works on a copy."""
+
 from __future__ import annotations
 
 import subprocess

@@ -1,6 +1,7 @@
 """Issue 17, with real local processes: a stop signal during start-up (item 9), two runs in one
 run / checkpoint directory and a foreign checkpoint (item 2), a run that diverges (item 4), data
 errors before launch and inside a rank (item 6). Runs are 1-2 processes and a few steps."""
+
 from __future__ import annotations
 
 import json
@@ -32,15 +33,22 @@ def sets(*items: str) -> list[str]:
 
 
 def submit(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "submit.py"), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "submit.py"), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def task(config: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """A task started directly (as an emitted sbatch script or torchrun would): no submit.py checks."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    return subprocess.run([sys.executable, "-m", "nanotrain.runtime.task", str(config)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "nanotrain.runtime.task", str(config)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -70,14 +78,28 @@ def test_stop_signal_during_start_up_saves_instead_of_killing(tmp_path, sig, del
     the moment the ranks start (launch.json written, SIGTERM held again): before that, while the
     command still checks, SIGTERM ends it with 143 by design (commands/stopping.py), and on a
     loaded machine the checks alone can outlast 1.5 s."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "submit.py"), str(TINY), "--local",
-                             *sets(*TWO, f"logging.dir={tmp_path}", "logging.run_name=r", "training.train_steps=50")],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "submit.py"),
+            str(TINY),
+            "--local",
+            *sets(*TWO, f"logging.dir={tmp_path}", "logging.run_name=r", "training.train_steps=50"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         if sig == signal.SIGTERM:
-            wait_until(lambda: (tmp_path / "r" / "launch.json").is_file() or proc.poll() is not None, 240,
-                       "the launcher to start the ranks", interval=0.02)
+            wait_until(
+                lambda: (tmp_path / "r" / "launch.json").is_file() or proc.poll() is not None,
+                240,
+                "the launcher to start the ranks",
+                interval=0.02,
+            )
         time.sleep(delay)  # the point of the test is *when* the signal lands, not waiting for a state
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=240)
@@ -94,9 +116,19 @@ def test_stop_signal_during_start_up_saves_instead_of_killing(tmp_path, sig, del
 def test_one_owner_per_run_directory_and_no_foreign_checkpoints(tmp_path):
     run_a, run_b = tmp_path / "a", tmp_path / "b"
     base = [*ONE, f"logging.dir={tmp_path}", "checkpoints.interval=2", "checkpoints.keep_last=2"]
-    live = subprocess.Popen([sys.executable, str(ROOT / "submit.py"), str(TINY), "--local",
-                             *sets(*base, "logging.run_name=a", "training.train_steps=100000")],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    live = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "submit.py"),
+            str(TINY),
+            "--local",
+            *sets(*base, "logging.run_name=a", "training.train_steps=100000"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_until(lambda: step_of(run_a) >= 3 or live.poll() is not None, 240, "run a at step 3")
         holder = json.loads((run_a / "owner.lock").read_text())
@@ -150,8 +182,9 @@ def test_one_owner_per_run_directory_and_no_foreign_checkpoints(tmp_path):
     assert in_task.returncode == 2
     one_error_line(in_task, "belongs to another run", f"step_{last:06d}")
     assert sorted(p.name for p in (run_a / "checkpoints").iterdir() if p.name.startswith("step_")) == saved
-    allowed = submit(str(TINY), "--local", *sets(*foreign, f"training.train_steps={last + 4}",
-                                                 "checkpoints.allow_foreign=true"))
+    allowed = submit(
+        str(TINY), "--local", *sets(*foreign, f"training.train_steps={last + 4}", "checkpoints.allow_foreign=true")
+    )
     assert allowed.returncode == 0, allowed.stdout[-2000:] + allowed.stderr[-2000:]
     assert f"resumed from {run_a / 'checkpoints' / f'step_{last:06d}'}" in allowed.stdout
     left = sorted(p.name for p in (run_a / "checkpoints").iterdir() if p.name.startswith("step_"))
@@ -162,15 +195,25 @@ def test_one_owner_per_run_directory_and_no_foreign_checkpoints(tmp_path):
 # ----------------------------------------------------------------------------- item 4 (runtime)
 @pytest.mark.timeout(300)
 def test_non_finite_grad_norm_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_path):
-    run = submit(str(TINY), "--local", *sets(*ONE, f"logging.dir={tmp_path}", "logging.run_name=nan",
-                                              "training.train_steps=20", "checkpoints.interval=1",
-                                              # beta2 = 0 and the smallest eps validation accepts: an
-                                              # embedding row with a momentum but no gradient this
-                                              # step moves by m / eps ~ 1e34; the next step that
-                                              # reads it overflows (deterministic on CPU: step 5).
-                                              # lr=1e30 and eps=0 are refused by validation now.
-                                              "optimizer.betas=[0.9, 0.0]", "optimizer.eps=1.2e-38",
-                                              "optimizer.warmup_steps=0"))
+    run = submit(
+        str(TINY),
+        "--local",
+        *sets(
+            *ONE,
+            f"logging.dir={tmp_path}",
+            "logging.run_name=nan",
+            "training.train_steps=20",
+            "checkpoints.interval=1",
+            # beta2 = 0 and the smallest eps validation accepts: an
+            # embedding row with a momentum but no gradient this
+            # step moves by m / eps ~ 1e34; the next step that
+            # reads it overflows (deterministic on CPU: step 5).
+            # lr=1e30 and eps=0 are refused by validation now.
+            "optimizer.betas=[0.9, 0.0]",
+            "optimizer.eps=1.2e-38",
+            "optimizer.warmup_steps=0",
+        ),
+    )
     assert run.returncode == 3, run.stdout[-2000:] + run.stderr[-2000:]
     line = one_error_line(run, "training diverged at step 5:", "grad norm nan", "step_000004 is untouched")
     assert "--resume" in line
@@ -188,8 +231,11 @@ def test_data_error_past_the_sample_is_one_line_from_the_rank(tmp_path):
     rows = [good] * 3000
     rows[1500] = json.dumps({"text": 12345}) + "\n"
     data.write_text("".join(rows))
-    run = submit(str(TINY), "--local", *sets(*ONE, f"logging.dir={tmp_path}", "logging.run_name=d",
-                                              f"data.source={data}", "training.train_steps=2"))
+    run = submit(
+        str(TINY),
+        "--local",
+        *sets(*ONE, f"logging.dir={tmp_path}", "logging.run_name=d", f"data.source={data}", "training.train_steps=2"),
+    )
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     text = run.stdout + run.stderr
     assert "Traceback" not in text and "error: data.text_column" in text, text[-3000:]

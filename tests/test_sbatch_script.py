@@ -1,5 +1,6 @@
 """The sbatch script a config becomes: what --dry-run prints, what --emit writes, and that the
 two agree with the parameters submitit's executor receives."""
+
 from __future__ import annotations
 
 import os
@@ -34,7 +35,7 @@ def test_dry_run_3d_16gpu(capsys, tmp_path, monkeypatch):
     assert "4 node(s) x 4 tasks, 4 GPUs per node" in out
     assert "world 16 = dp4 x tp2 x pp2 x cp1 x ep1" in out
     assert "tp: 8 groups of 2" in out and "pp: 8 groups of 2" in out and "dp: 4 groups of 4" in out
-    script = out[out.index("#!/bin/bash"):]
+    script = out[out.index("#!/bin/bash") :]
     opts = sbatch_options(script)
     assert opts["nodes"] == "4"
     assert opts["ntasks-per-node"] == "4"
@@ -85,9 +86,16 @@ def test_dry_run_equals_what_submitit_executor_writes(tmp_path, monkeypatch):
 
 
 def test_configured_signal_and_extra_options(tmp_path):
-    config = load_config(TINY, ["slurm.signal=USR1", "slurm.signal_delay_s=45",
-                                "slurm.sbatch_extra={mail-type: END, comment: 'a b'}",
-                                "slurm.env.NCCL_DEBUG=INFO", "slurm.setup=['module load cuda/12']"])
+    config = load_config(
+        TINY,
+        [
+            "slurm.signal=USR1",
+            "slurm.signal_delay_s=45",
+            "slurm.sbatch_extra={mail-type: END, comment: 'a b'}",
+            "slurm.env.NCCL_DEBUG=INFO",
+            "slurm.setup=['module load cuda/12']",
+        ],
+    )
     layout = validate(config, slurm=True)
     run_dir = resolve_run(config, str(TINY))
     script = sbatch.render_sbatch(config, layout, run_dir, sbatch.submitit_command(run_dir))
@@ -110,8 +118,20 @@ def test_env_values_are_quoted(tmp_path):
 
 def test_emit_writes_standalone_script_and_config(tmp_path, capsys):
     out_dir = tmp_path / "generated"
-    assert main([str(TINY), "--emit", str(out_dir), "--set", f"logging.dir={tmp_path / 'logs'}",
-                 "--set", "logging.run_name=tiny_cpu"]) == 0
+    assert (
+        main(
+            [
+                str(TINY),
+                "--emit",
+                str(out_dir),
+                "--set",
+                f"logging.dir={tmp_path / 'logs'}",
+                "--set",
+                "logging.run_name=tiny_cpu",
+            ]
+        )
+        == 0
+    )
     script = (out_dir / "tiny_cpu.sbatch").read_text()
     config_path = out_dir / "tiny_cpu.yaml"
     assert config_path.is_file()

@@ -7,6 +7,7 @@ raises on import: a refusal that imported torch first would be a traceback here,
 The source checkpoint is the one-process tiny model saved with its config
 (``helpers.checkpoints.saved_tiny``); the refusals read its meta.json only.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,8 +22,16 @@ import pytest
 from helpers.checkpoints import saved_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ("config_reference", "export_hf", "fuzz_config", "hf_config", "import_graph", "inspect_topology",
-           "reshard_checkpoint", "startup_path")
+SCRIPTS = (
+    "config_reference",
+    "export_hf",
+    "fuzz_config",
+    "hf_config",
+    "import_graph",
+    "inspect_topology",
+    "reshard_checkpoint",
+    "startup_path",
+)
 LIMIT_CPU_S = 2.0
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 
@@ -54,8 +63,14 @@ def run(place: Path, script: str, *args: str) -> tuple[subprocess.CompletedProce
     """The script as a process, in ``place``, torch poisoned; returns it and its CPU seconds."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(place / "no-torch"), str(ROOT)]))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{script}.py"), *args], cwd=place, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / f"{script}.py"), *args],
+        cwd=place,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return proc, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
@@ -94,10 +109,16 @@ BAD = [  # (script, args, what the line says)
     ("reshard_checkpoint", [CKPT, "out", "--set", "parallelism.tp=two"], "parallelism.tp"),
     ("reshard_checkpoint", [CKPT, "out", "--set", "parallelism"], "expected section.field=value"),
     ("reshard_checkpoint", ["missing", "out"], "neither a complete checkpoint"),
-    ("reshard_checkpoint", [CKPT, "out", "--set", "parallelism.tp=3"],
-     "model.num_attention_heads (8) must be divisible by parallelism.tp (3)"),
-    ("reshard_checkpoint", [CKPT, "out", "--set", "parallelism.pp=3"],
-     "model.num_layers (2) must be at least parallelism.pp (3)"),
+    (
+        "reshard_checkpoint",
+        [CKPT, "out", "--set", "parallelism.tp=3"],
+        "model.num_attention_heads (8) must be divisible by parallelism.tp (3)",
+    ),
+    (
+        "reshard_checkpoint",
+        [CKPT, "out", "--set", "parallelism.pp=3"],
+        "model.num_layers (2) must be at least parallelism.pp (3)",
+    ),
     ("reshard_checkpoint", [CKPT, "out", "--set", "parallelism.cp=2"], "offline resharding supports cp = 1"),
     ("reshard_checkpoint", [CKPT, "out", "--set", "parallelism.ep=2"], "parallelism.ep (2): the model is dense"),
     ("reshard_checkpoint", [CKPT, CKPT, "--set", "parallelism.tp=2"], f"DST {CKPT}: is the source"),

@@ -4,6 +4,7 @@ every small size, so it passes the divisibility checks and reaches the estimates
 `--dry-run` and `--plan`, and one past that largest value through `--dry-run`. Each answers (a
 plan, a dry run, or one `error:` line naming the field, exit 2) within 2 CPU seconds, measured
 by getrusage, not by a clock."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,9 +18,12 @@ from nanotrain.commands.cli import main
 from nanotrain.config import schema
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = (("model", schema.ModelArgs, "tiny_cpu.yaml"), ("model.moe", schema.MoEArgs, "moe_16gpu.yaml"),
-            ("training", schema.TrainingArgs, "tiny_cpu.yaml"),
-            ("parallelism", schema.ParallelismArgs, "tiny_cpu.yaml"))
+SECTIONS = (
+    ("model", schema.ModelArgs, "tiny_cpu.yaml"),
+    ("model.moe", schema.MoEArgs, "moe_16gpu.yaml"),
+    ("training", schema.TrainingArgs, "tiny_cpu.yaml"),
+    ("parallelism", schema.ParallelismArgs, "tiny_cpu.yaml"),
+)
 
 
 def int_fields():
@@ -30,8 +34,9 @@ def int_fields():
                 yield f"{section}.{f.name}", f.metadata.get("max"), config
 
 
-CASES = [(name, largest or 2**52, config, mode) for name, largest, config in int_fields()
-         for mode in ("--dry-run", "--plan")]
+CASES = [
+    (name, largest or 2**52, config, mode) for name, largest, config in int_fields() for mode in ("--dry-run", "--plan")
+]
 CASES += [(name, (largest or schema.MAX_INT) + 1, config, "--dry-run") for name, largest, config in int_fields()]
 
 
@@ -43,8 +48,7 @@ def _cpu_seconds() -> float:
 @pytest.mark.parametrize("name, value, config, mode", CASES, ids=[f"{n}={v}{m}" for n, v, _, m in CASES])
 def test_huge_sizes_answer_within_two_cpu_seconds(name, value, config, mode, tmp_path, capsys):
     before = _cpu_seconds()
-    code = main([str(ROOT / "configs" / config), mode, "--set", f"{name}={value}",
-                 "--set", f"logging.dir={tmp_path}"])
+    code = main([str(ROOT / "configs" / config), mode, "--set", f"{name}={value}", "--set", f"logging.dir={tmp_path}"])
     spent = _cpu_seconds() - before
     err = capsys.readouterr().err.strip()
     assert spent < 2.0, f"{name}={value} {mode}: {spent:.2f} CPU s"

@@ -4,6 +4,7 @@ the run's job is still pending or running. The preemption / time-limit requeue p
 by test_slurm_preemption.py; what this cluster cannot produce (a preemption that sends only
 SIGTERM, an accounting-less cluster) is covered by feeding `classify_sigterm` the scheduler's
 answers recorded on this cluster."""
+
 from __future__ import annotations
 
 import subprocess
@@ -23,16 +24,26 @@ TINY = ROOT / "configs" / "tiny_cpu.yaml"
 
 
 def submit(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "submit.py"), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "submit.py"), *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.slurm
 @pytest.mark.timeout(600)
 def test_scancel_saves_and_ends_cancelled_without_requeue(slurm_cluster, tmp_path):
-    items = ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=1", "slurm.tasks_per_node=1",
-             f"logging.dir={tmp_path}", "logging.run_name=c", "training.train_steps=100000",
-             "logging.log_interval=1", "checkpoints.interval=0", "slurm.max_requeues=3"]
+    items = [
+        "parallelism.dp=2",
+        "parallelism.tp=1",
+        "parallelism.pp=1",
+        "slurm.tasks_per_node=1",
+        f"logging.dir={tmp_path}",
+        "logging.run_name=c",
+        "training.train_steps=100000",
+        "logging.log_interval=1",
+        "checkpoints.interval=0",
+        "slurm.max_requeues=3",
+    ]
     proc = submit(str(TINY), *set_args(items))
     assert proc.returncode == 0, proc.stderr
     job_id, run_dir = submitted_job_id(proc.stdout), tmp_path / "c"
@@ -42,8 +53,9 @@ def test_scancel_saves_and_ends_cancelled_without_requeue(slurm_cluster, tmp_pat
     wait_until(lambda: all(rank_pid(run_dir, r) is None for r in range(2)), 60, "the tasks to exit")
     # Rank 0 decides before it exits: had it requeued, Restarts would already be 1 now.
     assert restart_count(job_id) == 0
-    acct = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-D", "-o", "State"], capture_output=True,
-                          text=True, timeout=30).stdout.split("\n")
+    acct = subprocess.run(
+        ["sacct", "-j", job_id, "-X", "-n", "-P", "-D", "-o", "State"], capture_output=True, text=True, timeout=30
+    ).stdout.split("\n")
     assert [row.split()[0] for row in acct if row.strip()] == ["CANCELLED"]  # one incarnation
     log = (run_dir / "job" / f"{job_id}_0_log.out").read_text()
     saved = assert_latest_intact(run_dir)
@@ -76,15 +88,23 @@ SACCT = {"scancel": "CANCELLED by 0\n", "preempt": "PREEMPTED\n", "timelimit": "
 SACCT_ONLY = {"scancel": "cancelled", "preempt": "preempted", "timelimit": "timeout"}
 
 
-@pytest.mark.parametrize("case,accounting,expected", [
-    ("scancel", True, "cancelled"), ("preempt", True, "preempted"), ("timelimit", True, "timeout"),
-    ("scancel", False, "cancelled"), ("preempt", False, "preempted"), ("timelimit", False, "timeout"),
-])
+@pytest.mark.parametrize(
+    "case,accounting,expected",
+    [
+        ("scancel", True, "cancelled"),
+        ("preempt", True, "preempted"),
+        ("timelimit", True, "timeout"),
+        ("scancel", False, "cancelled"),
+        ("preempt", False, "preempted"),
+        ("timelimit", False, "timeout"),
+    ],
+)
 def test_sigterm_is_told_apart_by_the_jobs_record(monkeypatch, case, accounting, expected):
     def answers(argv):
         if argv[0] == "scontrol":
             return SCONTROL[case]
         return SACCT[case] if accounting else ""
+
     monkeypatch.setattr(preemption, "_run", answers)
     kind, evidence = preemption.classify_sigterm("7", restart_count=0)
     assert kind == expected and "scontrol JobState=COMPLETING" in evidence
@@ -93,8 +113,10 @@ def test_sigterm_is_told_apart_by_the_jobs_record(monkeypatch, case, accounting,
 @pytest.mark.parametrize("case", list(SACCT_ONLY))
 def test_sacct_alone_decides_when_scontrol_shows_nothing(monkeypatch, case):
     """E.g. a cluster whose scontrol record shows no reason yet: accounting's state decides."""
+
     def answers(argv):
         return "JobState=RUNNING Reason=None Dependency=(null)\n   Restarts=0" if argv[0] == "scontrol" else SACCT[case]
+
     monkeypatch.setattr(preemption, "_run", answers)
     kind, evidence = preemption.classify_sigterm("7", restart_count=0)
     assert kind == SACCT_ONLY[case] and f"sacct {SACCT[case].split()[0]}" in evidence

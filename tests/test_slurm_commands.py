@@ -2,6 +2,7 @@
 `sbatch` is one `error:` line, exit 2, its process tree killed and the run directory undone;
 a missing command or a bad bound is one line too. The hung command is a stand-in on PATH
 (tests/helpers/fake_slurm.py): the real cluster cannot be made to hang. Hard timeouts throughout."""
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,14 @@ def test_hung_sbatch_is_one_line_and_leaves_nothing(tmp_path):
     pid_file = hung_command(tmp_path / "bin", "sbatch")
     work = tmp_path / "work"
     work.mkdir()
-    proc = subprocess.run([sys.executable, str(ROOT / "submit.py"), str(TINY), "--set", "logging.run_name=hung"],
-                          cwd=work, env=env_with(tmp_path / "bin", 1), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "submit.py"), str(TINY), "--set", "logging.run_name=hung"],
+        cwd=work,
+        env=env_with(tmp_path / "bin", 1),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: sbatch did not answer in 1 s: is slurmctld up?"), lines[0]
@@ -45,19 +52,28 @@ def test_missing_command_and_bad_bound(monkeypatch, tmp_path):
         slurm_commands.run(["squeue"])
 
 
-@pytest.mark.parametrize("hung, args, line", [
-    ("sinfo", ["--dry-run", "--set", "slurm.partition=p"], "terminated: no run was started"),
-    ("sbatch", [], "terminated: nothing was submitted"),
-])
+@pytest.mark.parametrize(
+    "hung, args, line",
+    [
+        ("sinfo", ["--dry-run", "--set", "slurm.partition=p"], "terminated: no run was started"),
+        ("sbatch", [], "terminated: nothing was submitted"),
+    ],
+)
 def test_sigterm_ends_a_command_stuck_in_slurm(hung, args, line, tmp_path):
     """SIGTERM is held from submit.py's first line (for a local run's ranks), but a command still
     checking or submitting ends at once with one line, exit 143, and nothing left behind."""
     pid_file = hung_command(tmp_path / "bin", hung)
     work = tmp_path / "work"
     work.mkdir()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "submit.py"), str(TINY), *args], cwd=work,
-                            env=env_with(tmp_path / "bin"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "submit.py"), str(TINY), *args],
+        cwd=work,
+        env=env_with(tmp_path / "bin"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not pid_file.is_file() and proc.poll() is None and time.monotonic() < deadline:
@@ -88,6 +104,7 @@ def test_stop_while_sbatch_runs_undoes_the_run_dir(tiny_submission, monkeypatch,
 
     def stopped(*_args, **_kwargs):
         raise stopping.Terminated()
+
     monkeypatch.setattr(submission, "submit", stopped)
     config, layout, run_dir = tiny_submission
     assert cli.submit_slurm(config, layout, run_dir) == 128 + signal.SIGTERM
@@ -102,13 +119,17 @@ def test_stop_after_the_submission_names_the_job(tiny_submission, monkeypatch, c
 
     class Job:
         job_id = "42"
+
     monkeypatch.setattr(submission, "submit", lambda *_args, **_kwargs: Job())
 
     def interrupted(*_args, **_kwargs):
         raise KeyboardInterrupt
+
     monkeypatch.setattr(rundir, "write_launch_record", interrupted)
     config, layout, run_dir = tiny_submission
     assert cli.submit_slurm(config, layout, run_dir) == 130
-    assert capsys.readouterr().err.strip() == f"interrupted: job 42 was submitted; see it with: " \
-                                              f"python submit.py --status {run_dir}"
+    assert (
+        capsys.readouterr().err.strip() == f"interrupted: job 42 was submitted; see it with: "
+        f"python submit.py --status {run_dir}"
+    )
     assert (run_dir / rundir.CONFIG_FILE).is_file()  # the job's run directory stays

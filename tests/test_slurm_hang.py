@@ -2,6 +2,7 @@
 4-task job is SIGSTOPped; the watchdogs of the others report and end the job within
 collective_timeout_s + 60 s, one of them requeues it, the next incarnation resumes from the last
 complete checkpoint and completes; `--status` counts the requeue and names the culprit."""
+
 from __future__ import annotations
 
 import re
@@ -26,12 +27,22 @@ TIMEOUT_S = 8
 def test_sigstop_on_slurm_requeues_and_completes(slurm_cluster, tmp_path):
     steps = 20
     warm_data_cache(tmp_path)
-    items = [f"logging.dir={tmp_path}", "logging.run_name=slurm-hang", f"training.train_steps={steps}",
-             "logging.log_interval=1", "checkpoints.interval=5", f"training.collective_timeout_s={TIMEOUT_S}",
-             "slurm.max_requeues=2"]
-    proc = subprocess.run([sys.executable, str(ROOT / "submit.py"), str(TINY),
-                           *set_args(items)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    items = [
+        f"logging.dir={tmp_path}",
+        "logging.run_name=slurm-hang",
+        f"training.train_steps={steps}",
+        "logging.log_interval=1",
+        "checkpoints.interval=5",
+        f"training.collective_timeout_s={TIMEOUT_S}",
+        "slurm.max_requeues=2",
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "submit.py"), str(TINY), *set_args(items)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     job_id, run_dir = submitted_job_id(proc.stdout), tmp_path / "slurm-hang"
     submitted = time.monotonic()

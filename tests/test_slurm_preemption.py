@@ -7,6 +7,7 @@ and its TensorBoard loss sequence equals an uninterrupted run's, with no step lo
 A second job reaches its time limit while training (the limit is lowered once a step is done)
 and saves, requeues and finishes the same way. A third, with `slurm.max_requeues: 0`, saves on
 the preemption signal, is not requeued and exits 75 (not COMPLETED), as `--status` says."""
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,15 @@ pytestmark = [pytest.mark.slurm]
 
 
 def submit(tmp_path: Path, name: str, steps: int, *extra: str, local: bool = False) -> subprocess.CompletedProcess:
-    items = [f"logging.dir={tmp_path}", f"logging.run_name={name}", f"training.train_steps={steps}",
-             "logging.log_interval=1", "checkpoints.interval=0", "slurm.max_requeues=6", *extra]
+    items = [
+        f"logging.dir={tmp_path}",
+        f"logging.run_name={name}",
+        f"training.train_steps={steps}",
+        "logging.log_interval=1",
+        "checkpoints.interval=0",
+        "slurm.max_requeues=6",
+        *extra,
+    ]
     args = [sys.executable, str(ROOT / "submit.py"), str(TINY)] + (["--local"] if local else [])
     for item in items:
         args += ["--set", item]
@@ -75,9 +83,23 @@ def test_preempted_three_times_completes_with_identical_losses(slurm_cluster, tm
         if attempt < 2:  # what submitit's job._interrupt() and SLURM's time limit send
             subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
         else:  # a real higher-priority job that needs both nodes
-            high = subprocess.run(["sbatch", "-p", "high", "-N2", "--exclusive", "--wrap", "sleep 2",
-                                   "-o", str(tmp_path / "high-%j.out")],
-                                  capture_output=True, text=True, timeout=30, check=True)
+            high = subprocess.run(
+                [
+                    "sbatch",
+                    "-p",
+                    "high",
+                    "-N2",
+                    "--exclusive",
+                    "--wrap",
+                    "sleep 2",
+                    "-o",
+                    str(tmp_path / "high-%j.out"),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            )
             high_id = submitted_job_id(high.stdout)
         wait_until(lambda: restart_count(job_id) > restarts, 180, "the job to requeue", job_id)
         last = step_of(run_dir)
@@ -117,8 +139,9 @@ def test_time_limit_saves_requeues_and_finishes(slurm_cluster, tmp_path):
     resumed one's save instead of training all 200."""
     steps = 200
     constant_lr = "optimizer.lr_decay_style=constant"
-    proc = submit(tmp_path, "timelimit", steps, "slurm.time=15", "slurm.signal_delay_s=90", "slurm.max_requeues=20",
-                  constant_lr)
+    proc = submit(
+        tmp_path, "timelimit", steps, "slurm.time=15", "slurm.signal_delay_s=90", "slurm.max_requeues=20", constant_lr
+    )
     assert proc.returncode == 0, proc.stderr
     job_id, run_dir = submitted_job_id(proc.stdout), tmp_path / "timelimit"
     try:

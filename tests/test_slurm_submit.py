@@ -1,6 +1,7 @@
 """The full path on the real local SLURM cluster (slurm/local-cluster.sh): `submit.py` sends a
 2-node x 4-task CPU job through submitit, and the `--emit` script goes through plain `sbatch`.
 Every task must build the ParallelContext and get the right all-reduce sums."""
+
 from __future__ import annotations
 
 import json
@@ -31,18 +32,33 @@ def check_smoke_reports(run_dir: Path, job_id: str) -> None:
 
 
 def status(run_dir: Path) -> str:
-    proc = subprocess.run([sys.executable, str(ROOT / "submit.py"), "--status", str(run_dir)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "submit.py"), "--status", str(run_dir)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
 
 def test_submit_2_nodes_x_4_tasks_trains_and_reports_status(slurm_cluster, tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "submit.py"), str(TINY), "--set", f"logging.dir={tmp_path}",
-         "--set", "logging.run_name=slurm-smoke", "--set", "training.train_steps=40",
-         "--set", "logging.log_interval=1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            str(ROOT / "submit.py"),
+            str(TINY),
+            "--set",
+            f"logging.dir={tmp_path}",
+            "--set",
+            "logging.run_name=slurm-smoke",
+            "--set",
+            "training.train_steps=40",
+            "--set",
+            "logging.log_interval=1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id = submitted_job_id(proc.stdout)
     run_dir = tmp_path / "slurm-smoke"
@@ -72,13 +88,28 @@ def test_submit_2_nodes_x_4_tasks_trains_and_reports_status(slurm_cluster, tmp_p
 def test_emitted_script_runs_with_plain_sbatch(slurm_cluster, tmp_path):
     out_dir = tmp_path / "generated"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "submit.py"), str(TINY), "--emit", str(out_dir),
-         "--set", f"logging.dir={tmp_path}", "--set", "logging.run_name=emitted",
-         "--set", "training.train_steps=3"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            str(ROOT / "submit.py"),
+            str(TINY),
+            "--emit",
+            str(out_dir),
+            "--set",
+            f"logging.dir={tmp_path}",
+            "--set",
+            "logging.run_name=emitted",
+            "--set",
+            "training.train_steps=3",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
-    submit = subprocess.run(["sbatch", str(out_dir / "emitted.sbatch")], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=60)
+    submit = subprocess.run(
+        ["sbatch", str(out_dir / "emitted.sbatch")], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert submit.returncode == 0, submit.stderr
     job_id = submitted_job_id(submit.stdout)
     state = wait_for_job(job_id, timeout=300)

@@ -1,5 +1,6 @@
 """The pruned stage split gives exactly the full dynamic programme's answer (random costs with
 zeros, ties, a heavy embedding), and a deep model's split stays fast."""
+
 from __future__ import annotations
 
 import random
@@ -16,8 +17,10 @@ def test_same_split_as_the_full_programme():
     for _ in range(1500):
         n = rng.randint(1, 24)
         kind = rng.choice(["spiky", "small", "uniform"])
-        costs = [rng.choice([0, 1, 2, 5, 100]) if kind == "spiky" else rng.randint(1, 3) if kind == "small" else 4
-                 for _ in range(n)]
+        costs = [
+            rng.choice([0, 1, 2, 5, 100]) if kind == "spiky" else rng.randint(1, 3) if kind == "small" else 4
+            for _ in range(n)
+        ]
         costs[0] = rng.choice([costs[0], rng.randint(0, 50)])  # an embedding heavier than a layer, or not
         parts = rng.randint(1, n)
         assert balanced_split(costs, parts) == reference_split(costs, parts), (costs, parts)

@@ -1,5 +1,6 @@
 """`submit.py --status RUN_DIR`: progress of a local run, a bad directory, and a real SLURM job
 followed through pending/running, a requeue, and completion on the local cluster."""
+
 from __future__ import annotations
 
 import subprocess
@@ -26,9 +27,18 @@ def status(run_dir, capsys) -> tuple[int, str, str]:
 
 def test_local_run_with_progress(tmp_path, capsys):
     write_launch_record(tmp_path, mode="local", argv=["configs/tiny_cpu.yaml", "--local"])
-    write_json_atomic(tmp_path / "progress.json", {
-        "step": 120, "total_steps": 2000, "loss": 2.34567, "tokens_per_sec": 12345.6,
-        "eta_s": 754.0, "time": time.time(), "lr": 3e-4})
+    write_json_atomic(
+        tmp_path / "progress.json",
+        {
+            "step": 120,
+            "total_steps": 2000,
+            "loss": 2.34567,
+            "tokens_per_sec": 12345.6,
+            "eta_s": 754.0,
+            "time": time.time(),
+            "lr": 3e-4,
+        },
+    )
     code, out, err = status(tmp_path, capsys)
     assert code == 0 and err == ""
     assert f"run: {tmp_path.resolve()}" in out
@@ -46,10 +56,13 @@ def test_no_progress_yet(tmp_path, capsys):
 
 def test_public_cli_finished_run(tmp_path):
     write_launch_record(tmp_path, mode="local", argv=[])
-    write_json_atomic(tmp_path / "progress.json", {"step": 50, "total_steps": 50, "loss": 1.5,
-                                                   "tokens_per_sec": 900.0, "eta_s": 0.0, "time": time.time()})
-    res = subprocess.run([sys.executable, "submit.py", "--status", str(tmp_path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    write_json_atomic(
+        tmp_path / "progress.json",
+        {"step": 50, "total_steps": 50, "loss": 1.5, "tokens_per_sec": 900.0, "eta_s": 0.0, "time": time.time()},
+    )
+    res = subprocess.run(
+        [sys.executable, "submit.py", "--status", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0, res.stderr
     assert "step 50/50 (100.0%) | loss 1.5000 | tokens/s 900 | done" in res.stdout
 
@@ -73,9 +86,11 @@ def test_scheduler_fallbacks(monkeypatch):
     """squeue forgets a finished job, sacct may be off or lagging: scontrol still answers."""
     from nanotrain.commands import status as status_mod
 
-    scontrol = ("JobId=7 JobName=x\n   JobState=COMPLETED Reason=None Dependency=(null)\n"
-                "   Requeue=1 Restarts=2 BatchFlag=1\n   ReqNodeList=(null) ExcNodeList=(null)\n"
-                "   NodeList=n[1-2]\n")
+    scontrol = (
+        "JobId=7 JobName=x\n   JobState=COMPLETED Reason=None Dependency=(null)\n"
+        "   Requeue=1 Restarts=2 BatchFlag=1\n   ReqNodeList=(null) ExcNodeList=(null)\n"
+        "   NodeList=n[1-2]\n"
+    )
     answers = {"squeue": "", "sacct": None, "scontrol": scontrol}
     monkeypatch.setattr(status_mod, "_query", lambda argv: answers[argv[0]])
     info = status_mod.slurm_job_info("7")
@@ -100,8 +115,12 @@ def test_scheduler_fallbacks(monkeypatch):
 
 # ---------------------------------------------------------------------------- real SLURM
 def sbatch(*args: str) -> str:
-    res = subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", "-e", "/dev/null", *args],
-                         capture_output=True, text=True, timeout=30)
+    res = subprocess.run(
+        ["sbatch", "--parsable", "-o", "/dev/null", "-e", "/dev/null", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert res.returncode == 0, res.stderr
     return res.stdout.strip().split(";")[0]
 

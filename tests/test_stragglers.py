@@ -7,6 +7,7 @@ wall time per step is the same in both runs' ranks (the gradient all-reduce make
 for rank 1), so only the time outside waits on peers (``parallel/observe/wait_clock.py``) separates
 them: the slowed run's ratio is above ``SLOWED_ABOVE``, the even run's below ``EVEN_BELOW``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,22 +39,35 @@ def _train(tmp: str, delay_s: float) -> dict:
     from nanotrain.config import load_config
     from nanotrain.training.builder import build_parallel_context, build_parts
 
-    base = [f"logging.dir={tmp}", f"training.train_steps={STEPS}", f"logging.log_interval={LOG_INTERVAL}",
-            "checkpoints.interval=0", "checkpoints.resume=false", "logging.tensorboard=false",
-            "parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=1",
-            f"data.source={ROOT}/nanotrain/**/*.py", "training.sequence_length=32"]
+    base = [
+        f"logging.dir={tmp}",
+        f"training.train_steps={STEPS}",
+        f"logging.log_interval={LOG_INTERVAL}",
+        "checkpoints.interval=0",
+        "checkpoints.resume=false",
+        "logging.tensorboard=false",
+        "parallelism.dp=2",
+        "parallelism.tp=1",
+        "parallelism.pp=1",
+        f"data.source={ROOT}/nanotrain/**/*.py",
+        "training.sequence_length=32",
+    ]
     config = load_config(ROOT / "configs" / "tiny_cpu.yaml", base)
     pc = build_parallel_context(config, timeout_s=60)
     real_step = trainer_module.train_step
     out = {}
     for name, delay in (("even", 0.0), ("slowed", delay_s)):
         if delay and pc.world_rank == 1:
+
             def slow_step(*args, **kwargs):
                 time.sleep(delay)
                 return real_step(*args, **kwargs)
+
             trainer_module.train_step = slow_step
-        run_config = load_config(ROOT / "configs" / "tiny_cpu.yaml",
-                                 base + [f"logging.run_name={name}", f"checkpoints.path={tmp}/{name}/ckpt"])
+        run_config = load_config(
+            ROOT / "configs" / "tiny_cpu.yaml",
+            base + [f"logging.run_name={name}", f"checkpoints.path={tmp}/{name}/ckpt"],
+        )
         trainer = trainer_module.DistributedTrainer(build_parts(run_config, pc, Path(tmp) / name), lambda: 0)
         logged = []
         log = trainer.metrics.log

@@ -12,6 +12,7 @@ every tp size and returns a flat {case: max error} dict (or the case's traceback
 functions below then assert per tp with messages naming each failing case. ShardInfo layout is
 unit-tested in-process with a stub group (layers only ask a group for size() and rank()).
 """
+
 from __future__ import annotations
 
 import functools
@@ -97,11 +98,12 @@ def _fill(params_full: dict, layer_params: dict) -> None:
 
 # ----------------------------------------------------------------------------- cases (ranks)
 def _column_case(group, mode, async_, g, in_f, out_f, bias=False, chunks=None, pad=False):
-    layer = TensorParallelColumnLinear(in_f, out_f, group, mode, bias=bias, async_communication=async_,
-                                       contiguous_chunks=chunks, pad_to_tp=pad)
+    layer = TensorParallelColumnLinear(
+        in_f, out_f, group, mode, bias=bias, async_communication=async_, contiguous_chunks=chunks, pad_to_tp=pad
+    )
     ref = nn.Linear(in_f, out_f, bias=bias)
     with torch.no_grad():
-        ref.weight.copy_(torch.randn(out_f, in_f, generator=g) / in_f ** 0.5)  # O(1) activations
+        ref.weight.copy_(torch.randn(out_f, in_f, generator=g) / in_f**0.5)  # O(1) activations
         if bias:
             ref.bias.copy_(torch.randn(out_f, generator=g))
     _fill(dict(ref.named_parameters()), dict(layer.named_parameters()))
@@ -119,8 +121,11 @@ def _column_case(group, mode, async_, g, in_f, out_f, bias=False, chunks=None, p
     for loc, glob in cols:
         ref_local[..., loc], gout_local[..., loc] = ref_out[..., glob], gout[..., glob]
     out.backward(gout_local)
-    errs = {"out": _err(out, ref_local), "dx": _err(xin.grad, _seq(x.grad, group, mode)),
-            "dW": _piece_err(layer.weight.grad, ref.weight.grad, winfo)}
+    errs = {
+        "out": _err(out, ref_local),
+        "dx": _err(xin.grad, _seq(x.grad, group, mode)),
+        "dW": _piece_err(layer.weight.grad, ref.weight.grad, winfo),
+    }
     errs.update(_async_path(out, group, async_, "ColumnLinearAsync"))
     tensors = {"out": out, "dx": xin.grad, "dW": layer.weight.grad}
     if bias:
@@ -133,7 +138,7 @@ def _row_case(group, mode, async_, g, in_f, out_f, bias=False):
     layer = TensorParallelRowLinear(in_f, out_f, group, mode, bias=bias, async_communication=async_)
     ref = nn.Linear(in_f, out_f, bias=bias)
     with torch.no_grad():
-        ref.weight.copy_(torch.randn(out_f, in_f, generator=g) / in_f ** 0.5)  # O(1) activations
+        ref.weight.copy_(torch.randn(out_f, in_f, generator=g) / in_f**0.5)  # O(1) activations
         if bias:
             ref.bias.copy_(torch.randn(out_f, generator=g))
     _fill(dict(ref.named_parameters()), dict(layer.named_parameters()))
@@ -143,14 +148,16 @@ def _row_case(group, mode, async_, g, in_f, out_f, bias=False):
     ref_out.backward(gout)
 
     winfo = get_shard_info(layer.weight)
-    (loc, glob), = winfo.pairs
+    ((loc, glob),) = winfo.pairs
     xin = x.detach()[..., glob[1]].clone().requires_grad_()
     out = layer(xin)
     out.backward(_seq(gout, group, mode))
     allreduce_sequence_parallel_grads_(layer.parameters(), group)  # partial bias grads under SP
-    errs = {"out": _err(out, _seq(ref_out.detach(), group, mode)),
-            "dx": _err(xin.grad, x.grad[..., glob[1]]),
-            "dW": _piece_err(layer.weight.grad, ref.weight.grad, winfo)}
+    errs = {
+        "out": _err(out, _seq(ref_out.detach(), group, mode)),
+        "dx": _err(xin.grad, x.grad[..., glob[1]]),
+        "dW": _piece_err(layer.weight.grad, ref.weight.grad, winfo),
+    }
     if mode == "REDUCE_SCATTER":  # the ALL_REDUCE row has nothing to overlap: sync path
         errs.update(_async_path(out, group, async_, "RowLinearAsyncReduceScatter"))
     tensors = {"out": out, "dx": xin.grad, "dW": layer.weight.grad}
@@ -174,8 +181,10 @@ def _embedding_case(group, mode, async_, g, vocab=VOCAB, dim=16):
     out = layer(ids)
     out.backward(_seq(gout, group, mode))
     winfo = get_shard_info(layer.weight)
-    errs = {"out": _err(out, _seq(ref_out.detach(), group, mode)),
-            "dW": _piece_err(layer.weight.grad, ref.weight.grad, winfo)}
+    errs = {
+        "out": _err(out, _seq(ref_out.detach(), group, mode)),
+        "dW": _piece_err(layer.weight.grad, ref.weight.grad, winfo),
+    }
     return errs, {"out": out, "dW": layer.weight.grad}
 
 
@@ -199,16 +208,20 @@ def _cross_entropy_case(group, mode, async_, g, scale=3.0, rel=False):
     loss = sharded_cross_entropy(local, targets, group, VOCAB)
     loss.backward(gloss)
     denom = ref.detach().abs().max().item() if rel else 1.0
-    errs = {"loss": _err(loss, ref.detach()) / denom,
-            "dlogits": _piece_err(local.grad, logits.grad, _col_info(info)),
-            "finite": 0.0 if torch.isfinite(loss).all() else float("inf")}
+    errs = {
+        "loss": _err(loss, ref.detach()) / denom,
+        "dlogits": _piece_err(local.grad, logits.grad, _col_info(info)),
+        "finite": 0.0 if torch.isfinite(loss).all() else float("inf"),
+    }
     return errs, {"loss": loss, "dlogits": local.grad}
 
 
 def _col_info(info):
     """A 1-D vocab ShardInfo applied to the last dim of [S, B, V] tensors."""
+
     class _Last:
         pairs = tuple(((Ellipsis, loc[0]), (Ellipsis, glob[0])) for loc, glob in info.pairs)
+
     return _Last
 
 
@@ -223,16 +236,19 @@ def _tied_head_case(group, mode, async_, g, dim=16):
     targets = torch.randint(0, VOCAB, (S, B), generator=g)
     w = torch.randn(S, B, generator=g)
     h = ref(ids)
-    ref_loss = F.cross_entropy(F.linear(h, ref.weight).reshape(-1, VOCAB), targets.reshape(-1),
-                               reduction="none").view(S, B)
+    ref_loss = F.cross_entropy(F.linear(h, ref.weight).reshape(-1, VOCAB), targets.reshape(-1), reduction="none").view(
+        S, B
+    )
     (ref_loss * w).sum().backward()
     hidden = emb(ids)
     logits = column_linear(hidden, emb.weight, None, group, mode, async_)
     loss = sharded_cross_entropy(logits, targets, group, VOCAB)
     (loss * w).sum().backward()
-    errs = {"loss": _err(loss, ref_loss.detach()),
-            "dW": _piece_err(emb.weight.grad, ref.weight.grad, get_shard_info(emb.weight)),
-            **_async_path(logits, group, async_, "ColumnLinearAsync")}
+    errs = {
+        "loss": _err(loss, ref_loss.detach()),
+        "dW": _piece_err(emb.weight.grad, ref.weight.grad, get_shard_info(emb.weight)),
+        **_async_path(logits, group, async_, "ColumnLinearAsync"),
+    }
     return errs, {"loss": loss, "dW": emb.weight.grad}
 
 
@@ -282,10 +298,8 @@ def _run_suite():
         for mode in MODES:
             for i, name in enumerate(CASES):
                 fn, seed = CASES[name], 1000 + 100 * tp + i  # same data on every rank
-                sync = record(f"tp{tp}/{mode}/sync/{name}", fn, group, mode, False,
-                              torch.Generator().manual_seed(seed))
-                asyn = record(f"tp{tp}/{mode}/async/{name}", fn, group, mode, True,
-                              torch.Generator().manual_seed(seed))
+                sync = record(f"tp{tp}/{mode}/sync/{name}", fn, group, mode, False, torch.Generator().manual_seed(seed))
+                asyn = record(f"tp{tp}/{mode}/async/{name}", fn, group, mode, True, torch.Generator().manual_seed(seed))
                 if sync is not None and asyn is not None:
                     for k in sync:
                         results[f"tp{tp}/{mode}/async_vs_sync/{name}:{k}"] = _err(asyn[k], sync[k])
@@ -329,18 +343,22 @@ def _sl(a, b):
 
 
 def test_shard_info_fused_chunks_tp2():
-    layer = TensorParallelColumnLinear(16, 48, GroupShape(2, 1), "ALL_REDUCE", bias=True,
-                                       contiguous_chunks=(32, 8, 8))
+    layer = TensorParallelColumnLinear(16, 48, GroupShape(2, 1), "ALL_REDUCE", bias=True, contiguous_chunks=(32, 8, 8))
     info = get_shard_info(layer.weight)
     assert layer.weight.shape == (24, 16) and info.global_shape == (48, 16) and info.axis == "tp"
     full16 = _sl(0, 16)
-    assert info.pairs == (((_sl(0, 16), full16), (_sl(16, 32), full16)),
-                          ((_sl(16, 20), full16), (_sl(36, 40), full16)),
-                          ((_sl(20, 24), full16), (_sl(44, 48), full16)))
+    assert info.pairs == (
+        ((_sl(0, 16), full16), (_sl(16, 32), full16)),
+        ((_sl(16, 20), full16), (_sl(36, 40), full16)),
+        ((_sl(20, 24), full16), (_sl(44, 48), full16)),
+    )
     binfo = get_shard_info(layer.bias)
     assert binfo.global_shape == (48,)
     assert [(loc[0], glob[0]) for loc, glob in binfo.pairs] == [
-        (_sl(0, 16), _sl(16, 32)), (_sl(16, 20), _sl(36, 40)), (_sl(20, 24), _sl(44, 48))]
+        (_sl(0, 16), _sl(16, 32)),
+        (_sl(16, 20), _sl(36, 40)),
+        (_sl(20, 24), _sl(44, 48)),
+    ]
 
 
 def test_shard_info_padding_excluded():
@@ -364,9 +382,9 @@ def test_shard_info_row_and_tp1():
     assert info.pairs == (((_sl(0, 16), _sl(0, 12)), (_sl(0, 16), _sl(12, 24))),)
     assert not get_shard_info(row.bias).is_sharded and has_sequence_parallel_partial_grad(row.bias)
     assert not has_sequence_parallel_partial_grad(
-        TensorParallelRowLinear(24, 16, GroupShape(2, 1), "ALL_REDUCE", bias=True).bias)
-    solo = TensorParallelColumnLinear(16, 48, GroupShape(1, 0), "ALL_REDUCE",
-                                      contiguous_chunks=(32, 8, 8))
+        TensorParallelRowLinear(24, 16, GroupShape(2, 1), "ALL_REDUCE", bias=True).bias
+    )
+    solo = TensorParallelColumnLinear(16, 48, GroupShape(1, 0), "ALL_REDUCE", contiguous_chunks=(32, 8, 8))
     assert not get_shard_info(solo.weight).is_sharded and solo.weight.shape == (48, 16)
 
 
@@ -374,20 +392,20 @@ def test_layer_argument_errors():
     with pytest.raises(ValueError, match="not divisible by tp"):
         TensorParallelColumnLinear(16, 30, GroupShape(4, 0), "ALL_REDUCE", contiguous_chunks=(24, 6))
     with pytest.raises(ValueError, match="pad_to_tp"):
-        TensorParallelColumnLinear(16, 48, GroupShape(4, 0), "ALL_REDUCE", contiguous_chunks=(32, 16),
-                                   pad_to_tp=True)
+        TensorParallelColumnLinear(16, 48, GroupShape(4, 0), "ALL_REDUCE", contiguous_chunks=(32, 16), pad_to_tp=True)
     with pytest.raises(ValueError, match="unknown tp mode"):
         TensorParallelRowLinear(16, 16, GroupShape(2, 0), "SEQUENCE")
 
 
 def test_init_from_full_is_tp_invariant():
     """Seeded full-tensor init: the pieces of all tp=4 ranks reassemble to the tp=1 weights."""
+
     def build(rank, tp):
-        layer = TensorParallelColumnLinear(16, 48, GroupShape(tp, rank), "ALL_REDUCE",
-                                           contiguous_chunks=(32, 8, 8))
+        layer = TensorParallelColumnLinear(16, 48, GroupShape(tp, rank), "ALL_REDUCE", contiguous_chunks=(32, 8, 8))
         gen = torch.Generator().manual_seed(3)  # same seed on every "rank"
         init_from_full_(layer.weight, lambda t: t.normal_(0, 0.02, generator=gen))
         return layer
+
     ref = build(0, 1).weight.detach()
     full = torch.full((48, 16), float("nan"))
     for rank in range(4):

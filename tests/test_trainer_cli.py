@@ -3,6 +3,7 @@ falls, and the same config at (1,1,1), at (dp2, tp2, pp2) and at (cp2, tp2, pp2)
 loss sequence,
 read back from the TensorBoard event files the runs wrote. The runs are the session's shared ones
 (``helpers.runs``), which the resume tests compare against too."""
+
 from __future__ import annotations
 
 from pathlib import Path

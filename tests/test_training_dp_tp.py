@@ -7,6 +7,7 @@ matmuls, averaged replicas), and AdamW divides each gradient by its own running 
 whose gradient is close to zero turns a 1e-7 relative rounding difference into an update
 difference of up to ~1e-3 of lr. The same comparison in float64 (`test_exact_in_float64`) agrees
 to ~1e-15, which is the proof that nothing but rounding differs."""
+
 from __future__ import annotations
 
 import functools
@@ -21,8 +22,7 @@ from helpers.dist import run_distributed
 from helpers.models import GLOBAL_BATCH, MICRO_BATCH, MODEL, OPTIM, STEPS, global_batch
 
 
-def train(dp: int, tp: int, zero_stages: tuple[int, ...], mode: str = "ALL_REDUCE",
-          dtype: str = "float32") -> dict:
+def train(dp: int, tp: int, zero_stages: tuple[int, ...], mode: str = "ALL_REDUCE", dtype: str = "float32") -> dict:
     from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
     from nanotrain.parallel.data_parallel import BucketedGradSync
@@ -40,12 +40,16 @@ def train(dp: int, tp: int, zero_stages: tuple[int, ...], mode: str = "ALL_REDUC
         scheduler = build_lr_scheduler(optimizer, OPTIM, STEPS)
         stats = []
         for step in range(STEPS):
-            mine = global_batch(step)[pc.dp_rank * per_replica:(pc.dp_rank + 1) * per_replica]
+            mine = global_batch(step)[pc.dp_rank * per_replica : (pc.dp_rank + 1) * per_replica]
             micro = [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(MICRO_BATCH)]
             stats.append(train_step(model, micro, grad_sync, optimizer, scheduler, pc, OPTIM.clip_grad))
         weights = {n: gather_full(p.detach(), get_shard_info(p), pc.tp_pg) for n, p in model.named_parameters()}
-        results[zero] = {"loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats],
-                         "lr": [s.lr for s in stats], "weights": weights}
+        results[zero] = {
+            "loss": [s.loss for s in stats],
+            "grad_norm": [s.grad_norm for s in stats],
+            "lr": [s.lr for s in stats],
+            "weights": weights,
+        }
     rank = dist.get_rank()
     pc.destroy()
     return results if rank == 0 else {}
@@ -57,16 +61,27 @@ def run(dp: int, tp: int, zero_stages: tuple[int, ...], mode: str = "ALL_REDUCE"
 
 
 def assert_same_training(got: dict, ref: dict, label: str, weight_atol: float = 1e-5) -> None:
-    torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"]), rtol=1e-5, atol=0,
-                               msg=lambda m: f"{label} loss sequence: {m}")
-    torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"]), rtol=1e-5,
-                               atol=0, msg=lambda m: f"{label} grad norms: {m}")
+    torch.testing.assert_close(
+        torch.tensor(got["loss"]),
+        torch.tensor(ref["loss"]),
+        rtol=1e-5,
+        atol=0,
+        msg=lambda m: f"{label} loss sequence: {m}",
+    )
+    torch.testing.assert_close(
+        torch.tensor(got["grad_norm"]),
+        torch.tensor(ref["grad_norm"]),
+        rtol=1e-5,
+        atol=0,
+        msg=lambda m: f"{label} grad norms: {m}",
+    )
     clipped = [n > OPTIM.clip_grad for n in ref["grad_norm"]]
     assert [n > OPTIM.clip_grad for n in got["grad_norm"]] == clipped, label
     assert got["lr"] == ref["lr"]
     for name, weight in ref["weights"].items():
-        torch.testing.assert_close(got["weights"][name], weight, rtol=0, atol=weight_atol,
-                                   msg=lambda m: f"{label} final {name}: {m}")
+        torch.testing.assert_close(
+            got["weights"][name], weight, rtol=0, atol=weight_atol, msg=lambda m: f"{label} final {name}: {m}"
+        )
 
 
 @pytest.mark.timeout(600)

@@ -6,6 +6,7 @@ test_training_dp_tp for why not tighter in fp32). In float64 the same runs agree
 nothing but rounding differs.
 
 One 8-process launch runs every case; one 1-process launch computes the references."""
+
 from __future__ import annotations
 
 import functools
@@ -17,15 +18,29 @@ from nanotrain.config import ModelArgs, OptimizerArgs
 
 from helpers.dist import run_distributed
 
-MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, max_position_embeddings=64)
+MODEL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+)
 OPTIM = OptimizerArgs(lr=3e-3, weight_decay=0.1, warmup_steps=3, min_lr=3e-4, clip_grad=0.5)
 STEPS, SEQ, MICRO_BATCH, GLOBAL_BATCH = 10, 16, 1, 8
 # (engine, tp mode, tied, dtype)
-CASES = [(engine, mode, tied, "float32") for engine in ("1f1b", "afab") for mode in ("ALL_REDUCE", "REDUCE_SCATTER")
-         for tied in (False, True)]
-CASES += [("interleaved_1f1b", "REDUCE_SCATTER", True, "float32"),
-          ("1f1b", "REDUCE_SCATTER", True, "float64"), ("afab", "ALL_REDUCE", False, "float64")]
+CASES = [
+    (engine, mode, tied, "float32")
+    for engine in ("1f1b", "afab")
+    for mode in ("ALL_REDUCE", "REDUCE_SCATTER")
+    for tied in (False, True)
+]
+CASES += [
+    ("interleaved_1f1b", "REDUCE_SCATTER", True, "float32"),
+    ("1f1b", "REDUCE_SCATTER", True, "float64"),
+    ("afab", "ALL_REDUCE", False, "float64"),
+]
 
 
 def global_batch(step: int) -> torch.Tensor:
@@ -60,7 +75,7 @@ def train(dp: int, tp: int, pp: int, cases: list) -> dict:
         engine = PipelineEngine(engine_name, pc.pp_pg) if pp > 1 else None
         stats = []
         for step in range(STEPS):
-            mine = global_batch(step)[pc.dp_rank * per_replica:(pc.dp_rank + 1) * per_replica]
+            mine = global_batch(step)[pc.dp_rank * per_replica : (pc.dp_rank + 1) * per_replica]
             micro = [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(MICRO_BATCH)]
             stats.append(train_step(model, micro, grad_sync, optimizer, scheduler, pc, OPTIM.clip_grad, engine))
         weights, replicas = {}, {}
@@ -69,8 +84,12 @@ def train(dp: int, tp: int, pp: int, cases: list) -> dict:
                 full = gather_full(p.detach(), get_shard_info(p), pc.tp_pg)
                 (replicas if is_tied_replica(p) else weights)[name] = full
         results[(engine_name, mode, tied, dtype)] = {
-            "loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats],
-            "lr": [s.lr for s in stats], "weights": weights, "replicas": replicas}
+            "loss": [s.loss for s in stats],
+            "grad_norm": [s.grad_norm for s in stats],
+            "lr": [s.lr for s in stats],
+            "weights": weights,
+            "replicas": replicas,
+        }
     torch.set_default_dtype(torch.float32)
     keep = pc.dp_rank == 0 and pc.tp_rank == 0
     pc.destroy()
@@ -79,8 +98,12 @@ def train(dp: int, tp: int, pp: int, cases: list) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def reference() -> dict:
-    cases = [("none", mode, tied, dtype) for mode in ("ALL_REDUCE",) for tied in (False, True)
-             for dtype in ("float32", "float64")]
+    cases = [
+        ("none", mode, tied, dtype)
+        for mode in ("ALL_REDUCE",)
+        for tied in (False, True)
+        for dtype in ("float32", "float64")
+    ]
     out = run_distributed(train, 1, 1, 1, 1, cases, timeout=300)[0]
     return {(tied, dtype): r for (_, _, tied, dtype), r in out.items()}
 

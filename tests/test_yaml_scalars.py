@@ -1,5 +1,6 @@
 """Config values read as a user means them: YAML 1.2 numbers (no sexagesimal, no 1.1 octal),
 SLURM time strings for the time limits, and no control/bidi/line-separator characters in strings."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,10 +11,19 @@ from nanotrain.commands.cli import main
 from nanotrain.config.loader import ConfigError, load_config
 
 
-@pytest.mark.parametrize("given, minutes", [
-    ("1:30:00", 90), ("1-00:00:00", 1440), ("90", 90), ("30:01", 31), ("2-3", 3060),
-    ("1-02:03", 1563), ('"45"', 45), ("0:00:01", 1),
-])
+@pytest.mark.parametrize(
+    "given, minutes",
+    [
+        ("1:30:00", 90),
+        ("1-00:00:00", 1440),
+        ("90", 90),
+        ("30:01", 31),
+        ("2-3", 3060),
+        ("1-02:03", 1563),
+        ('"45"', 45),
+        ("0:00:01", 1),
+    ],
+)
 def test_slurm_time_strings_become_minutes(given, minutes):
     config = load_config(None, [f"slurm.time={given}", f"slurm.prepare.time={given}"])
     assert config.slurm.time == minutes and config.slurm.prepare.time == minutes
@@ -71,8 +81,9 @@ def test_yaml11_only_integers_are_refused(given):
     assert str(info.value).startswith("parallelism.dp: expected an integer") and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("char", ["\x85", "\x9b", "\u202e", "\u2066", "\u200f", "\u061c", "\u2028", "\u2029",
-                                  "\u200b", "\ufeff", "\xad"])  # the last three: format (Cf), invisible
+@pytest.mark.parametrize(
+    "char", ["\x85", "\x9b", "\u202e", "\u2066", "\u200f", "\u061c", "\u2028", "\u2029", "\u200b", "\ufeff", "\xad"]
+)  # the last three: format (Cf), invisible
 @pytest.mark.parametrize("field", ["logging.run_name", "slurm.partition"])
 def test_unicode_controls_refused_with_field_and_escape(field, char, tmp_path):
     path = tmp_path / "c.yaml"
@@ -91,13 +102,14 @@ def test_unknown_key_is_echoed_escaped():
     assert "\u202e" not in str(info.value) and "\\u202e" in str(info.value)
     path_value = {"logging": {"bad\x85key": 1}}
     from nanotrain.config.loader import config_from_dict
+
     with pytest.raises(ConfigError) as info:
         config_from_dict(path_value)
     assert "\x85" not in str(info.value) and "\\x85" in str(info.value)
 
 
 def test_sbatch_values_refuse_bidi(capsys):
-    assert main(["configs/tiny_cpu.yaml", "--dry-run", "--set", "slurm.env={A: \"x\u202ey\"}"]) == 2
+    assert main(["configs/tiny_cpu.yaml", "--dry-run", "--set", 'slurm.env={A: "x\u202ey"}']) == 2
     assert "slurm.env" in capsys.readouterr().err
 
 
@@ -109,6 +121,7 @@ def test_shipped_config_dry_run_still_passes(capsys):
 def test_validate_names_refuses_bidi_in_a_config_built_in_code():
     from nanotrain.config.schema import Config
     from nanotrain.config.validate import validate_names
+
     config = Config()
     config.slurm.setup = ["module load x\u2066y"]
     with pytest.raises(ConfigError) as info:
@@ -116,8 +129,16 @@ def test_validate_names_refuses_bidi_in_a_config_built_in_code():
     assert str(info.value).startswith("slurm.setup[0]:") and "'\\u2066' at position 13" in str(info.value)
 
 
-@pytest.mark.parametrize("argv", [["configs/tiny_cpu.yaml", "--emit", ""], ["configs/tiny_cpu.yaml", "--emit", " "],
-                                  ["--status", ""], ["--resume", ""], [""]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["configs/tiny_cpu.yaml", "--emit", ""],
+        ["configs/tiny_cpu.yaml", "--emit", " "],
+        ["--status", ""],
+        ["--resume", ""],
+        [""],
+    ],
+)
 def test_an_empty_path_argument_is_refused_before_anything(argv, capsys, monkeypatch):
     """`--emit $UNSET` once fell through to a real submission."""
     monkeypatch.chdir(Path(__file__).resolve().parents[1])

@@ -17,6 +17,7 @@ alone and whose gradient norms ZeRO-1's sharded norm must reproduce; then an inf
 gradient must make every rank's norm non-finite (what the trainer's stop vote looks at), and the
 offline resharder's ranges (``reshard.optimizer_ranges``) must be the ones the optimizer holds.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,9 +31,12 @@ from helpers.dist import run_distributed
 from helpers.models import GLOBAL_BATCH, MICRO_BATCH, MODEL, OPTIM, global_batch
 
 WRAPPED = {  # torch.distributed function -> (kind, position of the tensor whose bytes count)
-    "all_reduce": ("all_reduce", 0), "reduce_scatter_single": ("reduce_scatter", 1),
-    "reduce_scatter_tensor": ("reduce_scatter", 1), "all_gather_single": ("all_gather", 0),
-    "all_gather_into_tensor": ("all_gather", 0), "all_gather": ("all_gather_list", 1),
+    "all_reduce": ("all_reduce", 0),
+    "reduce_scatter_single": ("reduce_scatter", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 1),
+    "all_gather_single": ("all_gather", 0),
+    "all_gather_into_tensor": ("all_gather", 0),
+    "all_gather": ("all_gather_list", 1),
     "broadcast": ("broadcast", 0),
 }
 SCALAR_CALLERS = {"nanotrain.optim.clip", "nanotrain.training.step"}
@@ -63,6 +67,7 @@ def _install(groups: list, calls: list) -> dict:
                 share = (2 if kind == "all_reduce" else 1) * (n - 1) / n
                 calls.append((kind, share * t.numel() * t.element_size(), t.numel(), _caller()))
             return fn(*args, **kwargs)
+
         return counted
 
     originals = {name: getattr(dist, name) for name in WRAPPED if hasattr(dist, name)}
@@ -81,8 +86,11 @@ def _two_steps(pc, zero: int) -> dict:
     from nanotrain.training.step import train_step
 
     ep = pc.ep_size
-    args = MODEL if ep == 1 else dataclasses.replace(
-        MODEL, moe=MoEArgs(num_experts=4, top_k=2, expert_intermediate_size=32))
+    args = (
+        MODEL
+        if ep == 1
+        else dataclasses.replace(MODEL, moe=MoEArgs(num_experts=4, top_k=2, expert_intermediate_size=32))
+    )
     model = build_llama(args, pc.tp_pg, seed=5, ep_pg=pc.ep_pg)
     # The trainer's construction (build_grad_sync, then build_optimizer); small buckets: several
     grad_sync = build_grad_sync(list(model.parameters()), pc, bucket_cap_mb=0.05)
@@ -91,38 +99,53 @@ def _two_steps(pc, zero: int) -> dict:
     syncs = getattr(grad_sync, "syncs", [grad_sync])
     logs = {id(s): [] for s in syncs}  # each sync's launch log, taken before train_step zeroes it
     for s in syncs:
-        s.zero_grad = functools.partial(lambda s, zero_grad: (logs[id(s)].append(list(s.launch_log)),
-                                                              zero_grad())[1], s, s.zero_grad)
+        s.zero_grad = functools.partial(
+            lambda s, zero_grad: (logs[id(s)].append(list(s.launch_log)), zero_grad())[1], s, s.zero_grad
+        )
     per_rank = GLOBAL_BATCH // (pc.dp_size * ep)
     out: dict = {"norms": [], "calls": []}
     for step in range(2):
         calls: list = []
         originals = _install([pc.dp_cp_pg, pc.dp_cp_ep_pg], calls)
         try:
-            rows = global_batch(step)[pc.data_rank * per_rank:(pc.data_rank + 1) * per_rank]
-            stats = train_step(model, [(mb[:, :-1], mb[:, 1:]) for mb in rows.split(MICRO_BATCH)], grad_sync,
-                               optimizer, scheduler, pc, OPTIM.clip_grad)
+            rows = global_batch(step)[pc.data_rank * per_rank : (pc.data_rank + 1) * per_rank]
+            stats = train_step(
+                model,
+                [(mb[:, :-1], mb[:, 1:]) for mb in rows.split(MICRO_BATCH)],
+                grad_sync,
+                optimizer,
+                scheduler,
+                pc,
+                OPTIM.clip_grad,
+            )
             out["norms"].append(stats.grad_norm)
         finally:
             for name, fn in originals.items():
                 setattr(dist, name, fn)
         out["calls"].append(calls)
-    out["syncs"] = [{  # per gradient sync: group size, fp32 gradient bytes, padding, overlap
-        "n": s.world_size, "grad_bytes": sum(4 * p.numel() for p in s.params),
-        "padding": [b.buffer.numel() - sum(p.numel() for p in b.params) for b in s.buckets],
-        "from_hooks": [from_hook for *_, from_hook in logs[id(s)][-1]], "n_buckets": len(s.buckets),
-        "first_launch_at": logs[id(s)][-1][0][1], "sharded": s.shards == s.world_size and s.grad_shards() is not None,
-        "hooks_per_step": len(s.params) * per_rank // MICRO_BATCH,  # one per parameter and micro-batch
-    } for s in syncs]
+    out["syncs"] = [
+        {  # per gradient sync: group size, fp32 gradient bytes, padding, overlap
+            "n": s.world_size,
+            "grad_bytes": sum(4 * p.numel() for p in s.params),
+            "padding": [b.buffer.numel() - sum(p.numel() for p in b.params) for b in s.buckets],
+            "from_hooks": [from_hook for *_, from_hook in logs[id(s)][-1]],
+            "n_buckets": len(s.buckets),
+            "first_launch_at": logs[id(s)][-1][0][1],
+            "sharded": s.shards == s.world_size and s.grad_shards() is not None,
+            "hooks_per_step": len(s.params) * per_rank // MICRO_BATCH,  # one per parameter and micro-batch
+        }
+        for s in syncs
+    ]
     # The offline resharder computes the same ranges from the sizes alone (same bucket size).
     from nanotrain.checkpoint.reshard import optimizer_ranges
 
     offline = optimizer_ranges(model, zero, pc.dp_size, pc.dp_rank, ep, pc.ep_rank, bucket_cap_mb=0.05)
     out["offline_ranges_match"] = {n: (a, b) for n, a, b in offline} == (
-        optimizer.param_ranges() if zero else {n: (0, p.numel()) for n, p in model.named_parameters()})
+        optimizer.param_ranges() if zero else {n: (0, p.numel()) for n, p in model.named_parameters()}
+    )
     # Non-finite detection: an inf on the last dp rank, in an element the first one owns (the
     # first piece of bucket 0), reaches every rank's norm through the owner's reduced piece.
-    rows = global_batch(2)[pc.data_rank * per_rank:(pc.data_rank + 1) * per_rank]
+    rows = global_batch(2)[pc.data_rank * per_rank : (pc.data_rank + 1) * per_rank]
     with grad_sync.no_sync():
         model(rows[:, :-1], rows[:, 1:]).backward()
     if pc.dp_rank == pc.dp_size - 1:
@@ -181,6 +204,8 @@ def test_zero1_moves_one_all_reduce_of_gradient_bytes(dp, tp, ep):
         assert zero1["inf_norm"] == float("inf") and zero0["inf_norm"] == float("inf"), rank
         assert zero1["offline_ranges_match"] and zero0["offline_ranges_match"], rank
         if rank == 0:
-            print(f"dp{dp} tp{tp} ep{ep}: dp bytes / DDP all-reduce bytes, ZeRO-0 "
-                  f"{_moved(zero0['calls'][1]) / ddp:.5f}, ZeRO-1 first step {_moved(zero1['calls'][0]) / ddp:.5f}, "
-                  f"ZeRO-1 {_moved(zero1['calls'][1]) / ddp:.5f}")
+            print(
+                f"dp{dp} tp{tp} ep{ep}: dp bytes / DDP all-reduce bytes, ZeRO-0 "
+                f"{_moved(zero0['calls'][1]) / ddp:.5f}, ZeRO-1 first step {_moved(zero1['calls'][0]) / ddp:.5f}, "
+                f"ZeRO-1 {_moved(zero1['calls'][1]) / ddp:.5f}"
+            )

@@ -36,14 +36,22 @@ so a loader verifies exactly the bytes it reads. A checkpoint that fails verific
 ``step_N.damaged`` (``damage.py``) and never loaded, counted or pruned; another run's checkpoint
 (meta.json's ``run_id``) is refused unless ``allow_foreign``, and never pruned.
 """
+
 import importlib
 
 # Lazy attributes (PEP 562): `submit.py` reads checkpoint names and meta.json before a launch
 # (`layout.py`, standard library only) and must not pay for importing torch to do it.
 _HOMES = {
-    "CheckpointError": "layout", "CheckpointMismatch": "layout", "complete_checkpoints": "layout",
-    "load_candidates": "layout", "read_latest": "layout", "verify_checkpoint": "format",
-    "LoadedCheckpoint": "load", "load_checkpoint": "load", "prune": "save", "save_checkpoint": "save",
+    "CheckpointError": "layout",
+    "CheckpointMismatch": "layout",
+    "complete_checkpoints": "layout",
+    "load_candidates": "layout",
+    "read_latest": "layout",
+    "verify_checkpoint": "format",
+    "LoadedCheckpoint": "load",
+    "load_checkpoint": "load",
+    "prune": "save",
+    "save_checkpoint": "save",
     "begin_save": "save",
 }
 __all__ = list(_HOMES)

@@ -1,6 +1,7 @@
 """Merging saved shards into full tensors and cutting a rank's piece back out, by the slice
 metadata every shard carries: what lets a checkpoint written at one (dp, tp, pp, cp, ZeRO stage)
 load at another (``load.py`` on a live model, ``reshard.py`` offline)."""
+
 from __future__ import annotations
 
 import math
@@ -91,7 +92,7 @@ def assemble_optimizer_full(reader: ShardReader, name: str, entries: list[dict])
             for k in ("exp_avg", "exp_avg_sq"):
                 flat = torch.zeros(numel, dtype=dtype)
                 for e in parts:
-                    flat[e["start"]:e["stop"]] = reader.get(e["file"], f"{e['prefix']}/{k}")
+                    flat[e["start"] : e["stop"]] = reader.get(e["file"], f"{e['prefix']}/{k}")
                 _place(out[k], covered, flat.view(local_shape), parts[0]["shard"])
             steps.update(float(reader.get(e["file"], f"{e['prefix']}/step").item()) for e in parts)
         if not complete or not bool(covered.all()):

@@ -6,6 +6,7 @@ the world group instead (``json_to_tensor`` / ``json_from_tensor``: compact UTF-
 round-trip exactly, JSON writes ``repr``; the RNG states use them too). ``pc=None`` (or a world of
 one) means a single process: no communication.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,11 +52,15 @@ class World:
         """Every rank's encoded size, and this rank's bytes padded to the largest (one all-gather)."""
         mine = self._bytes_tensor(obj)
         sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
-        collectives.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=self.device),
-                               group=self.group, what="checkpoint all_gather sizes")
+        collectives.all_gather(
+            sizes,
+            torch.tensor([mine.numel()], dtype=torch.int64, device=self.device),
+            group=self.group,
+            what="checkpoint all_gather sizes",
+        )
         sizes = [int(s.item()) for s in sizes]
         padded = torch.zeros(max(sizes), dtype=torch.uint8, device=self.device)
-        padded[:mine.numel()] = mine
+        padded[: mine.numel()] = mine
         return sizes, padded
 
     def all_gather(self, obj) -> list:
@@ -86,10 +91,18 @@ class World:
         if not self.active:
             return [obj]
         sizes, padded = self._padded(obj)
-        out = ([torch.empty(padded.numel(), dtype=torch.uint8, device=self.device) for _ in range(self.size)]
-               if self.rank == dst else None)
-        collectives.gather(padded, out, dst=dist.get_global_rank(self.group, dst) if self.group is not None else dst,
-                           group=self.group, what="checkpoint gather")
+        out = (
+            [torch.empty(padded.numel(), dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+            if self.rank == dst
+            else None
+        )
+        collectives.gather(
+            padded,
+            out,
+            dst=dist.get_global_rank(self.group, dst) if self.group is not None else dst,
+            group=self.group,
+            what="checkpoint gather",
+        )
         return [self._decode(t, n) for t, n in zip(out, sizes)] if self.rank == dst else None
 
     def broadcast(self, obj, src: int = 0):

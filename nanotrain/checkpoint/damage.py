@@ -11,6 +11,7 @@ once — the name matches neither ``step_N`` nor the ``*.tmp`` leftovers that a 
 the bytes stay on disk for inspection, with ``DAMAGED.txt`` saying what was wrong and when. A
 false alarm (a file that was only unreadable for a moment) is undone with one ``mv``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,18 +46,23 @@ def quarantine(ckpt_dir: Path, problems: list[str]) -> Path | None:
     try:
         os.rename(ckpt_dir, target)
     except OSError as e:
-        log.warning("checkpoint %s is damaged but could not be moved aside (%s): %s", ckpt_dir, e,
-                    "; ".join(problems))
+        log.warning("checkpoint %s is damaged but could not be moved aside (%s): %s", ckpt_dir, e, "; ".join(problems))
         return None
     fsync_dir(target.parent)
     try:
         (target / REASON_FILE).write_text(
             f"moved aside {time.strftime('%Y-%m-%dT%H:%M:%S')} by pid {os.getpid()}: failed verification\n"
-            + "".join(f"  {p}\n" for p in problems))
+            + "".join(f"  {p}\n" for p in problems)
+        )
     except OSError:
         pass
-    log.warning("checkpoint %s failed verification and was moved aside to %s (kept for inspection, "
-                "never loaded or counted): %s", ckpt_dir, target.name, "; ".join(problems))
+    log.warning(
+        "checkpoint %s failed verification and was moved aside to %s (kept for inspection, "
+        "never loaded or counted): %s",
+        ckpt_dir,
+        target.name,
+        "; ".join(problems),
+    )
     return target
 
 

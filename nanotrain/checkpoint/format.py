@@ -4,6 +4,7 @@ Everything here is plain file and JSON work with no torch.distributed, so the wr
 and the offline resharder share one definition of the format. The layout is documented in
 ``nanotrain/checkpoint/__init__.py``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,6 +41,7 @@ from nanotrain.parallel.sharding import ShardInfo
 
 HEADER_KEY = "nanotrain"  # safetensors __metadata__ key holding the per-tensor shard records (JSON)
 
+
 # ----------------------------------------------------------------------------- names
 def coord_tag(**coords: int) -> str:
     """``pp-00_tp-01`` style tag; axes whose value is None are left out."""
@@ -57,15 +59,20 @@ def _slices_to_json(index) -> list[list[int]]:
 
 
 def info_to_json(info: ShardInfo) -> dict:
-    return {"global_shape": list(info.global_shape), "axis": info.axis,
-            "pairs": [[_slices_to_json(local), _slices_to_json(glob)] for local, glob in info.pairs]}
+    return {
+        "global_shape": list(info.global_shape),
+        "axis": info.axis,
+        "pairs": [[_slices_to_json(local), _slices_to_json(glob)] for local, glob in info.pairs],
+    }
 
 
 def info_from_json(data: dict) -> ShardInfo:
     def idx(spans):
         return tuple(slice(a, b) for a, b in spans)
-    return ShardInfo(tuple(data["global_shape"]), tuple((idx(loc), idx(glob)) for loc, glob in data["pairs"]),
-                     data.get("axis"))
+
+    return ShardInfo(
+        tuple(data["global_shape"]), tuple((idx(loc), idx(glob)) for loc, glob in data["pairs"]), data.get("axis")
+    )
 
 
 def canonical(obj) -> str:
@@ -77,9 +84,19 @@ def key_hash(obj) -> str:
     return hashlib.sha1(canonical(obj).encode()).hexdigest()[:16]
 
 
-DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32,
-    torch.uint8, torch.bool)}
+DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -87,9 +104,18 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 # ----------------------------------------------------------------------------- checksummed I/O
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 HASH_THREADS = 2  # per file: the tensors of one file hashed side by side (hashlib releases the GIL)
 CHECKSUM = "sha256 of each tensor's bytes and of the header; file digest = sha256(header digest + tensor digests)"
 
@@ -149,8 +175,12 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], header: dict
         os.fsync(f.fileno())
         digests = {key: job.result() for key, job in pending.items()}
     header_sha = hashlib.sha256(prefix).hexdigest()
-    return {"bytes": len(prefix) + offset, "digest": file_digest(header_sha, digests.values()),
-            "header_sha256": header_sha, "tensors": digests}
+    return {
+        "bytes": len(prefix) + offset,
+        "digest": file_digest(header_sha, digests.values()),
+        "header_sha256": header_sha,
+        "tensors": digests,
+    }
 
 
 def write_bytes(path: Path, data: bytes) -> None:

@@ -7,6 +7,7 @@ states as uint8 tensors already; Python's ``random`` and numpy's legacy global g
 tuples of ints (and a float), stored as UTF-8 JSON bytes. JSON writes floats with ``repr``, which
 round-trips exactly, so a restore is bit-exact.
 """
+
 from __future__ import annotations
 
 import random
@@ -22,6 +23,7 @@ from nanotrain.optim.optimizer import optimizer_state_by_name
 from nanotrain.parallel.data_parallel.zero import ZeroOneOptimizer
 
 Models = Union[nn.Module, Sequence[nn.Module]]
+
 
 def named_params(model: Models) -> dict[str, list[nn.Parameter]]:
     """Name -> the parameters of that name on this rank (several modules, e.g. virtual pipeline
@@ -50,9 +52,15 @@ class OptEntry:
 def optimizer_entries(optimizer) -> dict[str, OptEntry]:
     out = {}
     for name, s in optimizer_state_by_name(optimizer).items():
-        out[name] = OptEntry(name, int(s["start"]), int(s["stop"]), tuple(s["shape"]),
-                             torch.as_tensor(s["step"], dtype=torch.float32).reshape(1),
-                             s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1))
+        out[name] = OptEntry(
+            name,
+            int(s["start"]),
+            int(s["stop"]),
+            tuple(s["shape"]),
+            torch.as_tensor(s["step"], dtype=torch.float32).reshape(1),
+            s["exp_avg"].reshape(-1),
+            s["exp_avg_sq"].reshape(-1),
+        )
     return out
 
 
@@ -71,8 +79,11 @@ def optimizer_layout(optimizer) -> dict[str, OptSlot]:
     any state: a fresh optimizer has none yet."""
     if isinstance(optimizer, ZeroOneOptimizer):
         return {pc.name: OptSlot(pc.start, pc.stop, tuple(pc.param.shape)) for pc in optimizer.pieces}
-    return {name: OptSlot(0, p.numel(), tuple(p.shape))
-            for group in optimizer.param_groups for name, p in zip(group["param_names"], group["params"])}
+    return {
+        name: OptSlot(0, p.numel(), tuple(p.shape))
+        for group in optimizer.param_groups
+        for name, p in zip(group["param_names"], group["params"])
+    }
 
 
 def zero_stage_of(optimizer) -> int | None:
@@ -86,15 +97,24 @@ def config_as_dict(config) -> dict | None:
     if config is None or isinstance(config, dict):
         return config
     from nanotrain.config import config_to_dict
+
     return config_to_dict(config)
 
 
 def topology_of(pc, optimizer=None, config: dict | None = None) -> dict:
     par = (config or {}).get("parallelism") or {}
-    sizes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1} if pc is None else {
-        "dp": pc.dp_size, "tp": pc.tp_size, "pp": pc.pp_size, "cp": pc.cp_size, "ep": pc.ep_size}
-    return {**sizes, "zero_stage": zero_stage_of(optimizer), "pp_engine": par.get("pp_engine"),
-            "pp_virtual_stages": par.get("pp_virtual_stages"), "tp_mode": par.get("tp_mode")}
+    sizes = (
+        {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
+        if pc is None
+        else {"dp": pc.dp_size, "tp": pc.tp_size, "pp": pc.pp_size, "cp": pc.cp_size, "ep": pc.ep_size}
+    )
+    return {
+        **sizes,
+        "zero_stage": zero_stage_of(optimizer),
+        "pp_engine": par.get("pp_engine"),
+        "pp_virtual_stages": par.get("pp_virtual_stages"),
+        "tp_mode": par.get("tp_mode"),
+    }
 
 
 GRID_AXES = ("dp", "tp", "pp", "cp", "ep")
@@ -111,6 +131,7 @@ def coords_of(pc) -> dict[str, int]:
 
 
 # ------------------------------------------------------------------------- RNG states
+
 
 def capture_rng() -> dict[str, torch.Tensor]:
     out = {"rng/torch_cpu": torch.get_rng_state()}

@@ -5,6 +5,7 @@ Standard library only (no torch), so `submit.py` can look at a run's checkpoints
 launches anything (which checkpoint a resume would load, whose it is, which model it holds)
 without paying seconds for importing torch. `format.py` re-exports all of it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,7 +22,6 @@ COMPLETE = "COMPLETE"
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_RE = re.compile(r"^step_\d+(\.[A-Za-z0-9_-]+)*\.tmp$")
-
 
 
 class CheckpointError(RuntimeError):
@@ -55,7 +55,6 @@ def read_latest(root: Path) -> str | None:
     except (OSError, UnicodeDecodeError):
         return None
     return name if parse_step(name) is not None else None
-
 
 
 # ----------------------------------------------------------------------------- discovery
@@ -140,8 +139,10 @@ def read_meta(ckpt_dir: Path) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{ckpt_dir / META}: not a {FORMAT} checkpoint")
     if meta.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{ckpt_dir / META}: format version {meta['format_version']} is newer "
-                              f"than this code understands ({FORMAT_VERSION})")
+        raise CheckpointError(
+            f"{ckpt_dir / META}: format version {meta['format_version']} is newer "
+            f"than this code understands ({FORMAT_VERSION})"
+        )
     return meta
 
 
@@ -150,5 +151,8 @@ def model_differences(saved: dict | None, mine: dict | None) -> list[str]:
     may change its compute dtype), as 'name (saved value saved, value now)'."""
     saved = {k: v for k, v in ((saved or {}).get("model") or {}).items() if k != "dtype"}
     mine = {k: v for k, v in ((mine or {}).get("model") or {}).items() if k != "dtype"}
-    return [f"{k} ({saved.get(k)!r} saved, {mine.get(k)!r} now)"
-            for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k)]
+    return [
+        f"{k} ({saved.get(k)!r} saved, {mine.get(k)!r} now)"
+        for k in sorted(set(saved) | set(mine))
+        if saved.get(k) != mine.get(k)
+    ]

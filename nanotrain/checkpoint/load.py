@@ -17,6 +17,7 @@ to the previous complete checkpoint; rank 0 moves the damaged one aside (``damag
 cannot fix (a parameter missing or of another shape, a checkpoint of another run) raise
 ``CheckpointMismatch`` on every rank.
 """
+
 from __future__ import annotations
 
 import json
@@ -82,10 +83,21 @@ def topology_text(topology: dict) -> str:
     return " ".join(f"{axis}{topology[axis]}" for axis in GRID_AXES if axis in topology)
 
 
-def load_checkpoint(root: str | Path, model: Models, optimizer=None, scheduler=None, pc=None, *,
-                    config=None, path: str | Path | None = None, load_rng: bool = True,
-                    strict: bool = True, run_id: str | None = None, allow_foreign: bool = False,
-                    move_damaged: bool = True) -> LoadedCheckpoint | None:
+def load_checkpoint(
+    root: str | Path,
+    model: Models,
+    optimizer=None,
+    scheduler=None,
+    pc=None,
+    *,
+    config=None,
+    path: str | Path | None = None,
+    load_rng: bool = True,
+    strict: bool = True,
+    run_id: str | None = None,
+    allow_foreign: bool = False,
+    move_damaged: bool = True,
+) -> LoadedCheckpoint | None:
     """Restore the newest intact complete checkpoint under ``root`` into the given objects.
 
     Collective: every rank calls it. The caller builds ``model``/``optimizer``/``scheduler`` for
@@ -142,8 +154,11 @@ def load_checkpoint(root: str | Path, model: Models, optimizer=None, scheduler=N
             try:
                 _check_identity(cand, meta, run_id, allow_foreign)
                 plan = _plan(cand, meta, params, optimizer, topology, cfg, world.rank, load_rng)
-                problems = [p for rel, keys in sorted(plan.files.items())
-                            if (p := fmt.verify_file(cand, rel, meta["files"].get(rel), keys))]
+                problems = [
+                    p
+                    for rel, keys in sorted(plan.files.items())
+                    if (p := fmt.verify_file(cand, rel, meta["files"].get(rel), keys))
+                ]
             except CheckpointError as e:  # does not fit this model: a fallback would not help
                 fatal.append(e)
             except Exception:
@@ -151,8 +166,9 @@ def load_checkpoint(root: str | Path, model: Models, optimizer=None, scheduler=N
         replica_zero = pc is None or (pc.dp_rank == 0 and pc.cp_rank == 0)  # the others hold the same
         used = sorted(plan.used_names) if plan is not None and replica_zero else []
         mismatch = all(isinstance(f, CheckpointMismatch) for f in fatal)
-        reports = world.all_gather({"problems": problems, "fatal": [str(f) for f in fatal], "used": used,
-                                    "mismatch": mismatch})
+        reports = world.all_gather(
+            {"problems": problems, "fatal": [str(f) for f in fatal], "used": used, "mismatch": mismatch}
+        )
         fatal_all = [f for r in reports for f in r["fatal"]]
         if fatal_all:
             kind = CheckpointMismatch if all(r["mismatch"] for r in reports) else CheckpointError
@@ -175,8 +191,10 @@ def load_checkpoint(root: str | Path, model: Models, optimizer=None, scheduler=N
             used_all = {n for r in reports for n in r["used"]}
             unused = sorted(saved - used_all)
             if unused:
-                raise CheckpointMismatch(f"cannot load {cand}: it holds parameters no rank of this model has "
-                                      f"(pass strict=False to ignore): {unused[:8]}")
+                raise CheckpointMismatch(
+                    f"cannot load {cand}: it holds parameters no rank of this model has "
+                    f"(pass strict=False to ignore): {unused[:8]}"
+                )
         result = error = None
         try:
             result = _apply(cand, meta, plan, params, optimizer, scheduler, world, topology)
@@ -206,10 +224,11 @@ def _check_identity(cand: Path, meta: dict, run_id: str | None, allow_foreign: b
         return
     run = (meta.get("config") or {}).get("logging") or {}
     where = f" ({run.get('dir')}/{run.get('run_name')})" if run.get("run_name") else ""
-    raise CheckpointMismatch(f"{cand} belongs to another run (run id {saved}{where}, this run is {run_id}): "
-                             "not resuming another run's weights; point checkpoints.path elsewhere, or set "
-                             "checkpoints.allow_foreign=true to start from it on purpose")
-
+    raise CheckpointMismatch(
+        f"{cand} belongs to another run (run id {saved}{where}, this run is {run_id}): "
+        "not resuming another run's weights; point checkpoints.path elsewhere, or set "
+        "checkpoints.allow_foreign=true to start from it on purpose"
+    )
 
 
 @dataclass
@@ -252,15 +271,20 @@ def _plan(cand: Path, meta: dict, params, optimizer, topology, cfg, rank, load_r
             entries = opt_index[name]
             key = fmt.canonical(fmt.info_to_json(get_shard_info(params[name][0])))
             mine = (list(tmpl.local_shape), tmpl.start, tmpl.stop)
-            fast = [e for e in entries
-                    if fmt.canonical(e["shard"]) == key and (e["local_shape"], e["start"], e["stop"]) == mine]
+            fast = [
+                e
+                for e in entries
+                if fmt.canonical(e["shard"]) == key and (e["local_shape"], e["start"], e["stop"]) == mine
+            ]
             plan.optimizer[name] = (fast[:1] or entries, bool(fast), tmpl)
     elif optimizer is not None and rank == 0:
         log.warning("%s holds no optimizer state; the optimizer starts fresh", cand)
     if missing or mismatched:
-        raise CheckpointMismatch(f"{cand} does not fit this model: "
-                              + (f"missing {missing[:8]}" if missing else "")
-                              + (f" shape mismatch {mismatched[:8]}" if mismatched else ""))
+        raise CheckpointMismatch(
+            f"{cand} does not fit this model: "
+            + (f"missing {missing[:8]}" if missing else "")
+            + (f" shape mismatch {mismatched[:8]}" if mismatched else "")
+        )
     for entries, _ in plan.model.values():
         for e in entries:
             plan.files.setdefault(e["file"], set()).add(e["key"])
@@ -278,8 +302,10 @@ def _plan(cand: Path, meta: dict, params, optimizer, topology, cfg, rank, load_r
 
 # ----------------------------------------------------------------------------- applying
 
-def _apply(cand: Path, meta: dict, plan: _Plan, params, optimizer, scheduler, world: World,
-           topology: dict) -> LoadedCheckpoint:
+
+def _apply(
+    cand: Path, meta: dict, plan: _Plan, params, optimizer, scheduler, world: World, topology: dict
+) -> LoadedCheckpoint:
     reader = ShardReader(cand)
     resharded = not plan.same_grid
     with torch.no_grad():
@@ -297,8 +323,12 @@ def _apply(cand: Path, meta: dict, plan: _Plan, params, optimizer, scheduler, wo
         if plan.optimizer:
             states = {}
             for name, (entries, fast, tmpl) in plan.optimizer.items():
-                st = {"start": tmpl.start, "stop": tmpl.stop, "shape": tmpl.local_shape,
-                      "numel": math.prod(tmpl.local_shape)}
+                st = {
+                    "start": tmpl.start,
+                    "stop": tmpl.stop,
+                    "shape": tmpl.local_shape,
+                    "numel": math.prod(tmpl.local_shape),
+                }
                 if fast:
                     e = entries[0]
                     for k in ("exp_avg", "exp_avg_sq", "step"):
@@ -309,7 +339,7 @@ def _apply(cand: Path, meta: dict, plan: _Plan, params, optimizer, scheduler, wo
                     full = assemble_optimizer_full(reader, name, entries)
                     mine = fmt.info_to_json(get_shard_info(params[name][0]))
                     for k in ("exp_avg", "exp_avg_sq"):
-                        st[k] = cut_local(full[k], mine, tmpl.local_shape).reshape(-1)[tmpl.start:tmpl.stop].clone()
+                        st[k] = cut_local(full[k], mine, tmpl.local_shape).reshape(-1)[tmpl.start : tmpl.stop].clone()
                     st["step"] = full["step"]
                 states[name] = st
             load_optimizer_state_by_name(optimizer, states)
@@ -337,9 +367,21 @@ def _apply(cand: Path, meta: dict, plan: _Plan, params, optimizer, scheduler, wo
     elif world.rank == 0:
         saved = {k: meta["topology"].get(k) for k in GRID_AXES}
         now = {k: topology.get(k) for k in GRID_AXES}
-        log.warning("checkpoint %s was saved at %s, loading at %s: tensors resharded exactly; RNG states "
-                    "are not restored (fresh streams) and per-rank state is dropped; the data position "
-                    "carries over through the global sample count", cand, saved, now)
+        log.warning(
+            "checkpoint %s was saved at %s, loading at %s: tensors resharded exactly; RNG states "
+            "are not restored (fresh streams) and per-rank state is dropped; the data position "
+            "carries over through the global sample count",
+            cand,
+            saved,
+            now,
+        )
     reader.close()
-    return LoadedCheckpoint(path=cand, step=int(meta["step"]), extra=meta.get("extra") or {},
-                            rank_state=rank_state, resharded=resharded, rng_restored=rng_restored, meta=meta)
+    return LoadedCheckpoint(
+        path=cand,
+        step=int(meta["step"]),
+        extra=meta.get("extra") or {},
+        rank_state=rank_state,
+        resharded=resharded,
+        rng_restored=rng_restored,
+        meta=meta,
+    )

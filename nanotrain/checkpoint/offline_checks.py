@@ -7,6 +7,7 @@ Standard library, yaml and ``nanotrain.config`` only (no torch): a script refuse
 in a fraction of a second, before it imports the tensor code, and refuses it before anything is
 written, so a refusal leaves the file system as it was.
 """
+
 from __future__ import annotations
 
 import stat
@@ -95,8 +96,10 @@ def check_plain_entries(out: str | Path, flag: str) -> None:
         except OSError:  # a broken or looping link: replaced by a file of that name, never opened
             continue
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise CheckpointError(f"{flag} {out}: holds {entry.name}, which is not a regular file (a FIFO, "
-                                  "socket or device): remove it or write to another directory")
+            raise CheckpointError(
+                f"{flag} {out}: holds {entry.name}, which is not a regular file (a FIFO, "
+                "socket or device): remove it or write to another directory"
+            )
 
 
 def check_apart(reads: list[Path], out: str | Path, flag: str) -> None:
@@ -128,15 +131,18 @@ def plan_reshard(src: str | Path, dst_root: str | Path, overrides: list[str] = (
     layout validated with the launch's own rules (``validate_layout``: tp dividing the heads, pp
     within the layers, ep only for a MoE model...; the batch rules are the resuming run's).
     Raises ConfigError (the validator's own line) or CheckpointError; reads only meta.json."""
-    check_path("SRC", src, DIR, CheckpointError,
-               missing=f"{src}: neither a complete checkpoint nor a directory holding one")
+    check_path(
+        "SRC", src, DIR, CheckpointError, missing=f"{src}: neither a complete checkpoint nor a directory holding one"
+    )
     check_path("DST", dst_root, CREATE_DIR, CheckpointError)
     ckpt = resolve_checkpoint(src)
     check_apart([Path(src), ckpt], dst_root, "DST")
     meta = layout.read_meta(ckpt)
     if not isinstance(meta.get("config"), dict) or not meta["config"]:
-        raise CheckpointError(f"{ckpt}: meta.json holds no config (saved without `config=`), so the "
-                              "model cannot be rebuilt at a new topology")
+        raise CheckpointError(
+            f"{ckpt}: meta.json holds no config (saved without `config=`), so the "
+            "model cannot be rebuilt at a new topology"
+        )
     raw = dict(meta["config"])
     for assignment in overrides:
         apply_override(raw, assignment)
@@ -144,8 +150,10 @@ def plan_reshard(src: str | Path, dst_root: str | Path, overrides: list[str] = (
     check_fields(config)
     validate_layout(config)
     if config.parallelism.cp != 1:
-        raise ConfigError(f"parallelism.cp ({config.parallelism.cp}): offline resharding supports cp = 1; "
-                          "resume with cp > 1 instead (the loader reshards online)")
+        raise ConfigError(
+            f"parallelism.cp ({config.parallelism.cp}): offline resharding supports cp = 1; "
+            "resume with cp > 1 instead (the loader reshards online)"
+        )
     zero = config.optimizer.zero_stage
     if (meta.get("index") or {}).get("optimizer") and zero not in (0, 1):
         raise ConfigError(f"optimizer.zero_stage ({zero}): offline resharding writes ZeRO stage 0 or 1")
@@ -167,6 +175,8 @@ def plan_export(src: str | Path, out_dir: str | Path, dtype: str) -> tuple[Path,
     if not isinstance(config, dict) or not config.get("model"):
         raise CheckpointError(f"{ckpt}: meta.json holds no config, so the model's shape is unknown")
     if config["model"].get("moe"):
-        raise CheckpointError(f"{ckpt}: a model.moe checkpoint has no LlamaForCausalLM layout (export is for dense "
-                              "Llama models; a Mixtral mapping is not implemented)")
+        raise CheckpointError(
+            f"{ckpt}: a model.moe checkpoint has no LlamaForCausalLM layout (export is for dense "
+            "Llama models; a Mixtral mapping is not implemented)"
+        )
     return ckpt, meta

@@ -18,6 +18,7 @@ The output has no RNG state files (the loader warns and starts fresh streams, as
 topology change); step, counters, scheduler and learning rates are carried over. The whole model
 and its optimizer states are held in memory once (3x the fp32 parameter bytes).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -52,8 +53,9 @@ def skeleton_model(config: Config, tp_rank: int, pp_rank: int, ep_rank: int = 0)
     """The model of one (tp, pp, ep) rank with the right names, shapes and ShardInfo, no storage
     (offline resharding supports cp = 1 only)."""
     p = config.parallelism
-    pc = SimpleNamespace(tp_pg=GroupShape(p.tp, tp_rank), pp_rank=pp_rank, pp_size=p.pp, cp_pg=None,
-                         ep_pg=GroupShape(p.ep, ep_rank))
+    pc = SimpleNamespace(
+        tp_pg=GroupShape(p.tp, tp_rank), pp_rank=pp_rank, pp_size=p.pp, cp_pg=None, ep_pg=GroupShape(p.ep, ep_rank)
+    )
     return family_of(config.model).build_part(config, pc, initialize=False)
 
 
@@ -69,8 +71,9 @@ def optimizer_order(model) -> list[str]:
     return [n for g in groups for n in g["param_names"]]
 
 
-def optimizer_ranges(model, zero: int, dp: int, dp_rank: int, ep: int, ep_rank: int,
-                     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> list[tuple[str, int, int]]:
+def optimizer_ranges(
+    model, zero: int, dp: int, dp_rank: int, ep: int, ep_rank: int, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+) -> list[tuple[str, int, int]]:
     """(name, start, stop) of the optimizer states one rank holds, in ``build_optimizer``'s order:
     whole parameters for ZeRO-0; for ZeRO-1 the ranges ``ZeroOneOptimizer`` gives rank
     (dp_rank, ep_rank), the dense parameters' buckets sharded over dp x ep and the experts' over
@@ -109,8 +112,9 @@ def read_full_state(ckpt: str | Path, verify: bool = True) -> tuple[dict, dict, 
     return meta, params, optim
 
 
-def reshard_offline(src: str | Path, dst_root: str | Path, overrides: list[str] = (),
-                    granularity: str = "rank") -> Path:
+def reshard_offline(
+    src: str | Path, dst_root: str | Path, overrides: list[str] = (), granularity: str = "rank"
+) -> Path:
     """Write ``dst_root/step_N`` (+ ``latest``) at the topology of the source config with
     ``overrides`` (``parallelism.tp=4``, ``optimizer.zero_stage=0``...) applied.
 
@@ -132,8 +136,17 @@ def reshard_offline(src: str | Path, dst_root: str | Path, overrides: list[str] 
             final = _write(plan, meta, full, full_opt, tmp, granularity, src)
             fmt.update_latest(dst_root, final.name)
     p = plan.config.parallelism
-    log.info("resharded %s -> %s (dp%d tp%d pp%d ep%d zero%s) in %.2f s", src, final, p.dp, p.tp, p.pp, p.ep,
-             plan.config.optimizer.zero_stage, time.perf_counter() - t0)
+    log.info(
+        "resharded %s -> %s (dp%d tp%d pp%d ep%d zero%s) in %.2f s",
+        src,
+        final,
+        p.dp,
+        p.tp,
+        p.pp,
+        p.ep,
+        plan.config.optimizer.zero_stage,
+        time.perf_counter() - t0,
+    )
     return final
 
 
@@ -170,17 +183,30 @@ def _write(plan: ReshardPlan, meta: dict, full: dict, full_opt: dict, tmp: Path,
                         shard_files.merge_index(opt_index, i)
 
     new_meta = dict(meta)
-    new_meta.update({
-        "topology": {"dp": dp, "tp": tp, "pp": pp, "cp": 1, "ep": ep, "zero_stage": zero if full_opt else None,
-                     "pp_engine": par.get("pp_engine"), "pp_virtual_stages": par.get("pp_virtual_stages"),
-                     "tp_mode": par.get("tp_mode")},
-        "world_size": dp * tp * pp * ep, "config": cfg,
-        "config_hash": hashlib.sha256(fmt.canonical(cfg).encode()).hexdigest(),
-        "granularity": granularity, "created_unix": time.time(), "torch_version": torch.__version__,
-        "files": dict(sorted(files.items())),
-        "index": {"model": model_index, "optimizer": opt_index, "state": {}},
-        "resharded_from": {"path": str(plan.checkpoint), "topology": meta["topology"]},
-    })
+    new_meta.update(
+        {
+            "topology": {
+                "dp": dp,
+                "tp": tp,
+                "pp": pp,
+                "cp": 1,
+                "ep": ep,
+                "zero_stage": zero if full_opt else None,
+                "pp_engine": par.get("pp_engine"),
+                "pp_virtual_stages": par.get("pp_virtual_stages"),
+                "tp_mode": par.get("tp_mode"),
+            },
+            "world_size": dp * tp * pp * ep,
+            "config": cfg,
+            "config_hash": hashlib.sha256(fmt.canonical(cfg).encode()).hexdigest(),
+            "granularity": granularity,
+            "created_unix": time.time(),
+            "torch_version": torch.__version__,
+            "files": dict(sorted(files.items())),
+            "index": {"model": model_index, "optimizer": opt_index, "state": {}},
+            "resharded_from": {"path": str(plan.checkpoint), "topology": meta["topology"]},
+        }
+    )
     new_meta.pop("save_seconds_before_commit", None)
     fmt.write_meta_and_complete(tmp, new_meta)
     fmt.commit_rename(tmp, final)

@@ -22,6 +22,7 @@ killed between the rename and the update of ``latest``, it leaves ``latest`` on 
 Failures inside a rank are reported through the collectives, so every rank raises together
 instead of some of them waiting forever in a barrier.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,9 +51,21 @@ from nanotrain.checkpoint.snapshot import HostSnapshot
 log = logging.getLogger("nanotrain.checkpoint")
 
 
-def save_checkpoint(root: str | Path, step: int, model: Models, optimizer=None, scheduler=None, pc=None,
-                    extra: dict | None = None, config=None, *, keep_last: int | None = None,
-                    rank_state: dict | None = None, granularity: str = "rank", run_id: str | None = None) -> Path:
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    model: Models,
+    optimizer=None,
+    scheduler=None,
+    pc=None,
+    extra: dict | None = None,
+    config=None,
+    *,
+    keep_last: int | None = None,
+    rank_state: dict | None = None,
+    granularity: str = "rank",
+    run_id: str | None = None,
+) -> Path:
     """Write ``<root>/step_<step>/`` on all ranks together; returns its path once committed.
 
     ``model``: this rank's module (or list of modules: virtual pipeline chunks). ``optimizer``:
@@ -72,15 +85,39 @@ def save_checkpoint(root: str | Path, step: int, model: Models, optimizer=None, 
         CheckpointError: on every rank together, when any rank failed to plan, write or commit
             (the message names the rank and its traceback).
     """
-    pending = begin_save(root, step, model, optimizer, scheduler, pc, extra, config, keep_last=keep_last,
-                         rank_state=rank_state, granularity=granularity, run_id=run_id)
+    pending = begin_save(
+        root,
+        step,
+        model,
+        optimizer,
+        scheduler,
+        pc,
+        extra,
+        config,
+        keep_last=keep_last,
+        rank_state=rank_state,
+        granularity=granularity,
+        run_id=run_id,
+    )
     return pending if isinstance(pending, Path) else pending.finish()
 
 
-def begin_save(root: str | Path, step: int, model: Models, optimizer=None, scheduler=None, pc=None,
-               extra: dict | None = None, config=None, *, keep_last: int | None = None,
-               rank_state: dict | None = None, granularity: str = "rank", run_id: str | None = None,
-               background: bool = False) -> "PendingSave | Path":
+def begin_save(
+    root: str | Path,
+    step: int,
+    model: Models,
+    optimizer=None,
+    scheduler=None,
+    pc=None,
+    extra: dict | None = None,
+    config=None,
+    *,
+    keep_last: int | None = None,
+    rank_state: dict | None = None,
+    granularity: str = "rank",
+    run_id: str | None = None,
+    background: bool = False,
+) -> "PendingSave | Path":
     """Steps 1-2 of the protocol (collectives on the world group, at the step boundary) and this
     rank's state taken as it is now; returns the path when the save is skipped, else a
     ``PendingSave`` whose ``finish()`` (every rank, at one step) writes what is left and commits.
@@ -118,8 +155,9 @@ def begin_save(root: str | Path, step: int, model: Models, optimizer=None, sched
         plan = plan_records(named_params(model), optimizer)
     except Exception:
         plan_error = world.error_here()
-    held = world.all_gather_checked(None if plan is None else sorted(plan.keys.values()), plan_error,
-                                    f"saving {final} failed")
+    held = world.all_gather_checked(
+        None if plan is None else sorted(plan.keys.values()), plan_error, f"saving {final} failed"
+    )
     writer: dict[str, int] = {}  # record -> the lowest global rank holding it
     for r, keys in enumerate(held):
         for k in keys:
@@ -135,9 +173,20 @@ def begin_save(root: str | Path, step: int, model: Models, optimizer=None, sched
             live = _live_state(optimizer, scheduler, extra)
         except Exception:  # reported by the commit, on every rank together
             live = _Live(error=traceback.format_exc())
-    commit = _Commit(root=root, final=final, tmp=tmp, step=step, cfg=cfg, pc=pc, keep_last=keep_last,
-                     run_id=run_id, granularity=granularity, live=live, t0=t0,
-                     topology=topology_of(pc, optimizer, cfg))
+    commit = _Commit(
+        root=root,
+        final=final,
+        tmp=tmp,
+        step=step,
+        cfg=cfg,
+        pc=pc,
+        keep_last=keep_last,
+        run_id=run_id,
+        granularity=granularity,
+        live=live,
+        t0=t0,
+        topology=topology_of(pc, optimizer, cfg),
+    )
     write = (lambda: Written(error=work_error)) if work is None else (lambda: write_rank(tmp, work, granularity))
     return PendingSave(world, commit, None if work is None else work.snapshot, write, background)
 
@@ -146,6 +195,7 @@ def begin_save(root: str | Path, step: int, model: Models, optimizer=None, sched
 class _Live:
     """The training state the commit records (rank 0, taken at the save's step: an async commit
     happens steps later); or why it could not be taken."""
+
     scheduler: dict | None = None
     param_groups: list[dict] | None = None
     extra: dict = field(default_factory=dict)
@@ -155,6 +205,7 @@ class _Live:
 @dataclass
 class _Commit:
     """Where the save goes and what its meta.json records besides the ranks' files."""
+
     root: Path
     final: Path
     tmp: Path
@@ -176,15 +227,22 @@ class PendingSave:
     rank's files are written (no communication); ``finish()`` waits for them, then every rank
     takes part in the commit (gather to rank 0, COMPLETE, rename, ``latest``, broadcast)."""
 
-    def __init__(self, world: World, commit: _Commit, snapshot: HostSnapshot | None,
-                 write: Callable[[], Written], background: bool):
+    def __init__(
+        self,
+        world: World,
+        commit: _Commit,
+        snapshot: HostSnapshot | None,
+        write: Callable[[], Written],
+        background: bool,
+    ):
         self.world, self.commit, self.step, self.path = world, commit, commit.step, commit.final
         self._report: Written | None = None
         self._thread = None
         self._taken = threading.Event()
         if background:
-            self._thread = threading.Thread(target=self._write, args=(snapshot, write), daemon=True,
-                                            name="nanotrain-checkpoint-writer")
+            self._thread = threading.Thread(
+                target=self._write, args=(snapshot, write), daemon=True, name="nanotrain-checkpoint-writer"
+            )
             self._thread.start()
         else:
             self._write(None, write)
@@ -277,12 +335,20 @@ def _meta(c: _Commit, reports: list[Written]) -> dict:
         shard_files.merge_index(opt_index, report.index["optimizer"])
         state_index[str(rank)] = report.state
     return {
-        "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "step": int(c.step), "extra": c.live.extra,
-        "topology": c.topology, "world_size": len(reports),
+        "format": fmt.FORMAT,
+        "format_version": fmt.FORMAT_VERSION,
+        "step": int(c.step),
+        "extra": c.live.extra,
+        "topology": c.topology,
+        "world_size": len(reports),
         "config_hash": hashlib.sha256(fmt.canonical(c.cfg).encode()).hexdigest() if c.cfg is not None else None,
-        "config": c.cfg, "scheduler": c.live.scheduler, "param_groups": c.live.param_groups,
-        "granularity": c.granularity, "checksum": fmt.CHECKSUM,
-        "created_unix": time.time(), "torch_version": torch.__version__,
+        "config": c.cfg,
+        "scheduler": c.live.scheduler,
+        "param_groups": c.live.param_groups,
+        "granularity": c.granularity,
+        "checksum": fmt.CHECKSUM,
+        "created_unix": time.time(),
+        "torch_version": torch.__version__,
         "files": dict(sorted(files.items())),
         "index": {"model": model_index, "optimizer": opt_index, "state": state_index},
     }

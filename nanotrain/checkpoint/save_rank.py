@@ -6,6 +6,7 @@ the records this rank was assigned (the lowest global rank holding a record writ
 they are at the save's step: host copies (``HostSnapshot``) for an async save. ``write_rank``
 writes them with the rank's RNG and per-rank state, and returns what the commit needs to know.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from nanotrain.parallel.sharding import ShardInfo, get_shard_info
 class RankPlan:
     """What this rank holds: its parameters and optimizer ranges, each record with a key that
     identical replicas on other ranks share."""
+
     params: dict[str, list[torch.Tensor]]
     infos: dict[str, ShardInfo]
     opt: dict[str, OptEntry]
@@ -33,6 +35,7 @@ class RankPlan:
 @dataclass
 class RankWork:
     """What this rank writes, taken at the save's step (host copies: an async save)."""
+
     rank: int
     coords: dict[str, int]
     model_tag: str
@@ -48,6 +51,7 @@ class RankWork:
 class Written:
     """A rank's answer to the commit (sent as JSON): its files' meta.json records, its part of
     the tensor index and its state file; or its error."""
+
     files: dict[str, dict] = field(default_factory=dict)
     index: dict[str, dict] = field(default_factory=dict)  # {"model": ..., "optimizer": ...}
     state: str = ""
@@ -63,11 +67,11 @@ def plan_records(params: dict[str, list[torch.Tensor]], optimizer) -> RankPlan:
         raise fmt.CheckpointError(f"optimizer parameters not found in the model: {missing[:5]}")
     keys = {}
     for n, ps in params.items():
-        keys[("model", n)] = fmt.key_hash(["model", n, fmt.info_to_json(infos[n]), list(ps[0].shape),
-                                          str(ps[0].dtype)])
+        keys[("model", n)] = fmt.key_hash(["model", n, fmt.info_to_json(infos[n]), list(ps[0].shape), str(ps[0].dtype)])
     for n, e in opt.items():
-        keys[("optimizer", n)] = fmt.key_hash(["optimizer", n, fmt.info_to_json(infos[n]), list(e.local_shape),
-                                              e.start, e.stop])
+        keys[("optimizer", n)] = fmt.key_hash(
+            ["optimizer", n, fmt.info_to_json(infos[n]), list(e.local_shape), e.start, e.stop]
+        )
     return RankPlan(params, infos, opt, keys)
 
 
@@ -80,26 +84,38 @@ def take_work(rank: int, plan: RankPlan, writer: dict[str, int], pc, rank_state,
     ep = coords["ep"] if pc is not None and pc.ep_size > 1 else None
     # Parameters are written by dp/cp rank 0 (the lowest rank of a replica set): their file is
     # named by (pp, tp); optimizer ranges differ per dp rank (ZeRO-1), so their files carry dp too.
-    model_tag = fmt.coord_tag(pp=coords["pp"], tp=coords["tp"], ep=ep, dp=coords["dp"] or None,
-                              cp=coords["cp"] or None)
-    opt_tag = fmt.coord_tag(pp=coords["pp"], tp=coords["tp"], ep=ep, dp=coords["dp"],
-                            cp=coords["cp"] if pc is not None and pc.cp_size > 1 else None)
-    model_items = [(n, keep(ps[0]), infos[n]) for n, ps in params.items()
-                   if writer[keys[("model", n)]] == rank]
+    model_tag = fmt.coord_tag(pp=coords["pp"], tp=coords["tp"], ep=ep, dp=coords["dp"] or None, cp=coords["cp"] or None)
+    opt_tag = fmt.coord_tag(
+        pp=coords["pp"],
+        tp=coords["tp"],
+        ep=ep,
+        dp=coords["dp"],
+        cp=coords["cp"] if pc is not None and pc.cp_size > 1 else None,
+    )
+    model_items = [(n, keep(ps[0]), infos[n]) for n, ps in params.items() if writer[keys[("model", n)]] == rank]
     # The step count too: AdamW increments it in place (it is a view of the live state).
-    opt_items = [(n, infos[n], e.local_shape, e.start, e.stop, keep(e.step), keep(e.exp_avg), keep(e.exp_avg_sq))
-                 for n, e in opt.items() if writer[keys[("optimizer", n)]] == rank]
-    return RankWork(rank=rank, coords=coords, model_tag=model_tag, opt_tag=opt_tag, model_items=model_items,
-                 opt_items=opt_items, rng=capture_rng(), rank_state=rank_state,
-                 snapshot=keep if snapshot else None)
+    opt_items = [
+        (n, infos[n], e.local_shape, e.start, e.stop, keep(e.step), keep(e.exp_avg), keep(e.exp_avg_sq))
+        for n, e in opt.items()
+        if writer[keys[("optimizer", n)]] == rank
+    ]
+    return RankWork(
+        rank=rank,
+        coords=coords,
+        model_tag=model_tag,
+        opt_tag=opt_tag,
+        model_items=model_items,
+        opt_items=opt_items,
+        rng=capture_rng(),
+        rank_state=rank_state,
+        snapshot=keep if snapshot else None,
+    )
 
 
 def write_rank(tmp: Path, work: RankWork, granularity: str) -> Written:
     coords = work.coords
-    model_jobs, model_index = shard_files.model_shard_files(work.model_tag, work.model_items, granularity,
-                                                            coords["pp"])
-    opt_jobs, opt_index = shard_files.optimizer_shard_files(work.opt_tag, work.opt_items, granularity,
-                                                            coords["pp"])
+    model_jobs, model_index = shard_files.model_shard_files(work.model_tag, work.model_items, granularity, coords["pp"])
+    opt_jobs, opt_index = shard_files.optimizer_shard_files(work.opt_tag, work.opt_items, granularity, coords["pp"])
     state_rel = f"state/rank-{work.rank:05d}.safetensors"
     state_job = (work.rng, {"kind": "state", "rank": work.rank, "coords": coords, "rank_state": work.rank_state})
     files = shard_files.write_files(tmp, {**model_jobs, **opt_jobs, state_rel: state_job})

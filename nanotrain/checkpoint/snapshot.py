@@ -14,6 +14,7 @@ between the step boundary and the next ``optimizer.step()``, so the next step's 
 backward run while the copies are made, and only the update waits for them
 (``PendingSave.wait_snapshot``, called by ``train_step`` through ``before_update``).
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ Everything a user can get wrong is checked here, before anything is submitted or
 reported as one `error:` line with exit status 2. With no flag the job goes to SLURM when
 `sbatch` is on PATH, else it runs as local processes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,43 +31,76 @@ from nanotrain.runtime.rundir import Launcher
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgParser(prog="submit.py", description=__doc__.split("\n\n")[0],
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgParser(
+        prog="submit.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("config", nargs="?", help="YAML config, e.g. configs/tiny_cpu.yaml")
-    parser.add_argument("--status", metavar="RUN_DIR",
-                        help="show a run's job state, requeues, last step, loss, tokens/s and ETA")
-    parser.add_argument("--resume", metavar="RUN_DIR",
-                        help="continue a stopped, preempted or failed run from its latest complete checkpoint "
-                             "(as it ran: SLURM or local; --set may change the topology)")
-    parser.add_argument("--set", metavar="SECTION.FIELD=VALUE", action="append", default=[],
-                        help="override a config field (value parsed as YAML); repeatable")
+    parser.add_argument(
+        "--status", metavar="RUN_DIR", help="show a run's job state, requeues, last step, loss, tokens/s and ETA"
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a stopped, preempted or failed run from its latest complete checkpoint "
+        "(as it ran: SLURM or local; --set may change the topology)",
+    )
+    parser.add_argument(
+        "--set",
+        metavar="SECTION.FIELD=VALUE",
+        action="append",
+        default=[],
+        help="override a config field (value parsed as YAML); repeatable",
+    )
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--dry-run", action="store_true",
-                      help="validate, print the rank grid and the sbatch script; submit nothing")
-    mode.add_argument("--emit", metavar="DIR",
-                      help="write a standalone .sbatch script (and its config) to DIR for plain `sbatch`")
-    mode.add_argument("--plan", action="store_true",
-                      help="propose the fastest layouts that fit (see nanotrain/estimate/plan.py); submit nothing")
+    mode.add_argument(
+        "--dry-run", action="store_true", help="validate, print the rank grid and the sbatch script; submit nothing"
+    )
+    mode.add_argument(
+        "--emit", metavar="DIR", help="write a standalone .sbatch script (and its config) to DIR for plain `sbatch`"
+    )
+    mode.add_argument(
+        "--plan",
+        action="store_true",
+        help="propose the fastest layouts that fit (see nanotrain/estimate/plan.py); submit nothing",
+    )
     parser.add_argument("--gpus", type=int, metavar="N", help="--plan: GPUs to plan for (default: the config's)")
-    parser.add_argument("--gpu-memory-gb", type=float, metavar="G",
-                        help="--plan: memory of one GPU (default: slurm.gpu_memory_gb, else 80)")
-    for flag, what in (("--gpu-tflops", "peak bf16 TFLOP/s per GPU"), ("--efficiency", "fraction of peak reached"),
-                       ("--intra-node-gbs", "GB/s per GPU within a node"),
-                       ("--inter-node-gbs", "GB/s per GPU across nodes")):
+    parser.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        metavar="G",
+        help="--plan: memory of one GPU (default: slurm.gpu_memory_gb, else 80)",
+    )
+    for flag, what in (
+        ("--gpu-tflops", "peak bf16 TFLOP/s per GPU"),
+        ("--efficiency", "fraction of peak reached"),
+        ("--intra-node-gbs", "GB/s per GPU within a node"),
+        ("--inter-node-gbs", "GB/s per GPU across nodes"),
+    ):
         parser.add_argument(flag, type=float, metavar="X", help=f"--plan cost model: {what}")
-    mode.add_argument("--rehearse", action="store_true",
-                      help="run ranks of the real job on CPU (meta device, fake NCCL world) at the real model "
-                           "shape and world size: train, evaluate, save, load, train; report placement, host "
-                           "syncs, memory and bytes per group; exit 1 on a defect (nanotrain/rehearse)")
-    parser.add_argument("--rank", type=int, action="append", metavar="R",
-                        help="--rehearse: this global rank (repeatable; default: one rank of every role)")
+    mode.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="run ranks of the real job on CPU (meta device, fake NCCL world) at the real model "
+        "shape and world size: train, evaluate, save, load, train; report placement, host "
+        "syncs, memory and bytes per group; exit 1 on a defect (nanotrain/rehearse)",
+    )
+    parser.add_argument(
+        "--rank",
+        type=int,
+        action="append",
+        metavar="R",
+        help="--rehearse: this global rank (repeatable; default: one rank of every role)",
+    )
     parser.add_argument("--steps", type=int, metavar="N", help="--rehearse: training steps (default 3)")
     parser.add_argument("--json", action="store_true", help="--rehearse: print the report as one JSON object")
-    mode.add_argument("--prepare-data", action="store_true",
-                      help="tokenise every data source into the cache: a CPU-only SLURM job "
-                           "(slurm.prepare), or here with --local")
-    parser.add_argument("--local", action="store_true",
-                        help="run as local processes (gloo on CPU) even when SLURM is available")
+    mode.add_argument(
+        "--prepare-data",
+        action="store_true",
+        help="tokenise every data source into the cache: a CPU-only SLURM job (slurm.prepare), or here with --local",
+    )
+    parser.add_argument(
+        "--local", action="store_true", help="run as local processes (gloo on CPU) even when SLURM is available"
+    )
     return parser
 
 
@@ -104,8 +138,10 @@ def dry_run(config: Config, layout: SlurmLayout | None, run_dir: Path, config_ar
         print(f"warning: {sbatch.partition_problem(config)} (sbatch here would refuse the job)")
     print(grid_summary(config))
     if layout is None:
-        print(f"\nlocal: {config.parallelism.world_size} processes of "
-              f"`{sys.executable} -m nanotrain.runtime.task {run_dir / rundir.CONFIG_FILE}`")
+        print(
+            f"\nlocal: {config.parallelism.world_size} processes of "
+            f"`{sys.executable} -m nanotrain.runtime.task {run_dir / rundir.CONFIG_FILE}`"
+        )
     else:
         print("\n# sbatch script (written and submitted by submitit):")
         print(sbatch.render_sbatch(config, layout, run_dir, sbatch.submitit_command(run_dir)))
@@ -121,8 +157,9 @@ def emit(config: Config, layout: SlurmLayout, out_dir: Path) -> int:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         dump_config(config, config_path)
-        script.write_text(sbatch.render_sbatch(config, layout, rundir.run_dir_of(config),
-                                               sbatch.task_command(config_path)))
+        script.write_text(
+            sbatch.render_sbatch(config, layout, rundir.run_dir_of(config), sbatch.task_command(config_path))
+        )
         script.chmod(0o755)
     except OSError as exc:
         raise rundir.os_error("--emit", exc) from None
@@ -136,8 +173,7 @@ def emit(config: Config, layout: SlurmLayout, out_dir: Path) -> int:
     return 0
 
 
-def _undo_run_dir(run_dir: Path, existed: set[Path] | None, old_config: bytes | None,
-                  made: Path | None) -> None:
+def _undo_run_dir(run_dir: Path, existed: set[Path] | None, old_config: bytes | None, made: Path | None) -> None:
     """After a refused submission leave the run directory as it was: gone (with the parents we
     made) if we made it, else without the pickled job and submission script we added, and with
     its previous config."""
@@ -160,8 +196,13 @@ def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
     old_config = (run_dir / rundir.CONFIG_FILE).read_bytes() if (run_dir / rundir.CONFIG_FILE).is_file() else None
     try:
         config_path = rundir.write_run_dir(config, run_dir)
-        job = submit(sbatch.job_folder(run_dir), config.slurm.max_requeues, sbatch.executor_parameters(config, layout),
-                     TrainingTask(), str(config_path))
+        job = submit(
+            sbatch.job_folder(run_dir),
+            config.slurm.max_requeues,
+            sbatch.executor_parameters(config, layout),
+            TrainingTask(),
+            str(config_path),
+        )
     except SubmitRefused as exc:
         _undo_run_dir(run_dir, existed, old_config, made)
         return refuse(exc)
@@ -173,8 +214,9 @@ def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
     try:
         return _report_submitted(config, layout, run_dir, job)
     except (KeyboardInterrupt, Terminated) as stop:
-        line, status = stop_line(stop, f"job {job.job_id} was submitted; see it with: "
-                                       f"python submit.py --status {run_dir}")
+        line, status = stop_line(
+            stop, f"job {job.job_id} was submitted; see it with: python submit.py --status {run_dir}"
+        )
         print(line, file=sys.stderr)
         return status
 
@@ -183,8 +225,10 @@ def _report_submitted(config: Config, layout: SlurmLayout, run_dir: Path, job) -
     rundir.write_launch_record(run_dir, mode=Launcher.SLURM, job_id=job.job_id, argv=sys.argv[1:])
     print(f"submitted job {job.job_id}: {describe_layout(config, layout)}")
     print(f"run directory: {run_dir}")
-    print(f"stdout: {job.paths.stdout}  (task 0; task R writes {job.job_id}_R_log.out; "
-          f"metrics: task {metrics_rank(config)})")
+    print(
+        f"stdout: {job.paths.stdout}  (task 0; task R writes {job.job_id}_R_log.out; "
+        f"metrics: task {metrics_rank(config)})"
+    )
     print(f"stderr: {job.paths.stderr}")
     print(f"tensorboard: tensorboard --logdir {config.logging.dir}")
     return 0
@@ -198,11 +242,11 @@ def run_locally(config: Config, run_dir: Path) -> int:
     world = config.parallelism.world_size
     print(f"local run: {describe_layout(config, None)}; run directory: {run_dir}", flush=True)
     try:
-        status = run_local(task_command(config_path), world, sbatch.job_folder(run_dir),
-                           stream_ranks=(0, metrics_rank(config)))
+        status = run_local(
+            task_command(config_path), world, sbatch.job_folder(run_dir), stream_ranks=(0, metrics_rank(config))
+        )
     except Interrupted as stop:
-        print(report_interrupt(run_dir, Path(config.checkpoints.path), stop), file=sys.stderr,
-              flush=True)
+        print(report_interrupt(run_dir, Path(config.checkpoints.path), stop), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     print(f"tensorboard: tensorboard --logdir {config.logging.dir}", flush=True)
     return status
@@ -217,8 +261,10 @@ def _config_of(args) -> tuple[Config, str, Launcher | None]:
         return load_config(args.config, args.set), args.config, None
     run_dir = Path(args.resume)
     if not (run_dir / rundir.CONFIG_FILE).is_file():
-        raise ConfigError(f"--resume {args.resume}: not a run directory (no {rundir.CONFIG_FILE}); "
-                          "pass logs/<run> of an earlier submission")
+        raise ConfigError(
+            f"--resume {args.resume}: not a run directory (no {rundir.CONFIG_FILE}); "
+            "pass logs/<run> of an earlier submission"
+        )
     config = load_config(run_dir / rundir.CONFIG_FILE, args.set)
     if config.checkpoints.path == str(rundir.run_dir_of(config) / "checkpoints"):
         config.checkpoints.path = None  # the default: follow the run directory if it was moved
@@ -255,8 +301,11 @@ def check_path_arguments(args) -> None:
     read (`config.loader.read_yaml`), which keeps the wording of a missing one."""
     if args.config is not None and not args.config.strip():
         raise ConfigError("config: an empty path (an unset shell variable?): give a path")
-    for flag, value, kind in (("--status", args.status, DIR), ("--resume", args.resume, DIR),
-                              ("--emit", args.emit, CREATE_DIR)):
+    for flag, value, kind in (
+        ("--status", args.status, DIR),
+        ("--resume", args.resume, DIR),
+        ("--emit", args.emit, CREATE_DIR),
+    ):
         if value is not None:
             check_path(flag, value, kind, ConfigError)
 
@@ -302,8 +351,9 @@ def _main(argv: list[str] | None):
         has_sbatch = shutil.which("sbatch") is not None
         use_slurm = _launcher(mode, args.local, resumed, has_sbatch) is Launcher.SLURM
         if use_slurm and not has_sbatch and mode.launches:
-            raise ConfigError("this run was launched on SLURM but `sbatch` is not on PATH: "
-                              "resume it where SLURM runs, or add --local")
+            raise ConfigError(
+                "this run was launched on SLURM but `sbatch` is not on PATH: resume it where SLURM runs, or add --local"
+            )
         layout = validate(config, slurm=use_slurm)
         check_path_fields(config)
         if not use_slurm:

@@ -2,6 +2,7 @@
 layouts to use) and `--rehearse` (ranks of the job on CPU). Each answers a bad request with one
 `error:` line (a ConfigError, printed by ``cli.main``).
 """
+
 from __future__ import annotations
 
 from nanotrain.config import ConfigError, load_config, validate
@@ -22,8 +23,13 @@ def plan(args) -> int:
 
     config = config_for(args, "--plan", "submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]")
     gpus, memory = planner.check_request(config, args.gpus, args.gpu_memory_gb)
-    hw = planner.hardware(config, peak_tflops=args.gpu_tflops, efficiency=args.efficiency,
-                          intra_node_gbs=args.intra_node_gbs, inter_node_gbs=args.inter_node_gbs)
+    hw = planner.hardware(
+        config,
+        peak_tflops=args.gpu_tflops,
+        efficiency=args.efficiency,
+        intra_node_gbs=args.intra_node_gbs,
+        inter_node_gbs=args.inter_node_gbs,
+    )
     result = planner.make_plan(config, gpus, memory, hw)
     for line in planner.render(result, args.config, memory, args.set):
         print(line)

@@ -9,6 +9,7 @@ any other command is done. While the command checks, writes or submits, the CLI 
 through to end it with one line (`stopping.py`; a pending one at once), and holds it again
 before a local run starts its ranks. The CLI is imported inside `main` on purpose: after the block.
 """
+
 from __future__ import annotations
 
 from nanotrain.runtime.preemption import block_stop_signals, unblock_stop_signals

@@ -12,6 +12,7 @@ reads a config, writes a run directory or asks the scheduler anything.
 A new mode is one more row (and its flag in the parser); tests/test_cli_flags.py pairs every flag
 the parser has, so a flag missing from the table is caught there.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,8 +87,7 @@ def flag_name(action: argparse.Action) -> str:
 
 def given_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """The flags set on this command line (a value other than the parser's default)."""
-    return [flag_name(a) for a in parser._actions
-            if a.dest != "help" and getattr(args, a.dest, a.default) != a.default]
+    return [flag_name(a) for a in parser._actions if a.dest != "help" and getattr(args, a.dest, a.default) != a.default]
 
 
 def owners(flag: str) -> list[str]:
@@ -119,7 +119,7 @@ def check_flags(flags: list[str]) -> Mode:
             return Mode(row.flag)
     ordered = sorted(flags, key=_order)
     for i, a in enumerate(ordered):
-        for b in ordered[i + 1:]:
+        for b in ordered[i + 1 :]:
             if not together(a, b):
                 raise ConfigError(f"{_speaks(a)}; it cannot be combined with {b} (see --help)")
     for flag in ordered:

@@ -12,6 +12,7 @@ rewritten and, on SLURM, after the job waited in the queue), or not at all:
 A dry run makes the checkpoint checks too (it must say what a launch would refuse) but not the
 ownership ones: printing a plan next to a live run is harmless.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -46,14 +47,18 @@ def check_resume_target(config: Config, run_dir: Path) -> None:
         mine = run_id_file.read_text().strip() if run_id_file.is_file() else None
         if saved_id and saved_id != mine and not config.checkpoints.allow_foreign:
             where = (meta.get("config") or {}).get("logging") or {}
-            raise ConfigError(f"checkpoints.path: {cand} belongs to another run ({where.get('dir')}/"
-                              f"{where.get('run_name')}, run id {saved_id}); point checkpoints.path elsewhere, "
-                              "or set checkpoints.allow_foreign=true to start from it on purpose")
+            raise ConfigError(
+                f"checkpoints.path: {cand} belongs to another run ({where.get('dir')}/"
+                f"{where.get('run_name')}, run id {saved_id}); point checkpoints.path elsewhere, "
+                "or set checkpoints.allow_foreign=true to start from it on purpose"
+            )
         diff = model_differences(meta.get("config"), config_to_dict(config))
         if diff:
-            raise ConfigError(f"model: this run would resume from {cand}, whose model differs in {', '.join(diff)}; "
-                              "a run keeps its model shape: drop those --set model.* overrides, or start a new "
-                              "run (another logging.run_name) to train another model")
+            raise ConfigError(
+                f"model: this run would resume from {cand}, whose model differs in {', '.join(diff)}; "
+                "a run keeps its model shape: drop those --set model.* overrides, or start a new "
+                "run (another logging.run_name) to train another model"
+            )
         return
 
 

@@ -10,6 +10,7 @@ has the usual `config.yaml`, `launch.json` and `job/` logs, so `--status` works 
 filesystem) both finish with one valid cache: each writes `tokens.bin` then `meta.json` by an
 atomic rename of a complete file, and the two files are the same bytes.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,21 +34,39 @@ def prepare_sources(config: Config, progress: bool, out=None) -> list[dict]:
     results = []
     for where, args in all_source_args(config.data):
         started = time.perf_counter()
-        ds = TokenDataset.build(args, seq_len=config.training.sequence_length,
-                                cache_dir=default_cache_dir(config), vocab_size=config.model.vocab_size,
-                                progress=progress)
+        ds = TokenDataset.build(
+            args,
+            seq_len=config.training.sequence_length,
+            cache_dir=default_cache_dir(config),
+            vocab_size=config.model.vocab_size,
+            progress=progress,
+        )
         took = time.perf_counter() - started
-        result = {"source": args.source, "entry": where, "path": ds.path, "documents": ds.num_documents,
-                  "tokens": ds.num_tokens, "seconds": took, "from_cache": ds.from_cache,
-                  "workers": max(1, args.num_workers)}
+        result = {
+            "source": args.source,
+            "entry": where,
+            "path": ds.path,
+            "documents": ds.num_documents,
+            "tokens": ds.num_tokens,
+            "seconds": took,
+            "from_cache": ds.from_cache,
+            "workers": max(1, args.num_workers),
+        }
         results.append(result)
         if ds.from_cache:
-            print(f"{where}: {args.source}: already prepared ({ds.num_tokens:,} tokens) in {ds.path}",
-                  file=out, flush=True)
+            print(
+                f"{where}: {args.source}: already prepared ({ds.num_tokens:,} tokens) in {ds.path}",
+                file=out,
+                flush=True,
+            )
         else:
-            print(f"{where}: {args.source}: {ds.num_documents:,} documents, {ds.num_tokens:,} tokens in "
-                  f"{took:.1f}s ({ds.num_tokens / max(took, 1e-9):,.0f} tokens/s, {result['workers']} "
-                  f"worker(s)) -> {ds.path}", file=out, flush=True)
+            print(
+                f"{where}: {args.source}: {ds.num_documents:,} documents, {ds.num_tokens:,} tokens in "
+                f"{took:.1f}s ({ds.num_tokens / max(took, 1e-9):,.0f} tokens/s, {result['workers']} "
+                f"worker(s)) -> {ds.path}",
+                file=out,
+                flush=True,
+            )
     return results
 
 
@@ -76,9 +95,15 @@ def prepare_locally(config: Config) -> int:
 def executor_parameters(config: Config) -> dict:
     """One CPU-only task on one node: the `slurm.prepare` resources, the training job's setup."""
     s, p = config.slurm, config.slurm.prepare
-    params: dict = {"job_name": f"{config.logging.run_name}-prepare", "nodes": 1, "ntasks_per_node": 1,
-                    "cpus_per_task": p.cpus, "time": p.time, "stderr_to_stdout": False,
-                    "setup": sbatch.setup_lines(config) + [f"export OMP_NUM_THREADS={p.cpus}"]}
+    params: dict = {
+        "job_name": f"{config.logging.run_name}-prepare",
+        "nodes": 1,
+        "ntasks_per_node": 1,
+        "cpus_per_task": p.cpus,
+        "time": p.time,
+        "stderr_to_stdout": False,
+        "setup": sbatch.setup_lines(config) + [f"export OMP_NUM_THREADS={p.cpus}"],
+    }
     partition = p.partition or s.partition
     if partition is not None:
         params["partition"] = partition
@@ -96,10 +121,17 @@ def submit_prepare(config: Config, run_dir: Path) -> int:
 
     job_dir = prepare_dir(run_dir)
     config_path = rundir.write_run_dir(config, job_dir)
-    job = submit(sbatch.job_folder(job_dir), 0, executor_parameters(config), PrepareTask(), str(config_path),
-                 what="the preparation job")
-    rundir.write_launch_record(job_dir, mode=rundir.Launcher.SLURM, job_id=job.job_id, argv=sys.argv[1:],
-                               kind="prepare")
+    job = submit(
+        sbatch.job_folder(job_dir),
+        0,
+        executor_parameters(config),
+        PrepareTask(),
+        str(config_path),
+        what="the preparation job",
+    )
+    rundir.write_launch_record(
+        job_dir, mode=rundir.Launcher.SLURM, job_id=job.job_id, argv=sys.argv[1:], kind="prepare"
+    )
     print(f"submitted data preparation job {job.job_id} (1 CPU task, {config.slurm.prepare.cpus} cpus)")
     print(f"status: python submit.py --status {job_dir}")
     print(f"stdout: {job.paths.stdout}")

@@ -7,6 +7,7 @@ them as one record per incarnation. Whichever answers first gives the state, so 
 works on clusters without accounting and right after a job ends, before sacct has caught up.
 Training progress comes from `<run_dir>/progress.json`, written atomically by the logging rank.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,7 +43,7 @@ class JobInfo:
 
     job_id: str
     state: Optional[str] = None
-    source: Optional[str] = None       # squeue | sacct | scontrol
+    source: Optional[str] = None  # squeue | sacct | scontrol
     restarts: Optional[int] = None
     nodes: Optional[str] = None
     reason: Optional[str] = None
@@ -75,8 +76,7 @@ def query_sacct(job_id: str) -> Optional[dict]:
     if not rows:
         return None
     _, state, nodes, code = rows[-1][:4]  # one record per incarnation; the last is the current one
-    return {"state": state.split()[0], "nodes": _nodes(nodes), "restarts": len(rows) - 1,
-            "exit_code": _exit_code(code)}
+    return {"state": state.split()[0], "nodes": _nodes(nodes), "restarts": len(rows) - 1, "exit_code": _exit_code(code)}
 
 
 def query_scontrol(job_id: str) -> Optional[dict]:
@@ -86,10 +86,13 @@ def query_scontrol(job_id: str) -> Optional[dict]:
         return None
     restarts = fields.get("Restarts")
     reason = fields.get("Reason")
-    return {"state": fields["JobState"], "nodes": _nodes(fields.get("NodeList", "")),
-            "restarts": int(restarts) if restarts and restarts.isdigit() else None,
-            "reason": reason if reason not in (None, "", "None") else None,
-            "exit_code": _exit_code(fields.get("ExitCode", ""))}
+    return {
+        "state": fields["JobState"],
+        "nodes": _nodes(fields.get("NodeList", "")),
+        "restarts": int(restarts) if restarts and restarts.isdigit() else None,
+        "reason": reason if reason not in (None, "", "None") else None,
+        "exit_code": _exit_code(fields.get("ExitCode", "")),
+    }
 
 
 def _exit_code(text: str) -> Optional[int]:
@@ -112,11 +115,23 @@ def slurm_job_info(job_id: str) -> JobInfo:
         info.reason = answers[info.source].get("reason") or (answers["scontrol"] or {}).get("reason")
         # A pending job has no nodes; scontrol still names those of a requeued job's last run.
         if info.state != "PENDING":
-            info.nodes = next((answers[name]["nodes"] for name in (info.source, "squeue", "scontrol", "sacct")
-                               if answers[name] and answers[name].get("nodes")), None)
+            info.nodes = next(
+                (
+                    answers[name]["nodes"]
+                    for name in (info.source, "squeue", "scontrol", "sacct")
+                    if answers[name] and answers[name].get("nodes")
+                ),
+                None,
+            )
     if info.state not in (None, "PENDING", "RUNNING", "REQUEUED", "COMPLETING", "SUSPENDED"):
-        info.exit_code = next((answers[name]["exit_code"] for name in (info.source, "sacct", "scontrol")
-                               if answers[name] and answers[name].get("exit_code") is not None), None)
+        info.exit_code = next(
+            (
+                answers[name]["exit_code"]
+                for name in (info.source, "sacct", "scontrol")
+                if answers[name] and answers[name].get("exit_code") is not None
+            ),
+            None,
+        )
     for name in ("scontrol", "sacct"):  # scontrol counts requeues itself; sacct by records
         if answers[name] and answers[name].get("restarts") is not None:
             info.restarts = answers[name]["restarts"]
@@ -127,8 +142,7 @@ def slurm_job_info(job_id: str) -> JobInfo:
 def _job_id_from_logs(run_dir: Path) -> Optional[str]:
     """A run started from an `--emit`ted script has no launch.json; its job logs (`%j_...`) in
     `job/` still name the job. The highest id is the latest submission."""
-    ids = [int(m.group(1)) for p in (run_dir / "job").glob("*")
-           if (m := re.match(r"(\d+)[_.]", p.name))]
+    ids = [int(m.group(1)) for p in (run_dir / "job").glob("*") if (m := re.match(r"(\d+)[_.]", p.name))]
     return str(max(ids)) if ids else None
 
 
@@ -136,13 +150,12 @@ def _check_run_dir(run_dir: Path) -> None:
     if not run_dir.is_dir():
         raise ConfigError(f"--status: {run_dir} is not a directory (expected a run directory such as logs/<run>)")
     if not any((run_dir / name).is_file() for name in RUN_DIR_MARKERS):
-        raise ConfigError(f"--status: {run_dir} is not a run directory "
-                          f"(none of {', '.join(RUN_DIR_MARKERS)} in it)")
+        raise ConfigError(f"--status: {run_dir} is not a run directory (none of {', '.join(RUN_DIR_MARKERS)} in it)")
 
 
 # progress.json field -> what --status does with it. The file is ours (written atomically), but
 # it lives in a user-writable directory: a damaged one is named, never a traceback.
-_WHOLE = ("step", "total_steps")                          # integers >= 0
+_WHOLE = ("step", "total_steps")  # integers >= 0
 _NUMBERS = ("loss", "tokens_per_sec", "mfu", "eta_s", "time")  # numbers (loss may be nan)
 
 

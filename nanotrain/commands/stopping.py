@@ -8,6 +8,7 @@ writes and submits, SIGTERM ends it (`Terminated`, exit 128 + 15, one line, the 
 undone where a refused submission would undo it), as Ctrl-C does (exit 130); once a local run is
 about to start its ranks the hold is back, and a SIGTERM waits for their handlers as before.
 """
+
 from __future__ import annotations
 
 import contextlib

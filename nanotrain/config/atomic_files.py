@@ -11,6 +11,7 @@ never write into each other's temp file; a failed write leaves no temp file behi
 ``durable=False`` skips both fsyncs (the old-or-new guarantee for readers stays); a caller that
 passes it says why a crash losing the newest version is acceptable there.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,9 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | Path, write: Callable[[BinaryIO], None], *, durable: bool = True,
-                 mode: int = 0o644) -> None:
+def atomic_write(
+    path: str | Path, write: Callable[[BinaryIO], None], *, durable: bool = True, mode: int = 0o644
+) -> None:
     """``write(fh)`` into a temp sibling of ``path``, then rename it over ``path`` (module doc)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")

@@ -5,6 +5,7 @@ argparse's multi-line usage dump, another prefix, another status or a traceback.
 Standard library and ``nanotrain.config`` only (no torch), so that a script parses and checks
 its command line in a fraction of a second, before it imports anything heavy.
 """
+
 from __future__ import annotations
 
 import argparse

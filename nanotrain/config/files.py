@@ -4,6 +4,7 @@
 them, or the entries added to an existing directory, when the block writing there raises.
 (Atomic single-file writes live in ``atomic_files.py``.)
 """
+
 from __future__ import annotations
 
 import contextlib

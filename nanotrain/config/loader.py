@@ -4,6 +4,7 @@ Why not dacite/pydantic: we want every error to be one line that names the field
 fix it (closest valid key for typos); numbers are read as YAML 1.2 (see `strict_yaml`).
 The type hints of `schema.py` are the only source of truth; this module interprets them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -100,8 +101,10 @@ def _parse_value(where: str, hint: Any, value: Any) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             return _fail(f"{where}: expected a mapping of key: value, got {_describe(value)}")
-        return {_check_string(f"{where} key", strict_yaml.written(k)): _parse_value(f"{where}.{k}", args[1], v)
-                for k, v in value.items()}
+        return {
+            _check_string(f"{where} key", strict_yaml.written(k)): _parse_value(f"{where}.{k}", args[1], v)
+            for k, v in value.items()
+        }
     raise TypeError(f"unsupported config type {hint!r} for {where}")  # a bug in schema.py
 
 
@@ -163,8 +166,9 @@ def _parse_slurm_time(where: str, value: Any) -> int:
     try:
         return slurm_time.minutes(value)
     except ValueError:
-        return _fail(f"{where}: {_describe(value)} is not a time limit: give minutes or a SLURM time "
-                     f"{slurm_time.FORMS}")
+        return _fail(
+            f"{where}: {_describe(value)} is not a time limit: give minutes or a SLURM time {slurm_time.FORMS}"
+        )
 
 
 # Fields whose schema metadata names a "parse" hook are read by it instead of by their type hint.
@@ -182,8 +186,9 @@ def _build_section(section: str, cls: type, raw: Any):
     kwargs = {}
     for key, value in raw.items():
         if key not in fields:
-            raise ConfigError(f"{section}.{_shown(key)}: unknown key in section '{section_name}'"
-                              f"{_closest(str(key), fields)}")
+            raise ConfigError(
+                f"{section}.{_shown(key)}: unknown key in section '{section_name}'{_closest(str(key), fields)}"
+            )
         where = f"{section}.{key}"
         hook = _PARSE_HOOKS.get(fields[key].metadata.get("parse"))
         parsed = hook(where, value) if hook else _parse_value(where, hints[key], value)
@@ -245,6 +250,7 @@ def config_from_dict(raw: Any) -> Config:
 
 def config_to_dict(config: Config) -> dict:
     """Plain YAML-safe dict (tuples become lists), the inverse of `config_from_dict`."""
+
     def plain(value):
         if isinstance(value, tuple):
             return [plain(v) for v in value]
@@ -253,6 +259,7 @@ def config_to_dict(config: Config) -> dict:
         if isinstance(value, dict):
             return {k: plain(v) for k, v in value.items()}
         return value
+
     return plain(dataclasses.asdict(config))
 
 
@@ -283,8 +290,9 @@ def apply_override(raw: dict, assignment: str) -> None:
     try:
         value = strict_yaml.load(text) if text.strip() else None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {shown}: the value is not valid YAML "
-                          f"({strict_yaml.error_line(exc, text)[1]})") from None
+        raise ConfigError(
+            f"--set {shown}: the value is not valid YAML ({strict_yaml.error_line(exc, text)[1]})"
+        ) from None
     node = raw.setdefault(keys[0], {})
     if node is None:
         node = raw[keys[0]] = {}
@@ -301,23 +309,33 @@ def apply_override(raw: dict, assignment: str) -> None:
 def read_yaml(path: str | Path) -> dict:
     """The YAML document of a config file; every way a file can be wrong is one ConfigError
     that names the file (and the line, for YAML problems)."""
-    check_path("config file", path, FILE, ConfigError,  # a FIFO is never opened
-               missing=f"config file {str(path)!r} not found: pass the path of a YAML file, e.g. configs/tiny_cpu.yaml")
+    check_path(
+        "config file",
+        path,
+        FILE,
+        ConfigError,  # a FIFO is never opened
+        missing=f"config file {str(path)!r} not found: pass the path of a YAML file, e.g. configs/tiny_cpu.yaml",
+    )
     path = Path(path)
     try:
         with open(path, "rb") as f:
             data = f.read(strict_yaml.MAX_BYTES + 1)
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror or exc}): "
-                          "check its permissions") from None
+        raise ConfigError(
+            f"{path}: cannot read the config file ({exc.strerror or exc}): check its permissions"
+        ) from None
     if len(data) > strict_yaml.MAX_BYTES:
-        raise ConfigError(f"{path}: larger than {strict_yaml.MAX_BYTES // 1024} KB; a config is a few KB "
-                          "of YAML (is this the right file?)")
+        raise ConfigError(
+            f"{path}: larger than {strict_yaml.MAX_BYTES // 1024} KB; a config is a few KB "
+            "of YAML (is this the right file?)"
+        )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not a UTF-8 text file (byte 0x{data[exc.start]:02x} at offset "
-                          f"{exc.start}): a config is a YAML text file (is this the right file?)") from None
+        raise ConfigError(
+            f"{path}: not a UTF-8 text file (byte 0x{data[exc.start]:02x} at offset "
+            f"{exc.start}): a config is a YAML text file (is this the right file?)"
+        ) from None
     try:
         raw = strict_yaml.load(text)
     except yaml.YAMLError as exc:

@@ -5,6 +5,7 @@ dataclasses, so a new path field is checked, and tested, without being listed an
 read or create, files). A `data.source` (a path unless 'stdlib' or a hub name) and a
 `data.tokenizer` (a path unless 'byte') are checked by the data layer, which knows those words.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -22,6 +22,7 @@ catches such a file system wherever it is mounted and through symbolic links; th
 directories, enters each directory once while expanding ``**`` (a link loop is not walked round),
 and never enters a pseudo file system. Torch-free and dependency-free: the config layer is the bottom one.
 """
+
 from __future__ import annotations
 
 import errno
@@ -32,24 +33,49 @@ import stat
 from functools import lru_cache
 
 FILE, DIR, FILE_OR_DIR, CREATE_DIR = "file", "dir", "file or dir", "create dir"
-NAME_MAX = 255   # bytes of one name: ext4, xfs, btrfs, NFS, Lustre and GPFS all allow 255
+NAME_MAX = 255  # bytes of one name: ext4, xfs, btrfs, NFS, Lustre and GPFS all allow 255
 PATH_MAX = 4096  # bytes of a whole path (Linux PATH_MAX, with its NUL)
 MAX_DIRS = 10_000  # directories one glob may visit: quick locally, still seconds on a network file system
-PSEUDO_TYPES = frozenset({"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
-                          "securityfs", "pstore", "bpf", "configfs", "fusectl", "mqueue", "binfmt_misc",
-                          "efivarfs", "selinuxfs", "rpc_pipefs", "nsfs", "autofs", "hugetlbfs"})
+PSEUDO_TYPES = frozenset(
+    {
+        "proc",
+        "sysfs",
+        "devtmpfs",
+        "devpts",
+        "cgroup",
+        "cgroup2",
+        "debugfs",
+        "tracefs",
+        "securityfs",
+        "pstore",
+        "bpf",
+        "configfs",
+        "fusectl",
+        "mqueue",
+        "binfmt_misc",
+        "efivarfs",
+        "selinuxfs",
+        "rpc_pipefs",
+        "nsfs",
+        "autofs",
+        "hugetlbfs",
+    }
+)
 PSEUDO_ROOTS = ("/proc", "/sys", "/dev")
 _ALLOWED_UNDER_PSEUDO = ("/dev/shm",)
-_KINDS = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_KINDS = (
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 class PathError(ValueError):
     """A path a user gave that cannot be used; the message is one line naming the field."""
 
 
-def check_path(name: str, path, expect: str, error: type[Exception] = PathError,
-               missing: str | None = None) -> str:
+def check_path(name: str, path, expect: str, error: type[Exception] = PathError, missing: str | None = None) -> str:
     """Raise `error` (one line) if `path` is not what `expect` says; return it, `~` expanded.
     `missing`: the whole line to say when nothing is there (the caller knows the better fix)."""
     found = path_problem(name, path, expect, missing)
@@ -88,8 +114,10 @@ def _name_problem(name: str, path: str) -> str | None:
     for part in raw.split(b"/"):
         if len(part) > NAME_MAX:
             shown = os.fsdecode(part)[:40]
-            return (f"{name}: the name {shown!r}... is {len(part)} bytes; file systems allow {NAME_MAX}: "
-                    "choose a shorter name")
+            return (
+                f"{name}: the name {shown!r}... is {len(part)} bytes; file systems allow {NAME_MAX}: "
+                "choose a shorter name"
+            )
     if len(raw) >= PATH_MAX:
         return f"{name}: the path is {len(raw)} bytes long; at most {PATH_MAX - 1}: choose a shorter one"
     return None
@@ -129,8 +157,11 @@ def _kind_problem(name: str, path: str, st: os.stat_result, expect: str) -> str 
     if expect in (FILE, FILE_OR_DIR) and stat.S_ISREG(mode):
         return None if os.access(path, os.R_OK) else f"{name}: {path} is not readable by you: check its permissions"
     if expect in (DIR, FILE_OR_DIR) and stat.S_ISDIR(mode):
-        return None if os.access(path, os.R_OK | os.X_OK) else \
-            f"{name}: {path} is a directory you may not read: check its permissions"
+        return (
+            None
+            if os.access(path, os.R_OK | os.X_OK)
+            else f"{name}: {path} is a directory you may not read: check its permissions"
+        )
     wanted = {FILE: "a regular file", DIR: "a directory", FILE_OR_DIR: "a regular file or a directory"}[expect]
     found = other or ("a directory" if stat.S_ISDIR(mode) else "a file")
     return f"{name}: {path} is {found}, not {wanted}: give {wanted}"
@@ -169,8 +200,10 @@ def _create_problem(name: str, path: str) -> str | None:
 def _pseudo_problem(name: str, path: str) -> str | None:
     fs = pseudo_fs(path)
     if fs:
-        return (f"{name}: {path} is on the {fs} pseudo file system (the kernel's view, not files): "
-                "give a path on a real file system")
+        return (
+            f"{name}: {path} is on the {fs} pseudo file system (the kernel's view, not files): "
+            "give a path on a real file system"
+        )
     return None
 
 
@@ -232,8 +265,9 @@ def bounded_glob(name: str, pattern: str, max_dirs: int = MAX_DIRS) -> list[str]
         found = _pseudo_problem(name, os.path.abspath(root))
         if found:
             raise PathError(found)
-    walk = _Walk(max_dirs, f"{name}: the pattern {pattern} visits more than {max_dirs:,} directories: narrow it",
-                 follow=True)
+    walk = _Walk(
+        max_dirs, f"{name}: the pattern {pattern} visits more than {max_dirs:,} directories: narrow it", follow=True
+    )
     return sorted(set(walk.expand(root, [p for p in parts[magic:] if p], False, frozenset())))
 
 
@@ -241,8 +275,11 @@ def walk_files(name: str, directory: str, max_dirs: int = MAX_DIRS) -> list[str]
     """The regular files below `directory` (names not starting with '.'), sorted, walked as
     ``os.walk`` walks (links to directories are not entered), never into a pseudo file system,
     at most `max_dirs` directories (else PathError naming `name`)."""
-    walk = _Walk(max_dirs, f"{name}: {directory} holds more than {max_dirs:,} directories: "
-                           "give a narrower directory or a glob", follow=False)
+    walk = _Walk(
+        max_dirs,
+        f"{name}: {directory} holds more than {max_dirs:,} directories: give a narrower directory or a glob",
+        follow=False,
+    )
     return sorted(walk.expand(directory, ["**", "*"], False, frozenset()))
 
 

@@ -4,6 +4,7 @@ Field names are the public interface (DESIGN.md); users, tests and docs rely on 
 type hint drives parsing (see `loader.py`), and `metadata` carries the range checks, so a new field
 is declared once, here, and is parsed, validated and documented from that single place.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,14 +31,14 @@ DATA_SOURCE, TOKENIZER, HF_DIR = "data source", "tokenizer", "hf dir"
 FLOAT32_TINY = 2.0**-126
 
 
-def bounded(default, lo=None, hi=None, doc: str = "", above: bool = False, parse: str | None = None,
-            why: str = ""):
+def bounded(default, lo=None, hi=None, doc: str = "", above: bool = False, parse: str | None = None, why: str = ""):
     """A field with an inclusive numeric range (`above`: the minimum itself is excluded), checked
     by the loader with the field's name. Floats must also be finite (the loader refuses NaN/inf).
     `parse` names a loader hook that reads the value instead of its type hint. `why` is added to
     the error of a value out of range: what the value would do in the ranks, and the fix."""
-    return field(default=default, metadata={"min": lo, "max": hi, "min_exclusive": above, "doc": doc,
-                                            "parse": parse, "why": why})
+    return field(
+        default=default, metadata={"min": lo, "max": hi, "min_exclusive": above, "doc": doc, "parse": parse, "why": why}
+    )
 
 
 def slurm_time(default: int, doc: str):
@@ -62,13 +63,13 @@ class ParallelismArgs:
     dp: int = bounded(1, 1, MAX_WORLD, doc="data-parallel replicas")
     tp: int = bounded(1, 1, MAX_WORLD, doc="tensor-parallel shards of each layer")
     pp: int = bounded(1, 1, MAX_WORLD, doc="pipeline stages")
-    cp: int = bounded(1, 1, MAX_WORLD,
-                      doc="context-parallel ranks: each holds 2 of 2*cp zig-zag chunks of every sequence")
+    cp: int = bounded(
+        1, 1, MAX_WORLD, doc="context-parallel ranks: each holds 2 of 2*cp zig-zag chunks of every sequence"
+    )
     ep: int = bounded(1, 1, MAX_WORLD, doc="expert-parallel ranks: each holds model.moe.num_experts / ep experts")
     pp_engine: Literal["afab", "1f1b", "interleaved_1f1b"] = doc("1f1b", "pipeline schedule")
     pp_virtual_stages: int = bounded(1, 1, 1024, doc="model chunks per pp rank (interleaved_1f1b)")
-    tp_mode: Literal["ALL_REDUCE", "REDUCE_SCATTER"] = doc(
-        "ALL_REDUCE", "REDUCE_SCATTER = sequence parallelism")
+    tp_mode: Literal["ALL_REDUCE", "REDUCE_SCATTER"] = doc("ALL_REDUCE", "REDUCE_SCATTER = sequence parallelism")
     tp_linear_async_communication: bool = doc(False, "overlap TP collectives with matmuls")
 
     @property
@@ -92,16 +93,22 @@ class MoEArgs:
     num_experts: int = bounded(8, 1, 65536, doc="routed experts per MoE layer")
     top_k: int = bounded(2, 1, 65536, doc="experts each token is sent to (<= num_experts)")
     expert_intermediate_size: Optional[int] = bounded(
-        None, 1, doc="SwiGLU width of one expert; null = model.intermediate_size")
+        None, 1, doc="SwiGLU width of one expert; null = model.intermediate_size"
+    )
     num_shared_experts: int = bounded(
-        0, 0, 1024, doc="0 = Mixtral; >= 1 = DeepSeek/Qwen: an always-on SwiGLU of this many experts' width")
+        0, 0, 1024, doc="0 = Mixtral; >= 1 = DeepSeek/Qwen: an always-on SwiGLU of this many experts' width"
+    )
     layer_frequency: int = bounded(1, 1, doc="every k-th layer (after first_dense_layers) is MoE")
     first_dense_layers: int = bounded(0, 0, doc="leading decoder layers that stay dense")
     aux_loss_coef: float = bounded(0.01, 0.0, 1e3, doc="Switch/Mixtral load-balancing loss weight")
     z_loss_coef: float = bounded(0.0, 0.0, 1e3, doc="router z-loss weight (ST-MoE)")
     capacity_factor: Optional[float] = bounded(
-        None, 0.0, 1e3, doc="null = dropless; else tokens per expert capped at "
-        "ceil(factor * tokens * top_k / num_experts)", above=True)
+        None,
+        0.0,
+        1e3,
+        doc="null = dropless; else tokens per expert capped at ceil(factor * tokens * top_k / num_experts)",
+        above=True,
+    )
 
 
 @dataclass
@@ -117,11 +124,18 @@ class ModelArgs:
     rms_norm_eps: float = bounded(1e-5, 0.0, 1.0, doc="RMSNorm epsilon")
     tie_word_embeddings: bool = doc(False, "LM head shares the embedding matrix")
     dtype: Literal["float32", "bfloat16", "float16"] = doc(
-        "bfloat16", "compute dtype (autocast, on GPU and CPU); weights, grads and optimizer stay "
-        "float32; float16 is refused (no loss scaler)")
-    init_std: float = bounded(0.02, 0.0, 1.0, above=True, doc="std of the normal init of weights",
-                              why="all-zero weights get zero gradients, so the model would never learn; "
-                                  "the usual value is 0.02")
+        "bfloat16",
+        "compute dtype (autocast, on GPU and CPU); weights, grads and optimizer stay "
+        "float32; float16 is refused (no loss scaler)",
+    )
+    init_std: float = bounded(
+        0.02,
+        0.0,
+        1.0,
+        above=True,
+        doc="std of the normal init of weights",
+        why="all-zero weights get zero gradients, so the model would never learn; the usual value is 0.02",
+    )
     moe: Optional[MoEArgs] = doc(None, "mixture of experts (absent = dense): the model.moe fields")
 
 
@@ -135,31 +149,53 @@ class TrainingArgs:
     eval_interval: int = bounded(0, 0, doc="validate every N steps and at the last step; 0 = off")
     eval_batches: int = bounded(1, 0, doc="global batches of data.validation per evaluation")
     collective_timeout_s: float = bounded(
-        600.0, 1.0, doc="timeout of every process group and of the hang watchdog: a rank whose step does "
-                        "not advance this long ends the job (exit 4) with reports in <run>/hang/")
+        600.0,
+        1.0,
+        doc="timeout of every process group and of the hang watchdog: a rank whose step does "
+        "not advance this long ends the job (exit 4) with reports in <run>/hang/",
+    )
     profile: Optional[dict[str, int]] = doc(
-        None, "{start_step, num_steps}: torch.profiler traces of those steps in <run>/profile/; null = off")
+        None, "{start_step, num_steps}: torch.profiler traces of those steps in <run>/profile/; null = off"
+    )
     recompute: Literal["none", "selective", "full"] = doc(
-        "none", "activation recomputation: selective (attention core + SwiGLU activation), full (each decoder layer)")
+        "none", "activation recomputation: selective (attention core + SwiGLU activation), full (each decoder layer)"
+    )
     compile: bool = doc(False, "torch.compile each decoder layer (GPU, or CPU with a C++ compiler)")
 
 
 @dataclass
 class OptimizerArgs:
-    lr: float = bounded(3e-4, 0.0, 10.0, doc="peak learning rate (a larger one is a typo: 3e4 for 3e-4; 0 "
-                        "trains nothing: an evaluation-only or round-trip run)")
+    lr: float = bounded(
+        3e-4,
+        0.0,
+        10.0,
+        doc="peak learning rate (a larger one is a typo: 3e4 for 3e-4; 0 "
+        "trains nothing: an evaluation-only or round-trip run)",
+    )
     weight_decay: float = bounded(0.1, 0.0, doc="AdamW decay of matrices (not norms); lr * weight_decay < 1")
     betas: tuple[float, float] = doc((0.9, 0.95), "AdamW (beta1, beta2), each in [0, 1)")
-    eps: float = bounded(1e-8, FLOAT32_TINY, 1.0, doc="AdamW epsilon",
-                         why="AdamW divides by sqrt(second moment) + eps, and a parameter whose gradient is "
-                             "zero (an embedding row no token used) would become 0/0 = NaN; the usual value is 1e-8")
-    clip_grad: Optional[float] = bounded(1.0, 0.0, above=True, doc="global grad-norm clip; null disables",
-                                         why="set null to disable clipping, or a positive norm such as 1.0")
+    eps: float = bounded(
+        1e-8,
+        FLOAT32_TINY,
+        1.0,
+        doc="AdamW epsilon",
+        why="AdamW divides by sqrt(second moment) + eps, and a parameter whose gradient is "
+        "zero (an embedding row no token used) would become 0/0 = NaN; the usual value is 1e-8",
+    )
+    clip_grad: Optional[float] = bounded(
+        1.0,
+        0.0,
+        above=True,
+        doc="global grad-norm clip; null disables",
+        why="set null to disable clipping, or a positive norm such as 1.0",
+    )
     warmup_steps: int = bounded(0, 0, doc="linear warm-up steps (more than train_steps: lr rises all run)")
     lr_decay_style: Literal["cosine", "linear", "constant", "wsd"] = doc(
-        "cosine", "decay to min_lr at train_steps; wsd = warmup, stable at lr, decay in the last decay_fraction")
-    decay_fraction: float = bounded(0.2, 0.0, 1.0, above=True,
-                                    doc="wsd: share of train_steps spent decaying (the last ones)")
+        "cosine", "decay to min_lr at train_steps; wsd = warmup, stable at lr, decay in the last decay_fraction"
+    )
+    decay_fraction: float = bounded(
+        0.2, 0.0, 1.0, above=True, doc="wsd: share of train_steps spent decaying (the last ones)"
+    )
     decay_shape: Literal["linear", "1-sqrt"] = doc("1-sqrt", "wsd: shape of the decay to min_lr")
     min_lr: float = bounded(0.0, 0.0, doc="final learning rate")
     zero_stage: Literal[0, 1] = doc(0, "1 shards optimizer states across dp")
@@ -168,6 +204,7 @@ class OptimizerArgs:
 @dataclass
 class SourceArgs:
     """One entry of `data.sources`: a corpus and its share of the training samples."""
+
     name: str = doc("", "label of the source in logs and TensorBoard (data/tokens/<name>); unique")
     source: str = doc("", "files/dir/glob, a hub dataset name, or 'stdlib', as data.source", path=DATA_SOURCE)
     weight: float = bounded(1.0, 0.0, above=True, doc="relative share of training samples (normalised)")
@@ -177,23 +214,29 @@ class SourceArgs:
 @dataclass
 class ValidationArgs:
     """`data.validation`: a held-out set, either a source of its own or a tail of each source."""
+
     source: Optional[str] = doc(None, "files/dir/glob or hub name of a validation corpus", path=DATA_SOURCE)
-    fraction: Optional[float] = bounded(None, 0.0, 1.0, above=True,
-                                        doc="share of each training source's windows held out (< 1)")
+    fraction: Optional[float] = bounded(
+        None, 0.0, 1.0, above=True, doc="share of each training source's windows held out (< 1)"
+    )
 
 
 @dataclass
 class DataArgs:
-    source: str = doc("stdlib", "files/dir/glob, a hub dataset name, or 'stdlib' (Python's own sources)",
-                      path=DATA_SOURCE)
+    source: str = doc(
+        "stdlib", "files/dir/glob, a hub dataset name, or 'stdlib' (Python's own sources)", path=DATA_SOURCE
+    )
     text_column: str = doc("text", "column holding the text")
     tokenizer: str = doc("byte", "'byte' or a path to a tokenizer.json", path=TOKENIZER)
     num_workers: int = bounded(0, 0, 1024, doc="tokenisation processes")
     sources: list[SourceArgs] = doc(list, "weighted mixture; when set, data.source is not used")
     validation: Optional[ValidationArgs] = doc(None, "held-out set for training.eval_interval")
     max_build_mb: Optional[float] = bounded(
-        512.0, 0.0, doc="a training job tokenises a source without a cache only up to this size on disk "
-                        "(larger: run --prepare-data first); null = no limit")
+        512.0,
+        0.0,
+        doc="a training job tokenises a source without a cache only up to this size on disk "
+        "(larger: run --prepare-data first); null = no limit",
+    )
 
 
 @dataclass
@@ -204,11 +247,18 @@ class CheckpointArgs:
     resume: bool = doc(True, "continue from the latest complete checkpoint in the run dir")
     save_on_preemption: bool = doc(True, "save when SLURM signals a preemption or time limit")
     allow_foreign: bool = doc(False, "resume from a checkpoint another run wrote (else refused)")
-    async_save: bool = doc(False, "copy the state to host memory beside the next step (its update waits for "
-                                  "the copy) and write it from a background thread while training goes on "
-                                  "(committed at a later step)")
-    init_from_hf: Optional[str] = doc(None, "local Hugging Face Llama directory the weights start from when the "
-                                      "run has no checkpoint yet (optimizer and step start fresh)", path=HF_DIR)
+    async_save: bool = doc(
+        False,
+        "copy the state to host memory beside the next step (its update waits for "
+        "the copy) and write it from a background thread while training goes on "
+        "(committed at a later step)",
+    )
+    init_from_hf: Optional[str] = doc(
+        None,
+        "local Hugging Face Llama directory the weights start from when the "
+        "run has no checkpoint yet (optimizer and step start fresh)",
+        path=HF_DIR,
+    )
 
 
 @dataclass
@@ -222,6 +272,7 @@ class LoggingArgs:
 @dataclass
 class PrepareArgs:
     """`slurm.prepare`: the CPU-only job of `submit.py CONFIG --prepare-data`."""
+
     partition: Optional[str] = doc(None, "SLURM partition; default slurm.partition")
     cpus: int = bounded(4, 1, 65536, doc="CPU cores of the one task (data.num_workers uses them)")
     time: int = slurm_time(60, doc="time limit: minutes, or a SLURM time (HH:MM:SS, D-HH:MM:SS)")
@@ -243,13 +294,15 @@ class SlurmArgs:
     exclusive: bool = doc(False, "whole nodes")
     max_requeues: int = bounded(3, 0, doc="requeues after preemption / time limit")
     signal: Literal["USR1", "USR2", "TERM", "INT", "HUP"] = doc(
-        "USR2", "sent by SLURM before the time limit / on preemption")
+        "USR2", "sent by SLURM before the time limit / on preemption"
+    )
     signal_delay_s: int = bounded(120, 0, 65535, doc="seconds before the limit that the signal comes")
     setup: list[str] = doc(list, "trusted shell lines run before srun (module load, source venv)")
     sbatch_extra: dict[str, str] = doc(dict, "extra #SBATCH options, e.g. {mail-type: END}")
     env: dict[str, str] = doc(dict, "exported before init (NCCL_*, InfiniBand settings)")
-    prepare: PrepareArgs = field(default_factory=PrepareArgs,
-                                 metadata={"doc": "the CPU job of --prepare-data (partition, cpus, time)"})
+    prepare: PrepareArgs = field(
+        default_factory=PrepareArgs, metadata={"doc": "the CPU job of --prepare-data (partition, cpus, time)"}
+    )
 
 
 @dataclass

@@ -3,6 +3,7 @@
 Accepted: "MM", "MM:SS", "HH:MM:SS", "D-HH", "D-HH:MM", "D-HH:MM:SS"; seconds round up to a whole
 minute (as sbatch does). Fields opt in with schema metadata `parse: "slurm_time"`.
 """
+
 from __future__ import annotations
 
 import re

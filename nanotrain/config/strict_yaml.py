@@ -13,6 +13,7 @@ Numbers follow YAML 1.2's core schema, not PyYAML's YAML 1.1: `1:30:00` stays th
 like (1.1 reads sexagesimal 5400), `010` is ten (1.1: octal 8), `0o17`/`0x1f` are octal/hex,
 `1_000` and `0b101` stay strings, and `3e-4` is a float (1.1 wants `3.0e-4`).
 """
+
 from __future__ import annotations
 
 import re
@@ -25,10 +26,10 @@ from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
 from nanotrain.config.text import escaped
 
-MAX_VALUES = 10_000   # values after expanding aliases; shipped configs hold about 120
-MAX_DEPTH = 32        # nesting; a config is 3 deep
-MAX_INT_DIGITS = 30   # larger integers only arrive by mistake (and 4300+ digits crash int())
-MAX_BYTES = 1 << 20   # a config is a few KB
+MAX_VALUES = 10_000  # values after expanding aliases; shipped configs hold about 120
+MAX_DEPTH = 32  # nesting; a config is 3 deep
+MAX_INT_DIGITS = 30  # larger integers only arrive by mistake (and 4300+ digits crash int())
+MAX_BYTES = 1 << 20  # a config is a few KB
 
 
 class WrittenInt(int):
@@ -81,9 +82,14 @@ class StrictLoader(yaml.SafeLoader):
     def _count(self, n: int, mark, what: str) -> None:
         self._values += n
         if self._values > MAX_VALUES:
-            raise ComposerError(None, None, f"{what} makes the document larger than {MAX_VALUES:,} values "
-                                "(a config needs a few hundred): write the values out instead of "
-                                "expanding aliases", mark)
+            raise ComposerError(
+                None,
+                None,
+                f"{what} makes the document larger than {MAX_VALUES:,} values "
+                "(a config needs a few hundred): write the values out instead of "
+                "expanding aliases",
+                mark,
+            )
 
     def _size(self, node) -> int:
         """Values in `node` with aliases expanded (memoized: aliased nodes are shared)."""
@@ -101,18 +107,26 @@ class StrictLoader(yaml.SafeLoader):
         event = self.peek_event()
         if isinstance(event, AliasEvent):
             if event.anchor in self._open_anchors:
-                raise ComposerError(None, None, f"alias *{event.anchor} refers to a value that contains "
-                                    "it (a recursive document): write the values out", event.start_mark)
+                raise ComposerError(
+                    None,
+                    None,
+                    f"alias *{event.anchor} refers to a value that contains "
+                    "it (a recursive document): write the values out",
+                    event.start_mark,
+                )
             if event.anchor in self.anchors:
-                self._count(self._size(self.anchors[event.anchor]), event.start_mark,
-                            f"alias *{event.anchor}")
+                self._count(self._size(self.anchors[event.anchor]), event.start_mark, f"alias *{event.anchor}")
             return super().compose_node(parent, index)  # PyYAML reports an undefined alias
         self._count(1, event.start_mark, "this value")
         anchor = event.anchor if isinstance(event, CollectionStartEvent) else None
         self._depth += 1
         if self._depth > MAX_DEPTH:
-            raise ComposerError(None, None, f"values nested more than {MAX_DEPTH} levels deep "
-                                "(a config is 3 levels deep)", event.start_mark)
+            raise ComposerError(
+                None,
+                None,
+                f"values nested more than {MAX_DEPTH} levels deep (a config is 3 levels deep)",
+                event.start_mark,
+            )
         if anchor is not None:
             self._open_anchors.add(anchor)
         try:
@@ -137,15 +151,20 @@ class StrictLoader(yaml.SafeLoader):
                 seen.setdefault(key, key_node.start_mark.line)
                 if first is not None:
                     shown = escaped(str(key) if len(str(key)) <= 40 else str(key)[:37] + "...")
-                    raise ConstructorError(None, None, f"duplicate key '{shown}' (first given at line "
-                                           f"{first + 1}): keep only one", key_node.start_mark)
+                    raise ConstructorError(
+                        None,
+                        None,
+                        f"duplicate key '{shown}' (first given at line {first + 1}): keep only one",
+                        key_node.start_mark,
+                    )
         return super().construct_mapping(node, deep=deep)
 
     def construct_yaml_int(self, node):
         digits = sum(ch.isdigit() for ch in str(node.value))
         if digits > MAX_INT_DIGITS:
-            raise ConstructorError(None, None, f"an integer of {digits} digits is far beyond any "
-                                   "config value", node.start_mark)
+            raise ConstructorError(
+                None, None, f"an integer of {digits} digits is far beyond any config value", node.start_mark
+            )
         source = text = str(node.value)
         sign = -1 if text.startswith("-") else 1
         text = text.lstrip("+-")
@@ -164,14 +183,18 @@ _INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 # SafeLoader and the global yaml state stay as they are.
 StrictLoader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _FLOAT)]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 # YAML 1.2 core schema; int before float, since a plain integer matches both.
-StrictLoader.add_implicit_resolver(_INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
-                                   list("-+0123456789"))
+StrictLoader.add_implicit_resolver(_INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
 StrictLoader.add_implicit_resolver(
-    _FLOAT, re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
-                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+.0123456789"))
+    _FLOAT,
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+.0123456789"),
+)
 StrictLoader.add_constructor(_INT, StrictLoader.construct_yaml_int)
 StrictLoader.add_constructor(_FLOAT, StrictLoader.construct_yaml_float)
 

@@ -7,6 +7,7 @@ from what it is ("Trojan Source"), and other format characters (zero-width space
 the byte-order mark, soft hyphens) that make two different values look the same in a path, a
 partition or a batch script. None belongs in a config value, so all are refused here.
 """
+
 from __future__ import annotations
 
 import unicodedata
@@ -21,8 +22,9 @@ _BIDI = {chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x200E
 def escaped(text: str) -> str:
     """`text` with every non-printable character written as a Python escape ('\\u202e'), so an
     error message that echoes user text never prints a control or bidi character raw."""
-    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape", "backslashreplace").decode("ascii")
-                   for ch in text)
+    return "".join(
+        ch if ch.isprintable() else ch.encode("unicode_escape", "backslashreplace").decode("ascii") for ch in text
+    )
 
 
 def unsafe_char(text: str) -> tuple[int, str] | None:

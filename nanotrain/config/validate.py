@@ -4,6 +4,7 @@ Each check raises `ConfigError` with one line naming the field(s) and the fix. P
 ranges are checked by the loader; here live the rules that relate fields to each other, to the
 world size, and to the sbatch script the job becomes (``validate_slurm.py``).
 """
+
 from __future__ import annotations
 
 from nanotrain.config.loader import ConfigError, check_fields
@@ -27,40 +28,56 @@ def validate_layout(config: Config) -> None:
     m, p = config.model, config.parallelism
     kv = m.num_key_value_heads or m.num_attention_heads
     if p.world_size > MAX_WORLD:
-        _fail(f"parallelism: {parallel_product(config)} ranks; at most {MAX_WORLD:,} are supported: "
-              "lower dp, tp, pp or cp")
+        _fail(
+            f"parallelism: {parallel_product(config)} ranks; at most {MAX_WORLD:,} are supported: "
+            "lower dp, tp, pp or cp"
+        )
     # Without experts, ep ranks would silently train as data replicas.
     if p.ep > 1 and m.moe is None:
-        _fail(f"parallelism.ep ({p.ep}): the model is dense (no model.moe, no experts to shard); "
-              f"add a model.moe section or set parallelism.ep: 1 and give the ranks to dp (dp: {p.dp * p.ep})")
+        _fail(
+            f"parallelism.ep ({p.ep}): the model is dense (no model.moe, no experts to shard); "
+            f"add a model.moe section or set parallelism.ep: 1 and give the ranks to dp (dp: {p.dp * p.ep})"
+        )
     if m.moe is not None:
         validate_moe(config)
     if m.dtype == "float16":
-        _fail("model.dtype: float16 needs loss scaling, which nanotrain does not do (its 5-bit exponent "
-              "underflows small gradients); use bfloat16 (same memory and speed, fp32's range) or float32")
+        _fail(
+            "model.dtype: float16 needs loss scaling, which nanotrain does not do (its 5-bit exponent "
+            "underflows small gradients); use bfloat16 (same memory and speed, fp32's range) or float32"
+        )
     if m.hidden_size % m.num_attention_heads:
-        _fail(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_attention_heads "
-              f"({m.num_attention_heads}): choose heads that divide the hidden size")
+        _fail(
+            f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_attention_heads "
+            f"({m.num_attention_heads}): choose heads that divide the hidden size"
+        )
     if (m.hidden_size // m.num_attention_heads) % 2:
-        _fail(f"model: head dim hidden_size/num_attention_heads = {m.hidden_size // m.num_attention_heads} "
-              "must be even for RoPE: change hidden_size or num_attention_heads")
+        _fail(
+            f"model: head dim hidden_size/num_attention_heads = {m.hidden_size // m.num_attention_heads} "
+            "must be even for RoPE: change hidden_size or num_attention_heads"
+        )
     if m.num_attention_heads % kv:
-        _fail(f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
-              f"model.num_key_value_heads ({kv}) for grouped-query attention")
+        _fail(
+            f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
+            f"model.num_key_value_heads ({kv}) for grouped-query attention"
+        )
     if m.num_attention_heads % p.tp:
-        _fail(f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by parallelism.tp "
-              f"({p.tp}): lower tp or change the head count")
+        _fail(
+            f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by parallelism.tp "
+            f"({p.tp}): lower tp or change the head count"
+        )
     if kv % p.tp:
-        _fail(f"model.num_key_value_heads ({kv}) must be divisible by parallelism.tp ({p.tp}): "
-              "lower tp or raise num_key_value_heads")
+        _fail(
+            f"model.num_key_value_heads ({kv}) must be divisible by parallelism.tp ({p.tp}): "
+            "lower tp or raise num_key_value_heads"
+        )
     if m.intermediate_size % p.tp:
-        _fail(f"model.intermediate_size ({m.intermediate_size}) must be divisible by parallelism.tp "
-              f"({p.tp})")
+        _fail(f"model.intermediate_size ({m.intermediate_size}) must be divisible by parallelism.tp ({p.tp})")
     chunks = p.pp * p.pp_virtual_stages
     if m.num_layers < chunks:
         what = f"pp*pp_virtual_stages = {p.pp}*{p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else f"pp ({p.pp})"
-        _fail(f"model.num_layers ({m.num_layers}) must be at least parallelism.{what}: "
-              "every pipeline stage needs a layer")
+        _fail(
+            f"model.num_layers ({m.num_layers}) must be at least parallelism.{what}: every pipeline stage needs a layer"
+        )
     if p.pp_virtual_stages > 1 and p.pp_engine != "interleaved_1f1b":
         _fail(f"parallelism.pp_virtual_stages ({p.pp_virtual_stages}) needs pp_engine: interleaved_1f1b")
 
@@ -70,24 +87,34 @@ def validate_model(config: Config) -> None:
     validate_layout(config)
     m, p, t = config.model, config.parallelism, config.training
     if t.sequence_length > m.max_position_embeddings:
-        _fail(f"training.sequence_length ({t.sequence_length}) exceeds model.max_position_embeddings "
-              f"({m.max_position_embeddings}): raise max_position_embeddings or shorten the sequence")
+        _fail(
+            f"training.sequence_length ({t.sequence_length}) exceeds model.max_position_embeddings "
+            f"({m.max_position_embeddings}): raise max_position_embeddings or shorten the sequence"
+        )
     if p.cp > 1 and t.sequence_length % (2 * p.cp):
-        _fail(f"training.sequence_length ({t.sequence_length}) must be divisible by 2*parallelism.cp "
-              f"= {2 * p.cp} (each cp rank holds two of 2*cp equal chunks): change the length or cp")
+        _fail(
+            f"training.sequence_length ({t.sequence_length}) must be divisible by 2*parallelism.cp "
+            f"= {2 * p.cp} (each cp rank holds two of 2*cp equal chunks): change the length or cp"
+        )
     local_seq = t.sequence_length // p.cp
     if p.tp_mode == "REDUCE_SCATTER" and local_seq % p.tp:
-        what = f"training.sequence_length/parallelism.cp = {t.sequence_length}/{p.cp}" if p.cp > 1 \
+        what = (
+            f"training.sequence_length/parallelism.cp = {t.sequence_length}/{p.cp}"
+            if p.cp > 1
             else f"training.sequence_length ({t.sequence_length})"
-        _fail(f"{what} must be divisible by parallelism.tp ({p.tp}) under tp_mode REDUCE_SCATTER "
-              "(sequence shards)")
+        )
+        _fail(f"{what} must be divisible by parallelism.tp ({p.tp}) under tp_mode REDUCE_SCATTER (sequence shards)")
     m_micro = t.batch_accumulation_per_replica
     if p.pp > 1 and p.pp_engine == "1f1b" and m_micro < p.pp:
-        _fail(f"training.batch_accumulation_per_replica ({m_micro}) must be >= parallelism.pp ({p.pp}) "
-              "for pp_engine 1f1b: raise it, or use pp_engine: afab")
+        _fail(
+            f"training.batch_accumulation_per_replica ({m_micro}) must be >= parallelism.pp ({p.pp}) "
+            "for pp_engine 1f1b: raise it, or use pp_engine: afab"
+        )
     if p.pp_engine == "interleaved_1f1b" and m_micro % p.pp:
-        _fail(f"training.batch_accumulation_per_replica ({m_micro}) must be a multiple of parallelism.pp "
-              f"({p.pp}) for pp_engine interleaved_1f1b")
+        _fail(
+            f"training.batch_accumulation_per_replica ({m_micro}) must be a multiple of parallelism.pp "
+            f"({p.pp}) for pp_engine interleaved_1f1b"
+        )
 
 
 def validate_moe(config: Config) -> None:
@@ -96,18 +123,26 @@ def validate_moe(config: Config) -> None:
     if moe.top_k > moe.num_experts:
         _fail(f"model.moe.top_k ({moe.top_k}) must not exceed model.moe.num_experts ({moe.num_experts})")
     if moe.num_experts % p.ep:
-        _fail(f"model.moe.num_experts ({moe.num_experts}) must be divisible by parallelism.ep ({p.ep}): "
-              "every ep rank holds num_experts / ep experts")
+        _fail(
+            f"model.moe.num_experts ({moe.num_experts}) must be divisible by parallelism.ep ({p.ep}): "
+            "every ep rank holds num_experts / ep experts"
+        )
     if moe.first_dense_layers >= m.num_layers:
-        _fail(f"model.moe.first_dense_layers ({moe.first_dense_layers}) leaves no MoE layer among "
-              f"model.num_layers ({m.num_layers}): lower it, or drop model.moe")
+        _fail(
+            f"model.moe.first_dense_layers ({moe.first_dense_layers}) leaves no MoE layer among "
+            f"model.num_layers ({m.num_layers}): lower it, or drop model.moe"
+        )
     ffn = moe.expert_intermediate_size or m.intermediate_size
     if (moe.num_shared_experts * ffn) % p.tp:
-        _fail(f"model.moe.num_shared_experts * expert width ({moe.num_shared_experts * ffn}) must be divisible "
-              f"by parallelism.tp ({p.tp}): the shared experts are split over tp")
+        _fail(
+            f"model.moe.num_shared_experts * expert width ({moe.num_shared_experts * ffn}) must be divisible "
+            f"by parallelism.tp ({p.tp}): the shared experts are split over tp"
+        )
     if config.checkpoints.init_from_hf:
-        _fail("checkpoints.init_from_hf: a Hugging Face Llama checkpoint has no experts to initialise model.moe "
-              "from: drop one of them")
+        _fail(
+            "checkpoints.init_from_hf: a Hugging Face Llama checkpoint has no experts to initialise model.moe "
+            "from: drop one of them"
+        )
 
 
 def validate_optimizer(config: Config) -> None:
@@ -119,16 +154,20 @@ def validate_optimizer(config: Config) -> None:
         _fail(f"optimizer.min_lr ({o.min_lr}) must not exceed optimizer.lr ({o.lr})")
     # AdamW multiplies the decayed weights by 1 - lr * weight_decay every step.
     if o.lr * o.weight_decay >= 1.0:
-        _fail(f"optimizer.weight_decay ({o.weight_decay:g}) x optimizer.lr ({o.lr:g}) = {o.lr * o.weight_decay:g} "
-              "must be below 1: AdamW multiplies the weights by 1 - lr*weight_decay each step, which would zero "
-              "or flip them; the usual weight_decay is 0.1")
+        _fail(
+            f"optimizer.weight_decay ({o.weight_decay:g}) x optimizer.lr ({o.lr:g}) = {o.lr * o.weight_decay:g} "
+            "must be below 1: AdamW multiplies the weights by 1 - lr*weight_decay each step, which would zero "
+            "or flip them; the usual weight_decay is 0.1"
+        )
     if o.lr_decay_style == "wsd":
         steps = config.training.train_steps
         decay = wsd_decay_steps(o.decay_fraction, steps)
         if o.warmup_steps + decay > steps:
-            _fail(f"optimizer.warmup_steps ({o.warmup_steps}) + the wsd decay (optimizer.decay_fraction="
-                  f"{o.decay_fraction} of {steps} steps = {decay}) exceed training.train_steps ({steps}): "
-                  "lower warmup_steps or decay_fraction")
+            _fail(
+                f"optimizer.warmup_steps ({o.warmup_steps}) + the wsd decay (optimizer.decay_fraction="
+                f"{o.decay_fraction} of {steps} steps = {decay}) exceed training.train_steps ({steps}): "
+                "lower warmup_steps or decay_fraction"
+            )
 
 
 def wsd_decay_steps(decay_fraction: float, train_steps: int) -> int:
@@ -152,23 +191,33 @@ def validate_data(config: Config) -> None:
         if not src.source:
             _fail(f"{where}.source: missing; set it to files, a directory, a glob or a hub dataset name")
     if d.sources and d.source != "stdlib":
-        _fail(f"data.source ({d.source!r}) and data.sources are both set: list every corpus in data.sources "
-              "(data.source is the one-source shorthand)")
+        _fail(
+            f"data.source ({d.source!r}) and data.sources are both set: list every corpus in data.sources "
+            "(data.source is the one-source shorthand)"
+        )
     v = d.validation
     if v is not None:
         if (v.source is None) == (v.fraction is None):
-            _fail("data.validation: set exactly one of source (a corpus of its own) or fraction "
-                  "(a share held out of each training source), e.g. {fraction: 0.01}")
+            _fail(
+                "data.validation: set exactly one of source (a corpus of its own) or fraction "
+                "(a share held out of each training source), e.g. {fraction: 0.01}"
+            )
         if v.fraction is not None and v.fraction >= 1.0:
-            _fail(f"data.validation.fraction: {v.fraction} must be below 1 (it is the share held out of "
-                  "training), e.g. 0.01")
+            _fail(
+                f"data.validation.fraction: {v.fraction} must be below 1 (it is the share held out of "
+                "training), e.g. 0.01"
+            )
     if t.eval_interval > 0:
         if v is None:
-            _fail(f"training.eval_interval ({t.eval_interval}) needs data.validation: add "
-                  "data.validation: {fraction: 0.01} or {source: PATH}, or set eval_interval: 0")
+            _fail(
+                f"training.eval_interval ({t.eval_interval}) needs data.validation: add "
+                "data.validation: {fraction: 0.01} or {source: PATH}, or set eval_interval: 0"
+            )
         if t.eval_batches < 1:
-            _fail(f"training.eval_batches is 0 with training.eval_interval {t.eval_interval}: "
-                  "set eval_batches >= 1, or eval_interval: 0 to turn evaluation off")
+            _fail(
+                f"training.eval_batches is 0 with training.eval_interval {t.eval_interval}: "
+                "set eval_batches >= 1, or eval_interval: 0 to turn evaluation off"
+            )
 
 
 PROFILE_KEYS = ("start_step", "num_steps")
@@ -188,8 +237,10 @@ def validate_profile(config: Config) -> None:
         if prof[key] < 1:
             _fail(f"training.profile.{key}: {prof[key]} must be >= 1 (steps count from 1)")
     if prof["start_step"] > config.training.train_steps:
-        _fail(f"training.profile.start_step: {prof['start_step']} is after the last step "
-              f"(training.train_steps = {config.training.train_steps}); profile an earlier step")
+        _fail(
+            f"training.profile.start_step: {prof['start_step']} is after the last step "
+            f"(training.train_steps = {config.training.train_steps}); profile an earlier step"
+        )
 
 
 def validate(config: Config, *, slurm: bool = False) -> SlurmLayout | None:
@@ -209,8 +260,10 @@ def validate(config: Config, *, slurm: bool = False) -> SlurmLayout | None:
     """
     check_fields(config)
     if config.training.collective_timeout_s > MAX_COLLECTIVE_TIMEOUT_S:
-        _fail(f"training.collective_timeout_s: {config.training.collective_timeout_s:g} s is more than 7 days "
-              f"({MAX_COLLECTIVE_TIMEOUT_S:g} s), longer than a hang should go unnoticed: lower it")
+        _fail(
+            f"training.collective_timeout_s: {config.training.collective_timeout_s:g} s is more than 7 days "
+            f"({MAX_COLLECTIVE_TIMEOUT_S:g} s), longer than a hang should go unnoticed: lower it"
+        )
     validate_profile(config)
     validate_model(config)
     validate_optimizer(config)

@@ -6,6 +6,7 @@ exception by design: its lines are shell that the user writes and trusts (module
 venv), checked only to be one line each. Each check raises ``ConfigError`` with one line naming the
 field and the fix.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,10 +22,33 @@ RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SBATCH_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Options that nanotrain derives itself; setting them in sbatch_extra would contradict the grid.
-_DERIVED_SBATCH = {"nodes", "ntasks", "ntasks-per-node", "gpus-per-node", "gpus", "gres", "time",
-                   "partition", "account", "qos", "constraint", "cpus-per-task", "mem", "signal",
-                   "output", "error", "job-name", "exclusive", "open-mode", "requeue",
-                   "gpus-per-task", "ntasks-per-gpu", "gpus-per-socket", "cpus-per-gpu", "tres-per-task"}
+_DERIVED_SBATCH = {
+    "nodes",
+    "ntasks",
+    "ntasks-per-node",
+    "gpus-per-node",
+    "gpus",
+    "gres",
+    "time",
+    "partition",
+    "account",
+    "qos",
+    "constraint",
+    "cpus-per-task",
+    "mem",
+    "signal",
+    "output",
+    "error",
+    "job-name",
+    "exclusive",
+    "open-mode",
+    "requeue",
+    "gpus-per-task",
+    "ntasks-per-gpu",
+    "gpus-per-socket",
+    "cpus-per-gpu",
+    "tres-per-task",
+}
 # Options that would break the job rather than contradict a field, and why.
 _BREAKING_SBATCH = {
     "wrap": "it replaces the batch script, so the training command would never run",
@@ -35,7 +59,9 @@ _BREAKING_SBATCH = {
     "no-requeue": "preemption and time-limit saves requeue the job",
     "export": "the job needs the submitting environment; set variables with slurm.env",
     "export-file": "the job needs the submitting environment; set variables with slurm.env",
-    "help": "it is not a job option", "usage": "it is not a job option", "version": "it is not a job option",
+    "help": "it is not a job option",
+    "usage": "it is not a job option",
+    "version": "it is not a job option",
 }
 _MEM_OPTIONS = ("mem-per-cpu", "mem-per-gpu")
 MAX_RUN_NAME = 200  # a file name is at most 255 bytes, and --emit adds ".sbatch"
@@ -53,19 +79,27 @@ def parallel_product(config: Config) -> str:
 def validate_names(config: Config) -> None:
     """Values that end up in paths or in the sbatch script must be inert."""
     s = config.slurm
-    for name, value in [(n, getattr(s, n)) for n in ("partition", "account", "qos", "constraint")] + \
-            [("prepare.partition", s.prepare.partition)]:
+    for name, value in [(n, getattr(s, n)) for n in ("partition", "account", "qos", "constraint")] + [
+        ("prepare.partition", s.prepare.partition)
+    ]:
         if value is not None and not _SLURM_NAME.match(value):
-            _fail(f"slurm.{name}: {value!r} contains characters SLURM names never use "
-                  "(letters, digits and _.,:|&*[]@+- only)")
-    for where, path in (("logging.dir", config.logging.dir), ("checkpoints.path", config.checkpoints.path),
-                        ("checkpoints.init_from_hf", config.checkpoints.init_from_hf)):
+            _fail(
+                f"slurm.{name}: {value!r} contains characters SLURM names never use "
+                "(letters, digits and _.,:|&*[]@+- only)"
+            )
+    for where, path in (
+        ("logging.dir", config.logging.dir),
+        ("checkpoints.path", config.checkpoints.path),
+        ("checkpoints.init_from_hf", config.checkpoints.init_from_hf),
+    ):
         if path is not None:
             _one_line(where, path)
     run = config.logging.run_name
     if run is not None and len(run) > MAX_RUN_NAME:
-        _fail(f"logging.run_name: {len(run)} characters; at most {MAX_RUN_NAME} (it names a directory "
-              "and files): choose a shorter name")
+        _fail(
+            f"logging.run_name: {len(run)} characters; at most {MAX_RUN_NAME} (it names a directory "
+            "and files): choose a shorter name"
+        )
     if run is not None and not RUN_NAME.match(run):
         _fail(f"logging.run_name: {run!r} must be letters, digits, '.', '_' or '-' (it is a directory name)")
     for i, line in enumerate(s.setup):
@@ -100,11 +134,15 @@ def check_sbatch_option(key: str, mem_set: bool) -> None:
         return
     named = f"--{full}" + (f" (as the abbreviation --{option})" if full != option else "")
     if full in _DERIVED_SBATCH:
-        _fail(f"{where}: nanotrain sets this option itself ({named}); use the slurm.* field or the "
-              "parallelism sizes instead")
+        _fail(
+            f"{where}: nanotrain sets this option itself ({named}); use the slurm.* field or the "
+            "parallelism sizes instead"
+        )
     if full in _MEM_OPTIONS:
-        _fail(f"{where}: {named} conflicts with slurm.mem_gb (sbatch takes one of --mem, --mem-per-cpu, "
-              "--mem-per-gpu): drop one of them")
+        _fail(
+            f"{where}: {named} conflicts with slurm.mem_gb (sbatch takes one of --mem, --mem-per-cpu, "
+            "--mem-per-gpu): drop one of them"
+        )
     _fail(f"{where}: {named} would break the job ({_BREAKING_SBATCH[full]}): remove it")
 
 
@@ -129,23 +167,31 @@ def slurm_layout(config: Config) -> SlurmLayout:
     s, world = config.slurm, config.parallelism.world_size
     if s.gpus_per_node > 0:
         if s.tasks_per_node is not None and s.tasks_per_node != s.gpus_per_node:
-            _fail(f"slurm.tasks_per_node ({s.tasks_per_node}) must equal slurm.gpus_per_node "
-                  f"({s.gpus_per_node}) on GPU nodes (one task per GPU); drop tasks_per_node")
+            _fail(
+                f"slurm.tasks_per_node ({s.tasks_per_node}) must equal slurm.gpus_per_node "
+                f"({s.gpus_per_node}) on GPU nodes (one task per GPU); drop tasks_per_node"
+            )
         per_node, field = s.gpus_per_node, "gpus_per_node"
     else:
         if s.tasks_per_node is None:
             _fail("slurm.tasks_per_node: must be set when slurm.gpus_per_node is 0 (CPU-only nodes)")
         per_node, field = s.tasks_per_node, "tasks_per_node"
     if s.signal_delay_s >= s.time * 60:
-        _fail(f"slurm.signal_delay_s ({s.signal_delay_s}) is not shorter than slurm.time ({s.time} min = "
-              f"{s.time * 60} s): SLURM would signal the job as it starts, so it would save and requeue "
-              "without training; lower signal_delay_s or raise slurm.time")
+        _fail(
+            f"slurm.signal_delay_s ({s.signal_delay_s}) is not shorter than slurm.time ({s.time} min = "
+            f"{s.time * 60} s): SLURM would signal the job as it starts, so it would save and requeue "
+            "without training; lower signal_delay_s or raise slurm.time"
+        )
     if world < per_node:
-        _fail(f"parallelism: {parallel_product(config)} is smaller than slurm.{field} ({per_node}): "
-              f"set slurm.{field}: {world} or raise dp")
+        _fail(
+            f"parallelism: {parallel_product(config)} is smaller than slurm.{field} ({per_node}): "
+            f"set slurm.{field}: {world} or raise dp"
+        )
     if world % per_node:
-        _fail(f"parallelism: {parallel_product(config)} is not a multiple of slurm.{field} ({per_node}): "
-              f"make the product a multiple of {per_node}, or set slurm.{field} to a divisor of {world}")
+        _fail(
+            f"parallelism: {parallel_product(config)} is not a multiple of slurm.{field} ({per_node}): "
+            f"make the product a multiple of {per_node}, or set slurm.{field} to a divisor of {world}"
+        )
     return SlurmLayout(nodes=world // per_node, tasks_per_node=per_node, gpus_per_node=s.gpus_per_node)
 
 
@@ -160,6 +206,8 @@ def check_world_size(config: Config, world_size: int, where: str) -> None:
         ConfigError: the sizes do not multiply to ``world_size``.
     """
     if config.parallelism.world_size != world_size:
-        _fail(f"parallelism: {parallel_product(config)} but {where} has {world_size} processes: "
-              f"change dp (or tp/pp) so that the product is {world_size}, "
-              f"or launch {config.parallelism.world_size} processes")
+        _fail(
+            f"parallelism: {parallel_product(config)} but {where} has {world_size} processes: "
+            f"change dp (or tp/pp) so that the product is {world_size}, "
+            f"or launch {config.parallelism.world_size} processes"
+        )

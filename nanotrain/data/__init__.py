@@ -12,18 +12,31 @@ global sample stream and its dp split), `build` (one rank builds, the others wai
 (the no-tokenisation pre-submit check), `device_batches` (batches copied to the GPU a step ahead).
 Every user mistake raises `DataError`.
 """
+
 import importlib
 
 # Lazy attributes (PEP 562): `submit.py` calls `check_data_config` before every submission and must
 # not pay for importing torch and datasets (seconds) just to check that a path exists.
 _HOMES = {
-    "build_sampler": "build", "build_samplers": "build", "SourcePart": "sampler",
-    "MixturePattern": "mixture", "default_cache_dir": "dataset", "missing_cache_problem": "check",
-    "source_args": "build", "prepare_dataset": "build",
-    "check_data_config": "check", "TokenDataset": "dataset", "DataError": "errors",
-    "GlobalSampler": "sampler", "Source": "sources", "resolve_source": "sources",
-    "stdlib_files": "sources", "ByteTokenizer": "tokenizer", "JsonTokenizer": "tokenizer",
-    "load_tokenizer": "tokenizer", "BatchPrefetcher": "device_batches",
+    "build_sampler": "build",
+    "build_samplers": "build",
+    "SourcePart": "sampler",
+    "MixturePattern": "mixture",
+    "default_cache_dir": "dataset",
+    "missing_cache_problem": "check",
+    "source_args": "build",
+    "prepare_dataset": "build",
+    "check_data_config": "check",
+    "TokenDataset": "dataset",
+    "DataError": "errors",
+    "GlobalSampler": "sampler",
+    "Source": "sources",
+    "resolve_source": "sources",
+    "stdlib_files": "sources",
+    "ByteTokenizer": "tokenizer",
+    "JsonTokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "BatchPrefetcher": "device_batches",
 }
 __all__ = list(_HOMES)
 

@@ -9,6 +9,7 @@ The job's barrier is met on the default group's store (``wait_for_builders``), n
 collective: a collective runs under the process groups' timeout, and on NCCL the waiting ranks
 are aborted (SIGABRT, no message) when tokenising a real corpus takes longer than that.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -25,8 +26,7 @@ DATA_BUILD_TIMEOUT = timedelta(hours=24)
 _ARRIVED, _OPEN = "nanotrain/data_build/arrived", "nanotrain/data_build/open"
 
 
-def wait_for_builders(store=None, world_size: Optional[int] = None,
-                      timeout: timedelta = DATA_BUILD_TIMEOUT) -> None:
+def wait_for_builders(store=None, world_size: Optional[int] = None, timeout: timedelta = DATA_BUILD_TIMEOUT) -> None:
     """Every rank of the job meets here, on ``store`` (the default group's), for ``timeout``.
 
     The meetings are told apart by one arrivals counter: all ``world_size`` arrivals at meeting
@@ -41,11 +41,18 @@ def wait_for_builders(store=None, world_size: Optional[int] = None,
     store.wait([meeting], timeout)
 
 
-def prepare_dataset(data_args, *, seq_len: int, cache_dir: str, vocab_size: Optional[int] = None,
-                    builder: bool = True, needs_data: bool = True,
-                    barrier: Optional[Callable[[], object]] = None,
-                    max_documents: Optional[int] = None,
-                    max_build_mb: Optional[float] = None) -> Optional[TokenDataset]:
+def prepare_dataset(
+    data_args,
+    *,
+    seq_len: int,
+    cache_dir: str,
+    vocab_size: Optional[int] = None,
+    builder: bool = True,
+    needs_data: bool = True,
+    barrier: Optional[Callable[[], object]] = None,
+    max_documents: Optional[int] = None,
+    max_build_mb: Optional[float] = None,
+) -> Optional[TokenDataset]:
     """This rank's `TokenDataset`, or None where `needs_data` is False.
 
     `builder` ranks tokenise (or find the cache) before `barrier()`; the rest load after it and
@@ -65,8 +72,7 @@ def prepare_dataset(data_args, *, seq_len: int, cache_dir: str, vocab_size: Opti
         DataError: the source, tokenizer or cache cannot serve (missing path, no documents, wrong
             column, a source too large to tokenise here, a cache missing on a non-builder rank).
     """
-    kwargs = dict(seq_len=seq_len, cache_dir=cache_dir, vocab_size=vocab_size,
-                  max_documents=max_documents)
+    kwargs = dict(seq_len=seq_len, cache_dir=cache_dir, vocab_size=vocab_size, max_documents=max_documents)
     dataset, error = None, None
     if builder:
         try:
@@ -92,10 +98,16 @@ def source_args(data_args) -> list[tuple[str, object, float]]:
     return [(s.name, args, s.weight) for s, args in zip(data_args.sources, per_source_args(data_args))]
 
 
-def build_samplers(config, *, dp: Optional[int] = None, cache_dir: Optional[str] = None,
-                   builder: bool = True, needs_data: bool = True,
-                   barrier: Optional[Callable[[], object]] = None,
-                   max_documents: Optional[int] = None) -> tuple[Optional[GlobalSampler], Optional[GlobalSampler]]:
+def build_samplers(
+    config,
+    *,
+    dp: Optional[int] = None,
+    cache_dir: Optional[str] = None,
+    builder: bool = True,
+    needs_data: bool = True,
+    barrier: Optional[Callable[[], object]] = None,
+    max_documents: Optional[int] = None,
+) -> tuple[Optional[GlobalSampler], Optional[GlobalSampler]]:
     """The trainer's one call: config -> this rank's (training, validation) `GlobalSampler`s;
     both None where the rank needs no data, the second None without `data.validation`.
 
@@ -110,16 +122,27 @@ def build_samplers(config, *, dp: Optional[int] = None, cache_dir: Optional[str]
             data for one global batch (`GlobalSampler`).
     """
     t, d = config.training, config.data
-    kwargs = dict(seq_len=t.sequence_length, cache_dir=cache_dir or default_cache_dir(config),
-                  vocab_size=config.model.vocab_size, builder=builder, needs_data=needs_data,
-                  barrier=barrier, max_documents=max_documents, max_build_mb=d.max_build_mb)
+    kwargs = dict(
+        seq_len=t.sequence_length,
+        cache_dir=cache_dir or default_cache_dir(config),
+        vocab_size=config.model.vocab_size,
+        builder=builder,
+        needs_data=needs_data,
+        barrier=barrier,
+        max_documents=max_documents,
+        max_build_mb=d.max_build_mb,
+    )
     datasets = [(name, prepare_dataset(args, **kwargs), w) for name, args, w in source_args(d)]
     val_args = validation_args(d)
     val_ds = prepare_dataset(val_args, **kwargs) if val_args is not None else None
     if not needs_data:
         return None, None
-    sizes = dict(seed=t.seed, dp=dp or config.parallelism.batch_replicas, micro_batch_size=t.micro_batch_size,
-                 batch_accumulation=t.batch_accumulation_per_replica)
+    sizes = dict(
+        seed=t.seed,
+        dp=dp or config.parallelism.batch_replicas,
+        micro_batch_size=t.micro_batch_size,
+        batch_accumulation=t.batch_accumulation_per_replica,
+    )
     fraction = d.validation.fraction if d.validation is not None else None
     if fraction is None:
         train_parts = [SourcePart(name, ds, w) for name, ds, w in datasets]
@@ -127,8 +150,9 @@ def build_samplers(config, *, dp: Optional[int] = None, cache_dir: Optional[str]
     else:
         held = [validation_windows(ds.num_windows, fraction) for _, ds, _ in datasets]
         train_parts = [SourcePart(name, ds, w, hi=ds.num_windows - v) for (name, ds, w), v in zip(datasets, held)]
-        val_parts = [SourcePart(name, ds, w, lo=ds.num_windows - v, shuffle=False)
-                     for (name, ds, w), v in zip(datasets, held)]
+        val_parts = [
+            SourcePart(name, ds, w, lo=ds.num_windows - v, shuffle=False) for (name, ds, w), v in zip(datasets, held)
+        ]
     train = GlobalSampler(train_parts, **sizes)
     val = GlobalSampler(val_parts, **sizes) if val_parts else None
     return train, val

@@ -5,6 +5,7 @@ a second with exit 2 instead of minutes later inside a queued job. It reads name
 first line or schema of one file, the tokenizer.json when one is given, and a sample of the rows
 of a few files (`sample_check.py`).
 """
+
 from __future__ import annotations
 
 import os
@@ -50,7 +51,7 @@ def check_data_config(data_args, vocab_size: Optional[int] = None, config=None) 
             message = str(exc)
             for field in ("data.source", "data.text_column"):
                 if message.startswith(field + ":"):
-                    message = where + "." + field.split(".")[1] + message[len(field):]
+                    message = where + "." + field.split(".")[1] + message[len(field) :]
             raise DataError(message) from None
         first = first or source
     if config is not None:
@@ -85,9 +86,11 @@ def check_eval_volume(config, bounds: dict) -> None:
     per_batch = config.parallelism.batch_replicas * t.micro_batch_size * t.batch_accumulation_per_replica
     need = t.eval_batches * per_batch
     if held < need:
-        raise DataError(f"training.eval_batches: {t.eval_batches} global batches of {per_batch} samples = {need} "
-                        f"validation windows of training.sequence_length+1={seq + 1} tokens, but {what}: "
-                        f"evaluation would read windows twice; {fix}")
+        raise DataError(
+            f"training.eval_batches: {t.eval_batches} global batches of {per_batch} samples = {need} "
+            f"validation windows of training.sequence_length+1={seq + 1} tokens, but {what}: "
+            f"evaluation would read windows twice; {fix}"
+        )
 
 
 def all_source_args(data_args) -> list[tuple[str, object]]:
@@ -139,14 +142,21 @@ def _checked(data_args, vocab_size: Optional[int], config) -> tuple[Source, Opti
     source = resolve_source(data_args.source)
     columns = peek_columns(source)
     if columns is not None and data_args.text_column not in columns:
-        raise DataError(f"data.text_column: {data_args.text_column!r} is not a column of "
-                        f"{source.spec!r} (columns present: {columns}); "
-                        f"set data.text_column to one of them")
+        raise DataError(
+            f"data.text_column: {data_args.text_column!r} is not a column of "
+            f"{source.spec!r} (columns present: {columns}); "
+            f"set data.text_column to one of them"
+        )
     bound = check_sample(source, data_args.text_column)
     if config is not None:
         t = config.training
         global_batch = config.parallelism.batch_replicas * t.micro_batch_size * t.batch_accumulation_per_replica
-        check_volume(bound, source, seq_len=t.sequence_length, global_batch=global_batch,
-                     detail=f"parallelism.dp={config.parallelism.dp} x training.batch_accumulation_per_replica="
-                            f"{t.batch_accumulation_per_replica} x training.micro_batch_size={t.micro_batch_size}")
+        check_volume(
+            bound,
+            source,
+            seq_len=t.sequence_length,
+            global_batch=global_batch,
+            detail=f"parallelism.dp={config.parallelism.dp} x training.batch_accumulation_per_replica="
+            f"{t.batch_accumulation_per_replica} x training.micro_batch_size={t.micro_batch_size}",
+        )
     return source, bound

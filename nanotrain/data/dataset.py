@@ -15,6 +15,7 @@ Window i is `tokens[i*S : i*S + S + 1]` (S = sequence_length): inputs are its fi
 targets its last S, and consecutive windows overlap by one token, so every token after the first
 is a target exactly once per epoch and nothing is padded.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -63,12 +64,12 @@ class TokenDataset:
     (False) or found the stream already on disk (True).
     """
 
-    tokens: np.ndarray          # 1-D memory map of the whole stream
+    tokens: np.ndarray  # 1-D memory map of the whole stream
     seq_len: int
     separator_id: int
     tokenizer_vocab_size: int
     num_documents: int
-    path: str                   # the cache folder
+    path: str  # the cache folder
     from_cache: bool
     meta: dict = field(default_factory=dict, repr=False)
 
@@ -93,9 +94,18 @@ class TokenDataset:
         return np.asarray(self.tokens[offsets], dtype=np.int64)
 
     @classmethod
-    def build(cls, data_args, *, seq_len: int, cache_dir: str, vocab_size: Optional[int] = None,
-              max_documents: Optional[int] = None, allow_build: bool = True,
-              max_build_mb: Optional[float] = None, progress: bool = False) -> "TokenDataset":
+    def build(
+        cls,
+        data_args,
+        *,
+        seq_len: int,
+        cache_dir: str,
+        vocab_size: Optional[int] = None,
+        max_documents: Optional[int] = None,
+        allow_build: bool = True,
+        max_build_mb: Optional[float] = None,
+        progress: bool = False,
+    ) -> "TokenDataset":
         """Load the tokenised stream from `cache_dir`, tokenising it first if it isn't there.
 
         `data_args` is the config's `DataArgs` (`source`, `text_column`, `tokenizer`,
@@ -121,19 +131,27 @@ class TokenDataset:
         from_cache = os.path.exists(os.path.join(path, "meta.json"))
         if not from_cache:
             if not allow_build:
-                raise DataError(f"data: the tokenised cache {path} is missing: the rank that "
-                                f"builds it failed or used another cache dir (see its log)")
+                raise DataError(
+                    f"data: the tokenised cache {path} is missing: the rank that "
+                    f"builds it failed or used another cache dir (see its log)"
+                )
             too_big = too_big_to_build(source, max_build_mb)
             if too_big:
                 raise DataError(too_big)
             _tokenise(source, tokenizer, data_args, path, key, cache_dir, max_documents, progress)
         with open(os.path.join(path, "meta.json")) as fh:
             meta = json.load(fh)
-        tokens = np.memmap(os.path.join(path, "tokens.bin"), dtype=meta["dtype"], mode="r",
-                           shape=(meta["num_tokens"],))
-        return cls(tokens=tokens, seq_len=seq_len, separator_id=meta["separator_id"],
-                   tokenizer_vocab_size=meta["vocab_size"], num_documents=meta["num_documents"],
-                   path=path, from_cache=from_cache, meta=meta)
+        tokens = np.memmap(os.path.join(path, "tokens.bin"), dtype=meta["dtype"], mode="r", shape=(meta["num_tokens"],))
+        return cls(
+            tokens=tokens,
+            seq_len=seq_len,
+            separator_id=meta["separator_id"],
+            tokenizer_vocab_size=meta["vocab_size"],
+            num_documents=meta["num_documents"],
+            path=path,
+            from_cache=from_cache,
+            meta=meta,
+        )
 
 
 def default_cache_dir(config) -> str:
@@ -145,8 +163,10 @@ def default_cache_dir(config) -> str:
 def per_source_args(data_args) -> list:
     """The `DataArgs` of each entry of `data.sources`, in order: that entry's source and text
     column (or `data.text_column`), everything else from `data`."""
-    return [replace(data_args, source=s.source, sources=[], text_column=s.text_column or data_args.text_column)
-            for s in data_args.sources]
+    return [
+        replace(data_args, source=s.source, sources=[], text_column=s.text_column or data_args.text_column)
+        for s in data_args.sources
+    ]
 
 
 def validation_windows(num_windows: int, fraction: float) -> int:
@@ -163,24 +183,34 @@ def validation_args(data_args):
     return replace(data_args, source=data_args.validation.source, sources=[])
 
 
-def write_cache_meta(path: str, source, text_column: str, tokenizer, dtype, counts: dict,
-                     max_documents: Optional[int], key: str) -> None:
+def write_cache_meta(
+    path: str, source, text_column: str, tokenizer, dtype, counts: dict, max_documents: Optional[int], key: str
+) -> None:
     """The cache's ``meta.json``, written last (atomically): what was tokenised, how, and how much;
     a cache without it is not complete."""
-    meta = {"format_version": FORMAT_VERSION, "source": source.spec, "kind": source.kind,
-            "text_column": text_column, "tokenizer": tokenizer.name,
-            "tokenizer_fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
-            "separator_id": tokenizer.separator_id, "dtype": dtype.name,
-            "num_tokens": counts["tokens"], "num_documents": counts["docs"],
-            "max_documents": max_documents, "key": key}
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "source": source.spec,
+        "kind": source.kind,
+        "text_column": text_column,
+        "tokenizer": tokenizer.name,
+        "tokenizer_fingerprint": tokenizer.fingerprint,
+        "vocab_size": tokenizer.vocab_size,
+        "separator_id": tokenizer.separator_id,
+        "dtype": dtype.name,
+        "num_tokens": counts["tokens"],
+        "num_documents": counts["docs"],
+        "max_documents": max_documents,
+        "key": key,
+    }
     atomic_write(os.path.join(path, "meta.json"), lambda fh: fh.write(json.dumps(meta, indent=1).encode()))
 
 
-def cache_location(source: Source, tokenizer: Tokenizer, data_args, cache_dir: str,
-                   max_documents: Optional[int] = None) -> tuple[str, str]:
+def cache_location(
+    source: Source, tokenizer: Tokenizer, data_args, cache_dir: str, max_documents: Optional[int] = None
+) -> tuple[str, str]:
     """(cache folder, key) of a source: what `build` reads or writes, known without tokenising."""
-    key_parts = [FORMAT_VERSION, source.fingerprint(), data_args.text_column,
-                 tokenizer.fingerprint, max_documents]
+    key_parts = [FORMAT_VERSION, source.fingerprint(), data_args.text_column, tokenizer.fingerprint, max_documents]
     key = hashlib.sha256(json.dumps(key_parts, default=str).encode()).hexdigest()[:16]
     return os.path.join(os.path.abspath(cache_dir), _cache_name(source, tokenizer, key)), key
 
@@ -201,9 +231,11 @@ def too_big_to_build(source: Source, max_build_mb: Optional[float]) -> Optional[
         if mb <= max_build_mb:
             return None
         size = f"{mb:,.0f} MB"
-    return (f"data.source: {source.spec!r} ({size}) has no tokenised cache yet and is above "
-            f"data.max_build_mb={max_build_mb:g}: run `python submit.py CONFIG --prepare-data` first "
-            f"(a CPU job), or raise data.max_build_mb")
+    return (
+        f"data.source: {source.spec!r} ({size}) has no tokenised cache yet and is above "
+        f"data.max_build_mb={max_build_mb:g}: run `python submit.py CONFIG --prepare-data` first "
+        f"(a CPU job), or raise data.max_build_mb"
+    )
 
 
 class _TokenisingBar:
@@ -217,8 +249,12 @@ class _TokenisingBar:
         datasets.disable_progress_bars()
         self._bytes = source_bytes(source) if source.files else None
         self._total = len(texts)
-        self._bar = tqdm(total=len(texts), unit="doc", desc=f"preparing {os.path.basename(source.spec) or source.spec}",
-                         dynamic_ncols=True)
+        self._bar = tqdm(
+            total=len(texts),
+            unit="doc",
+            desc=f"preparing {os.path.basename(source.spec) or source.spec}",
+            dynamic_ncols=True,
+        )
 
     def advance(self, docs: int, tokens: int) -> None:
         self._bar.update(docs)
@@ -245,8 +281,16 @@ def _write_token_chunks(fh, chunks, dtype, counts: dict) -> None:
         fh.write(ids.tobytes())
 
 
-def _tokenise(source: Source, tokenizer: Tokenizer, data_args, path: str, key: str,
-              cache_dir: str, max_documents: Optional[int], progress: bool = False) -> None:
+def _tokenise(
+    source: Source,
+    tokenizer: Tokenizer,
+    data_args,
+    path: str,
+    key: str,
+    cache_dir: str,
+    max_documents: Optional[int],
+    progress: bool = False,
+) -> None:
     """Tokenise with `datasets.map` (batched, `num_workers` processes), then stream the result
     into `tokens.bin`. The map's own Arrow files are scratch: `tokens.bin` is the cache, at a
     fraction of the size, and deleting the scratch keeps the cache folder to the two files."""
@@ -271,12 +315,17 @@ def _tokenise(source: Source, tokenizer: Tokenizer, data_args, path: str, key: s
         for i in range(shards):
             part = texts.shard(shards, i, contiguous=True) if shards > 1 else texts
             tokenised = part.map(
-                _encode, batched=True, batch_size=256, num_proc=num_proc if len(part) > 1 else None,
+                _encode,
+                batched=True,
+                batch_size=256,
+                num_proc=num_proc if len(part) > 1 else None,
                 fn_kwargs={"tokenizer": tokenizer, "column": data_args.text_column, "dtype": dtype.name},
                 remove_columns=texts.column_names,
                 features=datasets.Features({"input_ids": seq_type(datasets.Value(dtype.name))}),
-                cache_file_name=os.path.join(scratch, f"tokenised-{i}.arrow"), new_fingerprint=f"{key}-{i}",
-                desc=f"tokenising {source.spec}")
+                cache_file_name=os.path.join(scratch, f"tokenised-{i}.arrow"),
+                new_fingerprint=f"{key}-{i}",
+                desc=f"tokenising {source.spec}",
+            )
             _write_token_chunks(fh, tokenised.data.column("input_ids").chunks, dtype, counts)
             del tokenised  # close its memory map before the scratch folder goes
             if bar is not None:
@@ -290,6 +339,8 @@ def _tokenise(source: Source, tokenizer: Tokenizer, data_args, path: str, key: s
             bar.close()
     if counts["tokens"] == 0:
         os.remove(os.path.join(path, "tokens.bin"))
-        raise DataError(f"data.source: {source.spec!r} has {len(texts)} documents but every "
-                        f"{data_args.text_column!r} is empty; point data.source at data with text")
+        raise DataError(
+            f"data.source: {source.spec!r} has {len(texts)} documents but every "
+            f"{data_args.text_column!r} is empty; point data.source at data with text"
+        )
     write_cache_meta(path, source, data_args.text_column, tokenizer, dtype, counts, max_documents, key)

@@ -8,6 +8,7 @@ leave this to a DataLoader with ``pin_memory``; our sampler is a pure function o
 so one step of look-ahead needs no worker processes). The compute stream waits for the copy
 before it uses the tensors. On CPU the batch is used where it is.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -54,5 +55,6 @@ class BatchPrefetcher:
             return [(i.to(self.device), t.to(self.device)) for i, t in host]
         pin = self.acc.pin
         with self.acc.use_stream(self._stream):
-            return [(pin(i).to(self.device, non_blocking=True),
-                     pin(t).to(self.device, non_blocking=True)) for i, t in host]
+            return [
+                (pin(i).to(self.device, non_blocking=True), pin(t).to(self.device, non_blocking=True)) for i, t in host
+            ]

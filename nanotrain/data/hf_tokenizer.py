@@ -7,6 +7,7 @@ regex split and no post-processor: every byte is one token whose id is the byte'
 ASCII, multi-byte UTF-8 and control characters). Its end-of-document token is id 0 (the NUL
 byte, shown by ``ByteLevel`` as ``Ā``). A ``tokenizer.json`` run exports its file as it is.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ def byte_tokenizer_json() -> str:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable unicode symbol table, the one ``ByteLevel`` applies."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = printable[:], 0
     for b in range(256):
         if b not in printable:
@@ -59,8 +61,14 @@ def export_tokenizer(spec: str, out_dir: Path, max_length: int) -> dict:
         vocab = json.loads((out_dir / "tokenizer.json").read_text())
         names = {t["id"]: t["content"] for t in vocab.get("added_tokens", [])}
         sep = names.get(sep_id) or next(k for k, v in vocab["model"]["vocab"].items() if v == sep_id)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": sep, "eos_token": sep,
-              "model_max_length": max_length, "clean_up_tokenization_spaces": False,
-              "add_bos_token": False, "add_eos_token": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": sep,
+        "eos_token": sep,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": False,
+        "add_eos_token": False,
+    }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return {"bos_token_id": sep_id, "eos_token_id": sep_id}

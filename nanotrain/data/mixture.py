@@ -15,6 +15,7 @@ N consecutive samples holds source k's share within ~2/N of n_k/P (0.2% at N = 1
 n_k/P is within 1/P of the weight. Sample g is in period q = g // P at offset r = g % P; its
 source is pattern[r] and its rank within that source is q * n_k + rank[r].
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,17 +39,21 @@ def integer_counts(weights, period: int = PERIOD) -> np.ndarray:
     with np.errstate(over="ignore"):  # an overflowing sum is refused just below, not warned about
         total = w.sum()
     if not np.isfinite(total):
-        raise DataError(f"data.sources: the weights sum to more than a float holds ({list(weights)}): "
-                        "scale them down (only their ratios matter), e.g. to shares that sum to 1")
+        raise DataError(
+            f"data.sources: the weights sum to more than a float holds ({list(weights)}): "
+            "scale them down (only their ratios matter), e.g. to shares that sum to 1"
+        )
     exact = w / total * period
     counts = np.floor(exact).astype(np.int64)
     short = period - int(counts.sum())
     counts[np.argsort(-(exact - counts), kind="stable")[:short]] += 1
     if not np.all(counts > 0):
         i = int(np.argmin(counts))
-        raise DataError(f"data.sources[{i}].weight: {weights[i]:g} is {w[i] / total:.2g} of the total weight, "
-                        f"less than one sample in {period}, so the source would never be read: raise its "
-                        "weight or drop the source")
+        raise DataError(
+            f"data.sources[{i}].weight: {weights[i]:g} is {w[i] / total:.2g} of the total weight, "
+            f"less than one sample in {period}, so the source would never be read: raise its "
+            "weight or drop the source"
+        )
     return counts
 
 
@@ -56,10 +61,10 @@ def integer_counts(weights, period: int = PERIOD) -> np.ndarray:
 class MixturePattern:
     """The period of the mixture; see the module docstring."""
 
-    counts: np.ndarray   # [K] samples of each source per period
-    source: np.ndarray   # [P] source id of each offset
-    rank: np.ndarray     # [P] rank of that offset among its source's offsets
-    prefix: np.ndarray   # [K, P+1] samples of source k among offsets [0, r)
+    counts: np.ndarray  # [K] samples of each source per period
+    source: np.ndarray  # [P] source id of each offset
+    rank: np.ndarray  # [P] rank of that offset among its source's offsets
+    prefix: np.ndarray  # [K, P+1] samples of source k among offsets [0, r)
 
     @classmethod
     def of(cls, weights, period: int = PERIOD) -> "MixturePattern":

@@ -16,6 +16,7 @@ one separator. A parquet file's bound is the uncompressed size of the text colum
 separator per row. The `stdlib` source's bound is its files' sizes plus a separator each (a file
 that is not UTF-8 counts three bytes per byte: each invalid byte becomes U+FFFD, three bytes).
 """
+
 from __future__ import annotations
 
 import json
@@ -44,10 +45,10 @@ def _chunks(path: str) -> list[tuple[int, bytes, bool]]:
         head = fh.read(HEAD_BYTES)
         if size <= HEAD_BYTES:
             return [(1, head, True)]
-        head = head[:head.rfind(b"\n") + 1]  # whole lines only
+        head = head[: head.rfind(b"\n") + 1]  # whole lines only
         fh.seek(max(HEAD_BYTES, size - TAIL_BYTES))
         tail = fh.read()
-    tail = tail[tail.find(b"\n") + 1:]
+    tail = tail[tail.find(b"\n") + 1 :]
     return [(1, head, False), (0, tail, False)]
 
 
@@ -57,14 +58,18 @@ def _where(path: str, first: int, index: int) -> str:
 
 def _check_binary(path: str, data: bytes) -> None:
     if b"\0" in data[:65536]:
-        raise DataError(f"data.source: {path} is binary, not text (it holds NUL bytes); "
-                        "point data.source at text, JSON Lines, CSV or parquet files")
+        raise DataError(
+            f"data.source: {path} is binary, not text (it holds NUL bytes); "
+            "point data.source at text, JSON Lines, CSV or parquet files"
+        )
     try:
         data[:65536].decode("utf-8")
     except UnicodeDecodeError as e:
         if e.start < min(len(data), 65536) - 4:  # not just a character cut at the sample's end
-            raise DataError(f"data.source: {path} is not UTF-8 text (byte {e.start}: {e.reason}); "
-                            "point data.source at UTF-8 text, JSON Lines, CSV or parquet files") from None
+            raise DataError(
+                f"data.source: {path} is not UTF-8 text (byte {e.start}: {e.reason}); "
+                "point data.source at UTF-8 text, JSON Lines, CSV or parquet files"
+            ) from None
 
 
 def _check_json_lines(path: str, column: str) -> None:
@@ -86,20 +91,27 @@ def _check_json_lines(path: str, column: str) -> None:
             try:
                 record = json.loads(line)
             except ValueError as e:
-                raise DataError(f"data.source: {_where(path, first, i)} is not JSON ({e}); every line of a "
-                                "JSON Lines file must be one JSON object") from None
+                raise DataError(
+                    f"data.source: {_where(path, first, i)} is not JSON ({e}); every line of a "
+                    "JSON Lines file must be one JSON object"
+                ) from None
             if not isinstance(record, dict):
-                raise DataError(f"data.source: {_where(path, first, i)} is a JSON {type(record).__name__}, "
-                                "not an object; every line of a JSON Lines file must be one JSON object")
+                raise DataError(
+                    f"data.source: {_where(path, first, i)} is a JSON {type(record).__name__}, "
+                    "not an object; every line of a JSON Lines file must be one JSON object"
+                )
             value = record.get(column)
             if value is not None and not isinstance(value, str):
-                raise DataError(f"data.text_column: {column!r} at {_where(path, first, i)} is a "
-                                f"JSON {type(value).__name__} ({str(value)[:40]}), not text; every row's "
-                                f"{column!r} must be a string")
+                raise DataError(
+                    f"data.text_column: {column!r} at {_where(path, first, i)} is a "
+                    f"JSON {type(value).__name__} ({str(value)[:40]}), not text; every row's "
+                    f"{column!r} must be a string"
+                )
             documents += 1
         if whole and documents == 0:
-            raise DataError(f"data.source: {path} holds no documents (only empty lines); point "
-                            "data.source at data that holds text")
+            raise DataError(
+                f"data.source: {path} holds no documents (only empty lines); point data.source at data that holds text"
+            )
 
 
 def _check_parquet(path: str, column: str) -> int:
@@ -111,14 +123,18 @@ def _check_parquet(path: str, column: str) -> int:
         pf = pq.ParquetFile(path)
         schema = pf.schema_arrow
     except (pa.ArrowException, OSError) as e:
-        raise DataError(f"data.source: {path} is not a readable parquet file ({type(e).__name__}: "
-                        f"{str(e)[:200]}); replace or remove it") from None
+        raise DataError(
+            f"data.source: {path} is not a readable parquet file ({type(e).__name__}: "
+            f"{str(e)[:200]}); replace or remove it"
+        ) from None
     if column not in schema.names:
         return 0  # named by the column check with the columns present
     kind = schema.field(column).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
-        raise DataError(f"data.text_column: column {column!r} of {path} holds {kind}, not text; "
-                        "set data.text_column to a string column")
+        raise DataError(
+            f"data.text_column: column {column!r} of {path} holds {kind}, not text; "
+            "set data.text_column to a string column"
+        )
     index = schema.get_field_index(column)
     bound = 0
     for rg in range(pf.metadata.num_row_groups):
@@ -128,8 +144,10 @@ def _check_parquet(path: str, column: str) -> int:
         try:
             pf.read_row_group(0, columns=[column])
         except (pa.ArrowException, OSError) as e:
-            raise DataError(f"data.source: {path} is a corrupt parquet file: its column {column!r} cannot be "
-                            f"read ({type(e).__name__}: {str(e)[:200]}); replace or remove it") from None
+            raise DataError(
+                f"data.source: {path} is a corrupt parquet file: its column {column!r} cannot be "
+                f"read ({type(e).__name__}: {str(e)[:200]}); replace or remove it"
+            ) from None
     return bound
 
 
@@ -183,6 +201,8 @@ def check_volume(bound: Optional[int], source: Source, *, seq_len: int, global_b
         return
     windows = max(0, (bound - 1) // seq_len)
     if windows < global_batch:
-        raise DataError(f"data: too little data for one global batch: {source.spec!r} holds at most {bound} "
-                        f"tokens, i.e. at most {windows} windows of training.sequence_length+1={seq_len + 1} "
-                        f"tokens; {global_batch} needed ({detail}); add data or lower those fields")
+        raise DataError(
+            f"data: too little data for one global batch: {source.spec!r} holds at most {bound} "
+            f"tokens, i.e. at most {windows} windows of training.sequence_length+1={seq_len + 1} "
+            f"tokens; {global_batch} needed ({detail}); add data or lower those fields"
+        )

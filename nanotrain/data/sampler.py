@@ -15,6 +15,7 @@ therefore one integer, the consumed sample count: restoring it restores the data
 and at another dp the global stream is unchanged, only its split across ranks differs. Nothing
 here keeps state besides a cache of the current epochs' permutations.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,8 +55,15 @@ class GlobalSampler:
 
     `dataset` is one `TokenDataset` (the `data.source` shorthand) or a list of `SourcePart`."""
 
-    def __init__(self, dataset: TokenDataset | Sequence[SourcePart], *, seed: int, dp: int,
-                 micro_batch_size: int, batch_accumulation: int):
+    def __init__(
+        self,
+        dataset: TokenDataset | Sequence[SourcePart],
+        *,
+        seed: int,
+        dp: int,
+        micro_batch_size: int,
+        batch_accumulation: int,
+    ):
         parts = [SourcePart(DEFAULT_NAME, dataset)] if isinstance(dataset, TokenDataset) else list(dataset)
         self.parts = parts
         self.dataset = parts[0].dataset
@@ -76,7 +84,8 @@ class GlobalSampler:
                     f"training.sequence_length+1={ds.seq_len + 1} tokens exist ({ds.num_tokens} tokens), "
                     f"{need} needed (parallelism.dp={dp} x training.batch_accumulation_per_replica="
                     f"{batch_accumulation} x training.micro_batch_size={micro_batch_size}); "
-                    f"add data or lower those fields")
+                    f"add data or lower those fields"
+                )
         self._perms: dict[tuple[int, int], np.ndarray] = {}
 
     @property

@@ -11,6 +11,7 @@ The `stdlib` source exists so the default configs train on real text without a d
 its test suites (large, full of deliberately odd files, and absent from many distro Pythons) and
 any installed packages.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,23 +30,24 @@ STDLIB = "stdlib"
 # File extension -> the `datasets` packaged builder that reads it. In a directory only these are
 # picked up (so a README or LICENSE next to the data is ignored); a single file or a glob with any
 # other extension is read as plain text, which lets `source: "src/**/*.py"` train on code.
-BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json",
-            ".csv": "csv", ".parquet": "parquet"}
+BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 _STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 _HUB_NAME = re.compile(r"^[\w.-]+(/[\w.-]+)?(:[\w.-]+)?$")
-_FIX = ("point data.source at a .txt/.json/.jsonl/.csv/.parquet file, a directory or glob of "
-        "them, a hub dataset name, or 'stdlib'")
+_FIX = (
+    "point data.source at a .txt/.json/.jsonl/.csv/.parquet file, a directory or glob of "
+    "them, a hub dataset name, or 'stdlib'"
+)
 
 
 @dataclass(frozen=True)
 class Source:
     """A resolved `data.source`: what to read, and a fingerprint that changes when the data does."""
 
-    spec: str                                   # data.source as the user wrote it
+    spec: str  # data.source as the user wrote it
     kind: Literal["stdlib", "files", "hub"]
-    files: tuple[str, ...] = ()                 # absolute paths, sorted (files and stdlib)
-    builder: Optional[str] = None               # datasets builder for `files`
+    files: tuple[str, ...] = ()  # absolute paths, sorted (files and stdlib)
+    builder: Optional[str] = None  # datasets builder for `files`
     hub_name: Optional[str] = None
     hub_config: Optional[str] = None
 
@@ -74,9 +76,14 @@ def _kind_of(path: str) -> str:
 
 def _looks_like_path(spec: str) -> bool:
     """Whether `spec` is meant as a local path (so a missing one is an error, not a hub name)."""
-    return (os.path.lexists(os.path.expanduser(spec)) or any(c in spec for c in "*?[")
-            or spec.startswith(("/", "./", "../", "~")) or spec.endswith(os.sep)
-            or _ext(spec) in BUILDERS or not _HUB_NAME.match(spec))
+    return (
+        os.path.lexists(os.path.expanduser(spec))
+        or any(c in spec for c in "*?[")
+        or spec.startswith(("/", "./", "../", "~"))
+        or spec.endswith(os.sep)
+        or _ext(spec) in BUILDERS
+        or not _HUB_NAME.match(spec)
+    )
 
 
 def stdlib_files() -> tuple[str, ...]:
@@ -126,28 +133,40 @@ def resolve_source(spec: str) -> Source:
         files = _bounded(bounded_glob, path)  # regular files only: a FIFO is never opened
         if not files:
             raise DataError(f"data.source: the glob {spec!r} matches no files; {_FIX}")
-    elif os.path.isdir(check_path("data.source", path, FILE_OR_DIR, DataError,
-                                  missing=f"data.source: no such file or directory {spec!r}; {_FIX}")):
+    elif os.path.isdir(
+        check_path(
+            "data.source",
+            path,
+            FILE_OR_DIR,
+            DataError,
+            missing=f"data.source: no such file or directory {spec!r}; {_FIX}",
+        )
+    ):
         files = _directory_files(path)
         if not files:
-            raise DataError(f"data.source: directory {spec!r} holds no "
-                            f"{'/'.join(sorted(BUILDERS))} files; {_FIX}")
+            raise DataError(f"data.source: directory {spec!r} holds no {'/'.join(sorted(BUILDERS))} files; {_FIX}")
     else:
         files = [path]
 
     files = sorted(os.path.abspath(f) for f in files)
     kinds = sorted({_kind_of(f) for f in files})
     if len(kinds) > 1:
-        raise DataError(f"data.source: {spec!r} mixes file kinds ({', '.join(kinds)}); "
-                        f"point data.source at one kind, e.g. a glob like '<dir>/*.jsonl'")
+        raise DataError(
+            f"data.source: {spec!r} mixes file kinds ({', '.join(kinds)}); "
+            f"point data.source at one kind, e.g. a glob like '<dir>/*.jsonl'"
+        )
     if all(os.path.getsize(f) == 0 for f in files):
-        raise DataError(f"data.source: {spec!r} is empty ({len(files)} file(s), all 0 bytes); "
-                        f"point data.source at files that hold text")
+        raise DataError(
+            f"data.source: {spec!r} is empty ({len(files)} file(s), all 0 bytes); "
+            f"point data.source at files that hold text"
+        )
     if kinds == ["parquet"]:
         import pyarrow.parquet as pq  # row counts sit in the footer: cheap, and datasets
+
         if all(pq.read_metadata(f).num_rows == 0 for f in files):  # fails obscurely on 0 rows
-            raise DataError(f"data.source: {spec!r} has no documents (0 rows); "
-                            f"point data.source at data that holds text")
+            raise DataError(
+                f"data.source: {spec!r} has no documents (0 rows); point data.source at data that holds text"
+            )
     return Source(spec, "files", files=tuple(files), builder=kinds[0])
 
 
@@ -168,11 +187,13 @@ def peek_columns(source: Source) -> Optional[list[str]]:
         return None
     if source.builder == "parquet":
         import pyarrow.parquet as pq
+
         return list(pq.read_schema(first).names)
     with open(first, encoding="utf-8", errors="replace") as fh:
         line = next((ln for ln in fh if ln.strip()), "")
     if source.builder == "csv":
         import csv
+
         return next(csv.reader([line]), [])
     try:
         record = json.loads(line)
@@ -193,12 +214,10 @@ def _stdlib_dataset(files: tuple[str, ...]):
     for f in files:
         with open(f, "rb") as fh:
             texts.append(fh.read().decode("utf-8", errors="replace"))
-    return datasets.Dataset.from_dict({"path": [os.path.relpath(f, root) for f in files],
-                                       "text": texts})
+    return datasets.Dataset.from_dict({"path": [os.path.relpath(f, root) for f in files], "text": texts})
 
 
-def load_texts(source: Source, text_column: str, hf_cache_dir: str,
-               max_documents: Optional[int] = None):
+def load_texts(source: Source, text_column: str, hf_cache_dir: str, max_documents: Optional[int] = None):
     """The source as a `datasets.Dataset` holding only `text_column`, capped at `max_documents`.
 
     `datasets` keeps its Arrow copy of local/hub data under `hf_cache_dir`, not in the user's
@@ -224,20 +243,30 @@ def load_texts(source: Source, text_column: str, hf_cache_dir: str,
             while exc.__cause__ is not None:  # DatasetGenerationError wraps the useful one
                 exc = exc.__cause__
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            hint = ("hub datasets need network on the nodes; otherwise download it elsewhere "
-                    "and point data.source at the files" if source.kind == "hub" else _FIX)
-            raise DataError(f"data.source: cannot load {source.spec!r} "
-                            f"({type(exc).__name__}: {first}); {hint}") from exc
+            hint = (
+                "hub datasets need network on the nodes; otherwise download it elsewhere "
+                "and point data.source at the files"
+                if source.kind == "hub"
+                else _FIX
+            )
+            raise DataError(
+                f"data.source: cannot load {source.spec!r} ({type(exc).__name__}: {first}); {hint}"
+            ) from exc
     if len(ds) == 0:
-        raise DataError(f"data.source: {source.spec!r} has no documents (0 rows); "
-                        f"point data.source at data that holds text")
+        raise DataError(
+            f"data.source: {source.spec!r} has no documents (0 rows); point data.source at data that holds text"
+        )
     if text_column not in ds.column_names:
-        raise DataError(f"data.text_column: {text_column!r} is not a column of {source.spec!r} "
-                        f"(columns present: {ds.column_names}); set data.text_column to one of them")
+        raise DataError(
+            f"data.text_column: {text_column!r} is not a column of {source.spec!r} "
+            f"(columns present: {ds.column_names}); set data.text_column to one of them"
+        )
     feature = ds.features[text_column]
     if getattr(feature, "dtype", None) not in ("string", "large_string"):
-        raise DataError(f"data.text_column: column {text_column!r} of {source.spec!r} holds "
-                        f"{feature}, not text; set data.text_column to a string column")
+        raise DataError(
+            f"data.text_column: column {text_column!r} of {source.spec!r} holds "
+            f"{feature}, not text; set data.text_column to a string column"
+        )
     ds = ds.select_columns([text_column])
     if max_documents is not None and len(ds) > max_documents:
         ds = ds.select(range(max_documents))

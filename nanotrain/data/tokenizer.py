@@ -8,6 +8,7 @@ Separator choice for `byte`: id 0, the NUL byte. It keeps the vocabulary at exac
 default `model.vocab_size`), and NUL essentially never occurs in text or source code, so it is
 unambiguous in practice. A `tokenizer.json` uses its own end-of-text special token.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,8 +24,7 @@ BYTE = "byte"
 
 # End-of-document tokens of common tokenizer families, tried in this order:
 # GPT-2/NeoX, Llama 3, Llama 2/Mistral, Gemma, then generic spellings.
-SEPARATOR_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<eot>",
-                    "[EOS]", "[SEP]")
+SEPARATOR_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<eot>", "[EOS]", "[SEP]")
 
 
 class Tokenizer(Protocol):
@@ -64,21 +64,27 @@ class JsonTokenizer:
         try:
             from tokenizers import Tokenizer as HFTokenizer
         except ImportError:
-            raise DataError(f"data.tokenizer: {path!r} needs the optional `tokenizers` package; "
-                            f"pip install tokenizers (or the 'dev' extra), or use 'byte'") from None
+            raise DataError(
+                f"data.tokenizer: {path!r} needs the optional `tokenizers` package; "
+                f"pip install tokenizers (or the 'dev' extra), or use 'byte'"
+            ) from None
         try:
             self._tok = HFTokenizer.from_file(path)
         except Exception as exc:  # noqa: BLE001 - the Rust side raises a bare Exception
             first = (str(exc).splitlines() or [""])[0][:200]
-            raise DataError(f"data.tokenizer: cannot load {path!r} as a Hugging Face "
-                            f"tokenizer.json ({first}); use 'byte' or a valid file") from None
+            raise DataError(
+                f"data.tokenizer: cannot load {path!r} as a Hugging Face "
+                f"tokenizer.json ({first}); use 'byte' or a valid file"
+            ) from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.name = path
         self.vocab_size = max(vocab.values()) + 1  # ids may be sparse; the model needs max+1
         sep = next((vocab[t] for t in SEPARATOR_TOKENS if t in vocab), None)
         if sep is None:
-            raise DataError(f"data.tokenizer: {path!r} has none of the end-of-text tokens "
-                            f"{list(SEPARATOR_TOKENS)}; add one as a special token")
+            raise DataError(
+                f"data.tokenizer: {path!r} has none of the end-of-text tokens "
+                f"{list(SEPARATOR_TOKENS)}; add one as a special token"
+            )
         self.separator_id = sep
         with open(path, "rb") as fh:
             self.fingerprint = "json-" + hashlib.sha256(fh.read()).hexdigest()[:16]
@@ -95,8 +101,13 @@ def check_tokenizer_path(spec: str) -> None:
     """The cheap part of loading: the file is there, a regular file we may read (a FIFO is never
     opened), by the one path checker; used before a job is submitted."""
     if spec != BYTE:
-        check_path("data.tokenizer", spec, FILE, DataError,
-                   missing=f"data.tokenizer: no such file {spec!r}; use 'byte' or a path to a tokenizer.json")
+        check_path(
+            "data.tokenizer",
+            spec,
+            FILE,
+            DataError,
+            missing=f"data.tokenizer: no such file {spec!r}; use 'byte' or a path to a tokenizer.json",
+        )
 
 
 def load_tokenizer(spec: str, vocab_size: Optional[int] = None) -> Tokenizer:
@@ -110,9 +121,11 @@ def load_tokenizer(spec: str, vocab_size: Optional[int] = None) -> Tokenizer:
     check_tokenizer_path(spec)
     tok: Tokenizer = ByteTokenizer() if spec == BYTE else JsonTokenizer(os.path.expanduser(spec))
     if vocab_size is not None and tok.vocab_size > vocab_size:
-        raise DataError(f"model.vocab_size={vocab_size} is smaller than the vocabulary of "
-                        f"data.tokenizer={spec!r} ({tok.vocab_size} tokens); "
-                        f"set model.vocab_size >= {tok.vocab_size}")
+        raise DataError(
+            f"model.vocab_size={vocab_size} is smaller than the vocabulary of "
+            f"data.tokenizer={spec!r} ({tok.vocab_size} tokens); "
+            f"set model.vocab_size >= {tok.vocab_size}"
+        )
     return tok
 
 

@@ -3,6 +3,7 @@
 measures on a rank, so the two are compared (``tests/test_estimate_rehearsed.py``). Pure
 arithmetic on the config and the model's own stage split (``llama_arch.rank_summaries``).
 """
+
 from __future__ import annotations
 
 from nanotrain.config import Config
@@ -38,8 +39,9 @@ def traffic_bytes(config: Config, pp_rank: int | None = None) -> dict[str, float
     ranks = llama_arch.rank_summaries(config.model, p.pp, p.pp_virtual_stages)
     if pp_rank is not None:
         return _rank_traffic(config, pp_rank, ranks[pp_rank])
-    every = [_rank_traffic(config, r, ranks[r])
-             for r in llama_arch.distinct_ranks(config.model, p.pp, p.pp_virtual_stages)]
+    every = [
+        _rank_traffic(config, r, ranks[r]) for r in llama_arch.distinct_ranks(config.model, p.pp, p.pp_virtual_stages)
+    ]
     return {axis: max(e[axis] for e in every) for axis in every[0]}
 
 
@@ -61,7 +63,9 @@ def _rank_traffic(config: Config, pp_rank: int, rank: llama_arch.RankSummary) ->
     message = activation / (p.tp if p.tp_mode == "REDUCE_SCATTER" else 1)
     total, experts = llama_arch.rank_parameters(m, rank, p.tp, p.ep)
     dense = total - experts
-    return {"tp": tp_ops * acc * ring(p.tp) * activation,
-            "cp": cp_collectives_per_layer(t.recompute) * (p.cp - 1) * kv * len(layer_ids) * acc,
-            "pp": sends * message,
-            "dp": 4 * (ring(p.dp * p.cp * p.ep) * dense + ring(p.dp * p.cp) * experts)}
+    return {
+        "tp": tp_ops * acc * ring(p.tp) * activation,
+        "cp": cp_collectives_per_layer(t.recompute) * (p.cp - 1) * kv * len(layer_ids) * acc,
+        "pp": sends * message,
+        "dp": 4 * (ring(p.dp * p.cp * p.ep) * dense + ring(p.dp * p.cp) * experts),
+    }

@@ -21,6 +21,7 @@ own cost-balanced split, ``llama_arch.rank_blocks``), and the largest total is r
   ``llama_parallelize_costs.moe_extra_activation_bytes``.
 It ignores allocator fragmentation, communication buffers and the CUDA context (~1-3 GB).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -72,8 +73,10 @@ def busiest_stage(config: Config) -> int:
     p = config.parallelism
     ranks = llama_arch.rank_summaries(config.model, p.pp, p.pp_virtual_stages)
     bytes_of = _per_layer_bytes(config)
-    totals = {r: _stage_estimate(config, r, ranks[r], bytes_of).total
-              for r in llama_arch.distinct_ranks(config.model, p.pp, p.pp_virtual_stages)}
+    totals = {
+        r: _stage_estimate(config, r, ranks[r], bytes_of).total
+        for r in llama_arch.distinct_ranks(config.model, p.pp, p.pp_virtual_stages)
+    }
     return max(totals, key=lambda r: (totals[r], -r))
 
 
@@ -104,8 +107,13 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     p = config.parallelism
     ranks = llama_arch.rank_summaries(config.model, p.pp, p.pp_virtual_stages)
     bytes_of = _per_layer_bytes(config)
-    return max((_stage_estimate(config, r, ranks[r], bytes_of)
-                for r in llama_arch.distinct_ranks(config.model, p.pp, p.pp_virtual_stages)), key=lambda e: e.total)
+    return max(
+        (
+            _stage_estimate(config, r, ranks[r], bytes_of)
+            for r in llama_arch.distinct_ranks(config.model, p.pp, p.pp_virtual_stages)
+        ),
+        key=lambda e: e.total,
+    )
 
 
 def _per_layer_bytes(config: Config) -> dict[str, float]:
@@ -114,12 +122,21 @@ def _per_layer_bytes(config: Config) -> dict[str, float]:
     p, t, mdl = config.parallelism, config.training, config.model
     common = dict(tp=p.tp, tp_mode=p.tp_mode, cp=p.cp)
     local = t.sequence_length // p.cp
-    out = {f"layer/{mode}": llama_parallelize_costs.activation_bytes_per_layer(
-        mdl, t.sequence_length, t.micro_batch_size, recompute=mode, cpu=config.slurm.gpus_per_node == 0, **common)
-        for mode in {"none", t.recompute}}
+    out = {
+        f"layer/{mode}": llama_parallelize_costs.activation_bytes_per_layer(
+            mdl, t.sequence_length, t.micro_batch_size, recompute=mode, cpu=config.slurm.gpus_per_node == 0, **common
+        )
+        for mode in {"none", t.recompute}
+    }
     if mdl.moe:
-        out.update({f"moe/{mode}": llama_parallelize_costs.moe_extra_activation_bytes(
-            mdl, t.sequence_length, t.micro_batch_size, recompute=mode, **common) for mode in {"none", t.recompute}})
+        out.update(
+            {
+                f"moe/{mode}": llama_parallelize_costs.moe_extra_activation_bytes(
+                    mdl, t.sequence_length, t.micro_batch_size, recompute=mode, **common
+                )
+                for mode in {"none", t.recompute}
+            }
+        )
     out["head"] = llama_parallelize_costs.head_saved_bytes(mdl, local, t.micro_batch_size, p.tp, p.tp_mode)
     out["logits_grad"] = llama_parallelize_costs.head_backward_bytes(mdl, local, t.micro_batch_size, p.tp)
     return out
@@ -157,36 +174,44 @@ def _stage_estimate(config: Config, pp_rank: int, rank, bytes_of: dict[str, floa
         saved += (heads - 1) * bytes_of["head"]
         head_kept = bytes_of["head"]
         working = max(working, bytes_of["head"] + bytes_of["logits_grad"])
-    return MemoryEstimate(weights / GB, grads / GB, optimizer / GB, (saved + working) / GB,
-                          in_flight, layers, (saved + head_kept) / GB)
+    return MemoryEstimate(
+        weights / GB, grads / GB, optimizer / GB, (saved + working) / GB, in_flight, layers, (saved + head_kept) / GB
+    )
 
 
 def describe(config: Config) -> list[str]:
     """Lines for --dry-run; the last one warns when the estimate exceeds slurm.gpu_memory_gb."""
     est = estimate_memory(config)
     p = config.parallelism
-    over = " x ".join(f"{axis}{n}" for axis, n in (("dp", p.dp), ("cp", p.cp), ("ep", p.ep))
-                      if n > 1 or axis == "dp")
+    over = " x ".join(f"{axis}{n}" for axis, n in (("dp", p.dp), ("cp", p.cp), ("ep", p.ep)) if n > 1 or axis == "dp")
     if p.ep > 1:
         over += f" (experts over dp{p.dp}" + (f" x cp{p.cp})" if p.cp > 1 else ")")
     zero = f", ZeRO-1 over {over}" if config.optimizer.zero_stage == 1 else ""
     recompute = f", recompute {config.training.recompute}" if config.training.recompute != "none" else ""
-    lines = [f"memory per GPU (estimate, busiest rank): weights {_gb(est.weights)} GB + grads {_gb(est.grads)} GB"
-             f" + optimizer {_gb(est.optimizer)} GB{zero} + activations {_gb(est.activations)} GB "
-             f"({est.in_flight:g} micro-batch(es) in flight x {est.layers_per_stage} layers{recompute})"
-             f" = {_gb(est.total)} GB"]
+    lines = [
+        f"memory per GPU (estimate, busiest rank): weights {_gb(est.weights)} GB + grads {_gb(est.grads)} GB"
+        f" + optimizer {_gb(est.optimizer)} GB{zero} + activations {_gb(est.activations)} GB "
+        f"({est.in_flight:g} micro-batch(es) in flight x {est.layers_per_stage} layers{recompute})"
+        f" = {_gb(est.total)} GB"
+    ]
     if config.model.moe is not None:
         count, moe = llama_arch.parameter_count(config.model), config.model.moe
-        lines.append(f"parameters: total {count.total:,}, active per token {count.active:,} "
-                     f"(top_k {moe.top_k} of {moe.num_experts} experts in {count.moe_layers} MoE layers); "
-                     f"each ep rank holds {moe.num_experts // p.ep} experts per MoE layer; gradients: dense "
-                     f"averaged over dp*cp*ep = {p.dp * p.cp * p.ep}, experts over dp*cp = {p.dp * p.cp}")
+        lines.append(
+            f"parameters: total {count.total:,}, active per token {count.active:,} "
+            f"(top_k {moe.top_k} of {moe.num_experts} experts in {count.moe_layers} MoE layers); "
+            f"each ep rank holds {moe.num_experts // p.ep} experts per MoE layer; gradients: dense "
+            f"averaged over dp*cp*ep = {p.dp * p.cp * p.ep}, experts over dp*cp = {p.dp * p.cp}"
+        )
     limit = config.slurm.gpu_memory_gb
     if est.total > ABSURD_GB:
-        lines.append(f"warning: the estimate {_gb(est.total)} GB per GPU is more than any accelerator holds "
-                     f"(> {ABSURD_GB:g} GB): check model.hidden_size, intermediate_size, num_layers and "
-                     "vocab_size, or raise tp/pp")
+        lines.append(
+            f"warning: the estimate {_gb(est.total)} GB per GPU is more than any accelerator holds "
+            f"(> {ABSURD_GB:g} GB): check model.hidden_size, intermediate_size, num_layers and "
+            "vocab_size, or raise tp/pp"
+        )
     elif limit is not None and est.total > limit:
-        lines.append(f"warning: the estimate {est.total:.1f} GB exceeds slurm.gpu_memory_gb ({limit:g} GB): "
-                     "raise tp/pp, use optimizer.zero_stage: 1, or lower training.micro_batch_size")
+        lines.append(
+            f"warning: the estimate {est.total:.1f} GB exceeds slurm.gpu_memory_gb ({limit:g} GB): "
+            "raise tp/pp, use optimizer.zero_stage: 1, or lower training.micro_batch_size"
+        )
     return lines

@@ -11,6 +11,7 @@ that docstring; for users, the README's ``--plan`` section), and the best few th
 validation (``config.validate``) are printed as ready ``--set`` lines. Nothing is proposed that
 validation rejects.
 """
+
 from __future__ import annotations
 
 import copy
@@ -59,12 +60,19 @@ class Proposal:
 
     def set_args(self) -> list[str]:
         p, t = self.config.parallelism, self.config.training
-        fields = [("parallelism.dp", p.dp), ("parallelism.tp", p.tp), ("parallelism.pp", p.pp),
-                  ("parallelism.cp", p.cp), ("parallelism.pp_engine", p.pp_engine),
-                  ("parallelism.pp_virtual_stages", p.pp_virtual_stages), ("parallelism.tp_mode", p.tp_mode),
-                  ("training.micro_batch_size", t.micro_batch_size),
-                  ("training.batch_accumulation_per_replica", t.batch_accumulation_per_replica),
-                  ("training.recompute", t.recompute), ("optimizer.zero_stage", self.config.optimizer.zero_stage)]
+        fields = [
+            ("parallelism.dp", p.dp),
+            ("parallelism.tp", p.tp),
+            ("parallelism.pp", p.pp),
+            ("parallelism.cp", p.cp),
+            ("parallelism.pp_engine", p.pp_engine),
+            ("parallelism.pp_virtual_stages", p.pp_virtual_stages),
+            ("parallelism.tp_mode", p.tp_mode),
+            ("training.micro_batch_size", t.micro_batch_size),
+            ("training.batch_accumulation_per_replica", t.batch_accumulation_per_replica),
+            ("training.recompute", t.recompute),
+            ("optimizer.zero_stage", self.config.optimizer.zero_stage),
+        ]
         return [f"--set {k}={v}" for k, v in fields]
 
     def summary(self) -> str:
@@ -72,9 +80,11 @@ class Proposal:
         virtual = f" v{p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else ""
         engine = "" if p.pp == 1 else f" {p.pp_engine}{virtual}"
         mode = " SP" if p.tp > 1 and p.tp_mode == "REDUCE_SCATTER" else ""
-        return (f"dp{p.dp} tp{p.tp}{mode} pp{p.pp}{engine} cp{p.cp} mbs{t.micro_batch_size} "
-                f"acc{t.batch_accumulation_per_replica} recompute={t.recompute} "
-                f"zero{self.config.optimizer.zero_stage}")
+        return (
+            f"dp{p.dp} tp{p.tp}{mode} pp{p.pp}{engine} cp{p.cp} mbs{t.micro_batch_size} "
+            f"acc{t.batch_accumulation_per_replica} recompute={t.recompute} "
+            f"zero{self.config.optimizer.zero_stage}"
+        )
 
 
 def gb(value: float) -> str:
@@ -139,10 +149,12 @@ def step_time(config: Config, hw: Hardware) -> tuple[float, float, dict]:
     layers = -(-m.num_layers // p.pp)
     latency = hw.latency_us * 1e-6
     ring_steps = lambda group: 2 * (group - 1)  # noqa: E731 - latency-bound steps of one ring
-    parts["tp"] = (tp_collectives_per_layer(t.recompute) * layers * acc * ring_steps(p.tp) * latency
-                   + sent["tp"] / (_bandwidth(p.tp, hw) * 1e9))
-    parts["cp"] = (cp_collectives_per_layer(t.recompute) * (p.cp - 1) * layers * acc * latency
-                   + sent["cp"] / (_bandwidth(p.tp * p.cp, hw) * 1e9))
+    parts["tp"] = tp_collectives_per_layer(t.recompute) * layers * acc * ring_steps(p.tp) * latency + sent["tp"] / (
+        _bandwidth(p.tp, hw) * 1e9
+    )
+    parts["cp"] = cp_collectives_per_layer(t.recompute) * (p.cp - 1) * layers * acc * latency + sent["cp"] / (
+        _bandwidth(p.tp * p.cp, hw) * 1e9
+    )
     messages = 0 if p.pp == 1 else 2 * p.pp_virtual_stages * acc
     parts["pp"] = messages * latency + sent["pp"] / (_bandwidth(n, hw) * 1e9)
     parts["dp"] = ring_steps(p.dp * p.cp) * latency + sent["dp"] / (_bandwidth(p.tp * p.cp * p.dp, hw) * 1e9)
@@ -180,10 +192,12 @@ def _engines(config: Config, pp: int, acc: int) -> list[tuple[str, int]]:
 
 
 def _layout(config: Config, tp, cp, pp, dp, engine, v, mode, mbs, acc, recompute, zero) -> Config:
-    return _with(config, parallelism=dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=1, pp_engine=engine,
-                                          pp_virtual_stages=v, tp_mode=mode),
-                 training=dict(micro_batch_size=mbs, batch_accumulation_per_replica=acc, recompute=recompute),
-                 optimizer=dict(zero_stage=zero))
+    return _with(
+        config,
+        parallelism=dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=1, pp_engine=engine, pp_virtual_stages=v, tp_mode=mode),
+        training=dict(micro_batch_size=mbs, batch_accumulation_per_replica=acc, recompute=recompute),
+        optimizer=dict(zero_stage=zero),
+    )
 
 
 def candidates(config: Config, gpus: int, hw: Hardware):
@@ -272,8 +286,9 @@ def make_plan(config: Config, gpus: int, gpu_memory_gb: float, hw: Hardware, sho
             continue
         seen[key] = mem
         tokens = t.sequence_length * global_batch(cand)
-        proposals.append(Proposal(cand, mem, seconds, tokens / seconds,
-                                  flops / (seconds * gpus * hw.peak_tflops * 1e12), parts))
+        proposals.append(
+            Proposal(cand, mem, seconds, tokens / seconds, flops / (seconds * gpus * hw.peak_tflops * 1e12), parts)
+        )
         if len(proposals) == shown:
             break
     smallest = None
@@ -298,19 +313,27 @@ def check_request(config: Config, gpus: int | None, gpu_memory_gb: float | None)
     per_node = config.slurm.gpus_per_node
     if per_node and gpus % per_node:
         lower = f"{gpus - gpus % per_node} or " if gpus > per_node else ""
-        raise ConfigError(f"--gpus {gpus} is not a multiple of slurm.gpus_per_node ({per_node}): plan for "
-                          f"{lower}{gpus + per_node - gpus % per_node} GPUs, or --set slurm.gpus_per_node=<a divisor>")
+        raise ConfigError(
+            f"--gpus {gpus} is not a multiple of slurm.gpus_per_node ({per_node}): plan for "
+            f"{lower}{gpus + per_node - gpus % per_node} GPUs, or --set slurm.gpus_per_node=<a divisor>"
+        )
     memory = gpu_memory_gb if gpu_memory_gb is not None else (config.slurm.gpu_memory_gb or DEFAULT_GPU_MEMORY_GB)
     if not memory > 0 or memory != memory or memory == float("inf"):
         raise ConfigError(f"--gpu-memory-gb {memory:g}: give the memory of one GPU in GB (e.g. 80)")
     if memory * (1 - MARGIN) - RESERVED_GB <= 0:
-        raise ConfigError(f"--gpu-memory-gb {memory:g}: nothing is left after the {RESERVED_GB:g} GB reserve "
-                          f"and {MARGIN:.0%} margin; give at least {RESERVED_GB / (1 - MARGIN) + 0.1:.1f}")
+        raise ConfigError(
+            f"--gpu-memory-gb {memory:g}: nothing is left after the {RESERVED_GB:g} GB reserve "
+            f"and {MARGIN:.0%} margin; give at least {RESERVED_GB / (1 - MARGIN) + 0.1:.1f}"
+        )
     return gpus, memory
 
 
-FLAGS = {"peak_tflops": "--gpu-tflops", "efficiency": "--efficiency", "intra_node_gbs": "--intra-node-gbs",
-         "inter_node_gbs": "--inter-node-gbs"}
+FLAGS = {
+    "peak_tflops": "--gpu-tflops",
+    "efficiency": "--efficiency",
+    "intra_node_gbs": "--intra-node-gbs",
+    "inter_node_gbs": "--inter-node-gbs",
+}
 
 
 def hardware(config: Config, **figures) -> Hardware:
@@ -328,17 +351,21 @@ def render(plan: Plan, config_arg: str, gpu_memory_gb: float, user_sets: list[st
     """The plan's lines; each proposal's command repeats the user's own ``--set`` overrides first."""
     hw = plan.hw
     own = "".join(f" --set {shlex.quote(s)}" for s in user_sets)
-    lines = [f"plan: {plan.gpus} GPUs ({hw.gpus_per_node} per node), {gpu_memory_gb:g} GB each; a layout fits "
-             f"when its estimate is <= {plan.budget_gb:.1f} GB ({MARGIN:.0%} margin, {RESERVED_GB:g} GB reserved); "
-             f"{plan.count} layouts keep the global batch",
-             f"cost model: {hw.peak_tflops:g} TFLOP/s peak per GPU at {hw.efficiency:.0%} efficiency; links "
-             f"{hw.intra_node_gbs:g} GB/s within a node, {hw.inter_node_gbs:g} GB/s across nodes "
-             "(--gpu-tflops, --efficiency, --intra-node-gbs, --inter-node-gbs)"]
+    lines = [
+        f"plan: {plan.gpus} GPUs ({hw.gpus_per_node} per node), {gpu_memory_gb:g} GB each; a layout fits "
+        f"when its estimate is <= {plan.budget_gb:.1f} GB ({MARGIN:.0%} margin, {RESERVED_GB:g} GB reserved); "
+        f"{plan.count} layouts keep the global batch",
+        f"cost model: {hw.peak_tflops:g} TFLOP/s peak per GPU at {hw.efficiency:.0%} efficiency; links "
+        f"{hw.intra_node_gbs:g} GB/s within a node, {hw.inter_node_gbs:g} GB/s across nodes "
+        "(--gpu-tflops, --efficiency, --intra-node-gbs, --inter-node-gbs)",
+    ]
     for i, prop in enumerate(plan.proposals, 1):
         parts = ", ".join(f"{k} {v:.3g}" for k, v in prop.parts.items() if v > 0)
-        lines += [f"#{i} {prop.summary()}: memory {gb(prop.memory_gb)} GB, step {prop.step_s:.3g} s ({parts}), "
-                  f"{prop.tokens_per_s:,.0f} tokens/s, MFU {prop.mfu:.1%}",
-                  f"   python submit.py {shlex.quote(config_arg)}{own} " + " ".join(prop.set_args())]
+        lines += [
+            f"#{i} {prop.summary()}: memory {gb(prop.memory_gb)} GB, step {prop.step_s:.3g} s ({parts}), "
+            f"{prop.tokens_per_s:,.0f} tokens/s, MFU {prop.mfu:.1%}",
+            f"   python submit.py {shlex.quote(config_arg)}{own} " + " ".join(prop.set_args()),
+        ]
     return lines
 
 
@@ -347,11 +374,15 @@ def explain_none(plan: Plan, config: Config) -> str:
     if plan.smallest is not None:
         mem, layout = plan.smallest
         more = f"--gpus {plan.fewest:,} fits" if plan.fewest else f"no count up to {MAX_PLAN_GPUS:,} GPUs fits"
-        return (f"no layout of {plan.gpus} GPUs fits: the leanest valid one ({layout}) needs {mem:.1f} GB "
-                f"per GPU, over the {plan.budget_gb:.1f} GB usable; what would help: more GPUs ({more}), "
-                "GPUs with more memory (--gpu-memory-gb), a shorter training.sequence_length or a smaller model")
+        return (
+            f"no layout of {plan.gpus} GPUs fits: the leanest valid one ({layout}) needs {mem:.1f} GB "
+            f"per GPU, over the {plan.budget_gb:.1f} GB usable; what would help: more GPUs ({more}), "
+            "GPUs with more memory (--gpu-memory-gb), a shorter training.sequence_length or a smaller model"
+        )
     if plan.rejected is not None:
         return f"no layout of {plan.gpus} GPUs passes validation; the first refusal: {plan.rejected}"
-    return (f"no layout of {plan.gpus} GPUs keeps the global batch of {global_batch(config)} samples "
-            "(dp must divide it, tp*cp*pp the rest): change --gpus or the batch (training.micro_batch_size, "
-            "batch_accumulation_per_replica, parallelism.dp)")
+    return (
+        f"no layout of {plan.gpus} GPUs keeps the global batch of {global_batch(config)} samples "
+        "(dp must divide it, tp*cp*pp the rest): change --gpus or the batch (training.micro_batch_size, "
+        "batch_accumulation_per_replica, parallelism.dp)"
+    )

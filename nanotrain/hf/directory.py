@@ -8,6 +8,7 @@ safetensors headers are read (a few KB), never the weights. Single-file (``model
 and index-sharded (``model.safetensors.index.json`` + ``model-0000k-of-0000n.safetensors``)
 directories are both understood.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,12 +57,22 @@ def open_hf_dir(path: str | Path) -> HFDir:
             not safetensors.
     """
     path = Path(path).expanduser()
-    check_path(FIELD, path, DIR, HFError,
-               missing=f"{_where(path)} is not a directory: point it at a local Hugging Face model "
-                       "directory (config.json + *.safetensors)")
+    check_path(
+        FIELD,
+        path,
+        DIR,
+        HFError,
+        missing=f"{_where(path)} is not a directory: point it at a local Hugging Face model "
+        "directory (config.json + *.safetensors)",
+    )
     # Every file is checked before it is opened: a FIFO named config.json would block the read.
-    check_path(FIELD, path / "config.json", FILE, HFError,
-               missing=f"{_where(path)} has no readable config.json: not a Hugging Face model directory")
+    check_path(
+        FIELD,
+        path / "config.json",
+        FILE,
+        HFError,
+        missing=f"{_where(path)} has no readable config.json: not a Hugging Face model directory",
+    )
     try:
         config = json.loads((path / "config.json").read_text())
     except OSError:
@@ -110,13 +121,17 @@ def check_hf_dir(path: str | Path, args: ModelArgs) -> HFDir:
         raise HFError("; ".join(problems))
     biases = sorted(n for n in hf.tensors if n.endswith(".bias"))
     if biases:
-        problems.append(f"{where}: bias tensors present ({', '.join(biases[:3])}{', ...' if len(biases) > 3 else ''}): "
-                        "nanotrain's Llama has no bias terms")
+        problems.append(
+            f"{where}: bias tensors present ({', '.join(biases[:3])}{', ...' if len(biases) > 3 else ''}): "
+            "nanotrain's Llama has no bias terms"
+        )
     expected = hf_llama.hf_shapes(args, hf.vocab_size)
     missing = [n for n in expected if n not in hf.tensors]
     if missing:
-        problems.append(f"{where}: tensor{'s' if len(missing) > 1 else ''} missing: "
-                        f"{', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}")
+        problems.append(
+            f"{where}: tensor{'s' if len(missing) > 1 else ''} missing: "
+            f"{', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}"
+        )
     for name, shape in expected.items():
         rec = hf.tensors.get(name)
         if rec is None:

@@ -15,6 +15,7 @@ tensor and closed after it, so peak memory is about one full tensor (the embeddi
 model (benchmarks/hf_io.py measures it). Only the model files are read: the optimizer states
 are left alone, and every byte read is checked against the checkpoint's sha256s first.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,12 +65,11 @@ def _tensors(ckpt: Path, meta: dict, args: ModelArgs, dtype: torch.dtype):
         full = assemble_full(reader, name, index[name])
         reader.close()
         for piece in hf_llama.pieces(name, args):
-            yield piece.hf_name, full[piece.start:piece.stop].to(dtype).contiguous()
+            yield piece.hf_name, full[piece.start : piece.stop].to(dtype).contiguous()
         del full
 
 
-def _write_file(path: Path, entries: list[tuple[str, tuple[int, ...]]], st_dtype: str, itemsize: int,
-                stream) -> int:
+def _write_file(path: Path, entries: list[tuple[str, tuple[int, ...]]], st_dtype: str, itemsize: int, stream) -> int:
     """One safetensors file: the header from the planned shapes, then each tensor's bytes as the
     stream yields it (checked against the plan). Returns the bytes of tensor data written."""
     head, offset = {"__metadata__": {"format": "pt"}}, 0
@@ -90,8 +90,9 @@ def _write_file(path: Path, entries: list[tuple[str, tuple[int, ...]]], st_dtype
     return offset
 
 
-def export_hf(src: str | Path, out_dir: str | Path, dtype: str = "float32",
-              max_shard_size: int = DEFAULT_MAX_SHARD) -> dict:
+def export_hf(
+    src: str | Path, out_dir: str | Path, dtype: str = "float32", max_shard_size: int = DEFAULT_MAX_SHARD
+) -> dict:
     """Write a nanotrain checkpoint out as a Hugging Face ``LlamaForCausalLM`` directory (weights,
     config.json, generation config, tokenizer), shards merged; one process, any saved topology.
 
@@ -114,8 +115,9 @@ def export_hf(src: str | Path, out_dir: str | Path, dtype: str = "float32",
     ckpt, meta = plan_export(src, out_dir, dtype)
     config = meta["config"]
     args = ModelArgs(**config["model"])
-    bad = [p for rel, rec in meta["files"].items() if rel.startswith("model/")
-           and (p := fmt.verify_file(ckpt, rel, rec))]
+    bad = [
+        p for rel, rec in meta["files"].items() if rel.startswith("model/") and (p := fmt.verify_file(ckpt, rel, rec))
+    ]
     if bad:
         raise CheckpointError(f"{ckpt} is damaged: " + "; ".join(bad))
     out = Path(out_dir)
@@ -125,8 +127,9 @@ def export_hf(src: str | Path, out_dir: str | Path, dtype: str = "float32",
     return {"checkpoint": str(ckpt), "files": names, "bytes": total, "seconds": time.perf_counter() - t0}
 
 
-def _write(ckpt: Path, meta: dict, args: ModelArgs, dtype: str, max_shard_size: int,
-           out: Path) -> tuple[list[str], int]:
+def _write(
+    ckpt: Path, meta: dict, args: ModelArgs, dtype: str, max_shard_size: int, out: Path
+) -> tuple[list[str], int]:
     """The weight files, tokenizer and configs into ``out``; returns (weight files, bytes)."""
     config = meta["config"]
     torch_dtype = fmt.DTYPES[dtype]
@@ -141,8 +144,9 @@ def _write(ckpt: Path, meta: dict, args: ModelArgs, dtype: str, max_shard_size: 
         names.append(name)
     if len(plan) > 1:
         weight_map = {t: f for f, entries in zip(names, plan) for t, _ in entries}
-        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                            indent=2) + "\n")
+        (out / INDEX).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+        )
     keep = set(names) | ({INDEX} if len(plan) > 1 else set())
     for stale in [out / SINGLE, out / INDEX, *out.glob("model-*-of-*.safetensors")]:
         if stale.name not in keep:
@@ -151,10 +155,24 @@ def _write(ckpt: Path, meta: dict, args: ModelArgs, dtype: str, max_shard_size: 
     special = export_tokenizer(tokenizer, out, args.max_position_embeddings)
     hf_cfg = hf_llama.hf_config(args, dtype=dtype, **special)
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-    generation = {"bos_token_id": special["bos_token_id"], "eos_token_id": special["eos_token_id"],
-                  "pad_token_id": special["eos_token_id"], "do_sample": False}
+    generation = {
+        "bos_token_id": special["bos_token_id"],
+        "eos_token_id": special["eos_token_id"],
+        "pad_token_id": special["eos_token_id"],
+        "do_sample": False,
+    }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    (out / "nanotrain_export.json").write_text(json.dumps(
-        {"checkpoint": str(ckpt), "step": meta.get("step"), "run_id": meta.get("run_id"),
-         "topology": meta.get("topology"), "dtype": dtype}, indent=2) + "\n")
+    (out / "nanotrain_export.json").write_text(
+        json.dumps(
+            {
+                "checkpoint": str(ckpt),
+                "step": meta.get("step"),
+                "run_id": meta.get("run_id"),
+                "topology": meta.get("topology"),
+                "dtype": dtype,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return names, total

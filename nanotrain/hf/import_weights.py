@@ -13,6 +13,7 @@ broadcast. Rows of a ``model.vocab_size`` larger than the HF vocabulary keep the
 The optimizer and the step start fresh; the trainer only calls this when the run has no complete
 checkpoint of its own, so restarts resume from the run's checkpoints as usual.
 """
+
 from __future__ import annotations
 
 import time
@@ -49,7 +50,7 @@ def load_hf_weights(path: str | Path, model: Models, args: ModelArgs) -> dict:
     with torch.no_grad():
         for name, params in named_params(model).items():
             handles: dict[str, object] = {}  # closed after each parameter: its mapped pages leave
-            for p in params:                 # this process's RSS instead of piling up to the file size
+            for p in params:  # this process's RSS instead of piling up to the file size
                 n, b = _fill(p, name, args, hf, handles)
                 reads, nbytes = reads + n, nbytes + b
             handles.clear()

@@ -23,6 +23,7 @@ one JSON request per rank with the file descriptor for the rank's stdout and std
 When the launcher's end closes (it exited or was killed), the server kills every child's session
 and exits: nothing outlives the job.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -37,8 +38,16 @@ import threading
 import time
 from pathlib import Path
 
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "nanotrain.training.trainer", "nanotrain.checkpoint",
-           "nanotrain.data", "nanotrain.runtime.task", "nanotrain.runtime.ending")
+PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "nanotrain.training.trainer",
+    "nanotrain.checkpoint",
+    "nanotrain.data",
+    "nanotrain.runtime.task",
+    "nanotrain.runtime.ending",
+)
 FD_ENV = "NANOTRAIN_FORK_SERVER_FD"
 _MAX_MESSAGE = 1 << 20
 
@@ -106,13 +115,18 @@ class ForkServer:
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._lock = threading.Lock()
         self._ranks: dict[int, ForkedProcess] = {}
-        self.proc = subprocess.Popen([sys.executable, "-m", "nanotrain.launch.forkserver"],
-                                     env={**env, FD_ENV: str(theirs.fileno())}, pass_fds=(theirs.fileno(),),
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nanotrain.launch.forkserver"],
+            env={**env, FD_ENV: str(theirs.fileno())},
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         theirs.close()
 
-    def start(self, rank: int, argv_target: tuple[str, str, list[str]], env: dict, out_fd: int,
-              stdout=None) -> ForkedProcess:
+    def start(
+        self, rank: int, argv_target: tuple[str, str, list[str]], env: dict, out_fd: int, stdout=None
+    ) -> ForkedProcess:
         kind, name, argv = argv_target
         request = {"rank": rank, "kind": kind, "name": name, "argv": argv, "env": env, "cwd": os.getcwd()}
         with self._lock:
@@ -206,8 +220,9 @@ def _become_rank(request: dict) -> None:
     os.close(request["fd"])
     # unbuffered text streams on the new descriptors, as `python -u`
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True, encoding="utf-8")
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, encoding="utf-8",
-                                  errors="backslashreplace")
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), write_through=True, encoding="utf-8", errors="backslashreplace"
+    )
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])

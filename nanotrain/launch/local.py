@@ -8,6 +8,7 @@ same signals SLURM sends before a preemption or time limit. Ctrl-C (SIGINT) beco
 the ranks: they save at the next step boundary and stop, as on a preemption, and the launcher
 then says what was saved and how to resume (exit 130); a second Ctrl-C kills them at once.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,9 +34,11 @@ def check_process_count(world_size: int) -> None:
     """Raises ConfigError when a local run would start more than ``max_local_processes()`` ranks."""
     cap = max_local_processes()
     if world_size > cap:
-        raise ConfigError(f"parallelism: dp*tp*pp*cp*ep = {world_size:,} local processes; a local run starts "
-                          f"at most {cap} (this machine has {os.cpu_count()} CPUs): lower dp/tp/pp/cp, "
-                          "or submit to SLURM")
+        raise ConfigError(
+            f"parallelism: dp*tp*pp*cp*ep = {world_size:,} local processes; a local run starts "
+            f"at most {cap} (this machine has {os.cpu_count()} CPUs): lower dp/tp/pp/cp, "
+            "or submit to SLURM"
+        )
 
 
 class Interrupted(Exception):
@@ -68,8 +71,16 @@ def task_command(config_path: Path) -> list[str]:
     return [sys.executable, "-u", "-m", "nanotrain.runtime.task", str(config_path)]
 
 
-def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool = False,
-              threads: int = 1, stream_ranks: tuple[int, ...] = (0,), timeout_s: float | None = None) -> int:
+def run_local(
+    command: list[str],
+    world_size: int,
+    log_dir: Path,
+    *,
+    quiet: bool = False,
+    threads: int = 1,
+    stream_ranks: tuple[int, ...] = (0,),
+    timeout_s: float | None = None,
+) -> int:
     """Start `world_size` ranks of `command` (normally `task_command`); return the job's status.
 
     `stream_ranks` go to the terminal as well as to their log: rank 0, and the rank that logs
@@ -102,8 +113,11 @@ def run_local(command: list[str], world_size: int, log_dir: Path, *, quiet: bool
         unblock_stop_signals()
         status = _wait(ranks, interrupts, None if timeout_s is None else time.monotonic() + timeout_s)
         failed = ranks.failure()
-        failed = None if failed is None else f"rank {failed[0]} exited with status {failed[1]} " \
-                                              f"(log: {ranks.log_path(failed[0])})"
+        failed = (
+            None
+            if failed is None
+            else f"rank {failed[0]} exited with status {failed[1]} (log: {ranks.log_path(failed[0])})"
+        )
     finally:
         ranks.stop()
         for sig, handler in previous.items():
@@ -121,8 +135,12 @@ def _wait(ranks: RankProcesses, interrupts: list[int], deadline: float | None) -
     while True:
         if interrupts:
             if not told:
-                print("\ninterrupt: every rank saves and stops at the next step boundary "
-                      "(Ctrl-C again to stop at once, without saving)", file=sys.stderr, flush=True)
+                print(
+                    "\ninterrupt: every rank saves and stops at the next step boundary "
+                    "(Ctrl-C again to stop at once, without saving)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 told = True
             if ranks.done():
                 return 130
@@ -139,6 +157,9 @@ def _wait(ranks: RankProcesses, interrupts: list[int], deadline: float | None) -
             rank, code = failed
             raw = ranks.procs[rank].returncode
             how = f" (signal {-raw})" if raw < 0 else ""
-            print(f"error: rank {rank} exited with status {code}{how}; its log: {ranks.log_path(rank)}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"error: rank {rank} exited with status {code}{how}; its log: {ranks.log_path(rank)}",
+                file=sys.stderr,
+                flush=True,
+            )
         return status

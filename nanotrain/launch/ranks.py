@@ -16,6 +16,7 @@ to get subtly wrong are done once here:
   (`launch/forkserver.py`: the imports paid once per job, not per rank), and `log_dir/ranks.json` names each
   rank's pid (a forked rank's command line is the fork server's).
 """
+
 from __future__ import annotations
 
 import json
@@ -33,21 +34,40 @@ from nanotrain.launch.forkserver import ForkServer, python_target, use_fork_serv
 from nanotrain.runtime.env import free_port
 
 # Variables an outer launcher may have set that must not leak into a local rank.
-_CLEARED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "GROUP_RANK", "NODE_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-            "SLURM_PROCID", "SLURM_JOB_ID")
+_CLEARED = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "SLURM_PROCID",
+    "SLURM_JOB_ID",
+)
 TIMED_OUT = 124  # the status `timeout` returns; scripted launches past their deadline report it
 
 
-def rank_env(rank: int, world_size: int, port: int, threads: int = 1,
-             extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def rank_env(
+    rank: int, world_size: int, port: int, threads: int = 1, extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """This process's environment for local rank `rank`: env:// variables, marked as our launcher."""
     env = {k: v for k, v in os.environ.items() if k not in _CLEARED}
-    env.update({
-        "NANOTRAIN_LAUNCHER": "local", "RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "NANOTRAIN_LAUNCHER": "local",
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env.setdefault("OMP_NUM_THREADS", str(threads))
     env.update({k: str(v) for k, v in (extra or {}).items()})
     return env
@@ -73,8 +93,16 @@ class RankProcesses:
     Each rank writes `log_dir/rank-R.log`; ranks in `stream_ranks` also stream to this process's
     stdout. Use as a context manager (or call `kill`) so that no rank outlives its launcher."""
 
-    def __init__(self, command: Sequence[str], world_size: int, log_dir: Path, *, threads: int = 1,
-                 env: Mapping[str, str] | None = None, port: int | None = None):
+    def __init__(
+        self,
+        command: Sequence[str],
+        world_size: int,
+        log_dir: Path,
+        *,
+        threads: int = 1,
+        env: Mapping[str, str] | None = None,
+        port: int | None = None,
+    ):
         self.command, self.world_size, self.log_dir = list(command), world_size, Path(log_dir)
         self.threads, self.env = threads, dict(env or {})
         self.port = free_port() if port is None else port
@@ -101,15 +129,18 @@ class RankProcesses:
             if self._server is not None:
                 proc = self._fork(rank, target, env, stream)
             elif stream:
-                proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                proc = subprocess.Popen(
+                    self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+                )
             else:
                 with open(self.log_path(rank), "ab") as log:
-                    proc = subprocess.Popen(self.command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                    proc = subprocess.Popen(
+                        self.command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    )
             if stream:
-                tee = threading.Thread(target=_tee, args=(proc.stdout, sys.stdout.buffer, self.log_path(rank)),
-                                       daemon=True)
+                tee = threading.Thread(
+                    target=_tee, args=(proc.stdout, sys.stdout.buffer, self.log_path(rank)), daemon=True
+                )
                 tee.start()
                 self._tees.append(tee)
             self.procs.append(proc)
@@ -131,8 +162,9 @@ class RankProcesses:
 
     def failure(self) -> tuple[int, int] | None:
         """(rank, shell-style status) of the lowest rank that exited non-zero, or None."""
-        return next(((rank, exit_status(code)) for rank, code in enumerate(self.codes()) if code not in (None, 0)),
-                    None)
+        return next(
+            ((rank, exit_status(code)) for rank, code in enumerate(self.codes()) if code not in (None, 0)), None
+        )
 
     def done(self) -> bool:
         return len(self.procs) > 0 and all(code is not None for code in self.codes())
@@ -201,8 +233,16 @@ class RanksFailed(RuntimeError):
     """A scripted local job failed or ran past its deadline; the message holds the log tail."""
 
 
-def run_ranks(command: Sequence[str], world_size: int, log_dir: Path, timeout_s: float, *, threads: int = 1,
-              env: Mapping[str, str] | None = None, tail: int = 3000) -> None:
+def run_ranks(
+    command: Sequence[str],
+    world_size: int,
+    log_dir: Path,
+    timeout_s: float,
+    *,
+    threads: int = 1,
+    env: Mapping[str, str] | None = None,
+    tail: int = 3000,
+) -> None:
     """Run a scripted job to completion (benchmarks): return when every rank exited 0, else raise
     `RanksFailed` with the failing rank's log tail; every rank is ended either way."""
     with RankProcesses(command, world_size, log_dir, threads=threads, env=env) as ranks:

@@ -6,6 +6,7 @@ disagree: dry-run prints what `SlurmExecutor` would write, and `--emit` renders 
 parameters around a plain `python -m nanotrain.runtime.task CONFIG` command instead of
 submitit's pickled function, so the emitted file needs no Python driver.
 """
+
 from __future__ import annotations
 
 import functools
@@ -84,8 +85,7 @@ def task_command(config_path: Path) -> str:
 
 
 def render_sbatch(config: Config, layout: SlurmLayout, run_dir: Path, command: str) -> str:
-    return _make_sbatch_string(command=command, folder=str(job_folder(run_dir)),
-                               **executor_parameters(config, layout))
+    return _make_sbatch_string(command=command, folder=str(job_folder(run_dir)), **executor_parameters(config, layout))
 
 
 @functools.lru_cache(maxsize=1)
@@ -110,8 +110,10 @@ def partition_problem(config: Config) -> str | None:
     missing = [p for p in wanted.split(",") if p not in known]
     if not missing:
         return None
-    return (f"slurm.partition: {missing[0]!r} is not a partition of this cluster "
-            f"(sinfo lists: {', '.join(known)}): choose one of them")
+    return (
+        f"slurm.partition: {missing[0]!r} is not a partition of this cluster "
+        f"(sinfo lists: {', '.join(known)}): choose one of them"
+    )
 
 
 def sbatch_error(detail: str) -> str:

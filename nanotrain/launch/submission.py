@@ -7,6 +7,7 @@ submitit 1.5's (write the batch file, run it, name the job, move the file into t
 folder), with the call going through `slurm_commands.run`. Any sbatch refusal, timeout or
 missing binary becomes `SubmitRefused`, whose message is the one line to print.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,16 +40,20 @@ class BoundedExecutor(submitit.SlurmExecutor):
         done = slurm_commands.run(argv)
         if done.returncode != 0:
             raise subprocess.CalledProcessError(done.returncode, argv, done.stdout, done.stderr)
-        job = self.job_class(folder=self.folder, job_id=self._get_job_id_from_submission_command(done.stdout),
-                             tasks=list(range(self._num_tasks())))
+        job = self.job_class(
+            folder=self.folder,
+            job_id=self._get_job_id_from_submission_command(done.stdout),
+            tasks=list(range(self._num_tasks())),
+        )
         job.paths.move_temporary_file(script, "submission_file", keep_as_symlink=True)
         self._write_job_id(job.job_id, uid)
         self._set_job_permissions(job.paths.folder)
         return job
 
 
-def submit(folder: Path, max_num_timeout: int, parameters: dict, task, *args,
-           what: str = "the job") -> submitit.core.core.Job:
+def submit(
+    folder: Path, max_num_timeout: int, parameters: dict, task, *args, what: str = "the job"
+) -> submitit.core.core.Job:
     """Queue ``task(*args)`` as a SLURM job (``parameters`` for `update_parameters`); sbatch's
     warnings of an accepted job go to stderr. Raises SubmitRefused with sbatch's one informative
     line (``what`` names the job), or the timeout's."""

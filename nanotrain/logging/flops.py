@@ -3,6 +3,7 @@
 The numerator, model FLOPs per token, is a property of the model and lives with its other
 arithmetic: ``nanotrain.models.llama_arch.training_flops_per_token`` (PaLM convention).
 """
+
 from __future__ import annotations
 
 import re
@@ -20,8 +21,8 @@ _PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
     (r"H200", 989.0),
     (r"H100.*PCIe", 756.0),
     (r"H100.*NVL", 835.0),
-    (r"H100|H800", 989.0),        # SXM ("NVIDIA H100 80GB HBM3") and H800
-    (r"A100|A800", 312.0),        # SXM and PCIe have the same tensor peak
+    (r"H100|H800", 989.0),  # SXM ("NVIDIA H100 80GB HBM3") and H800
+    (r"A100|A800", 312.0),  # SXM and PCIe have the same tensor peak
     (r"A30\b", 165.0),
     (r"A40\b", 149.7),
     (r"A10\b", 125.0),

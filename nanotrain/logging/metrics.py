@@ -16,6 +16,7 @@ why `log` is called on every step (it only accumulates on the steps in between).
 `<run_dir>/progress.json` is replaced atomically on every log step; `submit.py --status` reads it
 and never has to parse TensorBoard event files.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -35,11 +36,19 @@ from nanotrain.models.llama_parallelize_costs import hardware_flops_per_token
 PROGRESS_FILE = "progress.json"
 TB_DIR = "tb"
 CONFIG_TEXT_TAG = "config"
-SCALAR_TAGS = ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec",
-               "perf/tflops_per_gpu", "perf/mfu", "perf/hfu", "mem/peak_gb")
+SCALAR_TAGS = (
+    "train/loss",
+    "train/lr",
+    "train/grad_norm",
+    "perf/tokens_per_sec",
+    "perf/tflops_per_gpu",
+    "perf/mfu",
+    "perf/hfu",
+    "mem/peak_gb",
+)
 # Scalars measured across ranks on log steps (`step_time_ratio`, stragglers.py).
 CROSS_RANK_TAGS = ("perf/step_time_max_over_median",)
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def peak_memory_gb(device=None) -> float:
@@ -83,12 +92,26 @@ class MetricsLogger:
     progress_bar     tqdm bar (True) or plain lines (False); default: bar iff `stream` is a TTY
     """
 
-    def __init__(self, run_dir: str | os.PathLike, config_dict: dict, enabled: bool, total_steps: int,
-                 tokens_per_step: int, flops_per_token: float, device=None, *, world_size: int = 1,
-                 log_interval: int = 1, tensorboard: bool = True, device_name: Optional[str] = None,
-                 start_step: int = 0, progress_bar: Optional[bool] = None,
-                 stream: Optional[TextIO] = None, hardware_flops_per_token: Optional[float] = None,
-                 step_time_ratio: Optional[Callable[[float, int], float]] = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        config_dict: dict,
+        enabled: bool,
+        total_steps: int,
+        tokens_per_step: int,
+        flops_per_token: float,
+        device=None,
+        *,
+        world_size: int = 1,
+        log_interval: int = 1,
+        tensorboard: bool = True,
+        device_name: Optional[str] = None,
+        start_step: int = 0,
+        progress_bar: Optional[bool] = None,
+        stream: Optional[TextIO] = None,
+        hardware_flops_per_token: Optional[float] = None,
+        step_time_ratio: Optional[Callable[[float, int], float]] = None,
+    ):
         self.run_dir = Path(run_dir)
         # (every rank's summed step time of the interval, its steps) -> max / median over ranks
         # of the time outside waits on peers, a collective every rank joins on log steps
@@ -119,15 +142,17 @@ class MetricsLogger:
         if progress_bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, file=self._stream, unit="step",
-                             dynamic_ncols=True, desc="train")
+            self._bar = tqdm(
+                total=total_steps, initial=start_step, file=self._stream, unit="step", dynamic_ncols=True, desc="train"
+            )
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step: after a resume, TensorBoard drops the events a previous incarnation
             # wrote past the checkpoint it restarts from, so curves never double back.
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / TB_DIR),
-                                         purge_step=start_step + 1 if start_step else None)
+            self._writer = SummaryWriter(
+                log_dir=str(self.run_dir / TB_DIR), purge_step=start_step + 1 if start_step else None
+            )
             self._writer.add_text(CONFIG_TEXT_TAG, config_markdown(config_dict), global_step=start_step)
             self._writer.flush()
 
@@ -136,8 +161,9 @@ class MetricsLogger:
         """Same answer on every rank: use it to skip the dp loss all-reduce on silent steps."""
         return step % self.log_interval == 0 or step == self.total_steps
 
-    def log(self, step: int, loss, lr: float, grad_norm, step_time_s: float,
-            extra: Optional[dict] = None) -> Optional[dict]:
+    def log(
+        self, step: int, loss, lr: float, grad_norm, step_time_s: float, extra: Optional[dict] = None
+    ) -> Optional[dict]:
         """Call after every optimizer step (1-based `step`), on every rank. On log steps of the
         logging rank writes everything and returns the metrics; otherwise returns None. `loss`
         and `grad_norm` may be 0-dim tensors; they are only read on log steps. Every rank keeps
@@ -275,12 +301,18 @@ def config_markdown(config_dict: dict) -> str:
 def is_logging_rank(parallel_context) -> bool:
     """The rank that holds the (dp-averaged) loss: last pp stage, first of tp, dp, cp and ep."""
     pc = parallel_context
-    return (pc.is_pipeline_last_stage and pc.tp_rank == 0 and pc.dp_rank == 0
-            and pc.cp_rank == 0 and pc.ep_rank == 0)
+    return pc.is_pipeline_last_stage and pc.tp_rank == 0 and pc.dp_rank == 0 and pc.cp_rank == 0 and pc.ep_rank == 0
 
 
-def metrics_logger_for(config, run_dir, parallel_context=None, *, device=None, start_step: int = 0,
-                       flops: Optional[tuple[float, float]] = None) -> MetricsLogger:
+def metrics_logger_for(
+    config,
+    run_dir,
+    parallel_context=None,
+    *,
+    device=None,
+    start_step: int = 0,
+    flops: Optional[tuple[float, float]] = None,
+) -> MetricsLogger:
     """The logger a trainer wants, with every number derived from the resolved config.
 
     `parallel_context=None` means a single process (always the logging rank). `flops`: the
@@ -288,8 +320,10 @@ def metrics_logger_for(config, run_dir, parallel_context=None, *, device=None, s
     None: the torch-free arithmetic's, which equals them (tests/test_model_twins.py)."""
     t, p = config.training, config.parallelism
     if flops is None:
-        flops = (training_flops_per_token(config.model, t.sequence_length),
-                 hardware_flops_per_token(config.model, t.sequence_length, t.recompute))
+        flops = (
+            training_flops_per_token(config.model, t.sequence_length),
+            hardware_flops_per_token(config.model, t.sequence_length, t.recompute),
+        )
     enabled = True if parallel_context is None else is_logging_rank(parallel_context)
     ratio = None
     if parallel_context is not None:
@@ -297,9 +331,19 @@ def metrics_logger_for(config, run_dir, parallel_context=None, *, device=None, s
 
         def ratio(interval_s: float, steps: int) -> float:
             return step_time_max_over_median(interval_s, steps, device)
+
     return MetricsLogger(
-        run_dir, config_to_dict(config), enabled, total_steps=t.train_steps,
+        run_dir,
+        config_to_dict(config),
+        enabled,
+        total_steps=t.train_steps,
         tokens_per_step=p.batch_replicas * t.micro_batch_size * t.batch_accumulation_per_replica * t.sequence_length,
-        flops_per_token=flops[0], device=device, hardware_flops_per_token=flops[1],
-        world_size=p.world_size, log_interval=config.logging.log_interval,
-        tensorboard=config.logging.tensorboard, start_step=start_step, step_time_ratio=ratio)
+        flops_per_token=flops[0],
+        device=device,
+        hardware_flops_per_token=flops[1],
+        world_size=p.world_size,
+        log_interval=config.logging.log_interval,
+        tensorboard=config.logging.tensorboard,
+        start_step=start_step,
+        step_time_ratio=ratio,
+    )

@@ -1,4 +1,5 @@
 """The MoE layers' routing statistics of one step, reduced over the pipeline for TensorBoard."""
+
 from __future__ import annotations
 
 import torch

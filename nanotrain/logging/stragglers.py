@@ -18,6 +18,7 @@ peers' c shows (c + d) / c when the median is one of its peers (3 ranks or more)
 work (the last one computes the loss) and the bubble of the first and last micro-batches show
 as an imbalance too: compare the value with the job's own history, not with 1.0 alone.
 """
+
 from __future__ import annotations
 
 import statistics

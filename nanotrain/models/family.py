@@ -6,6 +6,7 @@ plain model, plan, mapping and arithmetic modules) plus its tests. This module i
 ``submit.py --dry-run``, ``--plan`` and the pre-launch checks read ``arch`` and ``hf`` in well
 under the 2 seconds they promise; the torch parts are imported when a model is built.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -52,8 +53,13 @@ class ModelFamily:
         return self.plan_module().flops_per_token(config)
 
 
-LLAMA = ModelFamily(name="llama", arch=llama_arch, hf=hf_llama, model="nanotrain.models.llama:LlamaModel",
-                    plan="nanotrain.models.llama_parallelize")
+LLAMA = ModelFamily(
+    name="llama",
+    arch=llama_arch,
+    hf=hf_llama,
+    model="nanotrain.models.llama:LlamaModel",
+    plan="nanotrain.models.llama_parallelize",
+)
 
 
 def family_of(args: ModelArgs) -> ModelFamily:

@@ -20,6 +20,7 @@ The layout facts (proven by tests/test_hf.py against ``transformers.LlamaForCaus
 * Tied embeddings: HF stores ``model.embed_tokens.weight`` only (an ``lm_head.weight`` beside it
   is ignored on import and never written on export); nanotrain has no ``lm_head``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,16 +47,29 @@ def nanotrain_names(args: ModelArgs) -> list[str]:
     """Every parameter name of the full model, in forward order (export writes in this order)."""
     names = ["embed.weight"]
     for i in range(args.num_layers):
-        names += [f"layers.{i}.{n}" for n in ("input_norm.weight", "attn.qkv.weight", "attn.o_proj.weight",
-                                              "post_attn_norm.weight", "mlp.gate_up.weight", "mlp.down.weight")]
+        names += [
+            f"layers.{i}.{n}"
+            for n in (
+                "input_norm.weight",
+                "attn.qkv.weight",
+                "attn.o_proj.weight",
+                "post_attn_norm.weight",
+                "mlp.gate_up.weight",
+                "mlp.down.weight",
+            )
+        ]
     names.append("final_norm.weight")
     if not args.tie_word_embeddings:
         names.append("lm_head.weight")
     return names
 
 
-_LAYER = {"input_norm.weight": "input_layernorm.weight", "attn.o_proj.weight": "self_attn.o_proj.weight",
-          "post_attn_norm.weight": "post_attention_layernorm.weight", "mlp.down.weight": "mlp.down_proj.weight"}
+_LAYER = {
+    "input_norm.weight": "input_layernorm.weight",
+    "attn.o_proj.weight": "self_attn.o_proj.weight",
+    "post_attn_norm.weight": "post_attention_layernorm.weight",
+    "mlp.down.weight": "mlp.down_proj.weight",
+}
 
 
 def pieces(name: str, args: ModelArgs, hf_vocab: int | None = None) -> list[Piece]:
@@ -76,8 +90,11 @@ def pieces(name: str, args: ModelArgs, hf_vocab: int | None = None) -> list[Piec
     if field == "attn.qkv.weight":
         q = args.num_attention_heads * llama_arch.head_dim(args)
         kv = llama_arch.kv_heads(args) * llama_arch.head_dim(args)
-        return [Piece(hf + "self_attn.q_proj.weight", 0, q), Piece(hf + "self_attn.k_proj.weight", q, q + kv),
-                Piece(hf + "self_attn.v_proj.weight", q + kv, q + 2 * kv)]
+        return [
+            Piece(hf + "self_attn.q_proj.weight", 0, q),
+            Piece(hf + "self_attn.k_proj.weight", q, q + kv),
+            Piece(hf + "self_attn.v_proj.weight", q + kv, q + 2 * kv),
+        ]
     if field == "mlp.gate_up.weight":
         f = args.intermediate_size
         return [Piece(hf + "mlp.gate_proj.weight", 0, f), Piece(hf + "mlp.up_proj.weight", f, 2 * f)]
@@ -89,8 +106,12 @@ def pieces(name: str, args: ModelArgs, hf_vocab: int | None = None) -> list[Piec
 def hf_shapes(args: ModelArgs, hf_vocab: int | None = None) -> dict[str, tuple[int, ...]]:
     """Every HF tensor the model needs, with its shape, in nanotrain's forward order."""
     h, f, d = args.hidden_size, args.intermediate_size, llama_arch.head_dim(args)
-    cols = {"attn.qkv.weight": h, "attn.o_proj.weight": args.num_attention_heads * d, "mlp.gate_up.weight": h,
-            "mlp.down.weight": f}
+    cols = {
+        "attn.qkv.weight": h,
+        "attn.o_proj.weight": args.num_attention_heads * d,
+        "mlp.gate_up.weight": h,
+        "mlp.down.weight": f,
+    }
     out: dict[str, tuple[int, ...]] = {}
     for name in nanotrain_names(args):
         field = name.split(".", 2)[-1] if name.startswith("layers.") else name
@@ -127,8 +148,10 @@ def unsupported(cfg: dict) -> list[str]:
     problems = []
     archs = cfg.get("architectures") or []
     if cfg.get("model_type") != MODEL_TYPE or (archs and archs != [ARCHITECTURE]):
-        problems.append(f"model_type {cfg.get('model_type')!r}, architectures {archs}: only "
-                        f"{MODEL_TYPE!r} / {ARCHITECTURE} checkpoints can be imported")
+        problems.append(
+            f"model_type {cfg.get('model_type')!r}, architectures {archs}: only "
+            f"{MODEL_TYPE!r} / {ARCHITECTURE} checkpoints can be imported"
+        )
         return problems  # the fields below mean something else in other architectures
     kind = rope_type_of(cfg)
     if kind is not None:
@@ -142,10 +165,17 @@ def unsupported(cfg: dict) -> list[str]:
     if act != "silu":
         problems.append(f"hidden_act {act!r}: nanotrain's MLP is SwiGLU (silu)")
     heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
-    if cfg.get("head_dim") is not None and isinstance(heads, int) and isinstance(hidden, int) and heads \
-            and cfg["head_dim"] != hidden // heads:
-        problems.append(f"head_dim {cfg['head_dim']} != hidden_size / num_attention_heads = {hidden // heads}: "
-                        "nanotrain derives the head size from the hidden size")
+    if (
+        cfg.get("head_dim") is not None
+        and isinstance(heads, int)
+        and isinstance(hidden, int)
+        and heads
+        and cfg["head_dim"] != hidden // heads
+    ):
+        problems.append(
+            f"head_dim {cfg['head_dim']} != hidden_size / num_attention_heads = {hidden // heads}: "
+            "nanotrain derives the head size from the hidden size"
+        )
     return problems
 
 
@@ -179,12 +209,16 @@ def mismatches(args: ModelArgs, cfg: dict) -> list[str]:
         hf_key = _HF_NAME.get(key, key)
         if key == "vocab_size":
             if isinstance(value, int) and value > mine:
-                out.append(f"model.vocab_size ({mine}) is smaller than the Hugging Face vocabulary (config.json "
-                           f"vocab_size {value}): set model.vocab_size: {value} (or more)")
+                out.append(
+                    f"model.vocab_size ({mine}) is smaller than the Hugging Face vocabulary (config.json "
+                    f"vocab_size {value}): set model.vocab_size: {value} (or more)"
+                )
             continue
         if mine != value:
-            out.append(f"model.{key} is {mine!r} but config.json has {hf_key} {value!r}: set model.{key}: "
-                       f"{_yaml(value)} (python scripts/hf_config.py prints the whole section)")
+            out.append(
+                f"model.{key} is {mine!r} but config.json has {hf_key} {value!r}: set model.{key}: "
+                f"{_yaml(value)} (python scripts/hf_config.py prints the whole section)"
+            )
     return out
 
 
@@ -192,18 +226,33 @@ def hf_config(args: ModelArgs, *, dtype: str, bos_token_id: int | None, eos_toke
     """config.json for ``LlamaForCausalLM.from_pretrained``: the fields of transformers 4.x
     (``rope_theta``, ``torch_dtype``) and 5.x (``rope_parameters``, ``dtype``) alike."""
     return {
-        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
-        "vocab_size": args.vocab_size, "hidden_size": args.hidden_size,
-        "intermediate_size": args.intermediate_size, "num_hidden_layers": args.num_layers,
-        "num_attention_heads": args.num_attention_heads, "num_key_value_heads": llama_arch.kv_heads(args),
-        "head_dim": llama_arch.head_dim(args), "max_position_embeddings": args.max_position_embeddings,
-        "rope_theta": args.rope_theta, "rope_scaling": None,
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.intermediate_size,
+        "num_hidden_layers": args.num_layers,
+        "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads": llama_arch.kv_heads(args),
+        "head_dim": llama_arch.head_dim(args),
+        "max_position_embeddings": args.max_position_embeddings,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": None,
         "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "rms_norm_eps": args.rms_norm_eps, "tie_word_embeddings": args.tie_word_embeddings,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-        "initializer_range": args.init_std, "pretraining_tp": 1, "use_cache": True,
-        "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": None,
-        "torch_dtype": dtype, "dtype": dtype,
+        "rms_norm_eps": args.rms_norm_eps,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": args.init_std,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+        "torch_dtype": dtype,
+        "dtype": dtype,
     }
 
 

@@ -20,6 +20,7 @@ A pipeline stage runs the three parts of ``forward`` on its own: ``embed_tokens`
 ``layers.<i>....`` whichever stage holds it, and each parameter is initialised from a generator
 seeded by (seed, name) (``init_weights``), so every topology starts from the same weights.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -164,9 +165,10 @@ class TokenCrossEntropy(nn.Module):
         self.vocab_size = vocab_size
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        wide = upcast(logits[..., :self.vocab_size])
-        return F.cross_entropy(wide.reshape(-1, self.vocab_size), targets.reshape(-1),
-                               reduction="none").view(targets.shape)
+        wide = upcast(logits[..., : self.vocab_size])
+        return F.cross_entropy(wide.reshape(-1, self.vocab_size), targets.reshape(-1), reduction="none").view(
+            targets.shape
+        )
 
 
 class LlamaModel(nn.Module):
@@ -222,14 +224,15 @@ class LlamaModel(nn.Module):
         """``[B, S]`` ids -> the residual stream ``[S, B, H]``."""
         return self.embed(input_ids.transpose(0, 1).contiguous())
 
-    def run_layers(self, hidden: torch.Tensor, names: Iterable[str] | None = None,
-                   positions: torch.Tensor | None = None) -> torch.Tensor:
+    def run_layers(
+        self, hidden: torch.Tensor, names: Iterable[str] | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The decoder layers ``names`` (default: all held, in order) on ``hidden``; ``positions``
         are the int positions of the tokens attention sees (default ``0 .. S-1``)."""
         if positions is None:
             positions = self.default_positions(hidden.shape[0], hidden.device)
         cos, sin = self.rotary(positions, torch.promote_types(hidden.dtype, torch.float32))
-        for name in (self.layers.keys() if names is None else names):
+        for name in self.layers.keys() if names is None else names:
             hidden = self.layers[name](hidden, cos, sin)
         return hidden
 

@@ -11,6 +11,7 @@ Pure Python on the config (no torch), so a 4096-rank plan is estimated before to
 several (tp, pp, tied, padded vocabulary) layouts. MoE layers: FLOPs and the stage split's costs
 count the *active* weights (router, top_k experts, shared experts), parameter counts all of them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,8 +45,11 @@ def expert_ffn(args: ModelArgs) -> int:
 def is_moe_layer(args: ModelArgs, index: int) -> bool:
     """Layer ``index`` is MoE: past ``first_dense_layers``, every ``layer_frequency``-th."""
     moe = args.moe
-    return moe is not None and index >= moe.first_dense_layers and \
-        (index - moe.first_dense_layers) % moe.layer_frequency == 0
+    return (
+        moe is not None
+        and index >= moe.first_dense_layers
+        and (index - moe.first_dense_layers) % moe.layer_frequency == 0
+    )
 
 
 def moe_layer_indices(args: ModelArgs) -> list[int]:
@@ -98,8 +102,9 @@ def pipeline_blocks(args: ModelArgs) -> list[Block]:
     not, so a tied and an untied model split alike."""
     cost = block_costs(args)
     blocks = [Block("embed", cost["embed"], attach="next")]
-    blocks += [Block(f"layers.{i}", cost["moe_layer" if is_moe_layer(args, i) else "layer"])
-               for i in range(args.num_layers)]
+    blocks += [
+        Block(f"layers.{i}", cost["moe_layer" if is_moe_layer(args, i) else "layer"]) for i in range(args.num_layers)
+    ]
     blocks.append(Block("final_norm", cost["head"], attach="prev"))
     if not args.tie_word_embeddings:
         blocks.append(Block("lm_head", 0, attach="prev"))
@@ -126,9 +131,19 @@ _MEMO: dict[tuple, object] = {}  # (what, _split_key) -> every_rank_blocks / ran
 def _split_key(args: ModelArgs, pp: int, virtual_stages: int) -> tuple:
     """What the stage split of ``args`` depends on (``pipeline_blocks``: the blocks' kinds and
     costs), cheaper to build than ``repr(args)`` when ``--plan`` asks thousands of times."""
-    return (args.num_layers, args.hidden_size, args.intermediate_size, args.num_attention_heads,
-            args.num_key_value_heads, args.vocab_size, args.max_position_embeddings, args.tie_word_embeddings,
-            repr(args.moe) if args.moe else None, pp, virtual_stages)
+    return (
+        args.num_layers,
+        args.hidden_size,
+        args.intermediate_size,
+        args.num_attention_heads,
+        args.num_key_value_heads,
+        args.vocab_size,
+        args.max_position_embeddings,
+        args.tie_word_embeddings,
+        repr(args.moe) if args.moe else None,
+        pp,
+        virtual_stages,
+    )
 
 
 def _memoised(what: str, args: ModelArgs, pp: int, virtual_stages: int, build):
@@ -156,15 +171,23 @@ class RankSummary:
 
 def rank_summaries(args: ModelArgs, pp: int = 1, virtual_stages: int = 1) -> list[RankSummary]:
     """``RankSummary`` of every pp rank (memoised)."""
+
     def build():
         out = []
         for names in every_rank_blocks(args, pp, virtual_stages):
             layers = tuple(int(n.split(".")[1]) for n in names if n.startswith("layers."))
             kinds = [bool(args.moe) and is_moe_layer(args, i) for i in layers]
-            out.append(RankSummary(layers, sum(kinds), tuple(n for n in names if not n.startswith("layers.")),
-                                   next((i for i, k in zip(layers, kinds) if not k), None),
-                                   next((i for i, k in zip(layers, kinds) if k), None)))
+            out.append(
+                RankSummary(
+                    layers,
+                    sum(kinds),
+                    tuple(n for n in names if not n.startswith("layers.")),
+                    next((i for i, k in zip(layers, kinds) if not k), None),
+                    next((i for i, k in zip(layers, kinds) if k), None),
+                )
+            )
         return out
+
     return _memoised("summaries", args, pp, virtual_stages, build)
 
 
@@ -187,6 +210,7 @@ def distinct_ranks(args: ModelArgs, pp: int = 1, virtual_stages: int = 1) -> lis
     """The pp ranks whose blocks can differ in what planning asks of them: the first of each run
     of ranks holding the same count of (dense, MoE) layers and the same other blocks (a later
     one holds no more micro-batches in flight and sends no more), and the last. Memoised."""
+
     def build():
         out, seen = [], set()
         for r, rank in enumerate(rank_summaries(args, pp, virtual_stages)):
@@ -195,6 +219,7 @@ def distinct_ranks(args: ModelArgs, pp: int = 1, virtual_stages: int = 1) -> lis
                 seen.add(shape)
                 out.append(r)
         return out
+
     return _memoised("distinct", args, pp, virtual_stages, build)
 
 
@@ -258,8 +283,9 @@ def block_parameters(args: ModelArgs, name: str, tp: int = 1, ep: int = 1) -> in
     raise ValueError(f"unknown block {name!r}")
 
 
-def stage_parameters(args: ModelArgs, tp: int = 1, pp: int = 1, rank: int = 0, virtual_stages: int = 1,
-                     ep: int = 1) -> int:
+def stage_parameters(
+    args: ModelArgs, tp: int = 1, pp: int = 1, rank: int = 0, virtual_stages: int = 1, ep: int = 1
+) -> int:
     """``sum(p.numel() for p in model.parameters())`` of the model on one (tp, pp, ep) rank,
     tied replica included; every tp rank of a stage holds the same count (padding is even)."""
     return sum(block_parameters(args, name, tp, ep) for name in rank_blocks(args, pp, rank, virtual_stages))
@@ -270,21 +296,27 @@ class ParamCount:
     """Parameters of the unsharded model, split the way the FLOP count needs them."""
 
     embedding: int
-    per_layer_matmul: int   # qkv + o_proj + gate/up/down of one dense decoder layer
-    per_layer_norm: int     # the two RMSNorm weights of one decoder layer
+    per_layer_matmul: int  # qkv + o_proj + gate/up/down of one dense decoder layer
+    per_layer_norm: int  # the two RMSNorm weights of one decoder layer
     num_layers: int
     final_norm: int
-    lm_head: int            # 0 when tied to the embedding
-    moe_layers: int = 0           # how many of num_layers are MoE
-    moe_layer_matmul: int = 0     # an MoE layer's weights: attention, router, all experts, shared
-    moe_layer_active: int = 0     # an MoE layer's weights a token multiplies (top_k experts)
+    lm_head: int  # 0 when tied to the embedding
+    moe_layers: int = 0  # how many of num_layers are MoE
+    moe_layer_matmul: int = 0  # an MoE layer's weights: attention, router, all experts, shared
+    moe_layer_active: int = 0  # an MoE layer's weights a token multiplies (top_k experts)
 
     @property
     def total(self) -> int:
         """What `sum(p.numel() for p in model.parameters())` gives at tp=1 (tied weights once)."""
         dense = self.num_layers - self.moe_layers
-        return (self.embedding + dense * self.per_layer_matmul + self.moe_layers * self.moe_layer_matmul
-                + self.num_layers * self.per_layer_norm + self.final_norm + self.lm_head)
+        return (
+            self.embedding
+            + dense * self.per_layer_matmul
+            + self.moe_layers * self.moe_layer_matmul
+            + self.num_layers * self.per_layer_norm
+            + self.final_norm
+            + self.lm_head
+        )
 
     @property
     def active(self) -> int:
@@ -304,13 +336,17 @@ def parameter_count(args: ModelArgs) -> ParamCount:
     norms = 2 * args.hidden_size
     embedding = block_parameters(args, "embed")
     moe = moe_layer_indices(args)
-    return ParamCount(embedding=embedding, per_layer_matmul=layer_matmul_parameters(args),
-                      per_layer_norm=norms, num_layers=args.num_layers,
-                      final_norm=block_parameters(args, "final_norm"),
-                      lm_head=0 if args.tie_word_embeddings else block_parameters(args, "lm_head"),
-                      moe_layers=len(moe),
-                      moe_layer_matmul=layer_parameters(args, 1, moe[0]) - norms if moe else 0,
-                      moe_layer_active=layer_matmul_parameters(args, moe=True) if moe else 0)
+    return ParamCount(
+        embedding=embedding,
+        per_layer_matmul=layer_matmul_parameters(args),
+        per_layer_norm=norms,
+        num_layers=args.num_layers,
+        final_norm=block_parameters(args, "final_norm"),
+        lm_head=0 if args.tie_word_embeddings else block_parameters(args, "lm_head"),
+        moe_layers=len(moe),
+        moe_layer_matmul=layer_parameters(args, 1, moe[0]) - norms if moe else 0,
+        moe_layer_active=layer_matmul_parameters(args, moe=True) if moe else 0,
+    )
 
 
 # ----------------------------------------------------------------------------- FLOPs

@@ -6,6 +6,7 @@ FLOPs follow ``llama_arch``'s PaLM convention: ``6 * N_matmul + 12 * L * H * S``
 token, ``N_matmul`` the weights a token multiplies (every linear, the LM head even when tied, the
 router and ``top_k`` of each MoE layer's routed experts), ``H`` each layer's query features.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -48,5 +49,10 @@ def total_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["query_features", "matmul_parameters", "attention_forward_flops", "training_flops_per_token",
-           "total_parameters"]
+__all__ = [
+    "query_features",
+    "matmul_parameters",
+    "attention_forward_flops",
+    "training_flops_per_token",
+    "total_parameters",
+]

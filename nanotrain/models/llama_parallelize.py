@@ -24,6 +24,7 @@ One function per step, applied in this order by ``parallelize_llama`` (torchtita
 Steps 1-4 run on the meta device, so no rank ever holds more than its own part. Names never
 change: a checkpoint of any topology lists the single-process model's parameter names.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -82,13 +83,21 @@ def plan_from_config(config: Config, pc: Optional[Any] = None, device=None) -> P
     ``model.dtype`` is the compute dtype (autocast) on every device; weights, gradients and
     optimizer states stay fp32."""
     p = config.parallelism
-    return ParallelPlan(tp_pg=pc.tp_pg if pc is not None else None, mode=as_mode(p.tp_mode),
-                        async_communication=p.tp_linear_async_communication,
-                        pp_rank=pc.pp_rank if pc is not None else 0, pp_size=pc.pp_size if pc is not None else 1,
-                        virtual_stages=p.pp_virtual_stages, cp_pg=pc.cp_pg if pc is not None else None,
-                        ep_pg=pc.ep_pg if pc is not None else None, recompute=config.training.recompute,
-                        compile_layers=config.training.compile, compute_dtype=getattr(torch, config.model.dtype),
-                        seed=config.training.seed, device=device)
+    return ParallelPlan(
+        tp_pg=pc.tp_pg if pc is not None else None,
+        mode=as_mode(p.tp_mode),
+        async_communication=p.tp_linear_async_communication,
+        pp_rank=pc.pp_rank if pc is not None else 0,
+        pp_size=pc.pp_size if pc is not None else 1,
+        virtual_stages=p.pp_virtual_stages,
+        cp_pg=pc.cp_pg if pc is not None else None,
+        ep_pg=pc.ep_pg if pc is not None else None,
+        recompute=config.training.recompute,
+        compile_layers=config.training.compile,
+        compute_dtype=getattr(torch, config.model.dtype),
+        seed=config.training.seed,
+        device=device,
+    )
 
 
 def parallelize_llama(model: LlamaModel, plan: ParallelPlan) -> ModelPart:
@@ -108,8 +117,15 @@ def parallelize_llama(model: LlamaModel, plan: ParallelPlan) -> ModelPart:
         compile_layers_(list(model.layers.values()), device.type)
     recompute(model, plan)
     sequence_shards = group_size(plan.tp_pg) if plan.mode is TensorParallelLinearMode.REDUCE_SCATTER else 1
-    return ModelPart(model, chunks, cp=cp, sequence_shards=sequence_shards, mode=plan.mode,
-                     async_communication=plan.async_communication, compute_dtype=plan.compute_dtype)
+    return ModelPart(
+        model,
+        chunks,
+        cp=cp,
+        sequence_shards=sequence_shards,
+        mode=plan.mode,
+        async_communication=plan.async_communication,
+        compute_dtype=plan.compute_dtype,
+    )
 
 
 def build_part(config: Config, pc: Optional[Any] = None, device=None, initialize: bool = True) -> ModelPart:
@@ -137,8 +153,14 @@ def pipeline_stage(model: LlamaModel, plan: ParallelPlan):
     stage keeps a replica of ``embed`` for its LM head (``pipeline_parallel/tied.py``)."""
     args = model.args
     blocks = llama_arch.pipeline_blocks(args)
-    chunks = place_stages([b.name for b in blocks], [b.cost for b in blocks], [b.attach for b in blocks],
-                          plan.pp_rank, plan.pp_size, plan.virtual_stages)
+    chunks = place_stages(
+        [b.name for b in blocks],
+        [b.cost for b in blocks],
+        [b.attach for b in blocks],
+        plan.pp_rank,
+        plan.pp_size,
+        plan.virtual_stages,
+    )
     held = set(llama_arch.rank_blocks(args, plan.pp_size, plan.pp_rank, plan.virtual_stages))
     names = [b.name for b in blocks]
     if args.tie_word_embeddings:  # the head multiplies by embed.weight: it goes where final_norm goes
@@ -217,7 +239,6 @@ def recompute(model: LlamaModel, plan: ParallelPlan) -> None:
         recompute_modules_(model, (CausalKernel, ContextParallelKernel, SwiGLU))
 
 
-
 # ----------------------------------------------------------------------------- numbers
 def flops_per_token(config: Config) -> tuple[int, int]:
     """(model, hardware) FLOPs of one training token, read from a plain meta model with this
@@ -233,8 +254,9 @@ def flops_per_token(config: Config) -> tuple[int, int]:
         if isinstance(module, Recomputed) and isinstance(module.inner, DecoderLayer):
             layer = module.inner
             rerun += 2 * llama_counts.matmul_parameters(layer) + llama_counts.attention_forward_flops(layer, seq)
-        elif isinstance(module, Attention) and any(isinstance(m, Recomputed) and isinstance(m.inner, CausalKernel)
-                                                     for m in module.modules()):
+        elif isinstance(module, Attention) and any(
+            isinstance(m, Recomputed) and isinstance(m.inner, CausalKernel) for m in module.modules()
+        ):
             rerun += llama_counts.attention_forward_flops(module, seq)
     model_flops = llama_counts.training_flops_per_token(model, seq)
     return model_flops, model_flops + rerun

@@ -9,6 +9,7 @@ hooks, unique storages; tests/test_memory_measured.py holds it within 15%), not 
 paper count: its fp32 RMSNorm internals, fused qkv / gate-up outputs, RoPE copies, the SDPA
 output and log-sum-exp, and, under autocast, the bf16 weight copies each linear saves.
 """
+
 from __future__ import annotations
 
 from nanotrain.config import ModelArgs
@@ -54,9 +55,17 @@ def compute_bytes(args: ModelArgs) -> int:
     return 2 if args.dtype in ("bfloat16", "float16") else 4
 
 
-def activation_bytes_per_layer(args: ModelArgs, sequence_length: int, micro_batch_size: int, *, tp: int = 1,
-                               tp_mode: str = "ALL_REDUCE", cp: int = 1, recompute: str = "none",
-                               cpu: bool = False) -> float:
+def activation_bytes_per_layer(
+    args: ModelArgs,
+    sequence_length: int,
+    micro_batch_size: int,
+    *,
+    tp: int = 1,
+    tp_mode: str = "ALL_REDUCE",
+    cp: int = 1,
+    recompute: str = "none",
+    cpu: bool = False,
+) -> float:
     """Bytes one decoder layer keeps for backward, per micro-batch in flight, on one rank.
 
     Per token of this rank's ``n = s/cp * b`` (``c`` = compute-dtype bytes, t = tp, sequence
@@ -103,8 +112,9 @@ def activation_bytes_per_layer(args: ModelArgs, sequence_length: int, micro_batc
     return n * (norms + (attention + mlp) / tp) + masks + weights
 
 
-def head_saved_bytes(args: ModelArgs, local_tokens: int, micro_batch_size: int, tp: int = 1,
-                     tp_mode: str = "ALL_REDUCE") -> float:
+def head_saved_bytes(
+    args: ModelArgs, local_tokens: int, micro_batch_size: int, tp: int = 1, tp_mode: str = "ALL_REDUCE"
+) -> float:
     """What the last stage's head keeps per micro-batch: the final RMSNorm (as a layer's) and
     its output, the logits (fp32) over this tp rank's padded vocabulary rows."""
     n, h = local_tokens * micro_batch_size, args.hidden_size
@@ -112,8 +122,16 @@ def head_saved_bytes(args: ModelArgs, local_tokens: int, micro_batch_size: int, 
     return n * ((8 * h + 4) / replicated + compute_bytes(args) * h + 4 * vocab_rows_per_rank(args, tp))
 
 
-def moe_extra_activation_bytes(args: ModelArgs, sequence_length: int, micro_batch_size: int, *, tp: int = 1,
-                               tp_mode: str = "ALL_REDUCE", cp: int = 1, recompute: str = "none") -> float:
+def moe_extra_activation_bytes(
+    args: ModelArgs,
+    sequence_length: int,
+    micro_batch_size: int,
+    *,
+    tp: int = 1,
+    tp_mode: str = "ALL_REDUCE",
+    cp: int = 1,
+    recompute: str = "none",
+) -> float:
     """What an MoE layer keeps for backward beyond a dense layer's count, per micro-batch, 2 bytes
     a value (an estimate in Megatron's spirit): each of the k copies of a token holds its row
     before and after the all-to-all (2 * h) and its expert's gate, up and activation (3 * F_e),

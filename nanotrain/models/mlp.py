@@ -1,5 +1,6 @@
 """The SwiGLU feed-forward shared by the dense decoder layer (``llama.py``) and the shared
 experts of an MoE layer (``moe.py``), and the SwiGLU activation the routed experts use too."""
+
 from __future__ import annotations
 
 import torch

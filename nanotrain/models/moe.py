@@ -30,6 +30,7 @@ per-shard balancing losses for ``aux``), by injecting the gradient in backward
 the loss itself only exists on the last one. The reported loss stays the language-model loss;
 the auxiliary values go to TensorBoard (``moe/aux_loss``, ``moe/z_loss``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -122,12 +123,12 @@ class Router(nn.Module):
 class Routing:
     """One layer's routing of T tokens: what the experts get and what the losses need."""
 
-    order: torch.Tensor      # [N] kept assignments (index a = slot * T + token), grouped by expert
-    counts: list[int]        # [E] kept assignments per expert
-    weights: torch.Tensor    # [N] renormalised router weight of each kept assignment (fp32)
-    aux: torch.Tensor        # load-balancing loss (differentiable)
-    z: torch.Tensor          # router z-loss (differentiable)
-    load: torch.Tensor       # [E] assignments per expert before any drop
+    order: torch.Tensor  # [N] kept assignments (index a = slot * T + token), grouped by expert
+    counts: list[int]  # [E] kept assignments per expert
+    weights: torch.Tensor  # [N] renormalised router weight of each kept assignment (fp32)
+    aux: torch.Tensor  # load-balancing loss (differentiable)
+    z: torch.Tensor  # router z-loss (differentiable)
+    load: torch.Tensor  # [E] assignments per expert before any drop
     dropped: int
 
 
@@ -184,8 +185,15 @@ class MoEFeedForward(nn.Module):
             out = out + self.shared(x)
         loss = self.loss_weight * (self.moe.aux_loss_coef * r.aux + self.moe.z_loss_coef * r.z)
         if not self.state.replay:
-            self.state.stats.append({"aux": r.aux.detach(), "z": r.z.detach(), "load": r.load.detach(),
-                                     "dropped": r.dropped, "layer": id(self)})
+            self.state.stats.append(
+                {
+                    "aux": r.aux.detach(),
+                    "z": r.z.detach(),
+                    "load": r.load.detach(),
+                    "dropped": r.dropped,
+                    "layer": id(self),
+                }
+            )
         if torch.is_grad_enabled() and loss.requires_grad:
             out = _AddAuxLoss.apply(out, loss, self.state.loss_scale)
         return out

@@ -18,6 +18,7 @@ model-parallel group ``pc.mp_pg`` (ep x pp x tp: one copy of the model, ``grid.p
 
 Then every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``, as torch does.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -67,8 +68,7 @@ def _sharded_sum_of_squares(shards, pc: Optional[ParallelContext], device) -> to
     return part[0] + part[1] if pc is None or pc.ep_rank == 0 else part[0]
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], pc: Optional[ParallelContext] = None,
-                     shards=None) -> torch.Tensor:
+def global_grad_norm(params: Iterable[torch.Tensor], pc: Optional[ParallelContext] = None, shards=None) -> torch.Tensor:
     """L2 norm of the full model's gradient (fp32 0-d tensor; see module doc). ``pc`` None =
     one process holding the whole model. ``shards``: ``grad_sync.grad_shards()`` (None: every
     gradient holds the full average)."""
@@ -87,8 +87,9 @@ def global_grad_norm(params: Iterable[torch.Tensor], pc: Optional[ParallelContex
     return sq.sqrt().float()
 
 
-def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: Optional[float],
-                    pc: Optional[ParallelContext] = None, shards=None) -> torch.Tensor:
+def clip_grad_norm_(
+    params: Iterable[torch.Tensor], max_norm: Optional[float], pc: Optional[ParallelContext] = None, shards=None
+) -> torch.Tensor:
     """Clip gradients in place to the global norm ``max_norm``; return the norm before clipping.
 
     ``params``: this rank's parameters (after the dp gradient sync). ``max_norm`` None or <= 0

@@ -13,6 +13,7 @@ elementwise, so slicing the parameters into shards does not change the arithmeti
 Checkpoint writers can use ``optimizer_state_by_name`` / ``load_optimizer_state_by_name``, which
 give the same per-parameter layout for both stages (ZeRO-0 owns the whole range of each param).
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -28,8 +29,7 @@ from nanotrain.parallel.data_parallel.zero import ZeroOneOptimizer, placed_state
 from nanotrain.parallel.parallel_context import ParallelContext
 
 
-def weight_decay_groups(named_params: Iterable[tuple[str, nn.Parameter]],
-                        weight_decay: float) -> list[dict]:
+def weight_decay_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
     """[decay group (ndim >= 2), no-decay group (ndim < 2)], with names; trainable params only."""
     decay = {"params": [], "param_names": [], "weight_decay": weight_decay}
     no_decay = {"params": [], "param_names": [], "weight_decay": 0.0}
@@ -44,10 +44,13 @@ def weight_decay_groups(named_params: Iterable[tuple[str, nn.Parameter]],
     return [decay, no_decay]
 
 
-def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], args: OptimizerArgs,
-                    dp_group: Optional[dist.ProcessGroup] = None,
-                    zero_stage: Optional[int] = None,
-                    expert_dp_group: Optional[dist.ProcessGroup] = None) -> torch.optim.AdamW:
+def build_optimizer(
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    args: OptimizerArgs,
+    dp_group: Optional[dist.ProcessGroup] = None,
+    zero_stage: Optional[int] = None,
+    expert_dp_group: Optional[dist.ProcessGroup] = None,
+) -> torch.optim.AdamW:
     """AdamW over ``named_params`` (``model.named_parameters()`` of this pp stage / tp shard).
 
     ``zero_stage`` (default ``args.zero_stage``): 0 = ``torch.optim.AdamW``; 1 =
@@ -98,7 +101,10 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer) -> dict[str, dict]
             # Zeros only for a parameter without state (before the first step): a default
             # argument would allocate and fill them for every parameter at every save.
             out[name] = {
-                "start": 0, "stop": p.numel(), "numel": p.numel(), "shape": tuple(p.shape),
+                "start": 0,
+                "stop": p.numel(),
+                "numel": p.numel(),
+                "shape": tuple(p.shape),
                 "step": st["step"] if "step" in st else torch.tensor(0.0),
                 "exp_avg": (st["exp_avg"] if "exp_avg" in st else torch.zeros_like(p)).reshape(-1),
                 "exp_avg_sq": (st["exp_avg_sq"] if "exp_avg_sq" in st else torch.zeros_like(p)).reshape(-1),
@@ -116,4 +122,5 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, states: dict[
             src = states[name]
             optimizer.state[p] = {
                 key: placed_state(src[key] if key == "step" else src[key].reshape(p.shape), p, group, key)
-                for key in ("step", "exp_avg", "exp_avg_sq")}
+                for key in ("step", "exp_avg", "exp_avg_sq")
+            }

@@ -24,6 +24,7 @@ Every style is a pure function of (step, config), so resuming and resharding giv
 ``LambdaLR`` is used because its ``state_dict`` is plain data (last_epoch, base_lrs, ...): a
 closure (not a callable object) is not saved, so resuming with the same config restores it exactly.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,8 +70,9 @@ def _factor_fn(args: OptimizerArgs, train_steps: int) -> Callable[[int], float]:
     return factor
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, args: OptimizerArgs,
-                       train_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, args: OptimizerArgs, train_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """``LambdaLR`` following ``lr_at``; every param group gets the same factor.
 
     The groups' initial lr must be ``args.lr`` (as ``build_optimizer`` sets it); works for plain

@@ -14,6 +14,7 @@ is taken there too, with only the device runtime itself stubbed.
 ``of_backend(name)`` the accelerator whose tensors a process-group backend carries (NCCL: CUDA;
 gloo carries CPU tensors: None).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -108,8 +109,12 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``a`` and ``b`` view the same elements of the same storage. Asked of the storage object,
     not of ``data_ptr()``, which is 0 for every tensor of a device without memory (the
     rehearsal's meta device), where all tensors would look alike."""
-    return (a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset()
-            and a.shape == b.shape and a.stride() == b.stride())
+    return (
+        a.untyped_storage()._cdata == b.untyped_storage()._cdata
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
 
 
 def of(device) -> object | None:

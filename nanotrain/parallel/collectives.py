@@ -18,6 +18,7 @@
   rank's time blocked on its peers (``wait_clock.py``) while the trainer holds a step window
   open, so the straggler metric compares what each rank does outside those waits.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -72,19 +73,21 @@ def allreduce_flat_(tensors: Sequence[torch.Tensor], group) -> None:
     all_reduce(flat, group=group)
     offset = 0
     for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
 
 
-def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False,
-               what: str = "all_reduce"):
+def all_reduce(
+    tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False, what: str = "all_reduce"
+):
     """``dist.all_reduce``; ``what`` names it in hang reports (e.g. "all_reduce grad bucket")."""
     HANG_RECORD.entering(what, group)
     return _blocking(dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
 
 
-def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, group_src: int | None = None,
-              what: str = "broadcast"):
+def broadcast(
+    tensor: torch.Tensor, src: int | None = None, group=None, group_src: int | None = None, what: str = "broadcast"
+):
     """``dist.broadcast`` from global rank ``src``, or from ``group_src``, a rank within ``group``.
     torch < 2.6 has no ``group_src`` keyword, so it is turned into the global rank here
     (``get_global_rank``, which torch 2.4 has) and torch only ever sees ``src``."""
@@ -104,8 +107,14 @@ def gather(tensor: torch.Tensor, out, dst: int, group=None, what: str = "gather"
     return _blocking(dist.gather, tensor, out, dst=dst, group=group)
 
 
-def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group=None, out_splits: list[int] | None = None,
-                      in_splits: list[int] | None = None, what: str = "all_to_all"):
+def all_to_all_single(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group=None,
+    out_splits: list[int] | None = None,
+    in_splits: list[int] | None = None,
+    what: str = "all_to_all",
+):
     """``dist.all_to_all_single`` (equal splits when none are given)."""
     HANG_RECORD.entering(what, group)
     return _blocking(dist.all_to_all_single, out, inp, out_splits, in_splits, group=group)

@@ -22,6 +22,7 @@ both. This is the all-gather variant (Llama 3's, torchtitan's ``allgather`` rota
 Everything outside attention (norms, MLP, LM head, loss, pipeline transfers) is per token and
 runs unchanged on the local tokens.
 """
+
 from __future__ import annotations
 
 import torch

@@ -17,6 +17,7 @@ order, so the experts see, for any ep, the rows of the single-process model in a
 gloo (torch 2.13, checked) and NCCL both implement ``all_to_all_single`` with variable splits, so
 one path serves both. An ep group of one does no communication.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -43,11 +44,12 @@ def exchange_counts(counts: list[int], ep_pg, device) -> list[list[int]]:
     recv = torch.empty_like(send)
     all_to_all_single(recv, send, ep_pg, what="all_to_all expert counts")
     flat = recv.tolist()
-    return [flat[s * local:(s + 1) * local] for s in range(ep)]
+    return [flat[s * local : (s + 1) * local] for s in range(ep)]
 
 
-def dispatch_to_experts(x: torch.Tensor, counts: list[int], ep_pg,
-                        experts: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
+def dispatch_to_experts(
+    x: torch.Tensor, counts: list[int], ep_pg, experts: Callable[[torch.Tensor, list[int]], torch.Tensor]
+) -> torch.Tensor:
     """``experts(rows, counts_per_local_expert)`` applied to every row of ``x`` [N, H] (grouped by
     global expert, ``counts[e]`` rows each) on the rank holding its expert; returns [N, H] in
     ``x``'s order."""
@@ -56,7 +58,7 @@ def dispatch_to_experts(x: torch.Tensor, counts: list[int], ep_pg,
         return experts(x, counts)
     local = len(counts) // ep
     recv = exchange_counts(counts, ep_pg, x.device)
-    send_splits = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
+    send_splits = [sum(counts[r * local : (r + 1) * local]) for r in range(ep)]
     recv_splits = [sum(row) for row in recv]
     received = all_to_all(x, recv_splits, send_splits, ep_pg)
     # (source, expert) blocks -> (expert, source) blocks: a stable sort of the rows by block key

@@ -30,7 +30,11 @@ from typing import NamedTuple
 AXES = ("ep", "pp", "dp", "cp", "tp")  # slowest -> fastest
 _ALIASES = {"mp": ("ep", "pp", "tp"), "world": AXES}
 _FULL_NAMES = {
-    "tp": "tensor", "cp": "context", "dp": "data", "pp": "pipeline", "ep": "expert",
+    "tp": "tensor",
+    "cp": "context",
+    "dp": "data",
+    "pp": "pipeline",
+    "ep": "expert",
 }
 
 
@@ -58,9 +62,7 @@ class RankGrid:
         for ax in AXES:
             size = getattr(self, ax)
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(
-                    f"{_FULL_NAMES[ax]} parallel size ({ax}) must be an integer >= 1, got {size!r}"
-                )
+                raise ValueError(f"{_FULL_NAMES[ax]} parallel size ({ax}) must be an integer >= 1, got {size!r}")
 
     @classmethod
     def of(cls, parallelism) -> "RankGrid":
@@ -121,8 +123,7 @@ class RankGrid:
         parts = axis.split("_") if isinstance(axis, str) else []
         if not parts or any(p not in AXES for p in parts) or len(set(parts)) != len(parts):
             raise ValueError(
-                f"unknown group {axis!r}; use one of {list(AXES)}, 'mp', 'world', "
-                f"or '_'-joined axes such as 'dp_cp'"
+                f"unknown group {axis!r}; use one of {list(AXES)}, 'mp', 'world', or '_'-joined axes such as 'dp_cp'"
             )
         return tuple(ax for ax in AXES if ax in parts)
 

@@ -70,8 +70,11 @@ class ParallelContext:
         # new_group does not inherit it from the world group, so each group gets it explicitly.
         self.timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         self.grid = RankGrid(
-            tp=tensor_parallel_size, cp=context_parallel_size, dp=data_parallel_size,
-            pp=pipeline_parallel_size, ep=expert_parallel_size,
+            tp=tensor_parallel_size,
+            cp=context_parallel_size,
+            dp=data_parallel_size,
+            pp=pipeline_parallel_size,
+            ep=expert_parallel_size,
         )
         self.tensor_parallel_size = self.tp_size = self.grid.tp
         self.context_parallel_size = self.cp_size = self.grid.cp
@@ -113,8 +116,11 @@ class ParallelContext:
             # TCPStore server would outlive destroy() (see destroy_process_groups).
             importlib.import_module("torch._dynamo")
             # The CUDA device is already set above, which is what NCCL binds its communicators to.
-            dist.init_process_group(backend=self.backend, init_method="env://",
-                                    **({} if self.timeout is None else {"timeout": self.timeout}))
+            dist.init_process_group(
+                backend=self.backend,
+                init_method="env://",
+                **({} if self.timeout is None else {"timeout": self.timeout}),
+            )
 
         self.world_rank = dist.get_rank()
         coords = self.grid.coords(self.world_rank)
@@ -151,14 +157,16 @@ class ParallelContext:
         local_rank, visible = int(env.get("LOCAL_RANK", "0")), torch.cuda.device_count()
         local_world = int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
         if visible != 1 and local_world != 1 and visible != local_world:
-            bound = ", ".join(f"{k}={env.get(k, '(unset)')}" for k in ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS",
-                                                                        "SLURM_LOCALID"))
+            bound = ", ".join(
+                f"{k}={env.get(k, '(unset)')}" for k in ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS", "SLURM_LOCALID")
+            )
             raise RuntimeError(
                 f"ParallelContext: LOCAL_RANK={local_rank} of LOCAL_WORLD_SIZE={local_world} ranks on this node "
                 f"sees torch.cuda.device_count()={visible} GPUs ({bound}): every rank must see all of the "
                 "node's GPUs (one per rank) or exactly one, or ranks would share a GPU. Fix: drop the "
                 "per-task GPU binding (--gpu-bind, SLURM_GPU_BIND), use srun --gpus-per-task=1, or set "
-                "CUDA_VISIBLE_DEVICES so each rank sees all of the node's GPUs or only its own")
+                "CUDA_VISIBLE_DEVICES so each rank sees all of the node's GPUs or only its own"
+            )
         index = 0 if visible == 1 or local_world == 1 else local_rank
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
@@ -175,8 +183,7 @@ class ParallelContext:
         this for every group, in one order (torch's global rule)."""
         pg = self._pg_by_ranks.get(ranks)
         if pg is None and (self.world_rank in ranks or not self.local_sync):
-            pg = dist.new_group(ranks=list(ranks), timeout=self.timeout,
-                                use_local_synchronization=self.local_sync)
+            pg = dist.new_group(ranks=list(ranks), timeout=self.timeout, use_local_synchronization=self.local_sync)
             self._pg_by_ranks[ranks] = pg
         return pg if self.world_rank in ranks else None
 
@@ -231,8 +238,9 @@ class ParallelContext:
                 self.embedding_pg = pg
                 HANG_RECORD.name_group(pg, "embedding")
         if self.embedding_pg is None and self.local_sync:
-            self._placeholder_pg = dist.new_group(ranks=[self.world_rank], timeout=self.timeout,
-                                                  use_local_synchronization=True)
+            self._placeholder_pg = dist.new_group(
+                ranks=[self.world_rank], timeout=self.timeout, use_local_synchronization=True
+            )
 
     # ------------------------------------------------------------------ queries
     def get_group(self, name: str) -> dist.ProcessGroup:
@@ -247,7 +255,11 @@ class ParallelContext:
         return self._group_ranks[name]
 
     def get_global_rank(
-        self, ep_rank: int = 0, pp_rank: int = 0, dp_rank: int = 0, cp_rank: int = 0,
+        self,
+        ep_rank: int = 0,
+        pp_rank: int = 0,
+        dp_rank: int = 0,
+        cp_rank: int = 0,
         tp_rank: int = 0,
     ) -> int:
         return self.grid.rank(ep=ep_rank, pp=pp_rank, dp=dp_rank, cp=cp_rank, tp=tp_rank)
@@ -380,4 +392,7 @@ def check_freed(refs: list) -> None:
             f"{len(alive)} process group(s) still referenced after destroy: {names}. Their C++ "
             "threads outlive the process group and are torn down during interpreter shutdown, "
             "which can abort the process; drop what holds them (model, gradient sync, optimizer, "
-            "autograd graphs) before destroying the groups.", RuntimeWarning, stacklevel=3)
+            "autograd graphs) before destroying the groups.",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -1,5 +1,6 @@
 """Scaled dot-product attention as both the model and context parallelism call it (torch only,
 no process group: ``models`` may import it)."""
+
 from __future__ import annotations
 
 import torch

@@ -9,6 +9,7 @@ A fused projection (QKV, gate/up) holds several pieces of one local tensor: its 
 (local index, global index) per piece. A vocab-padded shard lists only its real rows, so padding
 never reaches a checkpoint and a different tp re-pads as it needs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,8 +65,15 @@ def scatter_to_full(param: torch.Tensor, full: torch.Tensor) -> None:
             full[global_].copy_(param[local])
 
 
-def row_shard_info(global_shape: tuple[int, ...], dim: int, chunks: tuple[int, ...], rank: int,
-                   world: int, axis: str = "tp", real_sizes: tuple[int, ...] | None = None) -> ShardInfo:
+def row_shard_info(
+    global_shape: tuple[int, ...],
+    dim: int,
+    chunks: tuple[int, ...],
+    rank: int,
+    world: int,
+    axis: str = "tp",
+    real_sizes: tuple[int, ...] | None = None,
+) -> ShardInfo:
     """Pieces of a tensor split along `dim`, chunk by chunk (one chunk = a plain split).
 
     `chunks` are the global sizes of the chunks along `dim` (e.g. q, k, v output sizes); each is

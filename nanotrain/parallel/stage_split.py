@@ -5,6 +5,7 @@ computes exactly the split ``place_stages`` makes, without importing torch or bu
 It lives beside ``grid.py`` rather than in ``pipeline_parallel/`` because importing anything from
 that package imports torch (its ``__init__`` exports the engine and P2P).
 """
+
 from __future__ import annotations
 
 import functools
@@ -92,8 +93,9 @@ def _units(attach: Sequence[Attach]) -> list[list[int]]:
     return units
 
 
-def split_stages(costs: Sequence[int], attach: Sequence[Attach], pp_size: int,
-                 virtual_stages: int = 1) -> list[list[int]]:
+def split_stages(
+    costs: Sequence[int], attach: Sequence[Attach], pp_size: int, virtual_stages: int = 1
+) -> list[list[int]]:
     """The block indices of each of the ``pp_size * virtual_stages`` contiguous virtual stages of
     balanced cost; a block with ``attach`` ``"next"`` / ``"prev"`` always shares its neighbour's
     stage. Virtual stage ``s`` is pp rank ``s % pp_size``'s chunk ``s // pp_size``. Memoised:
@@ -106,11 +108,13 @@ def _split(costs: tuple, attach: tuple, pp_size: int, virtual_stages: int) -> tu
     num_stages = pp_size * virtual_stages
     units = _units(attach)
     if len(units) < num_stages:
-        raise ValueError(f"{len(units)} pipeline units (layers) cannot fill pp*virtual_stages = "
-                         f"{pp_size}*{virtual_stages} stages: every stage needs at least one")
+        raise ValueError(
+            f"{len(units)} pipeline units (layers) cannot fill pp*virtual_stages = "
+            f"{pp_size}*{virtual_stages} stages: every stage needs at least one"
+        )
     sizes = balanced_split([sum(costs[i] for i in unit) for unit in units], num_stages)
     stages, start = [], 0
     for size in sizes:
-        stages.append(tuple(i for unit in units[start:start + size] for i in unit))
+        stages.append(tuple(i for unit in units[start : start + size] for i in unit))
         start += size
     return tuple(stages)

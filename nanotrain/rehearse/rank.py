@@ -18,6 +18,7 @@ answer as it does (a world of copies), so its own files are written, committed, 
 read back exactly as in the job. ``python -m nanotrain.rehearse.rank`` runs it in a fresh
 process (the fake world and the stubs are process-wide) and prints the JSON report.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -69,13 +70,16 @@ def _world_of_copies():
             with contextlib.suppress(Exception):  # the fake backend delivers no bytes to decode
                 original[name](self, obj, *args, **kwargs)
             return answer(self, obj) if self.active else original[name](self, obj, *args, **kwargs)
+
         return method
 
-    patches = {"__init__": __init__,
-               "broadcast": run_then("broadcast", lambda self, obj: obj),
-               "all_gather": run_then("all_gather", lambda self, obj: [obj] * self.size),
-               "gather": run_then("gather", lambda self, obj: [obj] * self.size),
-               "any": run_then("any", lambda self, obj: bool(obj))}
+    patches = {
+        "__init__": __init__,
+        "broadcast": run_then("broadcast", lambda self, obj: obj),
+        "all_gather": run_then("all_gather", lambda self, obj: [obj] * self.size),
+        "gather": run_then("gather", lambda self, obj: [obj] * self.size),
+        "any": run_then("any", lambda self, obj: bool(obj)),
+    }
     return _patched(comm.World, patches)
 
 
@@ -104,12 +108,15 @@ def _model_stand_ins():
         exchange(counts, ep_pg, device)
         ep, me = dist.get_world_size(ep_pg), dist.get_rank(ep_pg)
         local = len(counts) // ep
-        return [counts[me * local:(me + 1) * local] for _ in range(ep)]
+        return [counts[me * local : (me + 1) * local] for _ in range(ep)]
 
     inits = {"init_from_full_": _drawn_on_meta(placement.init_from_full_)}
-    with _patched(moe, {"route": balanced_route}), _patched(placement, inits), \
-            _patched(expert_parallel, {"exchange_counts": copies}), \
-            _patched(context_parallel, {"causal_lower_right": LowerRight, "sdpa": _sdpa_of(context_parallel.sdpa)}):
+    with (
+        _patched(moe, {"route": balanced_route}),
+        _patched(placement, inits),
+        _patched(expert_parallel, {"exchange_counts": copies}),
+        _patched(context_parallel, {"causal_lower_right": LowerRight, "sdpa": _sdpa_of(context_parallel.sdpa)}),
+    ):
         yield
 
 
@@ -120,14 +127,17 @@ def _sdpa_of(sdpa):
         dtype = accelerator.autocast_dtype(q.device.type)  # autocast's cast of SDPA's inputs
         q, k, v = (t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in (q, k, v))
         return fused_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+
     return stand_in_sdpa
 
 
 def _drawn_on_meta(init_from_full_):
     """Weight initialisation draws the full tensor on the host and keeps this rank's slices; on
     meta there is nothing to keep, and an 8B model's draws cost the rehearsal half a minute."""
+
     def init(param, fill_fn, dtype=None):
         return None if param.device.type == "meta" else init_from_full_(param, fill_fn, dtype)
+
     return init
 
 
@@ -136,9 +146,11 @@ def _built_on(device, build_model):
     it (the same parameter objects: CPU and CUDA tensors swap storage in place), but a move to
     meta makes new parameters and drops what nanotrain records on them (shard info), and the
     host copy of a 70B shard would cost the rehearsal gigabytes and seconds of initialisation."""
+
     def build(*args, **kwargs):
         with torch.device(device):
             return build_model(*args, **kwargs)
+
     return build
 
 
@@ -220,9 +232,16 @@ def rehearse_rank(config, rank: int, steps: int = 3, train_only: bool = False) -
         pc = None
         try:
             building = {"load_checkpoint": loads, "build_model": _built_on(device, builder_module.build_model)}
-            with tracker, watch_tensor_factories(tracker), _world_of_copies(), _others_arrive_at_once(), \
-                    _model_stand_ins(), _patched(trainer_module, {"train_step": train_step}), \
-                    _patched(builder_module, building), _skeletons_uncounted(tracker):
+            with (
+                tracker,
+                watch_tensor_factories(tracker),
+                _world_of_copies(),
+                _others_arrive_at_once(),
+                _model_stand_ins(),
+                _patched(trainer_module, {"train_step": train_step}),
+                _patched(builder_module, building),
+                _skeletons_uncounted(tracker),
+            ):
                 build_samplers(cfg, builder=True, needs_data=True)  # the token cache rank 0 would make
                 pc = builder_module.build_parallel_context(cfg)
                 traffic.name_groups(pc)
@@ -234,18 +253,24 @@ def rehearse_rank(config, rank: int, steps: int = 3, train_only: bool = False) -
 
                 _legs(cfg, steps, tracker, windowed, report, new_trainer, train_only)
         except Exception as exc:  # a defect that stops the rank on a GPU too: the report says where
-            report["failed"] = {"window": tracker.window, "error": f"{type(exc).__name__}: {exc}"[:2000],
-                                "site": _innermost(exc)}
+            report["failed"] = {
+                "window": tracker.window,
+                "error": f"{type(exc).__name__}: {exc}"[:2000],
+                "site": _innermost(exc),
+            }
         finally:
             traffic.uninstall()
             HANG_RECORD.disarm()
             if pc is not None:
                 pc.destroy(synchronize=False)
-    report.update(placement=tracker.placement, collective_defects=traffic.defects,
-                  syncs={w: [[kind, site, n] for (kind, site), n in c.items()] for w, c in tracker.syncs.items()},
-                  bytes={w: [[*key, b, traffic.calls[w][key]] for key, b in c.items()]
-                         for w, c in traffic.bytes.items()},
-                  silent=[f"step {k}" for k in range(1, steps)], seconds=time.perf_counter() - started)
+    report.update(
+        placement=tracker.placement,
+        collective_defects=traffic.defects,
+        syncs={w: [[kind, site, n] for (kind, site), n in c.items()] for w, c in tracker.syncs.items()},
+        bytes={w: [[*key, b, traffic.calls[w][key]] for key, b in c.items()] for w, c in traffic.bytes.items()},
+        silent=[f"step {k}" for k in range(1, steps)],
+        seconds=time.perf_counter() - started,
+    )
     return report
 
 
@@ -286,7 +311,7 @@ def _innermost(exc: BaseException) -> str:
     for frame in traceback.extract_tb(exc.__traceback__):
         path = frame.filename.replace("\\", "/")
         if "nanotrain/" in path and "nanotrain/rehearse/" not in path:
-            site = f"{path[path.rindex('nanotrain/'):]}:{frame.lineno} ({frame.name})"
+            site = f"{path[path.rindex('nanotrain/') :]}:{frame.lineno} ({frame.name})"
     return site
 
 
@@ -325,8 +350,9 @@ def _off_device(optimizer, device) -> list[str]:
     for key, state in optimizer.state.items():
         for entry, value in state.items():
             if isinstance(value, torch.Tensor) and value.device != key.device and (fused or entry != "step"):
-                out.append(f"{names.get(id(key), tuple(key.shape))}.{entry} on {value.device}, "
-                           f"its parameter on {key.device}")
+                out.append(
+                    f"{names.get(id(key), tuple(key.shape))}.{entry} on {value.device}, its parameter on {key.device}"
+                )
     return sorted(set(out))
 
 

@@ -13,6 +13,7 @@ device. The only host syncs a silent step may hold are the expert dispatch's spl
 (``EXPECTED_SYNCS``: data-dependent shapes that the all-to-all must know on the host). The
 report exits 0 when no rank has a defect, 1 otherwise.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,7 @@ EXPECTED_SYNCS = {
     "nanotrain/models/moe.py": "the tokens per expert (the all-to-all's split sizes, data-dependent)",
 }
 RANK_TIMEOUT_S = 900
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def size(n: float) -> str:
@@ -54,11 +55,14 @@ def check_ranks(config: Config, ranks: list[int] | None, steps: int) -> list[int
     world = config.parallelism.world_size
     for r in ranks or []:
         if not 0 <= r < world:
-            raise ConfigError(f"--rank {r}: the world of this config has ranks 0..{world - 1} "
-                              f"(dp*tp*pp*cp*ep = {world}); pick one of them")
+            raise ConfigError(
+                f"--rank {r}: the world of this config has ranks 0..{world - 1} "
+                f"(dp*tp*pp*cp*ep = {world}); pick one of them"
+            )
     if steps < 2:
-        raise ConfigError(f"--steps {steps}: at least 2 (step 1 .. N-1 are the silent steps checked; "
-                          "step N logs and saves)")
+        raise ConfigError(
+            f"--steps {steps}: at least 2 (step 1 .. N-1 are the silent steps checked; step N logs and saves)"
+        )
     return sorted(set(ranks)) if ranks else default_ranks(config)
 
 
@@ -100,8 +104,10 @@ def defects(report: dict) -> list[str]:
                 out.append(f"host sync on silent {window}: {site}: {kind} (x{n})")
     out += [f"optimizer state after load: {what}" for what in report.get("optimizer_state_off_device", [])]
     if not (failed or report.get("train_only")) and report.get("resumed_at") != len(report["silent"]) + 1:
-        out.append(f"resume: the fresh trainer started at step {report.get('resumed_at')}, "
-                   f"not at the saved step {len(report['silent']) + 1}")
+        out.append(
+            f"resume: the fresh trainer started at step {report.get('resumed_at')}, "
+            f"not at the saved step {len(report['silent']) + 1}"
+        )
     return out
 
 
@@ -120,10 +126,13 @@ def render(report: dict) -> list[str]:
         return [f"rank {report['rank']}: FAILED", *("  " + line for line in report["error"].splitlines())]
     coords = ", ".join(f"{k} {v}" for k, v in report.get("coords", {}).items())
     peak = report.get("peak", {"total": 0})
-    parts = " + ".join(f"{k} {size(peak[k])}" for k in ("weights", "grads", "optimizer", "activations",
-                                                         "comm", "other") if peak.get(k))
-    lines = [f"rank {report['rank']} ({coords}): {report['seconds']:.1f} s",
-             f"  peak device memory {size(peak['total'])} = {parts}"]
+    parts = " + ".join(
+        f"{k} {size(peak[k])}" for k in ("weights", "grads", "optimizer", "activations", "comm", "other") if peak.get(k)
+    )
+    lines = [
+        f"rank {report['rank']} ({coords}): {report['seconds']:.1f} s",
+        f"  peak device memory {size(peak['total'])} = {parts}",
+    ]
     window = report["silent"][-1]
     lines.append(f"  bytes sent per step ({window}, ring algorithms):")
     for (group, coll, dtype), (b, n) in sorted(step_bytes(report).items()):
@@ -143,11 +152,16 @@ def rehearse(config: Config, ranks: list[int] | None, steps: int, as_json: bool)
     reports = run_ranks(config, ranks, steps)
     found = {r["rank"]: defects(r) for r in reports}
     if as_json:
-        print(json.dumps({"ok": not any(found.values()), "ranks": reports,
-                          "defects": {str(k): v for k, v in found.items()}}))
+        print(
+            json.dumps(
+                {"ok": not any(found.values()), "ranks": reports, "defects": {str(k): v for k, v in found.items()}}
+            )
+        )
         return 0 if not any(found.values()) else 1
-    print(f"rehearsal of world {config.parallelism.world_size}: ranks {ranks}, {steps} steps, an evaluation, "
-          "a save, a load into a fresh trainer and one more step each, on the meta device and the fake backend")
+    print(
+        f"rehearsal of world {config.parallelism.world_size}: ranks {ranks}, {steps} steps, an evaluation, "
+        "a save, a load into a fresh trainer and one more step each, on the meta device and the fake backend"
+    )
     for report in reports:
         for line in render(report):
             print(line)

@@ -11,6 +11,7 @@ placement, pinned buffers and side streams in the batch prefetcher and the async
 copies, device events in the step timers, the stop vote's device tensors, collectives on the
 device. What cannot run is stubbed, and ``STUBS`` says what (the report lists it):
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -88,14 +89,52 @@ class _Event:
 # fp32, whatever the inputs. Ops not listed run in their inputs' (promoted) type, as on CUDA.
 F = torch.nn.functional
 aten = torch.ops.aten
-_LOWER = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
-          torch.bmm, torch.Tensor.bmm, torch.addmm, torch.baddbmm, torch.addbmm, torch.mv,
-          F.scaled_dot_product_attention}
-_FP32 = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax,
-         torch.Tensor.log_softmax, F.cross_entropy, F.nll_loss, torch.rsqrt, torch.Tensor.rsqrt, torch.pow,
-         torch.Tensor.pow, torch.Tensor.__pow__, torch.exp, torch.Tensor.exp, torch.log, torch.Tensor.log,
-         torch.sum, torch.Tensor.sum, torch.cumsum, torch.Tensor.cumsum, F.layer_norm, F.normalize,
-         F.mse_loss, torch.norm, torch.Tensor.norm, F.softplus, torch.reciprocal, torch.Tensor.reciprocal}
+_LOWER = {
+    F.linear,
+    torch.matmul,
+    torch.Tensor.matmul,
+    torch.Tensor.__matmul__,
+    torch.mm,
+    torch.Tensor.mm,
+    torch.bmm,
+    torch.Tensor.bmm,
+    torch.addmm,
+    torch.baddbmm,
+    torch.addbmm,
+    torch.mv,
+    F.scaled_dot_product_attention,
+}
+_FP32 = {
+    F.softmax,
+    F.log_softmax,
+    torch.softmax,
+    torch.log_softmax,
+    torch.Tensor.softmax,
+    torch.Tensor.log_softmax,
+    F.cross_entropy,
+    F.nll_loss,
+    torch.rsqrt,
+    torch.Tensor.rsqrt,
+    torch.pow,
+    torch.Tensor.pow,
+    torch.Tensor.__pow__,
+    torch.exp,
+    torch.Tensor.exp,
+    torch.log,
+    torch.Tensor.log,
+    torch.sum,
+    torch.Tensor.sum,
+    torch.cumsum,
+    torch.Tensor.cumsum,
+    F.layer_norm,
+    F.normalize,
+    F.mse_loss,
+    torch.norm,
+    torch.Tensor.norm,
+    F.softplus,
+    torch.reciprocal,
+    torch.Tensor.reciprocal,
+}
 
 
 class Autocast(torch.overrides.TorchFunctionMode):
@@ -169,14 +208,26 @@ def fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
     if isinstance(attn_mask, LowerRight):  # [B, S, H, D] in and out; custom_mask_type 2: lower right
-        out = aten._efficient_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
-                                                None, None, None, None, dropout_p, 2, True, scale=scale)[0]
+        out = aten._efficient_attention_forward(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            None,
+            None,
+            None,
+            None,
+            None,
+            dropout_p,
+            2,
+            True,
+            scale=scale,
+        )[0]
         return out.transpose(1, 2)
     if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, dropout_p, is_causal,
-                                                        scale=scale)[0]
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
 
 
 class MetaAccelerator:
@@ -235,8 +286,7 @@ class MetaAccelerator:
         return "rehearsal (meta)"
 
 
-def _to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
-             memory_format=None):
+def _to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
     to = torch.device(device) if device is not None else x.device
     dtype = dtype or x.dtype
     if to.type == "meta":

@@ -17,6 +17,7 @@ records:
   gradients), and the peak keeps the breakdown at its moment. Nothing of the memory estimate's
   arithmetic is used: these are the bytes the code really allocates.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,10 +33,15 @@ aten = torch.ops.aten
 _COPIES = {aten._to_copy.default, aten.copy_.default}
 _READS = {aten._local_scalar_dense.default}
 # Their output shape depends on values: on a GPU the host waits to learn it.
-_DATA_DEPENDENT = {aten.nonzero.default, aten.masked_select.default, aten.unique_dim.default,
-                   aten._unique2.default, aten.repeat_interleave.Tensor, aten.bincount.default}
-_SKIP_FRAMES = ("nanotrain/rehearse/", "nanotrain/parallel/collectives.py", "torch/", "contextlib.py",
-                "threading.py")
+_DATA_DEPENDENT = {
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.unique_dim.default,
+    aten._unique2.default,
+    aten.repeat_interleave.Tensor,
+    aten.bincount.default,
+}
+_SKIP_FRAMES = ("nanotrain/rehearse/", "nanotrain/parallel/collectives.py", "torch/", "contextlib.py", "threading.py")
 
 
 def call_site(extra_skip: tuple[str, ...] = ()) -> str:
@@ -45,7 +51,7 @@ def call_site(extra_skip: tuple[str, ...] = ()) -> str:
     while frame is not None:
         path = frame.f_code.co_filename.replace("\\", "/")
         if "nanotrain/" in path and not any(s in path for s in _SKIP_FRAMES + extra_skip):
-            short = path[path.rindex("nanotrain/"):]
+            short = path[path.rindex("nanotrain/") :]
             return f"{short}:{frame.f_lineno} ({frame.f_code.co_name})"
         if fallback is None and "nanotrain/rehearse/" not in path and "/torch/" not in path:
             fallback = f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
@@ -136,8 +142,11 @@ class DeviceTracker(TorchDispatchMode):
         host = [t for t in flat if t.device.type == "cpu" and (strict or t.numel() > 1)]
         if host:
             site = call_site()
-            self.placement.setdefault(site, f"{func.__name__} got a host tensor {tuple(host[0].shape)} "
-                                            f"{host[0].dtype} beside tensors on the device")
+            self.placement.setdefault(
+                site,
+                f"{func.__name__} got a host tensor {tuple(host[0].shape)} "
+                f"{host[0].dtype} beside tensors on the device",
+            )
 
     def _sync(self, kind: str) -> None:
         self.syncs[self.window][(kind, call_site())] += 1
@@ -200,6 +209,7 @@ def watch_tensor_factories(tracker: DeviceTracker):
             if device is not None and torch.device(device) == tracker.device and not isinstance(data, torch.Tensor):
                 tracker._sync(f"blocking host-to-device copy ({fn.__name__}(data, device=...))")
             return fn(data, *args, **kwargs)
+
         return factory
 
     torch.tensor, torch.as_tensor = wrap(originals[0]), wrap(originals[1])

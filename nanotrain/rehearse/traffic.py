@@ -13,6 +13,7 @@ algorithms — the convention of ``--plan``'s cost model:
   output; broadcast and gather the tensor (non-root ranks of a gather; the root sends nothing);
   all_to_all what goes to other ranks; send/recv the bytes sent.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,10 +24,24 @@ import torch.distributed as dist
 
 from nanotrain.rehearse.tracker import call_site
 
-NCCL_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-               torch.int8, torch.uint8}
-OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
-                      "send_object_list", "recv_object_list")
+NCCL_DTYPES = {
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+}
+OBJECT_COLLECTIVES = (
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -158,5 +173,9 @@ class Traffic:
 
 
 def _canonical(name: str) -> str:
-    return {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
-            "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter"}.get(name, name)
+    return {
+        "all_gather_into_tensor": "all_gather",
+        "all_gather_single": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter",
+        "reduce_scatter_single": "reduce_scatter",
+    }.get(name, name)

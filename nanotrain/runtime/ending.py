@@ -17,6 +17,7 @@ order in which what the rank holds is let go.
 The exit codes are listed in ``runtime/task.py``. Imports torch: imported by a rank once its stop
 handler exists and before its process groups do (``runtime/rank.py``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,8 +58,9 @@ def hang_watchdog(config, env, run_dir: Path) -> HangWatchdog:
     """This rank's hang watchdog, started: it fires before the process groups time out
     (``hang_timeouts``) and, on SLURM, requeues the job as ``after_hang`` does."""
     watchdog_s, _ = hang_timeouts(config.training.collective_timeout_s)
-    return HangWatchdog(run_dir, env.rank, env.world_size, watchdog_s,
-                        on_hang=lambda: after_hang(config, env, run_dir)).start()
+    return HangWatchdog(
+        run_dir, env.rank, env.world_size, watchdog_s, on_hang=lambda: after_hang(config, env, run_dir)
+    ).start()
 
 
 @contextlib.contextmanager
@@ -81,8 +83,12 @@ def ending(config, env, run_dir: Path, pc, watchdog: HangWatchdog, preemption: P
         if env.rank == 0:
             latest = read_latest(Path(config.checkpoints.path))
             kept = f"latest checkpoint {latest} is untouched" if latest else "no checkpoint was written"
-            print(f"error: {exc}; {kept}; resume from it with other settings (e.g. a lower optimizer.lr): "
-                  f"python submit.py --resume {run_dir} --set ...", file=sys.stderr, flush=True)
+            print(
+                f"error: {exc}; {kept}; resume from it with other settings (e.g. a lower optimizer.lr): "
+                f"python submit.py --resume {run_dir} --set ...",
+                file=sys.stderr,
+                flush=True,
+            )
         raise SystemExit(EXIT_DIVERGED) from None
     except Exception as exc:
         if not (HANG_RECORD.armed and is_comm_failure(exc)):
@@ -113,8 +119,11 @@ def decide_stop(step: int, stop_code: int, config, env, run_dir: Path, preemptio
     """Rank 0, after every rank saved: PREEMPTED (requeued, or local), CANCELLED (a user's
     scancel: no requeue) or STOPPED (SLURM will not run it again). Why SIGTERM needs the
     scheduler's word: see `preemption.py`."""
-    saved = ("checkpoint saved" if config.checkpoints.save_on_preemption
-             else "not saved (checkpoints.save_on_preemption: false)")
+    saved = (
+        "checkpoint saved"
+        if config.checkpoints.save_on_preemption
+        else "not saved (checkpoints.save_on_preemption: false)"
+    )
     resume = f"resume with: python submit.py --resume {run_dir}"
     received = preemption.received or "signal on another rank"
     if env.launcher != "slurm":
@@ -125,8 +134,9 @@ def decide_stop(step: int, stop_code: int, config, env, run_dir: Path, preemptio
     else:
         kind, why = classify_sigterm(str(env.job_id), env.restart_count)
     if kind == "cancelled":
-        print(f"cancelled at step {step} (SIGTERM, a user's scancel: {why}): {saved}; not requeued; "
-              f"{resume}", flush=True)
+        print(
+            f"cancelled at step {step} (SIGTERM, a user's scancel: {why}): {saved}; not requeued; {resume}", flush=True
+        )
         return Outcome.CANCELLED
     print(f"preempted at step {step} ({received}, {kind}: {why}): {saved}; {resume}", flush=True)
     return Outcome.PREEMPTED if request_requeue(config.slurm.max_requeues) else Outcome.STOPPED

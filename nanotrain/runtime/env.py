@@ -7,6 +7,7 @@ of a job (and of its requeued restarts) agrees on the rendezvous without talking
 We never let it rewrite CUDA_VISIBLE_DEVICES: when SLURM binds GPUs per node every task sees all
 of the node's GPUs and picks `LOCAL_RANK` itself (see ParallelContext).
 """
+
 from __future__ import annotations
 
 import os
@@ -98,9 +99,19 @@ def _from_slurm() -> DistEnv:
         os.environ["MASTER_PORT"] = os.environ["NANOTRAIN_MASTER_PORT"]
     tde = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     job = tde._job_env
-    return DistEnv("slurm", tde.rank, tde.world_size, tde.local_rank, tde.local_world_size,
-                   tde.master_addr, int(tde.master_port), job.node, job.num_nodes, job.job_id,
-                   int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+    return DistEnv(
+        "slurm",
+        tde.rank,
+        tde.world_size,
+        tde.local_rank,
+        tde.local_world_size,
+        tde.master_addr,
+        int(tde.master_port),
+        job.node,
+        job.num_nodes,
+        job.job_id,
+        int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+    )
 
 
 def _from_variables(launcher: str) -> DistEnv:
@@ -111,16 +122,33 @@ def _from_variables(launcher: str) -> DistEnv:
     # four (RANK, WORLD_SIZE, MASTER_*) gets the same reading of them as this DistEnv's.
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(local_world))
-    return DistEnv(launcher, rank, world, local_rank, local_world, os.environ["MASTER_ADDR"],
-                   int(os.environ["MASTER_PORT"]), int(os.environ.get("GROUP_RANK", rank // local_world)),
-                   max(1, world // local_world), os.environ.get("TORCHELASTIC_RUN_ID"),
-                   int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    return DistEnv(
+        launcher,
+        rank,
+        world,
+        local_rank,
+        local_world,
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ.get("GROUP_RANK", rank // local_world)),
+        max(1, world // local_world),
+        os.environ.get("TORCHELASTIC_RUN_ID"),
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    )
 
 
 def _single() -> DistEnv:
     port = free_port()
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     return DistEnv("single", 0, 1, 0, 1, "127.0.0.1", port, 0, 1)
 
 

@@ -18,6 +18,7 @@ device), and NCCL then aborts the process with no report. So the process groups 
 timeout than the watchdog (``training.builder.hang_timeouts``), and if NCCL fires anyway its
 own dump lands in ``<run>/hang/`` (``nccl_debug_env``).
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,17 @@ EXIT_HUNG = 4  # the job hung (watchdog or a failed collective); reports under <
 # "Watchdog caught collective operation timeout", "NCCL communicator was aborted on rank 3",
 # NCCL's "remote process exited or there was a network error" / ncclRemoteError). Not the bare
 # backend names: an NCCL "invalid argument" or "unhandled cuda error" is a bug, not a hang.
-_COMM_FAILURE_WORDS = ("timed out", "timeout", "connection closed", "remote peer closed", "connection reset",
-                       "broken pipe", "remote process exited", "ncclremoteerror", "communicator was aborted")
+_COMM_FAILURE_WORDS = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "remote peer closed",
+    "connection reset",
+    "broken pipe",
+    "remote process exited",
+    "ncclremoteerror",
+    "communicator was aborted",
+)
 
 
 def is_comm_failure(exc: BaseException) -> bool:
@@ -69,8 +79,10 @@ def is_timeout(exc: BaseException) -> bool:
 def thread_stacks() -> dict[str, list[str]]:
     """The Python stack of every thread, innermost frame last (``traceback`` format)."""
     names = {t.ident: t.name for t in threading.enumerate()}
-    return {f"{names.get(ident, 'thread')} ({ident})": traceback.format_stack(frame)
-            for ident, frame in sys._current_frames().items()}
+    return {
+        f"{names.get(ident, 'thread')} ({ident})": traceback.format_stack(frame)
+        for ident, frame in sys._current_frames().items()
+    }
 
 
 def waiting_in_communication(thread_id: int) -> bool:
@@ -121,8 +133,15 @@ def nccl_debug_env(run_dir: Path, environ=os.environ) -> None:
 class HangWatchdog:
     """``start()`` once the process groups exist; ``stop()`` before they are destroyed."""
 
-    def __init__(self, run_dir: Path, rank: int, world_size: int, timeout_s: float,
-                 on_hang: Callable[[], None] = lambda: None, record: HangRecord = HANG_RECORD):
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        on_hang: Callable[[], None] = lambda: None,
+        record: HangRecord = HANG_RECORD,
+    ):
         self.path = Path(run_dir) / HANG_DIR / f"rank-{rank}.json"
         self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
         self.on_hang, self.record = on_hang, record
@@ -155,8 +174,9 @@ class HangWatchdog:
             p = self.record
             idle = time.monotonic() - p.beat
             if p.armed and idle > self.timeout_s:
-                self.report(f"watchdog: no progress for {idle:.1f} s (training.collective_timeout_s = "
-                            f"{self.timeout_s:g})")
+                self.report(
+                    f"watchdog: no progress for {idle:.1f} s (training.collective_timeout_s = {self.timeout_s:g})"
+                )
                 self._end()
 
     def report(self, reason: str, waiting: Optional[bool] = None) -> Optional[Path]:
@@ -168,21 +188,33 @@ class HangWatchdog:
                 return None
             self._written = True
             snap = self.record.snapshot()
-            report = {"rank": self.rank, "world_size": self.world_size, "host": socket.gethostname(),
-                      "pid": os.getpid(), "time": time.time(), "reason": reason, **snap,
-                      "waiting_in_communication": waiting_in_communication(self._main) if waiting is None
-                      else waiting,
-                      "frozen_s": round(self.frozen_s, 3),
-                      "job_id": os.environ.get("SLURM_JOB_ID"),
-                      "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-                      "stacks": thread_stacks(), "nccl_flight_recorder": nccl_flight_recorder()}
+            report = {
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "time": time.time(),
+                "reason": reason,
+                **snap,
+                "waiting_in_communication": waiting_in_communication(self._main) if waiting is None else waiting,
+                "frozen_s": round(self.frozen_s, 3),
+                "job_id": os.environ.get("SLURM_JOB_ID"),
+                "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+                "stacks": thread_stacks(),
+                "nccl_flight_recorder": nccl_flight_recorder(),
+            }
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.path, json.dumps(report, indent=1, default=str))
             coll = snap["collective"]
-            where = f"; last collective {coll['name']} on {coll['group']['name']} {coll['group']['ranks']}" \
-                if coll else ""
-            print(f"hang: rank {self.rank} at step {snap['step']} in {snap['phase']}{where}: {reason}; "
-                  f"report: {self.path}", file=sys.stderr, flush=True)
+            where = (
+                f"; last collective {coll['name']} on {coll['group']['name']} {coll['group']['ranks']}" if coll else ""
+            )
+            print(
+                f"hang: rank {self.rank} at step {snap['step']} in {snap['phase']}{where}: {reason}; "
+                f"report: {self.path}",
+                file=sys.stderr,
+                flush=True,
+            )
             return self.path
 
     def report_failure(self, exc: BaseException) -> None:

@@ -9,6 +9,7 @@ that is not waiting in communication (stuck in its own code, e.g. asleep inside 
 step); else the rank at the earliest step. Only the reports of the latest incarnation
 count (a requeued job's earlier hang is history, counted separately).
 """
+
 from __future__ import annotations
 
 import json
@@ -55,7 +56,7 @@ def _group_text(collective: Optional[dict]) -> tuple[str, str]:
 
 
 def culprit(reports: list[dict]) -> Optional[str]:
-    """"hung at step S in PHASE; rank R did not reach COLLECTIVE on GROUP (ranks ...)", or None."""
+    """ "hung at step S in PHASE; rank R did not reach COLLECTIVE on GROUP (ranks ...)", or None."""
     if not reports:
         return None
     world = max(int(r.get("world_size") or 0) for r in reports)
@@ -63,15 +64,20 @@ def culprit(reports: list[dict]) -> Optional[str]:
     missing = sorted(set(range(world)) - present)
     if missing:
         # A silent rank that a reporting rank waits for (its last collective's group holds it).
-        waited = [m for m in missing if any(r.get("collective") and m in r["collective"]["group"].get("ranks", [])
-                                            for r in reports)]
+        waited = [
+            m
+            for m in missing
+            if any(r.get("collective") and m in r["collective"]["group"].get("ranks", []) for r in reports)
+        ]
         rank = (waited or missing)[0]
         waiters = [r for r in reports if r.get("collective") and rank in r["collective"]["group"].get("ranks", [])]
         witness = min(waiters or reports, key=lambda r: (r.get("step", 0), r["rank"]))
         name, group = _group_text(witness.get("collective"))
         others = f" (also silent: {', '.join(map(str, missing[1:]))})" if len(missing) > 1 else ""
-        return (f"hung at step {witness.get('step')} in {witness.get('phase')}; rank {rank} did not reach "
-                f"{name} on {group}{others}; rank {rank} wrote no report (stopped or dead)")
+        return (
+            f"hung at step {witness.get('step')} in {witness.get('phase')}; rank {rank} did not reach "
+            f"{name} on {group}{others}; rank {rank} wrote no report (stopped or dead)"
+        )
     frozen = [r for r in reports if (r.get("frozen_s") or 0) > 0]
     stuck = [r for r in reports if not r.get("waiting_in_communication")]
     if frozen:
@@ -79,12 +85,16 @@ def culprit(reports: list[dict]) -> Optional[str]:
     else:
         target = min(stuck or reports, key=lambda r: (r.get("step", 0), r["rank"]))
     rank = target["rank"]
-    waiters = [r for r in reports if r is not target and r.get("collective")
-               and rank in r["collective"]["group"].get("ranks", [])]
+    waiters = [
+        r
+        for r in reports
+        if r is not target and r.get("collective") and rank in r["collective"]["group"].get("ranks", [])
+    ]
     name, group = _group_text((waiters[0] if waiters else target).get("collective"))
     why = f"; rank {rank} was frozen for {target['frozen_s']:.0f} s (stopped)" if frozen else ""
-    return (f"hung at step {target.get('step')} in {target.get('phase')}; rank {rank} did not reach "
-            f"{name} on {group}{why}")
+    return (
+        f"hung at step {target.get('step')} in {target.get('phase')}; rank {rank} did not reach {name} on {group}{why}"
+    )
 
 
 def hang_lines(run_dir: Path) -> list[str]:

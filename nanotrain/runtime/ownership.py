@@ -22,6 +22,7 @@ in-progress `step_N.tmp` as a "leftover" (the first then died) and interleaved l
 start, together with the run's recorded SLURM job (`--resume` while that job is still pending or
 running would put a second job beside it).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,20 @@ from nanotrain.runtime import slurm_commands
 
 LOCK = "owner.lock"
 RUN_ID = "run_id"
-LIVE_JOB_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
-                   "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT"}
+LIVE_JOB_STATES = {
+    "PENDING",
+    "RUNNING",
+    "CONFIGURING",
+    "COMPLETING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESIZING",
+    "SUSPENDED",
+    "STOPPED",
+    "SIGNALING",
+    "STAGE_OUT",
+}
 
 
 class OwnershipError(ValueError):
@@ -56,10 +69,17 @@ def _pid_start(pid: int) -> str | None:
 
 
 def me(run_id: str | None = None) -> dict:
-    return {"run_id": run_id, "host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME"),
-            "pid": os.getpid(), "pid_start": _pid_start(os.getpid()), "job_id": os.environ.get("SLURM_JOB_ID"),
-            "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)[:300]}
+    return {
+        "run_id": run_id,
+        "host": socket.gethostname(),
+        "node": os.environ.get("SLURMD_NODENAME"),
+        "pid": os.getpid(),
+        "pid_start": _pid_start(os.getpid()),
+        "job_id": os.environ.get("SLURM_JOB_ID"),
+        "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": " ".join(sys.argv)[:300],
+    }
 
 
 def describe(holder: dict) -> str:
@@ -118,10 +138,15 @@ def _verdict(directory: Path, holder: dict, run_id: str | None) -> tuple[bool, s
     live, why = alive(holder)
     if live is False:
         return True, f"stale lock {directory / LOCK} of {describe(holder)}: {why}; taking it over"
-    fix = (f"wait for it to end or stop it (scancel {holder['job_id']})" if holder.get("job_id")
-           else f"stop it, or delete {directory / LOCK} if you are sure it is not running")
-    raise OwnershipError(f"{directory} is in use by another run ({describe(holder)}; {why}): {fix}, "
-                         "or give this run another logging.run_name / checkpoints.path")
+    fix = (
+        f"wait for it to end or stop it (scancel {holder['job_id']})"
+        if holder.get("job_id")
+        else f"stop it, or delete {directory / LOCK} if you are sure it is not running"
+    )
+    raise OwnershipError(
+        f"{directory} is in use by another run ({describe(holder)}; {why}): {fix}, "
+        "or give this run another logging.run_name / checkpoints.path"
+    )
 
 
 def acquire(directory: Path, run_id: str | None) -> str:
@@ -235,8 +260,10 @@ def check_before_launch(run_dir: Path, checkpoint_dir: Path, job_id: str | None)
     if job_id:
         state = job_state(str(job_id))
         if state in LIVE_JOB_STATES:
-            raise OwnershipError(f"{run_dir}: its SLURM job {job_id} is still {state}; wait for it to end or "
-                                 f"cancel it (scancel {job_id}) before resuming or starting it again")
+            raise OwnershipError(
+                f"{run_dir}: its SLURM job {job_id} is still {state}; wait for it to end or "
+                f"cancel it (scancel {job_id}) before resuming or starting it again"
+            )
     notes = []
     for directory in owned_dirs(run_dir, checkpoint_dir):
         try:

@@ -21,6 +21,7 @@ scheduler's commands with a bound and imports nothing else), so a task installs 
 before it imports torch or submitit (a signal during those seconds would kill the process),
 and the local launcher blocks the stop signals until its ranks have their handlers.
 """
+
 from __future__ import annotations
 
 import os
@@ -147,8 +148,12 @@ def request_requeue(max_requeues: int) -> bool:
         return False
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     if restarts >= max_requeues:
-        print(f"preemption: job {job_id} was already requeued {restarts} time(s) = slurm.max_requeues; "
-              "not requeueing again", file=sys.stderr, flush=True)
+        print(
+            f"preemption: job {job_id} was already requeued {restarts} time(s) = slurm.max_requeues; "
+            "not requeueing again",
+            file=sys.stderr,
+            flush=True,
+        )
         return False
     if requeued_by_slurm(job_id, restarts):
         print(f"preemption: SLURM requeued job {job_id} itself (restart {restarts + 1})", flush=True)

@@ -9,6 +9,7 @@ exists: importing the model pulls in torch._dynamo, whose import takes reference
 default group that are only dropped at interpreter exit. (The stop handler itself is installed
 before this module runs: `runtime/task.py`.)
 """
+
 from __future__ import annotations
 
 import sys
@@ -91,6 +92,8 @@ def claim_run(run_dir: Path, checkpoint_dir: Path, env: DistEnv, broadcast) -> o
 def requeue_during_startup(config: Config) -> None:
     """Rank 0, inside the signal handler: SLURM's warning came before the first step (nothing to
     save). Requeue now; SLURM then ends every task of this incarnation and starts the next."""
-    print(f"preemption: SIG{config.slurm.signal} during start-up, before any step: nothing to save, "
-          "requeueing now", flush=True)
+    print(
+        f"preemption: SIG{config.slurm.signal} during start-up, before any step: nothing to save, requeueing now",
+        flush=True,
+    )
     request_requeue(config.slurm.max_requeues)

@@ -7,6 +7,7 @@ checkpoints live, so that `--status` and `--resume` need nothing but its path.
     logs/<run>/tb/           TensorBoard events
     logs/<run>/checkpoints/  sharded checkpoints
 """
+
 from __future__ import annotations
 
 import enum
@@ -100,8 +101,13 @@ def read_launch_record(run_dir: Path) -> dict:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError alike
-        reason = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else f"not JSON ({exc.msg})" \
-            if isinstance(exc, json.JSONDecodeError) else str(exc)
+        reason = (
+            "not UTF-8 text"
+            if isinstance(exc, UnicodeDecodeError)
+            else f"not JSON ({exc.msg})"
+            if isinstance(exc, json.JSONDecodeError)
+            else str(exc)
+        )
         raise ConfigError(f"{path}: {reason}; {fix}") from None
     if not isinstance(record, dict):
         raise ConfigError(f"{path}: expected a JSON object, found a {type(record).__name__}; {fix}")

@@ -10,6 +10,7 @@ kills the command and anything it started, never leaving an orphan behind.
 
 Standard library only: `preemption.py` uses it before torch is imported.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,14 @@ import subprocess
 TIMEOUT_ENV = "NANOTRAIN_SLURM_TIMEOUT_S"
 ACTION_TIMEOUT_S = 60.0  # sbatch, scontrol requeue, scancel: the controller acts, then answers
 QUERY_TIMEOUT_S = 15.0  # sinfo, squeue, sacct, scontrol show: a read
-TIMEOUTS_S = {"sbatch": ACTION_TIMEOUT_S, "scontrol": ACTION_TIMEOUT_S, "scancel": ACTION_TIMEOUT_S,
-              "sinfo": QUERY_TIMEOUT_S, "squeue": QUERY_TIMEOUT_S, "sacct": QUERY_TIMEOUT_S}
+TIMEOUTS_S = {
+    "sbatch": ACTION_TIMEOUT_S,
+    "scontrol": ACTION_TIMEOUT_S,
+    "scancel": ACTION_TIMEOUT_S,
+    "sinfo": QUERY_TIMEOUT_S,
+    "squeue": QUERY_TIMEOUT_S,
+    "sacct": QUERY_TIMEOUT_S,
+}
 
 
 class SlurmCommandError(ValueError):
@@ -59,16 +66,23 @@ def run(argv: list[str], limit_s: float | None = None) -> subprocess.CompletedPr
     name = os.path.basename(argv[0])
     limit = timeout_s(name, limit_s)
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
     except OSError as exc:
         raise SlurmCommandError(f"{name} could not be run ({exc.strerror}): is SLURM installed here?") from None
     try:
         out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         _kill_tree(proc)
-        raise SlurmCommandError(f"{name} did not answer in {limit:g} s: is slurmctld up? "
-                                f"(a slow cluster: raise {TIMEOUT_ENV})") from None
+        raise SlurmCommandError(
+            f"{name} did not answer in {limit:g} s: is slurmctld up? (a slow cluster: raise {TIMEOUT_ENV})"
+        ) from None
     except BaseException:  # Ctrl-C, or SIGTERM turned into an exception: take the command with us
         _kill_tree(proc)
         raise

@@ -5,6 +5,7 @@ all-reduce per process group returns the sum of that group's global ranks.
 Each rank writes `smoke/rank-R.json` in the run directory so tests (and users) can check every
 task of a SLURM job, not only what rank 0 printed.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,10 +32,18 @@ def smoke_step(pc: ParallelContext, env: DistEnv, run_dir: Path) -> dict:
         sums[axis] = {"got": value.item(), "expected": expected, "ranks": dist.get_process_group_ranks(group)}
         ok &= value.item() == expected
     report = {
-        "rank": rank, "world_size": dist.get_world_size(), "launcher": env.launcher,
-        "local_rank": env.local_rank, "node_rank": env.node_rank, "job_id": env.job_id,
-        "host": socket.gethostname(), "backend": pc.backend, "device": str(pc.device),
-        "coords": pc.grid.coords(rank)._asdict(), "sums": sums, "ok": ok,
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "launcher": env.launcher,
+        "local_rank": env.local_rank,
+        "node_rank": env.node_rank,
+        "job_id": env.job_id,
+        "host": socket.gethostname(),
+        "backend": pc.backend,
+        "device": str(pc.device),
+        "coords": pc.grid.coords(rank)._asdict(),
+        "sums": sums,
+        "ok": ok,
     }
     out = run_dir / "smoke"
     out.mkdir(parents=True, exist_ok=True)
@@ -43,8 +52,11 @@ def smoke_step(pc: ParallelContext, env: DistEnv, run_dir: Path) -> dict:
     dist.all_reduce(flags)
     if rank == 0:
         status = "ok" if flags.item() == 0 else f"FAILED on {int(flags.item())} rank(s)"
-        print(f"smoke: {status}: world={dist.get_world_size()} backend={pc.backend} "
-              f"launcher={env.launcher} all-reduce over {', '.join(AXES)} on every rank", flush=True)
+        print(
+            f"smoke: {status}: world={dist.get_world_size()} backend={pc.backend} "
+            f"launcher={env.launcher} all-reduce over {', '.join(AXES)} on every rank",
+            flush=True,
+        )
     if flags.item() != 0:
         raise RuntimeError(f"smoke step: all-reduce sums wrong on {int(flags.item())} rank(s); see {out}")
     return report

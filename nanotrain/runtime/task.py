@@ -16,6 +16,7 @@ not, one-line errors:
         (from the last complete checkpoint, while slurm.max_requeues allows)
     75  stopped and saved, but not requeued (a user's scancel, or the requeue budget is spent)
 """
+
 from __future__ import annotations
 
 # Stop signals first: the handler's module is standard library only, and under

@@ -8,6 +8,7 @@
 caller builds exactly what a job builds. The trainer keeps what ``build_parts`` made and nothing
 else (``training/trainer.py``); the task decides when it is built (``runtime/rank.py``).
 """
+
 from __future__ import annotations
 
 import os
@@ -52,8 +53,14 @@ def build_parallel_context(config, timeout_s: Optional[float] = None) -> Paralle
     groups time out after ``hang_timeouts``' group timeout unless ``timeout_s`` says otherwise."""
     p = config.parallelism
     groups_s = hang_timeouts(config.training.collective_timeout_s)[1] if timeout_s is None else timeout_s
-    return ParallelContext(tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp, data_parallel_size=p.dp,
-                           context_parallel_size=p.cp, expert_parallel_size=p.ep, timeout_s=groups_s)
+    return ParallelContext(
+        tensor_parallel_size=p.tp,
+        pipeline_parallel_size=p.pp,
+        data_parallel_size=p.dp,
+        context_parallel_size=p.cp,
+        expert_parallel_size=p.ep,
+        timeout_s=groups_s,
+    )
 
 
 def build_model(config, pc, device=None) -> ModelPart:
@@ -133,16 +140,38 @@ def build_parts(config: Config, pc: ParallelContext, run_dir: Path, run_id: Opti
     grad_sync = build_grad_sync(list(model.parameters()), pc)
     optimizer = build_optimizer(model.named_parameters(), config.optimizer, **optimizer_groups(pc))
     scheduler = build_lr_scheduler(optimizer, config.optimizer, t.train_steps)
-    sampler, val_sampler = build_samplers(config, builder=pc.world_rank == 0, barrier=dist.barrier,
-                                          needs_data=pc.is_pipeline_first_stage or pc.is_pipeline_last_stage)
+    sampler, val_sampler = build_samplers(
+        config,
+        builder=pc.world_rank == 0,
+        barrier=dist.barrier,
+        needs_data=pc.is_pipeline_first_stage or pc.is_pipeline_last_stage,
+    )
     batches = BatchPrefetcher(sampler, pc.data_rank, pc.device) if sampler else None
     val_batches = BatchPrefetcher(val_sampler, pc.data_rank, pc.device) if val_sampler else None
     step, consumed_samples, saved_step = _starting_state(config, pc, model, optimizer, scheduler, run_id)
-    metrics = metrics_logger_for(config, run_dir, pc, device=pc.device, start_step=step,
-                                 flops=family_of(config.model).flops_per_token(config))
+    metrics = metrics_logger_for(
+        config, run_dir, pc, device=pc.device, start_step=step, flops=family_of(config.model).flops_per_token(config)
+    )
     profiler = StepProfiler.from_config(t.profile, run_dir, pc.world_rank)
-    return TrainingParts(config, pc, run_id, model, engine, message, grad_sync, optimizer, scheduler, sampler,
-                         batches, val_batches, metrics, profiler, step, consumed_samples, saved_step)
+    return TrainingParts(
+        config,
+        pc,
+        run_id,
+        model,
+        engine,
+        message,
+        grad_sync,
+        optimizer,
+        scheduler,
+        sampler,
+        batches,
+        val_batches,
+        metrics,
+        profiler,
+        step,
+        consumed_samples,
+        saved_step,
+    )
 
 
 def _starting_state(config, pc, model, optimizer, scheduler, run_id) -> tuple[int, int, Optional[int]]:
@@ -151,8 +180,9 @@ def _starting_state(config, pc, model, optimizer, scheduler, run_id) -> tuple[in
     Hugging Face weights of ``checkpoints.init_from_hf`` when set."""
     c = config.checkpoints
     if c.resume:
-        resumed = load_checkpoint(c.path, model, optimizer, scheduler, pc, config=config, run_id=run_id,
-                                  allow_foreign=c.allow_foreign)
+        resumed = load_checkpoint(
+            c.path, model, optimizer, scheduler, pc, config=config, run_id=run_id, allow_foreign=c.allow_foreign
+        )
         if resumed is not None:
             if pc.world_rank == 0:
                 print(f"resumed from {resumed.path} at step {resumed.step} ({resumed.provenance()})", flush=True)
@@ -160,7 +190,10 @@ def _starting_state(config, pc, model, optimizer, scheduler, run_id) -> tuple[in
     if c.init_from_hf:
         loaded = load_hf_weights(c.init_from_hf, model, config.model)
         if pc.world_rank == 0:
-            print(f"initialised from Hugging Face {c.init_from_hf}: rank 0 read "
-                  f"{loaded['tensors']} slices, {loaded['bytes'] / 1e6:.1f} MB in {loaded['seconds']:.2f} s; "
-                  "optimizer and step start fresh", flush=True)
+            print(
+                f"initialised from Hugging Face {c.init_from_hf}: rank 0 read "
+                f"{loaded['tensors']} slices, {loaded['bytes'] / 1e6:.1f} MB in {loaded['seconds']:.2f} s; "
+                "optimizer and step start fresh",
+                flush=True,
+            )
     return 0, 0, None

@@ -7,6 +7,7 @@ state is touched: no gradients (`no_grad`, and the pipeline's forward-only sched
 draws (the model has no dropout), and the training sampler's position is not read or moved, so
 a run with evaluation on has the same `train/loss` sequence as one without.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,9 @@ from nanotrain.training.step import reduce_loss
 
 
 @torch.no_grad()
-def evaluate(model, batches, pc, num_batches: int, global_batch: int, m: int, engine=None,
-             message=None) -> torch.Tensor:
+def evaluate(
+    model, batches, pc, num_batches: int, global_batch: int, m: int, engine=None, message=None
+) -> torch.Tensor:
     """The mean validation loss over `num_batches` global batches, as a float64 0-d tensor on
     every rank. `batches`: a `BatchPrefetcher` over the validation sampler (None on middle
     pipeline stages, which read no data)."""

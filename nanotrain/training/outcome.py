@@ -5,6 +5,7 @@ task (``runtime/ending.py``) then tells a ``PREEMPTED`` run apart on SLURM: requ
 (``PREEMPTED``), a user's scancel (``CANCELLED``) or not run again (``STOPPED``). A ``str`` enum,
 so reports, JSON and comparisons with the plain names ("completed", ...) read the same as before.
 """
+
 from __future__ import annotations
 
 from enum import Enum

@@ -6,6 +6,7 @@ CUDA kernels on a GPU, memory events), which TensorBoard's profiler plugin
 `ProfilerStep#N` range, so a pipeline bubble or a slow collective is seen per rank.
 Off by default; off, the trainer holds None here and pays one `is None` per step.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,8 +38,7 @@ class StepProfiler:
             activities = [ProfilerActivity.CPU]
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 activities.append(ProfilerActivity.CUDA)
-            self._prof = profile(activities=activities, profile_memory=True, record_shapes=False,
-                                 with_stack=False)
+            self._prof = profile(activities=activities, profile_memory=True, record_shapes=False, with_stack=False)
             self._prof.start()
         if self._prof is not None:
             self._step_range = torch.profiler.record_function(f"ProfilerStep#{step}")

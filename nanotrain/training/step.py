@@ -8,6 +8,7 @@ The loss of each micro-batch is divided by the micro-batch count and the DP sync
 replicas, so the gradient is that of the mean token loss over the whole global batch — the
 same number a single process gets from the same samples.
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -66,8 +67,15 @@ def forward_backward(model: torch.nn.Module, microbatches: Sequence[MicroBatch],
     return total
 
 
-def optimizer_step(model: torch.nn.Module, grad_sync, optimizer, scheduler, pc: ParallelContext,
-                   clip_grad: float | None, before_update=None) -> tuple[torch.Tensor, float]:
+def optimizer_step(
+    model: torch.nn.Module,
+    grad_sync,
+    optimizer,
+    scheduler,
+    pc: ParallelContext,
+    clip_grad: float | None,
+    before_update=None,
+) -> tuple[torch.Tensor, float]:
     """Finish the gradient sync, clip, step; returns (grad norm before clipping, lr used).
     ``before_update``: called right before the parameters and optimizer states change (an async
     checkpoint's host copies are waited for there)."""
@@ -114,9 +122,18 @@ def reduce_loss(loss: torch.Tensor | TensorPointer, pc: ParallelContext) -> torc
     return value
 
 
-def train_step(model, microbatches: Sequence[MicroBatch], grad_sync, optimizer, scheduler, pc: ParallelContext,
-               clip_grad: float | None, engine: PipelineEngine | None = None,
-               message: MessageSpec | None = None, before_update=None) -> StepStats:
+def train_step(
+    model,
+    microbatches: Sequence[MicroBatch],
+    grad_sync,
+    optimizer,
+    scheduler,
+    pc: ParallelContext,
+    clip_grad: float | None,
+    engine: PipelineEngine | None = None,
+    message: MessageSpec | None = None,
+    before_update=None,
+) -> StepStats:
     """One optimizer step: forward and backward of every micro-batch, the gradient sync, clipping,
     the update and the scheduler step. Collective over every group of the model. No host sync
     happens here: read the returned stats when they are needed.
@@ -141,7 +158,7 @@ def train_step(model, microbatches: Sequence[MicroBatch], grad_sync, optimizer, 
         ValueError: pp > 1 without ``engine``.
     """
     begin_step = getattr(model, "begin_step", None)  # LlamaModel: the MoE auxiliary losses' share
-    if begin_step is not None:                        # of each micro-batch; other models have none
+    if begin_step is not None:  # of each micro-batch; other models have none
         begin_step(len(microbatches))
     if pc.pp_size > 1:
         if engine is None:

@@ -17,6 +17,7 @@ signal, well inside any signal delay, on every rank at the same step. A step tha
 own vote first (``latest=True``): a non-finite step has already poisoned the weights, and saving
 it would overwrite the last finite checkpoint.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -33,8 +34,10 @@ class TrainingDiverged(RuntimeError):
 
     def __init__(self, step: int, loss: float, grad_norm: float):
         self.step, self.loss, self.grad_norm = step, loss, grad_norm
-        super().__init__(f"training diverged at step {step}: loss {loss:g}, grad norm {grad_norm:g} "
-                         "(not finite); stopped without saving this step")
+        super().__init__(
+            f"training diverged at step {step}: loss {loss:g}, grad norm {grad_norm:g} "
+            "(not finite); stopped without saving this step"
+        )
 
 
 class StopVote:
@@ -57,8 +60,9 @@ class StopVote:
         flags[2].fill_(float(writing))
         work = None
         if dist.is_available() and dist.is_initialized():
-            work = collectives.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True,
-                                          what="all_reduce stop vote")
+            work = collectives.all_reduce(
+                flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True, what="all_reduce stop vote"
+            )
         host = event = None
         if self.acc is not None:
             if work is not None:

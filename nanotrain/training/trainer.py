@@ -18,6 +18,7 @@ late (`training/stop_vote.py`), so on a GPU the host runs ahead of the kernels i
 Reproducibility: every source of randomness derives from `training.seed` (weights from
 (seed, parameter name), data order from (seed, epoch)), so a run repeats bit for bit on CPU.
 """
+
 from __future__ import annotations
 
 import time
@@ -83,9 +84,18 @@ class DistributedTrainer:
             if self.profiler is not None:
                 self.profiler.before(self.step + 1)
             microbatches = self.batches.get(self.consumed_samples) if self.batches else [None] * m
-            stats = train_step(self.model, microbatches, self.grad_sync, self.optimizer, self.scheduler, self.pc,
-                               self.config.optimizer.clip_grad, engine=self.engine, message=self.message,
-                               before_update=self.pending_save.wait_snapshot if self.pending_save else None)
+            stats = train_step(
+                self.model,
+                microbatches,
+                self.grad_sync,
+                self.optimizer,
+                self.scheduler,
+                self.pc,
+                self.config.optimizer.clip_grad,
+                engine=self.engine,
+                message=self.message,
+                before_update=self.pending_save.wait_snapshot if self.pending_save else None,
+            )
             self.step += 1
             HANG_RECORD.advance(self.step)
             self.consumed_samples += self.global_batch
@@ -135,8 +145,9 @@ class DistributedTrainer:
         logs = self.metrics.should_log(self.step)
         moe = self.config.model.moe
         if moe is not None and logs:
-            self.metrics.log_scalars(self.step, step_scalars(self.model.moe_state, self.pc.pp_pg,
-                                                             capacity=moe.capacity_factor is not None))
+            self.metrics.log_scalars(
+                self.step, step_scalars(self.model.moe_state, self.pc.pp_pg, capacity=moe.capacity_factor is not None)
+            )
         self.log_data(logs)
 
     def log_data(self, logs: bool) -> None:
@@ -151,8 +162,11 @@ class DistributedTrainer:
         self._source_epochs = now
         for part in self.sampler.parts:
             if int(now[part.name]) > int(before[part.name]):
-                print(f"data: source {part.name!r} read all its {part.num_windows} windows; epoch "
-                      f"{int(now[part.name]) + 1} reads them in a new shuffled order", flush=True)
+                print(
+                    f"data: source {part.name!r} read all its {part.num_windows} windows; epoch "
+                    f"{int(now[part.name]) + 1} reads them in a new shuffled order",
+                    flush=True,
+                )
         if logs:
             tokens = self.sampler.source_tokens(self.consumed_samples)
             scalars = {f"data/tokens/{name}": float(n) for name, n in tokens.items()}
@@ -165,13 +179,25 @@ class DistributedTrainer:
         m = t.batch_accumulation_per_replica
         HANG_RECORD.mark("eval")
         started = time.perf_counter()
-        loss = float(evaluate(self.model, self.val_batches, self.pc, t.eval_batches,
-                              self.global_batch, m,
-                              engine=self.engine, message=self.message))
+        loss = float(
+            evaluate(
+                self.model,
+                self.val_batches,
+                self.pc,
+                t.eval_batches,
+                self.global_batch,
+                m,
+                engine=self.engine,
+                message=self.message,
+            )
+        )
         took = time.perf_counter() - started
-        self.metrics.log_scalars(self.step, {"val/loss": loss, "val/ppl": perplexity(loss)},
-                                 console=f"step {self.step}/{t.train_steps} | val/loss {loss:.4f} | "
-                                         f"val/ppl {perplexity(loss):.2f} | eval {took:.2f}s")
+        self.metrics.log_scalars(
+            self.step,
+            {"val/loss": loss, "val/ppl": perplexity(loss)},
+            console=f"step {self.step}/{t.train_steps} | val/loss {loss:.4f} | "
+            f"val/ppl {perplexity(loss):.2f} | eval {took:.2f}s",
+        )
 
     def save(self, wait: bool = True) -> None:
         """Save this step; ``wait=False`` (async_save) returns at once: a thread copies the state
@@ -183,8 +209,10 @@ class DistributedTrainer:
             return  # written (or loaded and verified) by this process: not hashed again
         HANG_RECORD.mark("checkpoint")
         t = self.config.training
-        extra = {"consumed_samples": self.consumed_samples,
-                 "consumed_tokens": self.consumed_samples * t.sequence_length}
+        extra = {
+            "consumed_samples": self.consumed_samples,
+            "consumed_tokens": self.consumed_samples * t.sequence_length,
+        }
         args = (self.config.checkpoints.path, self.step, self.model, self.optimizer, self.scheduler, self.pc)
         if wait:
             save_checkpoint(*args, extra=extra, config=self.config, run_id=self.run_id)

@@ -7,6 +7,7 @@ config text written to `@cfg@` (tiny_cpu.yaml when empty) and the answer it must
 `stdout_has` (what an exit-0 answer prints), `value` (a field and the readings it may have once
 loaded), `after` (a check of the accepted config that the ranks would run: see runner.AFTER).
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,14 +31,14 @@ class Case:
     expect: str = "any"
     names: list[str] = field(default_factory=list)
     stdout_has: str = ""
-    value: dict | None = None      # {"field": "section.name", "text": the YAML text given}
+    value: dict | None = None  # {"field": "section.name", "text": the YAML text given}
     after: str = ""
     process: bool = False
-    fake: dict = field(default_factory=dict)   # command name -> shell body, first on PATH
-    env: dict = field(default_factory=dict)    # environment of a process case
+    fake: dict = field(default_factory=dict)  # command name -> shell body, first on PATH
+    env: dict = field(default_factory=dict)  # environment of a process case
     writes: bool = False  # an accepted answer writes its output (export, reshard, --emit): not a fault
     timeout_s: float = 0.0
-    edits: tuple = ()    # (section, name, text, key) edits of tiny_cpu.yaml, rendered when run
+    edits: tuple = ()  # (section, name, text, key) edits of tiny_cpu.yaml, rendered when run
 
     def config_text(self) -> str:
         """The config file's text: `config`, else tiny_cpu.yaml with `edits` (rendered only now:
@@ -105,7 +106,8 @@ SCRIPT_ARGS = {
 }
 # (script, extra argv replacing the flags, expect, names)
 BAD_FLAGS = [
-    ("export_hf", ["--dtype", "float16"], "ok-2", ["--dtype"]), ("export_hf", ["--dtype", ""], "ok-2", ["--dtype"]),
+    ("export_hf", ["--dtype", "float16"], "ok-2", ["--dtype"]),
+    ("export_hf", ["--dtype", ""], "ok-2", ["--dtype"]),
     ("export_hf", ["--dtype"], "ok-2", ["--dtype"]),
     ("export_hf", ["--max-shard-size", "0"], "ok-2", ["--max-shard-size"]),
     ("export_hf", ["--max-shard-size", "-1GB"], "ok-2", ["--max-shard-size"]),
@@ -126,15 +128,18 @@ BAD_FLAGS = [
     ("reshard_checkpoint", ["--granularity", "x"], "ok-2", ["--granularity"]),
     ("inspect_topology", ["--rank", "-1"], "ok-2", ["--rank"]),
     ("inspect_topology", ["--rank", "99"], "ok-2", ["--rank"]),
-    ("inspect_topology", ["--rank", str(10 ** 30)], "ok-2", ["--rank"]),
+    ("inspect_topology", ["--rank", str(10**30)], "ok-2", ["--rank"]),
     ("inspect_topology", ["--rank", "x"], "ok-2", ["--rank"]),
     ("inspect_topology", ["--rank"], "ok-2", ["--rank"]),
     ("inspect_topology", ["--set", "parallelism.tp=0"], "ok-2", ["tp"]),
     ("inspect_topology", ["--set", "parallelism"], "ok-2", ["--set"]),
-    ("fuzz_config", ["--limit", "-1"], "ok-2", ["--limit"]), ("fuzz_config", ["--limit", "x"], "ok-2", ["--limit"]),
-    ("fuzz_config", ["--limit", "1e3"], "ok-2", ["--limit"]), ("fuzz_config", ["--limit", ""], "ok-2", ["--limit"]),
+    ("fuzz_config", ["--limit", "-1"], "ok-2", ["--limit"]),
+    ("fuzz_config", ["--limit", "x"], "ok-2", ["--limit"]),
+    ("fuzz_config", ["--limit", "1e3"], "ok-2", ["--limit"]),
+    ("fuzz_config", ["--limit", ""], "ok-2", ["--limit"]),
     ("fuzz_config", ["--subprocess", "-1"], "ok-2", ["--subprocess"]),
-    ("fuzz_config", ["--seed", "x"], "ok-2", ["--seed"]), ("fuzz_config", ["--limit"], "ok-2", ["--limit"]),
+    ("fuzz_config", ["--seed", "x"], "ok-2", ["--seed"]),
+    ("fuzz_config", ["--limit"], "ok-2", ["--limit"]),
     ("fuzz_config", ["--category", "nope"], "ok-2", ["--category"]),
 ]
 
@@ -144,11 +149,15 @@ def script_cases() -> list[Case]:
     out = []
     for script, (base, kinds) in SCRIPT_ARGS.items():
         npos = len(kinds)
-        variants = [("missing-all", [], "ok-2" if npos else "any"),
-                    ("extra", base[:npos] + ["extra"] + base[npos:], "ok-2"),
-                    ("unknown-flag", base + ["--bogus"], "ok-2"), ("unknown-flag", base + ["--bogus=1"], "ok-2"),
-                    ("unknown-flag", base + ["-x"], "ok-2"), ("empty-arg", [""] + base[1:], "ok-2" if npos else "any"),
-                    ("help", ["--help"], "ok-0")]
+        variants = [
+            ("missing-all", [], "ok-2" if npos else "any"),
+            ("extra", base[:npos] + ["extra"] + base[npos:], "ok-2"),
+            ("unknown-flag", base + ["--bogus"], "ok-2"),
+            ("unknown-flag", base + ["--bogus=1"], "ok-2"),
+            ("unknown-flag", base + ["-x"], "ok-2"),
+            ("empty-arg", [""] + base[1:], "ok-2" if npos else "any"),
+            ("help", ["--help"], "ok-0"),
+        ]
         if npos > 1:
             variants.append(("missing-one", base[:1], "ok-2"))
         for kind, argv, expect in variants:
@@ -157,18 +166,28 @@ def script_cases() -> list[Case]:
             for name, what in hostile_for(role).items():
                 argv = list(base)
                 argv[i] = f"@{name}@"
-                out.append(Case("scripts", script, argv, f"{script} arg {i + 1} ({role}) = {what}",
-                                expect="any" if fine(role, name) else "ok-2"))
+                out.append(
+                    Case(
+                        "scripts",
+                        script,
+                        argv,
+                        f"{script} arg {i + 1} ({role}) = {what}",
+                        expect="any" if fine(role, name) else "ok-2",
+                    )
+                )
     for script, flags, expect, names in BAD_FLAGS:
         base, kinds = SCRIPT_ARGS[script]
         bounded = script == "fuzz_config" and "--limit" not in flags  # never a whole run if accepted
-        argv = base[:len(kinds)] + flags + (["--limit", "1"] if bounded else [])
+        argv = base[: len(kinds)] + flags + (["--limit", "1"] if bounded else [])
         out.append(Case("scripts", script, argv, f"{script} {' '.join(flags)[:60]}", expect=expect, names=names))
-    for script, argv in (("export_hf", ["@ckpt@", "@ckpt@"]), ("export_hf", ["@step@", "@step@"]),
-                         ("export_hf", ["@ckpt@", "@step@"]),
-                         ("reshard_checkpoint", ["@ckpt@", "@ckpt@", "--set", "parallelism.tp=2"]),
-                         ("reshard_checkpoint", ["@step@", "@ckpt@", "--set", "parallelism.tp=2"]),
-                         ("reshard_checkpoint", ["@step@", "@step@", "--set", "parallelism.tp=2"])):
+    for script, argv in (
+        ("export_hf", ["@ckpt@", "@ckpt@"]),
+        ("export_hf", ["@step@", "@step@"]),
+        ("export_hf", ["@ckpt@", "@step@"]),
+        ("reshard_checkpoint", ["@ckpt@", "@ckpt@", "--set", "parallelism.tp=2"]),
+        ("reshard_checkpoint", ["@step@", "@ckpt@", "--set", "parallelism.tp=2"]),
+        ("reshard_checkpoint", ["@step@", "@step@", "--set", "parallelism.tp=2"]),
+    ):
         out.append(Case("scripts", script, argv, f"{script} SRC = DST ({argv[0]} {argv[1]})", expect="ok-2"))
     return out
 
@@ -176,14 +195,20 @@ def script_cases() -> list[Case]:
 # Path-typed config fields: (section, field, role). Roles: "in" (read), "data" (read; a plain text
 # file is a corpus too), "out" (a folder written into), "name" (a name component).
 PATH_FIELDS = [
-    ("data", "source", "data"), ("data", "tokenizer", "in"), ("data", "sources", "data"),
+    ("data", "source", "data"),
+    ("data", "tokenizer", "in"),
+    ("data", "sources", "data"),
     ("data", "validation", "data"),
-    ("checkpoints", "path", "out"), ("checkpoints", "init_from_hf", "in"), ("logging", "dir", "out"),
+    ("checkpoints", "path", "out"),
+    ("checkpoints", "init_from_hf", "in"),
+    ("logging", "dir", "out"),
     ("logging", "run_name", "name"),
 ]
 # Command-line path arguments of submit.py: argv with @P@ standing for the path.
 CLI_PATH_ARGS = {
-    "config": ["@P@", "--dry-run"], "--status": ["--status", "@P@"], "--resume": ["--resume", "@P@"],
+    "config": ["@P@", "--dry-run"],
+    "--status": ["--status", "@P@"],
+    "--resume": ["--resume", "@P@"],
     "--emit": ["@cfg@", "--emit", "@P@"],
 }
 
@@ -191,7 +216,7 @@ CLI_PATH_ARGS = {
 def _path_yaml(section: str, name: str, path: str) -> tuple[str, str]:
     """(field name as written, YAML text) for a path in a path field (mapping fields nest it)."""
     if name == "sources":
-        return name, f'[{{name: a, source: {_q(path)}, weight: 1}}]'
+        return name, f"[{{name: a, source: {_q(path)}, weight: 1}}]"
     if name == "validation":
         return name, f"{{source: {_q(path)}}}"
     return name, _q(path)
@@ -205,14 +230,36 @@ def path_cases() -> list[Case]:
         for hostile, what in hostile_for(role).items():
             field_name, text = _path_yaml(section, name, f"@{hostile}@")
             expect = "any" if fine(role, hostile) else "ok-2"
-            out.append(Case("paths", "submit", ["@cfg@", "--dry-run"], f"{section}.{name} = {what} [file]",
-                            edits=config_with(section, field_name, text), expect=expect))
-            out.append(Case("paths", "submit", ["@cfg@", "--dry-run", "--set", f"{section}.{field_name}={text}"],
-                            f"{section}.{name} = {what} [set]", expect=expect))
+            out.append(
+                Case(
+                    "paths",
+                    "submit",
+                    ["@cfg@", "--dry-run"],
+                    f"{section}.{name} = {what} [file]",
+                    edits=config_with(section, field_name, text),
+                    expect=expect,
+                )
+            )
+            out.append(
+                Case(
+                    "paths",
+                    "submit",
+                    ["@cfg@", "--dry-run", "--set", f"{section}.{field_name}={text}"],
+                    f"{section}.{name} = {what} [set]",
+                    expect=expect,
+                )
+            )
     for arg, argv in CLI_PATH_ARGS.items():
         for hostile, what in hostile_for("out" if arg == "--emit" else "in").items():
             role = "out" if arg == "--emit" else "in"
-            out.append(Case("paths", "submit", [a.replace("@P@", f"@{hostile}@") for a in argv],
-                            f"submit.py {arg} {what}", expect="any" if fine(role, hostile) else "ok-2",
-                            writes=arg == "--emit"))
+            out.append(
+                Case(
+                    "paths",
+                    "submit",
+                    [a.replace("@P@", f"@{hostile}@") for a in argv],
+                    f"submit.py {arg} {what}",
+                    expect="any" if fine(role, hostile) else "ok-2",
+                    writes=arg == "--emit",
+                )
+            )
     return out

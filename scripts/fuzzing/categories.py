@@ -1,4 +1,5 @@
 """The yaml11 and unicode categories as cases (values and oracle: values.py)."""
+
 from __future__ import annotations
 
 from fuzzing.cases import Case, config_with
@@ -18,14 +19,37 @@ def yaml11_cases() -> list[Case]:
         for text in YAML11:
             where = f"{section}.{name}"
             value = {"field": where, "text": text}
-            out.append(Case("yaml11", "submit", ["@cfg@", "--dry-run"], f"{where}: {text} [file]",
-                            edits=config_with(section, name, text), value=value))
-            out.append(Case("yaml11", "submit", ["@cfg@", "--dry-run", "--set", f"{where}={text}"],
-                            f"{where}={text} [set]", value=value))
+            out.append(
+                Case(
+                    "yaml11",
+                    "submit",
+                    ["@cfg@", "--dry-run"],
+                    f"{where}: {text} [file]",
+                    edits=config_with(section, name, text),
+                    value=value,
+                )
+            )
+            out.append(
+                Case(
+                    "yaml11",
+                    "submit",
+                    ["@cfg@", "--dry-run", "--set", f"{where}={text}"],
+                    f"{where}={text} [set]",
+                    value=value,
+                )
+            )
     for section in {s for s, _ in targets}:
         for key in ("<<", "="):
-            out.append(Case("yaml11", "submit", ["@cfg@", "--dry-run"], f"{section} key {key} [file]",
-                            edits=config_with(section, "", key, key=True), expect="ok-2"))
+            out.append(
+                Case(
+                    "yaml11",
+                    "submit",
+                    ["@cfg@", "--dry-run"],
+                    f"{section} key {key} [file]",
+                    edits=config_with(section, "", key, key=True),
+                    expect="ok-2",
+                )
+            )
     return out
 
 
@@ -54,24 +78,78 @@ def unicode_cases() -> list[Case]:
         shown = ascii(ch)
         for section, name in fields:
             where = f"{section}.{name}"
-            out.append(Case("unicode", "submit", ["@cfg@", "--dry-run"], f"{where} {cat} {shown} [file, escaped]",
-                            edits=config_with(section, name, _escaped(value))))
-            out.append(Case("unicode", "submit", ["@cfg@", "--dry-run"], f"{where} {cat} {shown} [file, raw]",
-                            edits=config_with(section, name, value)))
-            out.append(Case("unicode", "submit", ["@cfg@", "--dry-run", "--set", f"{where}={value}"],
-                            f"{where} {cat} {shown} [set]"))
+            out.append(
+                Case(
+                    "unicode",
+                    "submit",
+                    ["@cfg@", "--dry-run"],
+                    f"{where} {cat} {shown} [file, escaped]",
+                    edits=config_with(section, name, _escaped(value)),
+                )
+            )
+            out.append(
+                Case(
+                    "unicode",
+                    "submit",
+                    ["@cfg@", "--dry-run"],
+                    f"{where} {cat} {shown} [file, raw]",
+                    edits=config_with(section, name, value),
+                )
+            )
+            out.append(
+                Case(
+                    "unicode",
+                    "submit",
+                    ["@cfg@", "--dry-run", "--set", f"{where}={value}"],
+                    f"{where} {cat} {shown} [set]",
+                )
+            )
         for section in sections:
-            out.append(Case("unicode", "submit", ["@cfg@", "--dry-run"], f"{section} key {cat} {shown} [file]",
-                            edits=config_with(section, "", _escaped(value), key=True), expect="ok-2"))
-            out.append(Case("unicode", "submit", ["@cfg@", "--dry-run", "--set", f"{section}.{value}=1"],
-                            f"{section} --set path {cat} {shown}", expect="ok-2"))
-        out.append(Case("unicode", "submit", ["@cfg@", "--dry-run"], f"slurm.env key {cat} {shown} [file]",
-                        edits=config_with("slurm", "env", _escaped("A" + ch), key=True)))
-        out.append(Case("unicode", "submit", ["@cfg@", "--dry-run", "--set", f"slurm.env.A{ch}=1"],
-                        f"slurm.env key {cat} {shown} [set]"))
+            out.append(
+                Case(
+                    "unicode",
+                    "submit",
+                    ["@cfg@", "--dry-run"],
+                    f"{section} key {cat} {shown} [file]",
+                    edits=config_with(section, "", _escaped(value), key=True),
+                    expect="ok-2",
+                )
+            )
+            out.append(
+                Case(
+                    "unicode",
+                    "submit",
+                    ["@cfg@", "--dry-run", "--set", f"{section}.{value}=1"],
+                    f"{section} --set path {cat} {shown}",
+                    expect="ok-2",
+                )
+            )
+        out.append(
+            Case(
+                "unicode",
+                "submit",
+                ["@cfg@", "--dry-run"],
+                f"slurm.env key {cat} {shown} [file]",
+                edits=config_with("slurm", "env", _escaped("A" + ch), key=True),
+            )
+        )
+        out.append(
+            Case(
+                "unicode",
+                "submit",
+                ["@cfg@", "--dry-run", "--set", f"slurm.env.A{ch}=1"],
+                f"slurm.env key {cat} {shown} [set]",
+            )
+        )
         if cat == "Nd-fullwidth":
             for section, name in INT_FIELDS_FOR_DIGITS:
-                out.append(Case("unicode", "submit", ["@cfg@", "--dry-run", "--set", f"{section}.{name}={ch}"],
-                                f"{section}.{name} = {shown} [set]", value={"field": f"{section}.{name}", "text": ch,
-                                       "means": {"num": 12, "time": 12}}))
+                out.append(
+                    Case(
+                        "unicode",
+                        "submit",
+                        ["@cfg@", "--dry-run", "--set", f"{section}.{name}={ch}"],
+                        f"{section}.{name} = {shown} [set]",
+                        value={"field": f"{section}.{name}", "text": ch, "means": {"num": 12, "time": 12}},
+                    )
+                )
     return out

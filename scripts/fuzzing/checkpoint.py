@@ -1,11 +1,20 @@
 """A tiny one-process checkpoint (2 layers, 4 heads, 2 KV heads, dense) for the export and reshard
 cases: written once per fuzz run in well under a second once torch is imported."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
-MODEL = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=32, dtype="float32")
+MODEL = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    dtype="float32",
+)
 
 
 def save_tiny(root: Path) -> Path:
@@ -26,4 +35,5 @@ def save_tiny(root: Path) -> Path:
 def export_tiny_hf(ckpt: Path, out: Path) -> None:
     """`out`: the checkpoint as a Hugging Face Llama directory (config.json + safetensors)."""
     from nanotrain.hf.export import export_hf
+
     export_hf(ckpt, out)

@@ -7,6 +7,7 @@ In-process runs are guarded by SIGALRM: a blocking `open()` of a FIFO is a syste
 signal interrupts, and since the handler raises, Python does not retry it (PEP 475 retries only
 when the handler returns), so a hang becomes an answer of its own ("hang") instead of a stuck run.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,8 @@ import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
-LIMIT_S = 2.0   # the contract: every answer in under 2 s (CPU seconds)
-HANG_S = 20     # default wall-clock guard so that one hang cannot stall the run
+LIMIT_S = 2.0  # the contract: every answer in under 2 s (CPU seconds)
+HANG_S = 20  # default wall-clock guard so that one hang cannot stall the run
 
 
 @dataclass
@@ -92,14 +93,23 @@ def run_main(main, argv: list[str], watched: list[Path], hang_s: float = HANG_S)
     return Outcome(code, err.getvalue(), cpu_s, wall_s, crash, changed(before, tree(watched)), out.getvalue())
 
 
-def run_process(cmd: list[str], cwd: Path, watched: list[Path], timeout_s: float = HANG_S,
-                env: dict | None = None) -> Outcome:
+def run_process(
+    cmd: list[str], cwd: Path, watched: list[Path], timeout_s: float = HANG_S, env: dict | None = None
+) -> Outcome:
     """`cmd` as a real process (its own session, killed with its children on timeout)."""
     before_usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     before = tree(watched)
     wall = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True, errors="surrogateescape")
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+        errors="surrogateescape",
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
         code, crash = proc.returncode, ""
@@ -126,8 +136,7 @@ UNSAFE_CATEGORIES = ("Cc", "Cf", "Cs", "Zl", "Zp")
 def unsafe_chars(text: str) -> list[str]:
     """Characters that rewrite what a terminal or a batch script shows (controls other than tab
     and newline, bidi and zero-width format characters, lone surrogates, line/paragraph separators)."""
-    return sorted({f"U+{ord(c):04X}" for c in text
-                   if c not in "\t\n" and unicodedata.category(c) in UNSAFE_CATEGORIES})
+    return sorted({f"U+{ord(c):04X}" for c in text if c not in "\t\n" and unicodedata.category(c) in UNSAFE_CATEGORIES})
 
 
 def verdict(o: Outcome, strict: bool = False) -> str:

@@ -11,6 +11,7 @@ strict: the error line printable too) and by the case's own expectations:
 Submissions never reach a real cluster: `sbatch`, `srun` and `scancel` on PATH are fakes that fail
 at once (a case may bring its own fake, such as an sbatch that never answers).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +26,7 @@ from fuzzing import harness
 from fuzzing.values import get_value, reading_problem, scalar_fields
 from fuzzing.workspace import ROOT
 
-DENY = "#!/bin/sh\necho \"fuzz_config: $0 is a fake, nothing is submitted\" >&2\nexit 1\n"
+DENY = '#!/bin/sh\necho "fuzz_config: $0 is a fake, nothing is submitted" >&2\nexit 1\n'
 
 
 def _fake_dir(where: Path, bodies: dict) -> Path:
@@ -40,6 +41,7 @@ def _fake_dir(where: Path, bodies: dict) -> Path:
 def _fuzz_config_main(argv):
     """fuzz_config's own arguments, with its work (a fuzz run inside the fuzz run) stubbed."""
     import fuzz_config
+
     real = fuzz_config.fuzz, fuzz_config.print_report
     fuzz_config.fuzz = lambda *a, **k: {"failures": []}
     fuzz_config.print_report = lambda *a, **k: None
@@ -52,6 +54,7 @@ def _fuzz_config_main(argv):
 def target_main(target: str):
     if target == "submit":
         from nanotrain.commands.cli import main
+
         return main
     if target == "fuzz_config":
         return _fuzz_config_main
@@ -68,6 +71,7 @@ def _lr_schedule(config) -> str:
     import torch
 
     from nanotrain.optim import build_lr_scheduler, build_optimizer
+
     param = torch.nn.Parameter(torch.ones(4, 4))
     opt = build_optimizer([("w", param)], config.optimizer, zero_stage=0)
     sched = build_lr_scheduler(opt, config.optimizer, config.training.train_steps)
@@ -83,6 +87,7 @@ def _lr_schedule(config) -> str:
 
 def _timedelta(config) -> str:
     import datetime
+
     try:
         datetime.timedelta(seconds=config.training.collective_timeout_s)
     except OverflowError as e:
@@ -100,6 +105,7 @@ def _sets(argv: list[str]) -> list[str]:
 def _loaded(cfg: str, argv: list[str]):
     """The config as the loader reads it, or None when it refuses it (any exception)."""
     from nanotrain.config import load_config
+
     try:
         return load_config(cfg, _sets(argv))
     except Exception:  # noqa: BLE001 - refusing is one of the right answers here
@@ -131,8 +137,9 @@ def expectation(case, o: harness.Outcome, v: str, cfg: str, argv: list[str]) -> 
         if config is not None:
             section, name = case.value["field"].split(".", 1)
             meta = scalar_fields().get((section, name), (None, {}))[1]
-            problem = reading_problem(case.value["text"], get_value(config, section, name), meta,
-                                      case.value.get("means"))
+            problem = reading_problem(
+                case.value["text"], get_value(config, section, name), meta, case.value.get("means")
+            )
             if problem:
                 return "wrong-meaning", f"{case.value['field']} given {case.value['text']!r}: {problem}"
     if case.after and v == "ok-0":
@@ -177,8 +184,13 @@ def run_case(case, ws, hang_s: float, as_process: bool = False) -> tuple[str, st
             os.chdir(old_cwd)
     v = harness.verdict(o, strict=True)
     writes = case.writes or case.target in ("export_hf", "reshard_checkpoint")
-    if v == "wrote-files" and o.code == 0 and case.expect != "ok-2" and writes \
-            and not any(w.startswith(str(ws.ckpt)) for w in o.wrote):
+    if (
+        v == "wrote-files"
+        and o.code == 0
+        and case.expect != "ok-2"
+        and writes
+        and not any(w.startswith(str(ws.ckpt)) for w in o.wrote)
+    ):
         v = "ok-0"  # a successful export, reshard or --emit writes its output (never into the checkpoint)
     v, detail = expectation(case, o, v, cfg, argv)
     touched_ckpt = any(w.startswith(str(ws.ckpt)) for w in o.wrote)

@@ -1,5 +1,6 @@
 """The corpus and the generated categories, run in one Workspace: what fuzz_config.fuzz() runs
 before (and beside) its config mutations."""
+
 from __future__ import annotations
 
 import os
@@ -36,16 +37,27 @@ def select(categories, limit: int = 0, seed: int = 0, corpus: bool = True) -> li
     return todo
 
 
-def run_suite(categories=tuple(CATEGORIES), limit: int = 0, subprocess_sample: int = 0, seed: int = 0,
-              corpus: bool = True, progress: int = 0, verbose: bool = False, stream=sys.stdout) -> dict:
+def run_suite(
+    categories=tuple(CATEGORIES),
+    limit: int = 0,
+    subprocess_sample: int = 0,
+    seed: int = 0,
+    corpus: bool = True,
+    progress: int = 0,
+    verbose: bool = False,
+    stream=sys.stdout,
+) -> dict:
     """Run `select(...)`; `subprocess_sample` generated cases (never fuzz_config's, which would
     start a whole fuzz run) also run as real processes. Returns counts per "category verdict",
     the failures (one entry each, with the answer), the slowest answers and the time taken."""
     t0 = time.perf_counter()
     todo = select(categories, limit, seed, corpus)
     rng = random.Random(seed + 1)
-    eligible = [i for i, c in enumerate(todo) if c.category != "corpus" and c.target != "fuzz_config"
-                and all(_argv_encodable(a) for a in c.argv)]
+    eligible = [
+        i
+        for i, c in enumerate(todo)
+        if c.category != "corpus" and c.target != "fuzz_config" and all(_argv_encodable(a) for a in c.argv)
+    ]
     sampled = set(rng.sample(eligible, min(subprocess_sample, len(eligible))))
     counts: Counter = Counter()
     failures: list[str] = []
@@ -63,15 +75,22 @@ def run_suite(categories=tuple(CATEGORIES), limit: int = 0, subprocess_sample: i
                 if o.cpu_s > worst[how][0]:
                     worst[how] = (o.cpu_s, f"[{case.category}] {case.label}")
                 if not v.startswith("ok"):
-                    failures.append(f"{v} ({case.category}, {how}, {o.cpu_s:.2f} s CPU, {o.wall_s:.1f} s): "
-                                    f"{case.target} {ascii(case.label)[1:-1]}\n    "
-                                    + ascii(detail)[1:-1].replace("\\n", "\n    ")[:800])
+                    failures.append(
+                        f"{v} ({case.category}, {how}, {o.cpu_s:.2f} s CPU, {o.wall_s:.1f} s): "
+                        f"{case.target} {ascii(case.label)[1:-1]}\n    "
+                        + ascii(detail)[1:-1].replace("\\n", "\n    ")[:800]
+                    )
                 elif verbose:
                     print(f"{v}: [{case.category}] {ascii(case.label)}: {ascii(detail[:160])}", file=stream)
             if progress and (i + 1) % progress == 0:
-                print(f"... {i + 1}/{len(todo)} cases, {len(failures)} broke the contract",
-                      file=sys.stderr, flush=True)
+                print(f"... {i + 1}/{len(todo)} cases, {len(failures)} broke the contract", file=sys.stderr, flush=True)
     finally:
         ws.close()
-    return {"cases": len(todo), "subprocess_runs": len(sampled), "counts": dict(counts), "failures": failures,
-            "worst_cpu_s": worst, "seconds": time.perf_counter() - t0}
+    return {
+        "cases": len(todo),
+        "subprocess_runs": len(sampled),
+        "counts": dict(counts),
+        "failures": failures,
+        "worst_cpu_s": worst,
+        "seconds": time.perf_counter() - t0,
+    }

@@ -12,6 +12,7 @@ line and paragraph separators, lone surrogates, bidi embeddings/overrides/isolat
 and other format characters, private use, unassigned code points, combining marks, full-width
 digits, no-break spaces), put into string values, keys and `--set` paths and values.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,27 +23,75 @@ from nanotrain.config.loader import sections
 # text -> {"num": a number it means, "bool": a boolean it means, "none": it means null,
 #          "time": minutes in a SLURM time field}. The string itself is always a reading.
 YAML11: dict[str, dict] = {
-    "1:30:00": {"time": 90}, "1:30": {"time": 2}, "0:05": {"time": 1}, "1-00:00:00": {"time": 1440},
-    "010": {"num": 10, "time": 10}, "0777": {"num": 777, "time": 777}, "-010": {"num": -10},
-    "0o10": {"num": 8, "time": 8}, "0x1F": {"num": 31, "time": 31}, "0b11": {"num": 3, "time": 3},
-    "1_000": {"num": 1000, "time": 1000}, "+1": {"num": 1, "time": 1}, ".5": {"num": 0.5},
-    "1e3": {"num": 1000, "time": 1000}, "1.5e3": {"num": 1500}, "1E3": {"num": 1000, "time": 1000},
-    "yes": {"bool": True}, "no": {"bool": False}, "on": {"bool": True}, "off": {"bool": False},
-    "y": {"bool": True}, "n": {"bool": False}, "Yes": {"bool": True}, "NO": {"bool": False},
-    "TRUE": {"bool": True}, "~": {"none": True}, "Null": {"none": True},
-    "2026-12-01": {}, "2026-12-01 10:00:00": {}, "=": {}, "<<": {},
+    "1:30:00": {"time": 90},
+    "1:30": {"time": 2},
+    "0:05": {"time": 1},
+    "1-00:00:00": {"time": 1440},
+    "010": {"num": 10, "time": 10},
+    "0777": {"num": 777, "time": 777},
+    "-010": {"num": -10},
+    "0o10": {"num": 8, "time": 8},
+    "0x1F": {"num": 31, "time": 31},
+    "0b11": {"num": 3, "time": 3},
+    "1_000": {"num": 1000, "time": 1000},
+    "+1": {"num": 1, "time": 1},
+    ".5": {"num": 0.5},
+    "1e3": {"num": 1000, "time": 1000},
+    "1.5e3": {"num": 1500},
+    "1E3": {"num": 1000, "time": 1000},
+    "yes": {"bool": True},
+    "no": {"bool": False},
+    "on": {"bool": True},
+    "off": {"bool": False},
+    "y": {"bool": True},
+    "n": {"bool": False},
+    "Yes": {"bool": True},
+    "NO": {"bool": False},
+    "TRUE": {"bool": True},
+    "~": {"none": True},
+    "Null": {"none": True},
+    "2026-12-01": {},
+    "2026-12-01 10:00:00": {},
+    "=": {},
+    "<<": {},
 }
 
 # (category, character). Lone surrogates cannot be written to a UTF-8 file: there they are the
 # bytes a broken file holds; in argv they are what Python makes of undecodable bytes.
 UNICODE: list[tuple[str, str]] = [
-    ("Cc-C0", "\x1b"), ("Cc-C0", "\x07"), ("Cc-C0", "\x0b"), ("Cc-C1", "\x85"), ("Cc-C1", "\x9b"),
-    ("Cc-C1", "\x80"), ("Zl", "\u2028"), ("Zp", "\u2029"), ("Cs", "\udc80"), ("Cs", "\ud800"),
-    ("bidi", "\u202a"), ("bidi", "\u202b"), ("bidi", "\u202c"), ("bidi", "\u202d"), ("bidi", "\u202e"),
-    ("bidi", "\u2066"), ("bidi", "\u2067"), ("bidi", "\u2068"), ("bidi", "\u2069"), ("Cf", "\u200b"),
-    ("Cf", "\ufeff"), ("Cf", "\u00ad"), ("Cf", "\u2060"), ("Co", "\ue000"), ("Co", "\U000f0000"),
-    ("Cn", "\u0378"), ("Cn", "\U000e0080"), ("Mn", "e\u0301"), ("Mn", "\u0336"),
-    ("Nd-fullwidth", "\uff11\uff12"), ("Zs-nbsp", "\u00a0"), ("Zs-nbsp", "\u202f"), ("Zs", "\u3000"),
+    ("Cc-C0", "\x1b"),
+    ("Cc-C0", "\x07"),
+    ("Cc-C0", "\x0b"),
+    ("Cc-C1", "\x85"),
+    ("Cc-C1", "\x9b"),
+    ("Cc-C1", "\x80"),
+    ("Zl", "\u2028"),
+    ("Zp", "\u2029"),
+    ("Cs", "\udc80"),
+    ("Cs", "\ud800"),
+    ("bidi", "\u202a"),
+    ("bidi", "\u202b"),
+    ("bidi", "\u202c"),
+    ("bidi", "\u202d"),
+    ("bidi", "\u202e"),
+    ("bidi", "\u2066"),
+    ("bidi", "\u2067"),
+    ("bidi", "\u2068"),
+    ("bidi", "\u2069"),
+    ("Cf", "\u200b"),
+    ("Cf", "\ufeff"),
+    ("Cf", "\u00ad"),
+    ("Cf", "\u2060"),
+    ("Co", "\ue000"),
+    ("Co", "\U000f0000"),
+    ("Cn", "\u0378"),
+    ("Cn", "\U000e0080"),
+    ("Mn", "e\u0301"),
+    ("Mn", "\u0336"),
+    ("Nd-fullwidth", "\uff11\uff12"),
+    ("Zs-nbsp", "\u00a0"),
+    ("Zs-nbsp", "\u202f"),
+    ("Zs", "\u3000"),
 ]
 
 
@@ -72,9 +121,12 @@ def scalar_fields() -> dict[tuple[str, str], object]:
 
 def string_fields() -> list[tuple[str, str]]:
     """Scalar fields a string is a valid value of (str, or a choice of strings)."""
-    return [k for k, (hint, _) in scalar_fields().items()
-            if hint is str or (typing.get_origin(hint) is typing.Literal
-                               and all(isinstance(a, str) for a in typing.get_args(hint)))]
+    return [
+        k
+        for k, (hint, _) in scalar_fields().items()
+        if hint is str
+        or (typing.get_origin(hint) is typing.Literal and all(isinstance(a, str) for a in typing.get_args(hint)))
+    ]
 
 
 def is_time(meta) -> bool:

@@ -11,6 +11,7 @@
 
 Placeholders are `@name@` tokens inside argv strings and config text (braces stay YAML's).
 """
+
 from __future__ import annotations
 
 import os
@@ -75,14 +76,28 @@ class Workspace:
         self.reads_unreadable = os.access(h / "unreadable", os.R_OK)
         long = "x" * 256
         self.paths = {
-            "fifo": str(h / "fifo"), "fifo_hf": str(h / "fifohf"), "loop": str(h / "loop"),
-            "under_loop": str(h / "loop" / "config.yaml"), "long": str(h / long),
-            "under_long": str(h / long / "config.yaml"), "proc_file": "/proc/self/status",
-            "proc_dir": "/proc/self", "proc_new": "/proc/nanotrain_fuzz/x", "sys_new": "/sys/kernel/nanotrain_fuzz/x",
-            "sys_dir": "/sys/kernel", "broken": str(h / "broken"), "dir": str(h / "adir"),
-            "file": str(h / "afile"), "unreadable": str(h / "unreadable"), "devnull": "/dev/null",
-            "glob_root": "/**/*.parquet", "glob_ws": str(h / "**" / "*.parquet"),
-            "long_name": long, "cfg": str(self.root / "cfg.yaml"), "out": str(self.outs / "new"), "tmp": str(self.root),
+            "fifo": str(h / "fifo"),
+            "fifo_hf": str(h / "fifohf"),
+            "loop": str(h / "loop"),
+            "under_loop": str(h / "loop" / "config.yaml"),
+            "long": str(h / long),
+            "under_long": str(h / long / "config.yaml"),
+            "proc_file": "/proc/self/status",
+            "proc_dir": "/proc/self",
+            "proc_new": "/proc/nanotrain_fuzz/x",
+            "sys_new": "/sys/kernel/nanotrain_fuzz/x",
+            "sys_dir": "/sys/kernel",
+            "broken": str(h / "broken"),
+            "dir": str(h / "adir"),
+            "file": str(h / "afile"),
+            "unreadable": str(h / "unreadable"),
+            "devnull": "/dev/null",
+            "glob_root": "/**/*.parquet",
+            "glob_ws": str(h / "**" / "*.parquet"),
+            "long_name": long,
+            "cfg": str(self.root / "cfg.yaml"),
+            "out": str(self.outs / "new"),
+            "tmp": str(self.root),
         }
         self.ckpt = self.root / "ckpt"
         if with_checkpoint:
@@ -90,6 +105,7 @@ class Workspace:
 
     def _build_checkpoint(self) -> None:
         from fuzzing.checkpoint import export_tiny_hf, save_tiny
+
         step = save_tiny(self.ckpt)
         self.paths.update(ckpt=str(self.ckpt), step=str(step), hf=str(self.root / "hf"))
         export_tiny_hf(self.ckpt, self.root / "hf")
@@ -119,6 +135,7 @@ class Workspace:
     def rebuild_checkpoint(self) -> None:
         shutil.rmtree(self.ckpt, ignore_errors=True)
         from fuzzing.checkpoint import save_tiny
+
         save_tiny(self.ckpt)
 
     def close(self) -> None:

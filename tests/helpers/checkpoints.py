@@ -1,5 +1,6 @@
 """One-process checkpoint fixtures: the tiny model (with its optimizer and scheduler), one training
 step of it, and damage done to a checkpoint file on disk."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,6 +12,7 @@ def tiny(seed: int = 0):
     """(model, optimizer, scheduler) of the tiny MODEL, one process, no parallelism."""
     from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
+
     model = build_llama(MODEL, None, seed=seed)
     opt = build_optimizer(model.named_parameters(), OPTIM, zero_stage=0)
     return model, opt, build_lr_scheduler(opt, OPTIM, 100)

@@ -1,4 +1,5 @@
 """``submit.py``'s command line called in-process (``nanotrain.commands.cli.main``), its output captured."""
+
 from __future__ import annotations
 
 from nanotrain.commands.cli import main

@@ -7,6 +7,7 @@ The fixture directory holds ``config.yaml`` and ``data.txt`` (the run's input: `
 it), ``run/`` (the run directory as nanotrain wrote it, with the checkpoint of step
 ``RESUME_STEP`` only) and ``expected.json`` (what resuming it gave the code that wrote it).
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -10,6 +10,7 @@ functions in this process: a violation raises at the call, and every call is rec
 caller's module and the dtypes it moved, so a test can also check *what precision* crossed the
 wire (bf16 activations under autocast).
 """
+
 from __future__ import annotations
 
 import sys
@@ -18,15 +19,43 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-NCCL_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-               torch.int8, torch.uint8}
-TENSOR_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-                      "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
-                      "reduce", "all_to_all_single", "all_to_all", "send", "recv", "gather", "scatter")
+NCCL_DTYPES = {
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+}
+TENSOR_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "broadcast",
+    "reduce",
+    "all_to_all_single",
+    "all_to_all",
+    "send",
+    "recv",
+    "gather",
+    "scatter",
+)
 # isend/irecv stay unwrapped: P2POp accepts only the original functions; batch_isend_irecv, which
 # every P2P of ours goes through, is checked instead.
-OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
-                      "send_object_list", "recv_object_list")
+OBJECT_COLLECTIVES = (
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+)
 
 
 class ContractViolation(AssertionError):
@@ -43,8 +72,9 @@ class Contract:
         caller = _caller(3)
         for t in tensors:
             if t.device != self.device:
-                raise ContractViolation(f"{caller}: {name} got a tensor on {t.device}, "
-                                        f"the rank's device is {self.device}")
+                raise ContractViolation(
+                    f"{caller}: {name} got a tensor on {t.device}, the rank's device is {self.device}"
+                )
             if not t.is_contiguous():
                 raise ContractViolation(f"{caller}: {name} got a non-contiguous tensor {tuple(t.shape)}")
             if t.dtype not in NCCL_DTYPES:
@@ -86,12 +116,14 @@ def install(device) -> Contract:
         def checked(*args, **kwargs):
             contract.check(name, _tensors(args, kwargs))
             return fn(*args, **kwargs)
+
         return checked
 
     def refuse(name):
         def refused(*args, **kwargs):
             caller = _caller(2)
             raise ContractViolation(f"{caller}: {name} is an object collective (pickles; host syncs on NCCL)")
+
         return refused
 
     for name in TENSOR_COLLECTIVES:

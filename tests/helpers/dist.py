@@ -51,8 +51,12 @@ def _launch(fn, world_size, args, timeout, env, retry_ok):
         spec = tmp / "spec.pkl"
         spec.write_bytes(pickle.dumps((fn, args, timeout)))
         # The children must import what the parent imports (the test module, the package).
-        extra = {"PYTHONPATH": os.pathsep.join(os.path.abspath(p or os.curdir) for p in sys.path),
-                 "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+        extra = {
+            "PYTHONPATH": os.pathsep.join(os.path.abspath(p or os.curdir) for p in sys.path),
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            **(env or {}),
+        }
         # The product's own local launcher (nanotrain.launch.ranks): the same env:// variables,
         # sessions, fail-fast and deadline as `submit.py --local`.
         with RankProcesses([sys.executable, __file__, str(spec)], world_size, tmp, env=extra) as ranks:

@@ -3,6 +3,7 @@
 The real cluster cannot be made to hang on demand, so these stand-ins do: each starts a child
 `sleep`, writes the child's pid to ``<bin dir>/<name>.pid`` and waits for it; the launch must kill
 the command and its child."""
+
 from __future__ import annotations
 
 import os

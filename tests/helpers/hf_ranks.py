@@ -1,5 +1,6 @@
 """The rank side of tests/test_hf.py, in a module without transformers (every rank imports it:
 transformers alone would cost each of 8 ranks seconds of start-up)."""
+
 from __future__ import annotations
 
 import torch
@@ -15,12 +16,30 @@ from nanotrain.training.step import train_step
 
 # GQA + untied: the shape of configs/tiny_cpu.yaml, with a rope_theta and eps that are not the
 # defaults of either side (a field that is not carried over changes the numbers).
-GQA = dict(vocab_size=256, hidden_size=64, intermediate_size=256, num_layers=4, num_attention_heads=4,
-           num_key_value_heads=2, max_position_embeddings=256, rope_theta=500000.0, rms_norm_eps=1e-6,
-           tie_word_embeddings=False)
-MHA = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
-           num_key_value_heads=4, max_position_embeddings=64, rope_theta=20000.0, rms_norm_eps=1e-5,
-           tie_word_embeddings=True)
+GQA = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=256,
+    num_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+MHA = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    rope_theta=20000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 SEQ, BATCH = 16, 4
 LAYOUTS4 = [dict(dp=2, tp=2), dict(dp=2, pp=2), dict(cp=2, tp=2)]
 LAYOUT8 = dict(dp=2, tp=2, pp=2)
@@ -40,8 +59,9 @@ def first_step_losses(hf_dirs: dict, layouts: list[dict], train_dir: str | None)
         for name, model in (("gqa", GQA), ("mha", MHA)):
             config = Config(parallelism=ParallelismArgs(**layout), model=ModelArgs(**model, dtype="float32"))
             training = train_dir is not None and name == "gqa"
-            config.optimizer = OptimizerArgs(lr=1e-2 if training else 0.0, min_lr=0.0, weight_decay=0.0,
-                                             zero_stage=1 if training else 0)
+            config.optimizer = OptimizerArgs(
+                lr=1e-2 if training else 0.0, min_lr=0.0, weight_decay=0.0, zero_stage=1 if training else 0
+            )
             pc = build_parallel_context(config)
             m = build_model(config, pc)
             load_hf_weights(hf_dirs[name], m, config.model)
@@ -51,10 +71,12 @@ def first_step_losses(hf_dirs: dict, layouts: list[dict], train_dir: str | None)
             sched = build_lr_scheduler(opt, config.optimizer, 10)
             ids = batch()
             per = BATCH // pc.dp_size
-            mine = ids[pc.dp_rank * per:(pc.dp_rank + 1) * per]
+            mine = ids[pc.dp_rank * per : (pc.dp_rank + 1) * per]
             micro = [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(1)]
-            losses = [train_step(m, micro, sync, opt, sched, pc, None, engine=engine).loss
-                      for _ in range(3 if training else 1)]
+            losses = [
+                train_step(m, micro, sync, opt, sched, pc, None, engine=engine).loss
+                for _ in range(3 if training else 1)
+            ]
             out[(str(layout), name)] = losses[0]
             if training:
                 save_checkpoint(train_dir, 3, m, opt, sched, pc, extra={"consumed_samples": 0}, config=config)

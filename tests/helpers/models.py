@@ -1,4 +1,5 @@
 """The tiny models, batches and gradient gathering that several parallel test files share."""
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,16 @@ def full_grad(param: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.T
 
 # ----------------------------------------------------------------------------- dp x tp training
 # The setup of test_training_dp_tp, which test_checkpoint trains and saves too.
-MODEL = ModelArgs(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=8,
-                  num_key_value_heads=4, max_position_embeddings=64, dtype="float32")
+MODEL = ModelArgs(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    dtype="float32",
+)
 # clip_grad is low enough that clipping triggers on most steps: it must trigger identically.
 OPTIM = OptimizerArgs(lr=3e-3, weight_decay=0.1, warmup_steps=3, min_lr=3e-4, clip_grad=0.5)
 STEPS, SEQ, MICRO_BATCH, GLOBAL_BATCH = 10, 16, 2, 8

@@ -28,6 +28,7 @@ waits for a batch that is not done (nothing can progress then), or when it has n
 within ``timeout`` seconds (a rank that finished leaves the others waiting); every other waiting
 rank then fails too.
 """
+
 from __future__ import annotations
 
 import threading
@@ -87,8 +88,14 @@ class _Handle:
 class NcclSemanticsWorld:
     """Shared state of ``size`` simulated ranks; ``transport(r)`` is rank r's end."""
 
-    def __init__(self, size: int, timeout: float = 10.0, eager_sends: bool = False, per_flow: bool = False,
-                 serialize: bool = False):
+    def __init__(
+        self,
+        size: int,
+        timeout: float = 10.0,
+        eager_sends: bool = False,
+        per_flow: bool = False,
+        serialize: bool = False,
+    ):
         self.size, self.timeout, self.eager_sends, self.per_flow = size, timeout, eager_sends, per_flow
         self.serialize = serialize
         self.cond = threading.Condition()
@@ -111,8 +118,7 @@ class NcclSemanticsWorld:
             self._raise_if_failed()
             by_comm: dict = {}
             for op in ops:  # flow: (kind, sending rank)
-                by_comm.setdefault((op.kind, rank if op.is_send else op.peer) if self.per_flow else None,
-                                   []).append(op)
+                by_comm.setdefault((op.kind, rank if op.is_send else op.peer) if self.per_flow else None, []).append(op)
             handles = {}
             for comm, comm_ops in by_comm.items():
                 batch = self._batch(rank, comm, comm_ops)
@@ -154,10 +160,13 @@ class NcclSemanticsWorld:
                     if not self._running(r.batch) or not (s.done or self._running(s.batch)):
                         break
                     if (s.tag, s.tensor.shape, s.tensor.dtype) != (r.tag, r.tensor.shape, r.tensor.dtype):
-                        self._fail(AssertionError(
-                            f"NCCL order matching paired send {key[1]}->{key[2]} tag {s.tag} "
-                            f"{tuple(s.tensor.shape)} {s.tensor.dtype} with receive tag {r.tag} "
-                            f"{tuple(r.tensor.shape)} {r.tensor.dtype}: the two sides post in different orders"))
+                        self._fail(
+                            AssertionError(
+                                f"NCCL order matching paired send {key[1]}->{key[2]} tag {s.tag} "
+                                f"{tuple(s.tensor.shape)} {s.tensor.dtype} with receive tag {r.tag} "
+                                f"{tuple(r.tensor.shape)} {r.tensor.dtype}: the two sides post in different orders"
+                            )
+                        )
                     r.tensor.copy_(s.data if s.data is not None else s.tensor)
                     s.done = r.done = True
                     sends.popleft()
@@ -184,8 +193,7 @@ class NcclSemanticsWorld:
                     if len(self.waiting) == self.size and not any(b.done for b in self.waiting.values()):
                         self._fail(Deadlock("every rank waits; running batches: " + self._stuck()))
                     if left <= 0:
-                        self._fail(Deadlock(f"no progress for {self.timeout:.0f} s; running batches: "
-                                            + self._stuck()))
+                        self._fail(Deadlock(f"no progress for {self.timeout:.0f} s; running batches: " + self._stuck()))
                     self.cond.wait(min(left, 0.5))
             finally:
                 del self.waiting[batch.rank]

@@ -3,6 +3,7 @@
 CI runs `make test` as root on the project's Debian machine, which has everything the suite
 needs (it starts the SLURM cluster itself; gcc ships with the image), so a missing piece there is
 a broken set-up that must not hide behind a skip. On a developer box it may really be absent."""
+
 from __future__ import annotations
 
 import os

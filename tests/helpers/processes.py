@@ -1,5 +1,6 @@
 """The processes and state of a running job, read from outside it: the step it has logged, the pid
 of one of its ranks (local or a SLURM task), and its latest checkpoint, checked complete and intact."""
+
 from __future__ import annotations
 
 import json

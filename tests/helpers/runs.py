@@ -8,6 +8,7 @@ keep the global batch (dp x micro-batches x micro-batch size = 16 samples). So t
 test_resume_local (bit-exact resume) and test_resume_reshard (resume at other layouts) alike, and
 one preempted (2,2,2) run is copied by every test that resumes it.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,14 +29,23 @@ from nanotrain.data.build import prepare_dataset
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
 STEPS = 15
-SETTINGS = [f"training.train_steps={STEPS}", "logging.log_interval=1", "checkpoints.interval=0",
-            "optimizer.warmup_steps=3"]
+SETTINGS = [
+    f"training.train_steps={STEPS}",
+    "logging.log_interval=1",
+    "checkpoints.interval=0",
+    "optimizer.warmup_steps=3",
+]
 TOPOLOGIES = {
     "1-1-1": ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "training.batch_accumulation_per_replica=8"],
     "2-2-2": [],
     # context parallel, sequence-parallel tp, ZeRO-1 over dp x cp: the optimizer shards sit on cp ranks
-    "cp2-tp2-pp2-zero1": ["parallelism.dp=1", "parallelism.cp=2", "parallelism.tp_mode=REDUCE_SCATTER",
-                          "optimizer.zero_stage=1", "training.batch_accumulation_per_replica=8"],
+    "cp2-tp2-pp2-zero1": [
+        "parallelism.dp=1",
+        "parallelism.cp=2",
+        "parallelism.tp_mode=REDUCE_SCATTER",
+        "optimizer.zero_stage=1",
+        "training.batch_accumulation_per_replica=8",
+    ],
 }
 
 
@@ -58,8 +68,9 @@ def warm_data_cache(logs: Path) -> None:
     with a collective timeout of seconds, rank 0 tokenising at start-up on a loaded machine
     would otherwise time out the others' start-up barrier before training begins."""
     t = load_config(str(TINY)).training
-    prepare_dataset(load_config(str(TINY)).data, seq_len=t.sequence_length, cache_dir=str(logs / ".cache" / "data"),
-                    vocab_size=256)
+    prepare_dataset(
+        load_config(str(TINY)).data, seq_len=t.sequence_length, cache_dir=str(logs / ".cache" / "data"), vocab_size=256
+    )
 
 
 def tb_losses(run_dir: Path) -> list[tuple[int, float]]:
@@ -94,6 +105,7 @@ def tb_first_steps(run_dir: Path) -> list[int]:
     """The first `train/loss` step of each process that wrote `<run_dir>/tb` (one event file
     each), oldest first. A process that resumed a checkpoint of step S logs S + 1 first, one that
     started over logs 1: evidence of a resume where no step lines reach the log (SLURM jobs)."""
+
     def started(path: Path) -> tuple[int, str]:  # events.out.tfevents.<unix time>.<host>.<pid>...
         return int(path.name.split(".")[3]), path.name
 
@@ -107,7 +119,7 @@ def tb_first_steps(run_dir: Path) -> list[int]:
 
 
 def final_weights(run_dir: Path) -> dict:
-    latest = (run_dir / "checkpoints" / "latest")
+    latest = run_dir / "checkpoints" / "latest"
     step_dir = latest.resolve() if latest.is_symlink() else run_dir / "checkpoints" / latest.read_text().strip()
     tensors = {}
     for path in sorted((step_dir / "model").rglob("*.safetensors")):
@@ -131,8 +143,9 @@ def preempt_when_past(proc: subprocess.Popen, run_dir: Path, step: int, timeout:
 
 def train(logs: Path, name: str, topology: str) -> Path:
     """An uninterrupted run; returns its run directory."""
-    proc = subprocess.run(cli(str(TINY), "--local", *overrides(logs, name, topology)),
-                          capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        cli(str(TINY), "--local", *overrides(logs, name, topology)), capture_output=True, text=True, timeout=400
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return logs / name
 
@@ -140,8 +153,12 @@ def train(logs: Path, name: str, topology: str) -> Path:
 def run_until_preempted(logs: Path, name: str, topology: str) -> int:
     """A local run that gets SIGUSR2 past step 5: it saves and exits 0; returns the saved step."""
     run_dir = logs / name
-    proc = subprocess.Popen(cli(str(TINY), "--local", *overrides(logs, name, topology)),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cli(str(TINY), "--local", *overrides(logs, name, topology)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         preempt_when_past(proc, run_dir, 5, timeout=300)
         out, _ = proc.communicate(timeout=300)

@@ -1,22 +1,32 @@
 """Helpers for tests that submit real jobs: wait with a hard timeout, cancel on the way out."""
+
 from __future__ import annotations
 
 import re
 import subprocess
 import time
 
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
-            "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 def job_state(job_id: str) -> str | None:
     """The allocation's state from sacct (scontrol as a fallback while sacct lags)."""
-    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"],
-                         capture_output=True, text=True, timeout=30).stdout.strip()
+    out = subprocess.run(
+        ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"], capture_output=True, text=True, timeout=30
+    ).stdout.strip()
     if out:
         return out.splitlines()[0].split()[0]
-    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
-                         timeout=30).stdout
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
     match = re.search(r"JobState=(\S+)", out)
     return match.group(1) if match else None
 
@@ -61,8 +71,7 @@ def wait_until(predicate, timeout: float, what: str, job_id: str | None = None, 
 
 def start_now_if_requeued(job_id: str) -> None:
     """A requeued job waits `cred_expire` (30 s here) in PENDING/BeginTime; start it at once."""
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True,
-                   timeout=30)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True, timeout=30)
 
 
 def run_seconds(job_id: str) -> int:
@@ -76,8 +85,9 @@ def run_seconds(job_id: str) -> int:
 
 def accounting(job_id: str) -> tuple[str, str]:
     """(State, ExitCode) of the job's last incarnation from sacct, e.g. ("FAILED", "75:0")."""
-    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode"],
-                         capture_output=True, text=True, timeout=30).stdout
+    out = subprocess.run(
+        ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode"], capture_output=True, text=True, timeout=30
+    ).stdout
     rows = [row.split("|") for row in out.splitlines() if row.strip()]
     assert rows, f"sacct knows no job {job_id}"
     return rows[-1][0].split()[0], rows[-1][1]

@@ -1,5 +1,6 @@
 """The pipeline stage split as the plain dynamic programme over every cut (``parts * n**2``):
 what ``stage_split.balanced_split`` must answer, kept to check its pruned version against."""
+
 from __future__ import annotations
 
 

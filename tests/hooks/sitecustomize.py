@@ -3,6 +3,7 @@
 first forward action of pipeline step STEP — a rank stuck in its own code, not in a collective,
 for the hang tests (tests/test_hang.py). Python imports ``sitecustomize`` at start-up; without the
 variable, or in any other rank, this does nothing."""
+
 import os
 
 _spec = os.environ.get("NANOTRAIN_TEST_SLEEP_IN_PP")
@@ -43,7 +44,7 @@ if _slow and os.environ.get("NANOTRAIN_LAUNCHER") and os.environ.get("RANK"):
             time.sleep(float(_how))
             return
         deadline = time.monotonic() + 600
-        while not os.path.exists(_how[len("until="):]) and time.monotonic() < deadline:
+        while not os.path.exists(_how[len("until=") :]) and time.monotonic() < deadline:
             time.sleep(0.05)
 
     def _in_background_save() -> bool:

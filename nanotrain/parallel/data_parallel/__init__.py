@@ -1,9 +1,20 @@
 """Data parallelism: bucketed gradient all-reduce overlapped with backward, ZeRO-1 (the same
 buckets reduce-scattered, the parameters all-gathered), and the expert-aware sync (dense over
 dp x cp x ep, experts over dp x cp)."""
+
 from nanotrain.parallel.data_parallel.expert_sync import GradSyncSet, build_grad_sync, is_expert_param
 from nanotrain.parallel.data_parallel.grad_sync import Bucket, BucketedGradSync, GradShards, grad_sync_of
 from nanotrain.parallel.data_parallel.zero import ShardPiece, ZeroOneOptimizer, zero_partition
 
-__all__ = ["Bucket", "BucketedGradSync", "GradShards", "GradSyncSet", "ShardPiece", "ZeroOneOptimizer",
-           "build_grad_sync", "grad_sync_of", "is_expert_param", "zero_partition"]
+__all__ = [
+    "Bucket",
+    "BucketedGradSync",
+    "GradShards",
+    "GradSyncSet",
+    "ShardPiece",
+    "ZeroOneOptimizer",
+    "build_grad_sync",
+    "grad_sync_of",
+    "is_expert_param",
+    "zero_partition",
+]

@@ -20,6 +20,7 @@ gradients elementwise after the dp reduction. That sum is right only where both 
 dp-reduced values, i.e. if rank r owns the same range of the parameter on both stages. In a bucket
 of its own the range depends on the parameter's size alone (Megatron does the same).
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,9 @@ def cap_bytes(bucket_cap_mb: float) -> int:
     return max(1, int(bucket_cap_mb * 1024 * 1024))
 
 
-def bucket_layout(params: Sequence[torch.Tensor], cap: int,
-                  alone: Optional[Callable[[torch.Tensor], bool]] = None) -> list[list[int]]:
+def bucket_layout(
+    params: Sequence[torch.Tensor], cap: int, alone: Optional[Callable[[torch.Tensor], bool]] = None
+) -> list[list[int]]:
     """Indices into ``params`` of each bucket's parameters, in bucket order (see module doc)."""
     groups: list[list[int]] = []
     size = 0
@@ -46,8 +48,14 @@ def bucket_layout(params: Sequence[torch.Tensor], cap: int,
         p = params[i]
         nbytes = p.numel() * p.element_size()
         own = bool(alone is not None and alone(p))
-        if (not groups or own or last_alone or size + nbytes > cap
-                or params[groups[-1][0]].dtype != p.dtype or params[groups[-1][0]].device != p.device):
+        if (
+            not groups
+            or own
+            or last_alone
+            or size + nbytes > cap
+            or params[groups[-1][0]].dtype != p.dtype
+            or params[groups[-1][0]].device != p.device
+        ):
             groups.append([])
             size = 0
         groups[-1].append(i)
@@ -61,8 +69,9 @@ def padded(numel: int, shards: int) -> int:
     return max(1, math.ceil(numel / shards)) * shards
 
 
-def shard_pieces(bucket_numels: Sequence[Sequence[int]], sizes: Sequence[int], shards: int,
-                 rank: int) -> list[tuple[int, int, int, int]]:
+def shard_pieces(
+    bucket_numels: Sequence[Sequence[int]], sizes: Sequence[int], shards: int, rank: int
+) -> list[tuple[int, int, int, int]]:
     """The pieces ``rank`` owns: (bucket, position in the bucket, start, stop) with [start, stop)
     a range of that parameter's flattened elements. ``bucket_numels``: the parameter sizes of each
     bucket in buffer order; ``sizes``: each bucket's (padded) length, a multiple of ``shards``."""
@@ -84,14 +93,18 @@ def sharded_layout(params: Sequence[torch.Tensor], cap: int) -> list[list[int]]:
     return bucket_layout(params, cap, alone=is_tied)
 
 
-def zero_ranges(params: Sequence[torch.Tensor], shards: int, rank: int,
-                bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> list[tuple[int, int, int]]:
+def zero_ranges(
+    params: Sequence[torch.Tensor], shards: int, rank: int, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+) -> list[tuple[int, int, int]]:
     """(index into ``params``, start, stop) of what ``rank`` of ``shards`` owns when a
     ``BucketedGradSync`` over ``params`` (the trainable ones, in model order) is sharded for
     ZeRO-1: the ranges ``ZeroOneOptimizer`` holds, computed from the sizes alone (offline
     resharding). A group of one keeps the unsharded buckets, where rank 0 owns everything."""
-    layout = sharded_layout(params, cap_bytes(bucket_cap_mb)) if shards > 1 else \
-        bucket_layout(params, cap_bytes(bucket_cap_mb))
+    layout = (
+        sharded_layout(params, cap_bytes(bucket_cap_mb))
+        if shards > 1
+        else bucket_layout(params, cap_bytes(bucket_cap_mb))
+    )
     numels = [[params[i].numel() for i in bucket] for bucket in layout]
     lengths = [padded(sum(n), shards) if shards > 1 else sum(n) for n in numels]
     return [(layout[k][j], a, b) for k, j, a, b in shard_pieces(numels, lengths, shards, rank)]

@@ -12,6 +12,7 @@ else a ``GradSyncSet`` of two driven through the same calls (``no_sync``, ``fini
 ``zero_grad``, ``grad_shards``). ZeRO-1 (``ZeroOneOptimizer``) turns each into a reduce-scatter
 over its own group.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,8 +59,7 @@ class GradSyncSet:
         return None if all(p is None for p in parts) else [g for p in parts if p for g in p]
 
 
-def build_grad_sync(params: list[nn.Parameter], pc: ParallelContext,
-                    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
+def build_grad_sync(params: list[nn.Parameter], pc: ParallelContext, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
     """The gradient sync of this rank's ``params`` (see the module docstring)."""
     if pc.ep_size == 1:
         return BucketedGradSync(params, pc.dense_replica_pg, bucket_cap_mb=bucket_cap_mb)
@@ -67,6 +67,7 @@ def build_grad_sync(params: list[nn.Parameter], pc: ParallelContext,
     experts = [p for p in params if is_expert_param(p)]
     syncs = [BucketedGradSync(dense, pc.dense_replica_pg, bucket_cap_mb=bucket_cap_mb)]
     if experts:
-        syncs.append(BucketedGradSync(experts, pc.dp_cp_pg, bucket_cap_mb=bucket_cap_mb,
-                                      divisor=pc.dense_replica_pg.size()))
+        syncs.append(
+            BucketedGradSync(experts, pc.dp_cp_pg, bucket_cap_mb=bucket_cap_mb, divisor=pc.dense_replica_pg.size())
+        )
     return GradSyncSet(syncs)

@@ -31,6 +31,7 @@ Use::
     sync.finish_grad_sync()             # wait: grads are averaged now (ZeRO-1: the owned pieces)
     optimizer.step(); sync.zero_grad()  # zero the buffers, keep the views (NOT set_to_none)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -97,8 +98,13 @@ class BucketedGradSync:
     A group of size 1 does no communication and gives the same results.
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup] = None,
-                 bucket_cap_mb: float = layout.DEFAULT_BUCKET_CAP_MB, divisor: Optional[int] = None):
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        group: Optional[dist.ProcessGroup] = None,
+        bucket_cap_mb: float = layout.DEFAULT_BUCKET_CAP_MB,
+        divisor: Optional[int] = None,
+    ):
         seen: set[int] = set()
         self.params: list[nn.Parameter] = []
         for p in params:
@@ -126,8 +132,9 @@ class BucketedGradSync:
         # shutdown and be torn down inside it, where a gloo thread that needs the GIL aborts the
         # process ("terminate called without an active exception").
         ref = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(lambda p, ref=ref: ref()._on_grad_ready(p))
-                       for p in self.params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda p, ref=ref: ref()._on_grad_ready(p)) for p in self.params
+        ]
         for p in self.params:  # how ZeroOneOptimizer finds the sync of its parameters
             setattr(p, _SYNC, ref)
         self._sync_enabled = True
@@ -159,7 +166,7 @@ class BucketedGradSync:
         for b in self.buckets:
             for p, off in zip(b.params, b.offsets):
                 self._bucket_of[id(p)] = b
-                self._view_of[id(p)] = b.buffer[off:off + p.numel()].view_as(p)
+                self._view_of[id(p)] = b.buffer[off : off + p.numel()].view_as(p)
 
     def _attach_views(self, copy_existing: bool) -> None:
         for p in self.params:
@@ -209,8 +216,13 @@ class BucketedGradSync:
         if self.shards > 1:  # in place: the output is this rank's piece of the input
             b.handle = reduce_scatter_into(self._owned(b), b.buffer, group=self.group, async_op=True)
         elif self.world_size > 1:
-            b.handle = all_reduce(b.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True,
-                                  what=f"all_reduce gradient bucket {b.index}")
+            b.handle = all_reduce(
+                b.buffer,
+                op=dist.ReduceOp.SUM,
+                group=self.group,
+                async_op=True,
+                what=f"all_reduce gradient bucket {b.index}",
+            )
         b.launched = True
         self.launch_log.append((b.index, self._hooks_fired, from_hook))
 
@@ -236,7 +248,7 @@ class BucketedGradSync:
         """
         if not self._sync_enabled:
             raise RuntimeError("BucketedGradSync.finish_grad_sync() called inside no_sync()")
-        for b in self.buckets[self._next_launch:]:
+        for b in self.buckets[self._next_launch :]:
             for p in b.params:
                 view = self._view_of[id(p)]
                 if not _same_storage(p.grad, view):
@@ -248,8 +260,7 @@ class BucketedGradSync:
         self._launch_in_order(from_hook=False, force=True)
         self._wait_and_reset()
         if self.gather_grads:  # before the first update: the whole average (module doc)
-            handles = [all_gather_into(b.buffer, self._owned(b), group=self.group, async_op=True)
-                       for b in self.buckets]
+            handles = [all_gather_into(b.buffer, self._owned(b), group=self.group, async_op=True) for b in self.buckets]
             for h in handles:
                 wait(h)
 
@@ -298,8 +309,10 @@ class BucketedGradSync:
             self._next_launch = 0
             sizes = [b.buffer.numel() for b in self.buckets]
             numels = [[p.numel() for p in b.params] for b in self.buckets]
-            self._pieces = [(self.buckets[k].params[j], a, z)
-                            for k, j, a, z in layout.shard_pieces(numels, sizes, self.shards, self.rank)]
+            self._pieces = [
+                (self.buckets[k].params[j], a, z)
+                for k, j, a, z in layout.shard_pieces(numels, sizes, self.shards, self.rank)
+            ]
         return self.buckets
 
     def stop_gathering_grads(self) -> None:
@@ -309,7 +322,7 @@ class BucketedGradSync:
 
     def _owned(self, b: Bucket) -> torch.Tensor:
         chunk = b.buffer.numel() // self.shards
-        return b.buffer[self.rank * chunk:(self.rank + 1) * chunk]
+        return b.buffer[self.rank * chunk : (self.rank + 1) * chunk]
 
     def grad_shards(self) -> Optional[list[GradShards]]:
         """None when gradients are all-reduced; when reduce-scattered, this rank's pieces, which
@@ -325,5 +338,7 @@ class BucketedGradSync:
 
     def __repr__(self) -> str:
         sizes = [b.buffer.numel() for b in self.buckets]
-        return (f"BucketedGradSync(params={len(self.params)}, buckets={len(self.buckets)}, "
-                f"elements per bucket={sizes}, group size={self.world_size}, shards={self.shards})")
+        return (
+            f"BucketedGradSync(params={len(self.params)}, buckets={len(self.buckets)}, "
+            f"elements per bucket={sizes}, group size={self.world_size}, shards={self.shards})"
+        )

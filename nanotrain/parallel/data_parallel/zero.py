@@ -21,6 +21,7 @@ a replaced ``param.data`` is re-bound at ``step()``. AdamW is elementwise, so th
 AdamW on every rank (tested). With ep > 1 dense parameters and expert shards are separate domains
 (sync, buffer, partition) over dp x cp x ep and dp x cp.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -101,8 +102,8 @@ class _Domain:
         handles = []
         for start, length in self.buckets:
             chunk = length // self.size
-            mine = self.flat[start + self.rank * chunk:start + (self.rank + 1) * chunk]
-            handles.append(all_gather_into(self.flat[start:start + length], mine, group=self.group, async_op=True))
+            mine = self.flat[start + self.rank * chunk : start + (self.rank + 1) * chunk]
+            handles.append(all_gather_into(self.flat[start : start + length], mine, group=self.group, async_op=True))
         for h in handles:
             wait(h)
 
@@ -147,8 +148,14 @@ class ZeroOneOptimizer(torch.optim.AdamW):
     the LR scheduler's state have the same structure on every rank.
     """
 
-    def __init__(self, param_groups: list[dict], group: Optional[dist.ProcessGroup] = None,
-                 expert_group: Optional[dist.ProcessGroup] = None, is_expert=None, **defaults):
+    def __init__(
+        self,
+        param_groups: list[dict],
+        group: Optional[dist.ProcessGroup] = None,
+        expert_group: Optional[dist.ProcessGroup] = None,
+        is_expert=None,
+        **defaults,
+    ):
         names, params, group_of = [], [], []
         for gi, g in enumerate(param_groups):
             ps, ns = list(g["params"]), list(g["param_names"])
@@ -178,7 +185,7 @@ class ZeroOneOptimizer(torch.optim.AdamW):
                 owned[d.indices[j]] = (d, d.offsets[j], start, stop)
         for i in sorted(owned):
             d, off, start, stop = owned[i]
-            shard = d.flat[off + start:off + stop]  # a leaf view (flat needs no grad)
+            shard = d.flat[off + start : off + stop]  # a leaf view (flat needs no grad)
             self.pieces.append(ShardPiece(names[i], params[i], start, stop, shard))
             shard_groups[group_of[i]]["params"].append(shard)
             shard_groups[group_of[i]]["param_names"].append(names[i])
@@ -198,11 +205,14 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         else:
             layout, lengths = [list(range(len(ps)))], [padded(sum(p.numel() for p in ps), size)]
         numels = [[ps[j].numel() for j in bucket] for bucket in layout]
-        partition = [[(layout[k][j], a, b) for k, j, a, b in shard_pieces(numels, lengths, size, r)]
-                     for r in range(size)]
+        partition = [
+            [(layout[k][j], a, b) for k, j, a, b in shard_pieces(numels, lengths, size, r)] for r in range(size)
+        ]
         if indices and any(not pieces for pieces in partition):
-            raise ValueError(f"ZeroOneOptimizer: {sum(p.numel() for p in ps)} {what}elements cannot give "
-                             f"each of {size} dp ranks a non-empty shard")
+            raise ValueError(
+                f"ZeroOneOptimizer: {sum(p.numel() for p in ps)} {what}elements cannot give "
+                f"each of {size} dp ranks a non-empty shard"
+            )
         offsets, buckets, start = [0] * len(ps), [], 0
         for bucket, length in zip(layout, lengths):
             off = start
@@ -215,7 +225,7 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         flat = torch.zeros(start, dtype=ref.dtype, device=ref.device)
         with torch.no_grad():
             for p, off in zip(ps, offsets):
-                view = flat[off:off + p.numel()].view_as(p)
+                view = flat[off : off + p.numel()].view_as(p)
                 view.copy_(p)
                 p.data = view
         return _Domain(group, size, rank, indices, offsets, partition, buckets, flat, sync)
@@ -232,7 +242,7 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         self._rebind_if_replaced()
         for piece in self.pieces:
             g = piece.param.grad
-            piece.shard.grad = None if g is None else g.reshape(-1)[piece.start:piece.stop]
+            piece.shard.grad = None if g is None else g.reshape(-1)[piece.start : piece.stop]
         loss = super().step(closure)
         for piece in self.pieces:
             piece.shard.grad = None  # do not keep references to the model's grad buffers
@@ -246,7 +256,7 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         for d in self.domains:
             for i, off in zip(d.indices, d.offsets):
                 p = self.params[i]
-                view = d.flat[off:off + p.numel()]
+                view = d.flat[off : off + p.numel()]
                 if not accelerator.same_memory(p.data.reshape(-1), view):
                     view.copy_(p.data.reshape(-1))
                     p.data = view.view_as(p)
@@ -284,7 +294,9 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         for piece in self.pieces:
             st = self.state.get(piece.shard, {})
             out[piece.name] = {  # zeros only where there is no state yet (not at every save)
-                "start": piece.start, "stop": piece.stop, "numel": piece.param.numel(),
+                "start": piece.start,
+                "stop": piece.stop,
+                "numel": piece.param.numel(),
                 "shape": tuple(piece.param.shape),
                 "step": st["step"] if "step" in st else torch.tensor(0.0),
                 "exp_avg": st["exp_avg"] if "exp_avg" in st else torch.zeros_like(piece.shard),
@@ -301,9 +313,11 @@ class ZeroOneOptimizer(torch.optim.AdamW):
             src = states[piece.name]
             for key in ("exp_avg", "exp_avg_sq"):
                 if src[key].numel() != piece.numel:
-                    raise ValueError(f"{piece.name}.{key}: {src[key].numel()} elements, this rank "
-                                     f"owns [{piece.start}, {piece.stop})")
+                    raise ValueError(
+                        f"{piece.name}.{key}: {src[key].numel()} elements, this rank owns [{piece.start}, {piece.stop})"
+                    )
             group = group_of[id(piece.shard)]
             self.state[piece.shard] = {
                 key: placed_state(src[key] if key == "step" else src[key].reshape(-1), piece.shard, group, key)
-                for key in ("step", "exp_avg", "exp_avg_sq")}
+                for key in ("step", "exp_avg", "exp_avg_sq")
+            }

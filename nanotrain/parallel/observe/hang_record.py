@@ -18,6 +18,7 @@ as that one tuple and formatted only when it is read (a report): no string is bu
 The reader tolerates a torn view (a phase from one instant, a collective from the next): it is
 a diagnosis, not a protocol.
 """
+
 from __future__ import annotations
 
 import time
@@ -90,10 +91,14 @@ class HangRecord:
         return {"name": name, "ranks": sorted(ranks)}
 
     def snapshot(self) -> dict:
-        return {"step": self.step, "phase": self.phase,
-                "seconds_in_phase": round(time.monotonic() - self.beat, 3),
-                "collective": None if self.collective is None else
-                {"name": self.collective, "group": self.describe_group(self.group)}}
+        return {
+            "step": self.step,
+            "phase": self.phase,
+            "seconds_in_phase": round(time.monotonic() - self.beat, 3),
+            "collective": None
+            if self.collective is None
+            else {"name": self.collective, "group": self.describe_group(self.group)},
+        }
 
 
 HANG_RECORD = HangRecord()

@@ -6,6 +6,7 @@ device's time, and reading them (``elapsed_time``) waits only for the events the
 training loop reads them on logging steps and pays no sync on the others. On CPU the host clock
 is exact and is used directly.
 """
+
 from __future__ import annotations
 
 import time

@@ -21,6 +21,7 @@ that already happened are folded in at each ``end_step`` (``query()``, never a w
 are read by ``read()``, which the metrics call on log steps only, after the step's loss has
 been read (that read already waited for the step): no host sync is added to any step.
 """
+
 from __future__ import annotations
 
 import torch

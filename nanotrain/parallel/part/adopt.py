@@ -6,6 +6,7 @@ names must not change on the way (checkpoints, seeded initialisation and tests c
 wrapper registers the wrapped module's children as its own and keeps the module itself
 unregistered, so ``named_parameters`` sees through it.
 """
+
 from __future__ import annotations
 
 from torch import nn

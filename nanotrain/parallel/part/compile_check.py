@@ -5,6 +5,7 @@ each rank asks again for its real device before compiling (``parallel/part/recom
 The choice documented in the README: a clear error, not a warning and an eager fallback — a
 run the user asked to compile silently running slower is worse than one that does not start.
 """
+
 from __future__ import annotations
 
 import importlib.util

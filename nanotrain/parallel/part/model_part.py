@@ -13,6 +13,7 @@ adds what only a parallel run needs, around the model's own three forward pieces
 
 Parameter names are the plain model's (``Adopting``): ``layers.7.attn.qkv.weight`` here too.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -32,9 +33,17 @@ class ModelPart(Adopting):
     state for the next stage, or on the last stage the mean token loss (fp32 scalar; the logits
     without targets). Every cp rank is given the full ``[B, S]`` ids and targets."""
 
-    def __init__(self, model: nn.Module, chunks: tuple[ModelChunk, ...], *, cp: ContextParallel,
-                 sequence_shards: int = 1, mode: TensorParallelLinearMode = TensorParallelLinearMode.ALL_REDUCE,
-                 async_communication: bool = False, compute_dtype: Optional[torch.dtype] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        chunks: tuple[ModelChunk, ...],
+        *,
+        cp: ContextParallel,
+        sequence_shards: int = 1,
+        mode: TensorParallelLinearMode = TensorParallelLinearMode.ALL_REDUCE,
+        async_communication: bool = False,
+        compute_dtype: Optional[torch.dtype] = None,
+    ):
         super().__init__(model)
         self.chunks, self.cp, self.sequence_shards = chunks, cp, sequence_shards
         self.mode, self.async_communication = mode, async_communication
@@ -76,8 +85,13 @@ class ModelPart(Adopting):
         return MessageSpec((seq, micro_batch_size, self.args.hidden_size), self.residual_dtype)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+        chunk: int = 0,
+    ) -> torch.Tensor:
         device = self.device
         _check_input("input_ids", input_ids, device, integer=True)
         _check_input("targets", targets, device, integer=True)
@@ -112,7 +126,9 @@ def _check_input(name: str, tensor: torch.Tensor | None, device: torch.device, i
     if tensor is None:
         return
     if tensor.device != device:
-        raise RuntimeError(f"LlamaModel: {name} is on {tensor.device}, the model on {device}; move "
-                           f"batches to the device first (the trainer's BatchPrefetcher does)")
+        raise RuntimeError(
+            f"LlamaModel: {name} is on {tensor.device}, the model on {device}; move "
+            f"batches to the device first (the trainer's BatchPrefetcher does)"
+        )
     if integer and tensor.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"LlamaModel: {name} must be int64/int32 token ids, got {tensor.dtype}")

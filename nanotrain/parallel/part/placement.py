@@ -5,6 +5,7 @@ gets storage on its device and its values from a seeded initializer.
 records and tied-weight marks set on the meta parameters would be lost and a tied weight would
 be untied. ``materialize_`` keeps each parameter's attributes and its sharing.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -24,6 +24,7 @@ exchanges pair up), the same routing on the same inputs; the layer's routing sta
 recorded again (``MoEState.replaying``) and its auxiliary-loss gradient is injected once, by the
 original graph. ``selective`` also recomputes the routed and shared experts' SwiGLU activation.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,8 +39,9 @@ from nanotrain.parallel.part.adopt import Adopting
 from nanotrain.parallel.part.compile_check import compile_backend_problem
 
 
-def recomputed(fn: Callable, *args: torch.Tensor, enabled: bool = True,
-               replay: Callable[[], ContextManager] | None = None):
+def recomputed(
+    fn: Callable, *args: torch.Tensor, enabled: bool = True, replay: Callable[[], ContextManager] | None = None
+):
     """``fn(*args)``, whose saved tensors are dropped and recomputed in backward when ``enabled``
     and autograd is recording (evaluation under no_grad runs it plainly). ``replay``: a context
     manager factory entered around the recomputation only (``torch.utils.checkpoint``'s
@@ -53,8 +55,13 @@ def recomputed(fn: Callable, *args: torch.Tensor, enabled: bool = True,
         contexts.append(lambda: accelerator.autocast(device_type, dtype=dtype, enabled=dtype is not None))
     if not contexts:
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
-                      context_fn=lambda: (contextlib.nullcontext(), _entered(contexts)))
+    return checkpoint(
+        fn,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=True,
+        context_fn=lambda: (contextlib.nullcontext(), _entered(contexts)),
+    )
 
 
 @contextlib.contextmanager
@@ -77,12 +84,17 @@ class Recomputed(Adopting):
         return recomputed(self.inner, *args, replay=self.replay)
 
 
-def recompute_modules_(root: nn.Module, kinds: tuple[type, ...],
-                       replay: Callable[[], ContextManager] | None = None) -> int:
+def recompute_modules_(
+    root: nn.Module, kinds: tuple[type, ...], replay: Callable[[], ContextManager] | None = None
+) -> int:
     """Wrap, in place, every submodule of ``root`` that is an instance of ``kinds`` in
     ``Recomputed``; returns how many were wrapped."""
-    targets = [(parent, name, child) for parent in root.modules() for name, child in parent.named_children()
-               if isinstance(child, kinds)]
+    targets = [
+        (parent, name, child)
+        for parent in root.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, kinds)
+    ]
     for parent, name, child in targets:
         setattr(parent, name, Recomputed(child, replay))
     return len(targets)

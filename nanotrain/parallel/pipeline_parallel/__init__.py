@@ -9,6 +9,7 @@
   micro-batches, with bubble and activation-memory instrumentation;
 * ``tied`` — parameters shared by the first and last stage (tied embeddings).
 """
+
 from nanotrain.parallel.pipeline_parallel.engine import EngineStats, PipelineEngine, schedule_actions
 from nanotrain.parallel.pipeline_parallel.p2p import P2P, MessageSpec, TorchP2PTransport
 from nanotrain.parallel.pipeline_parallel.schedules import SCHEDULES, Action, schedule_steps, theoretical_bubble
@@ -18,9 +19,23 @@ from nanotrain.parallel.pipeline_parallel.tied import allreduce_tied_grads_, is_
 from nanotrain.parallel.stage_split import balanced_split  # pure arithmetic, kept importable here
 
 __all__ = [
-    "TensorPointer", "P2P", "MessageSpec", "TorchP2PTransport",
-    "ModelChunk", "place_stages", "keep_blocks_", "balanced_split",
-    "PipelineEngine", "EngineStats", "schedule_actions", "schedule_steps", "SCHEDULES", "Action",
+    "TensorPointer",
+    "P2P",
+    "MessageSpec",
+    "TorchP2PTransport",
+    "ModelChunk",
+    "place_stages",
+    "keep_blocks_",
+    "balanced_split",
+    "PipelineEngine",
+    "EngineStats",
+    "schedule_actions",
+    "schedule_steps",
+    "SCHEDULES",
+    "Action",
     "theoretical_bubble",
-    "mark_tied_", "is_tied", "is_tied_replica", "allreduce_tied_grads_",
+    "mark_tied_",
+    "is_tied",
+    "is_tied_replica",
+    "allreduce_tied_grads_",
 ]

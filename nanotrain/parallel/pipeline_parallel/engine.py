@@ -25,6 +25,7 @@ micro-batches whose activations are alive (forward done, backward not yet) and t
 activations saved for backward (tensors autograd saved, parameters excluded). Times are CUDA
 events on a GPU (host clocks around asynchronous kernels measure only their launch), read lazily.
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -44,8 +45,10 @@ MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], targets [B,
 
 # The phase of each pp action in the hang record (``HANG_RECORD.mark(template, micro-batch, chunk)``),
 # without / with virtual chunks; ``str.format`` ignores the chunk where the template has no slot.
-_PHASES = ({"F": "forward (pp F micro-batch {})", "B": "backward (pp B micro-batch {})"},
-           {"F": "forward (pp F micro-batch {}, chunk {})", "B": "backward (pp B micro-batch {}, chunk {})"})
+_PHASES = (
+    {"F": "forward (pp F micro-batch {})", "B": "backward (pp B micro-batch {})"},
+    {"F": "forward (pp F micro-batch {}, chunk {})", "B": "backward (pp B micro-batch {}, chunk {})"},
+)
 
 
 @dataclass
@@ -127,8 +130,9 @@ class _Step:
     the activation bytes, see ``_ActivationMeter``); without it (evaluation, under ``no_grad``)
     a forward's output is dropped once it is sent on and receives need no gradient."""
 
-    def __init__(self, pp: int, model, microbatches: Sequence[Optional[MicroBatch]], message: MessageSpec,
-                 training: bool):
+    def __init__(
+        self, pp: int, model, microbatches: Sequence[Optional[MicroBatch]], message: MessageSpec, training: bool
+    ):
         self.chunks, self.model, self.microbatches, self.message = model.chunks, model, microbatches, message
         self.m, self.v, self.pp = len(microbatches), len(self.chunks), pp
         self.num_stages = self.chunks[0].num_virtual_stages
@@ -147,8 +151,9 @@ class _Step:
         chunk = self.chunks[action.chunk]
         stage, mb, pp = chunk.virtual_stage, action.microbatch, self.pp
         if action.op == "F" and not chunk.is_first:
-            return [Recv((stage - 1) % pp, self.tag(ACTIVATION, stage - 1, mb), self.message, self.training,
-                         ACTIVATION)]
+            return [
+                Recv((stage - 1) % pp, self.tag(ACTIVATION, stage - 1, mb), self.message, self.training, ACTIVATION)
+            ]
         if action.op == "B" and not chunk.is_last:
             return [Recv((stage + 1) % pp, self.tag(GRADIENT, stage + 1, mb), self.message, False, GRADIENT)]
         return []
@@ -195,8 +200,11 @@ class _Step:
                 out.backward()
             else:
                 torch.autograd.backward(out, received[0])
-        sends = [] if chunk.is_first else \
-            [Send(hidden.grad, (stage - 1) % self.pp, self.tag(GRADIENT, stage, mb), GRADIENT)]
+        sends = (
+            []
+            if chunk.is_first
+            else [Send(hidden.grad, (stage - 1) % self.pp, self.tag(GRADIENT, stage, mb), GRADIENT)]
+        )
         self.meter.release(nbytes)
         self.live -= 1
         return sends
@@ -213,8 +221,7 @@ class PipelineEngine:
     ``p2p``: another transport (tests simulate NCCL's semantics on threads); default: ``pp_pg``.
     """
 
-    def __init__(self, schedule: str, pp_pg=None, device: Optional[torch.device] = None,
-                 p2p: Optional[P2P] = None):
+    def __init__(self, schedule: str, pp_pg=None, device: Optional[torch.device] = None, p2p: Optional[P2P] = None):
         self.name = schedule
         self.schedule = get_schedule(schedule)
         self.p2p = p2p if p2p is not None else P2P.over(pp_pg, device)
@@ -233,8 +240,9 @@ class PipelineEngine:
         total, compute, wait = (t.seconds() for t in self._timers)
         return EngineStats(total, compute, wait, *self._peaks)
 
-    def forward_backward(self, model, microbatches: Sequence[Optional[MicroBatch]], grad_sync,
-                         message: Optional[MessageSpec] = None) -> torch.Tensor | TensorPointer:
+    def forward_backward(
+        self, model, microbatches: Sequence[Optional[MicroBatch]], grad_sync, message: Optional[MessageSpec] = None
+    ) -> torch.Tensor | TensorPointer:
         """Forward and backward of every micro-batch; gradients accumulate in ``.grad`` (loss of
         each micro-batch divided by m). ``grad_sync``: a ``BucketedGradSync`` (or None without
         data parallelism). ``message``: see the class doc; when None it is asked of the model for
@@ -244,8 +252,10 @@ class PipelineEngine:
         if message is None:
             shapes = [mb[0].shape for mb in microbatches if mb is not None]
             if not shapes:
-                raise ValueError("forward_backward: a rank without micro-batches needs "
-                                 "message=model.pipeline_message(micro_batch_size, sequence_length)")
+                raise ValueError(
+                    "forward_backward: a rank without micro-batches needs "
+                    "message=model.pipeline_message(micro_batch_size, sequence_length)"
+                )
             message = model.pipeline_message(*shapes[0])
         step = _Step(self.pp_size, model, microbatches, message, training=True)
         total, compute, waiting = (IntervalTimer(self.device) for _ in range(3))
@@ -258,8 +268,9 @@ class PipelineEngine:
         return step.loss_total if step.loss_total is not None else TensorPointer(self.pp_size - 1)
 
     @torch.no_grad()
-    def forward_only(self, model, microbatches: Sequence[Optional[MicroBatch]],
-                     message: MessageSpec) -> torch.Tensor | TensorPointer:
+    def forward_only(
+        self, model, microbatches: Sequence[Optional[MicroBatch]], message: MessageSpec
+    ) -> torch.Tensor | TensorPointer:
         """Evaluation: the forwards of the schedule, in its order, without a backward: under
         ``no_grad`` nothing builds an autograd graph and each micro-batch's activations are
         dropped as soon as they are sent on, so memory stays at one micro-batch per chunk
@@ -273,8 +284,16 @@ class PipelineEngine:
         self._run(step, steps, None, _NO_TIMER, _NO_TIMER, None, "forward-only")
         return step.loss_total if step.loss_total is not None else TensorPointer(self.pp_size - 1)
 
-    def _run(self, step: "_Step", steps: list[tuple[Action, ...]], grad_sync, compute, waiting,
-             phases: Optional[dict], what: str) -> None:
+    def _run(
+        self,
+        step: "_Step",
+        steps: list[tuple[Action, ...]],
+        grad_sync,
+        compute,
+        waiting,
+        phases: Optional[dict],
+        what: str,
+    ) -> None:
         """Walk the schedule's ``steps``: one communication point before each (the previous
         step's sends and this step's receives, one batch), then its actions; finally send the
         last outputs and wait for every send. ``phases``: the hang record's phase templates for

@@ -23,6 +23,7 @@ tags and matches in posting order, so there receives are posted exactly when nee
 order on both sides. ``communicate`` writes the hang record (``hang_record.py``) once per point,
 before it waits: the messages it waits on and the communicator.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
@@ -34,8 +35,16 @@ from nanotrain.parallel.collectives import batch_isend_irecv, wait
 from nanotrain.parallel.observe.hang_record import HANG_RECORD
 
 # What NCCL can carry (it has no complex or bool types); gloo carries these too.
-WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-               torch.int8, torch.uint8)
+WIRE_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+)
 
 
 class MessageSpec(NamedTuple):
@@ -89,8 +98,16 @@ class TorchP2PTransport:
     def post(self, ops: Sequence[Op]) -> list:
         """Post ``ops`` as one batch on the pp group (one NCCL kernel: see the module doc); one
         waitable handle per op (the same one for every op on a coalescing backend such as NCCL)."""
-        p2p_ops = [dist.P2POp(dist.isend if op.is_send else dist.irecv, op.tensor, peer=self._global[op.peer],
-                              group=self.pg, tag=op.tag) for op in ops]
+        p2p_ops = [
+            dist.P2POp(
+                dist.isend if op.is_send else dist.irecv,
+                op.tensor,
+                peer=self._global[op.peer],
+                group=self.pg,
+                tag=op.tag,
+            )
+            for op in ops
+        ]
         handles = batch_isend_irecv(p2p_ops, "pipeline send/recv", self.pg)
         return list(handles) if len(handles) == len(ops) else [handles[0]] * len(ops)
 
@@ -154,11 +171,11 @@ class P2P:
             waiting.append((None, buf, recv.requires_grad))
             ops.append(self._recv_op(recv, buf))
         works = self.transport.post(ops) if ops else []
-        recv_works = iter(works[len(sends):])
+        recv_works = iter(works[len(sends) :])
         for index in posted_now:
             work, buf, grad = waiting[index]
             waiting[index] = (next(recv_works), buf, grad)
-        self._inflight += [(work, op.tensor) for work, op in zip(works[:len(sends)], ops)]
+        self._inflight += [(work, op.tensor) for work, op in zip(works[: len(sends)], ops)]
         if waiting:
             self._record(sends, recvs)
         out = []
@@ -177,8 +194,12 @@ class P2P:
     def _record(self, sends: Sequence[Send], recvs: Sequence[Recv]) -> None:
         """The hang record for the waits of one communication point (see the module doc): its
         messages and the communicator."""
-        what = ", ".join([*(f"send to pp rank {s.dst} tag {s.tag}" for s in sends),
-                          *(f"recv from pp rank {r.src} tag {r.tag}" for r in recvs)])
+        what = ", ".join(
+            [
+                *(f"send to pp rank {s.dst} tag {s.tag}" for s in sends),
+                *(f"recv from pp rank {r.src} tag {r.tag}" for r in recvs),
+            ]
+        )
         HANG_RECORD.entering(f"pipeline send/recv: {what}", self._group)
 
     def _recv_op(self, recv: Recv, buf: torch.Tensor) -> Op:
@@ -189,7 +210,7 @@ class P2P:
 
     @staticmethod
     def _check_tag(tag: int) -> int:
-        if not 0 <= tag < 2 ** 30:
+        if not 0 <= tag < 2**30:
             raise ValueError(f"P2P tag must be in [0, 2**30), got {tag}")
         return tag
 
@@ -197,8 +218,12 @@ class P2P:
 def check_message(tensor: torch.Tensor, spec: MessageSpec, what: str) -> None:
     """A stage's output must be exactly what its neighbour allocated for (host metadata only)."""
     if tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != spec.dtype:
-        raise RuntimeError(f"pipeline: {what} is {tuple(tensor.shape)} {tensor.dtype}, but the receiving "
-                           f"stage expects {tuple(spec.shape)} {spec.dtype} (model.pipeline_message)")
+        raise RuntimeError(
+            f"pipeline: {what} is {tuple(tensor.shape)} {tensor.dtype}, but the receiving "
+            f"stage expects {tuple(spec.shape)} {spec.dtype} (model.pipeline_message)"
+        )
     if spec.dtype not in WIRE_DTYPES:
-        raise TypeError(f"pipeline: {what} has dtype {spec.dtype}, which NCCL cannot send; "
-                        f"supported: {[str(d) for d in WIRE_DTYPES]}")
+        raise TypeError(
+            f"pipeline: {what} has dtype {spec.dtype}, which NCCL cannot send; "
+            f"supported: {[str(d) for d in WIRE_DTYPES]}"
+        )

@@ -16,6 +16,7 @@ printed, tested and simulated without processes.
   the bubble shrinks to (p - 1) / (v * m + p - 1), at the price of v times more messages. Needs
   m to be a multiple of pp.
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
@@ -72,7 +73,9 @@ def interleaved_1f1b_steps(pp: int, rank: int, m: int, v: int) -> list[tuple[Act
 
 
 SCHEDULES: dict[str, Callable[[int, int, int, int], list[Action]]] = {
-    "afab": afab, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b,
+    "afab": afab,
+    "1f1b": one_f_one_b,
+    "interleaved_1f1b": interleaved_1f1b,
 }
 
 
@@ -102,5 +105,7 @@ def _check(pp: int, rank: int, m: int, v: int, chunks: int | None = None) -> Non
     if not (pp >= 1 and 0 <= rank < pp and m >= 1 and v >= 1):
         raise ValueError(f"bad schedule arguments pp={pp} rank={rank} m={m} v={v}")
     if chunks is not None and v != chunks:
-        raise ValueError(f"this schedule runs one model chunk per rank, got {v} "
-                         "(pp_virtual_stages > 1 needs pp_engine: interleaved_1f1b)")
+        raise ValueError(
+            f"this schedule runs one model chunk per rank, got {v} "
+            "(pp_virtual_stages > 1 needs pp_engine: interleaved_1f1b)"
+        )

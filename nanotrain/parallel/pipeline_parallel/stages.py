@@ -15,6 +15,7 @@ r, r + pp, ... With v = 1 this is the plain split: stage r on rank r.
 layer leaves its ``ModuleDict``, a top-level block becomes None. Names do not change
 (``layers.7.attn.qkv.weight`` on whichever rank holds layer 7).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,15 +46,22 @@ class ModelChunk:
         return block in self.blocks
 
 
-def place_stages(names: Sequence[str], costs: Sequence[int], attaches: Sequence[Attach], pp_rank: int,
-                 pp_size: int, virtual_stages: int = 1) -> tuple[ModelChunk, ...]:
+def place_stages(
+    names: Sequence[str],
+    costs: Sequence[int],
+    attaches: Sequence[Attach],
+    pp_rank: int,
+    pp_size: int,
+    virtual_stages: int = 1,
+) -> tuple[ModelChunk, ...]:
     """This rank's model chunks (chunk c = virtual stage c * pp + pp_rank) of the blocks
     ``names`` with their ``costs`` and ``attaches``."""
     virtual_stages = virtual_stages if pp_size > 1 else 1
     num_stages = pp_size * virtual_stages
     stages = split_stages(list(costs), list(attaches), pp_size, virtual_stages)
-    return tuple(ModelChunk(s, num_stages, tuple(names[i] for i in stages[s]))
-                 for s in range(pp_rank, num_stages, pp_size))
+    return tuple(
+        ModelChunk(s, num_stages, tuple(names[i] for i in stages[s])) for s in range(pp_rank, num_stages, pp_size)
+    )
 
 
 def keep_blocks_(model: nn.Module, blocks: Iterable[str], held: Iterable[str]) -> None:

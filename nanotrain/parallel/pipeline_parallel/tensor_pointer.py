@@ -5,6 +5,7 @@ one for the loss on every stage but the last, and describes a chunk's input that
 another stage as one (it is resolved by a receive from that rank). Using a pointer as a tensor
 fails loudly instead of computing on the wrong rank.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

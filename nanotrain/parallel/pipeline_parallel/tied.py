@@ -9,6 +9,7 @@ stage ranks of one (dp, cp, tp) coordinate) and then step identically: they neve
 rounding. The replica is marked, so that the gradient norm (``optim/clip.py``) and checkpoints
 count the tied matrix once — a known nanotron failure point is counting it twice.
 """
+
 from __future__ import annotations
 
 from typing import Iterable

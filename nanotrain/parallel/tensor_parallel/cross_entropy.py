@@ -12,6 +12,7 @@ Padded vocabulary columns (global index >= vocab_size; they exist when the vocab
 by tp) are filled with -inf before the max, so they add nothing to the loss and get a zero
 gradient whatever the LM head wrote there.
 """
+
 from __future__ import annotations
 
 import torch
@@ -73,8 +74,9 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 
-def sharded_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group, vocab_size: int,
-                          ignore_index: int = -100) -> torch.Tensor:
+def sharded_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, group, vocab_size: int, ignore_index: int = -100
+) -> torch.Tensor:
     """Per-token loss [S, B] (fp32) of vocab-parallel logits [S, B, Vpad/tp] and full targets [S, B].
 
     Rank r holds global vocabulary columns [r * Vpad/tp, (r + 1) * Vpad/tp); columns >= vocab_size
@@ -82,14 +84,17 @@ def sharded_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group, vo
     (as F.cross_entropy(..., reduction="none")). Equal to F.cross_entropy on the full logits.
     """
     if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree "
-                         f"on the token dims (logits must be [S, B, Vpad/tp], targets [S, B])")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree "
+            f"on the token dims (logits must be [S, B, Vpad/tp], targets [S, B])"
+        )
     tp = group_size(group)
     padded = logits.shape[-1] * tp
     if not 0 < vocab_size <= padded:
         raise ValueError(f"vocab_size={vocab_size} does not fit the {padded} vocab-parallel columns")
     if tp == 1:  # the whole vocabulary is here: torch's fused kernel (same math, fewer ops)
         wide = logits[..., :vocab_size].to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(wide.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=ignore_index,
-                               reduction="none").view(targets.shape)
+        return F.cross_entropy(
+            wide.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=ignore_index, reduction="none"
+        ).view(targets.shape)
     return _ShardedCrossEntropy.apply(logits, targets, group, vocab_size, ignore_index)

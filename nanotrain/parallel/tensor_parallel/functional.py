@@ -28,6 +28,7 @@ reduction; the backward needs no communication), so they take the synchronous pa
 
 With a group of size 1 everything short-circuits to the plain local op: no collective is issued.
 """
+
 from __future__ import annotations
 
 from enum import Enum
@@ -114,8 +115,7 @@ def _reduce_scatter_dim0(x: torch.Tensor, group, async_op: bool = False):
 def _all_reduce(x: torch.Tensor, group, async_op: bool = False):
     """Sum over the group into a fresh tensor (never in place on an autograd input)."""
     out = x.clone(memory_format=torch.contiguous_format)
-    return out, collectives.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=async_op,
-                                      what="tp all_reduce")
+    return out, collectives.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=async_op, what="tp all_reduce")
 
 
 # ----------------------------------------------------------------------------- primitives
@@ -226,12 +226,12 @@ class _ColumnLinearAsync(torch.autograd.Function):
         s = x.shape[0]
         x_full, work = _all_gather_dim0(x, group, async_op=True)
         out = torch.empty((s * tp, *x.shape[1:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
-        out[rank * s:(rank + 1) * s] = F.linear(x, weight, bias)  # own shard, while gathering
+        out[rank * s : (rank + 1) * s] = F.linear(x, weight, bias)  # own shard, while gathering
         collectives.wait(work)
         if rank > 0:
-            out[:rank * s] = F.linear(x_full[:rank * s], weight, bias)
+            out[: rank * s] = F.linear(x_full[: rank * s], weight, bias)
         if rank < tp - 1:
-            out[(rank + 1) * s:] = F.linear(x_full[(rank + 1) * s:], weight, bias)
+            out[(rank + 1) * s :] = F.linear(x_full[(rank + 1) * s :], weight, bias)
         ctx.save_for_backward(x_full, weight)  # the gathered input: the weight grad needs it
         return out
 
@@ -243,8 +243,10 @@ class _ColumnLinearAsync(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             partial = grad.matmul(weight)  # this rank's contribution to the full input grad
             if ctx.mode is TensorParallelLinearMode.ALL_REDUCE:
-                grad_x, work = partial, collectives.all_reduce(partial, group=ctx.group, async_op=True,
-                                                                what="tp all_reduce (backward)")
+                grad_x, work = (
+                    partial,
+                    collectives.all_reduce(partial, group=ctx.group, async_op=True, what="tp all_reduce (backward)"),
+                )
             else:
                 grad_x, work = _reduce_scatter_dim0(partial, ctx.group, async_op=True)
         g2 = _mm2d(grad)
@@ -301,8 +303,9 @@ def _in_dtypes(grads, dtypes) -> tuple:
 
 
 # ----------------------------------------------------------------------------- fused linears
-def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
-                  mode, async_communication: bool = False) -> torch.Tensor:
+def column_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group, mode, async_communication: bool = False
+) -> torch.Tensor:
     """y = x W^T + b with W split by output rows over `group`.
 
     x: [S, B, in] (ALL_REDUCE, full and replicated) or [S/tp, B, in] (REDUCE_SCATTER, this rank's
@@ -322,8 +325,9 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return F.linear(x, weight, bias)
 
 
-def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
-               mode, async_communication: bool = False) -> torch.Tensor:
+def row_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group, mode, async_communication: bool = False
+) -> torch.Tensor:
     """y = x W^T + b with W split by input columns over `group`.
 
     x: [S, B, in/tp]; weight: [out, in/tp]; bias: [out] replicated, added once after the

@@ -7,6 +7,7 @@ only this rank's pieces (the ShardInfo pairs), gives every topology bit-identica
 is one full-size temporary per parameter at init, which is fine: the largest (embedding / LM head)
 is far smaller than the optimizer states every rank keeps anyway.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -16,8 +17,9 @@ import torch
 from nanotrain.parallel.sharding import copy_from_full_, get_shard_info
 
 
-def init_from_full_(param: torch.Tensor, fill_fn: Callable[[torch.Tensor], object],
-                    dtype: Optional[torch.dtype] = None) -> None:
+def init_from_full_(
+    param: torch.Tensor, fill_fn: Callable[[torch.Tensor], object], dtype: Optional[torch.dtype] = None
+) -> None:
     """Build the unsharded tensor, let `fill_fn(full)` fill it in place, copy this rank's pieces.
 
     Padding rows (not in the ShardInfo) are zeroed. `fill_fn` must be deterministic across ranks,
@@ -31,4 +33,3 @@ def init_from_full_(param: torch.Tensor, fill_fn: Callable[[torch.Tensor], objec
     with torch.no_grad():
         param.zero_()
         copy_from_full_(param, full.to(device=param.device, dtype=param.dtype))
-

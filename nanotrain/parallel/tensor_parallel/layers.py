@@ -11,6 +11,7 @@ multiple of tp. The padded rows are zero, are not listed in the ShardInfo (a che
 them, and another tp re-pads as it needs), receive no gradient from the embedding and, through
 `sharded_cross_entropy`'s masking, none from the LM head either.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
@@ -77,9 +78,19 @@ class TensorParallelColumnLinear(nn.Module):
     head over a vocabulary tp does not divide); padded outputs come from zero rows.
     """
 
-    def __init__(self, in_features: int, out_features: int, pg, mode, bias: bool = False,
-                 async_communication: bool = False, contiguous_chunks: Optional[Sequence[int]] = None,
-                 pad_to_tp: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        pg,
+        mode,
+        bias: bool = False,
+        async_communication: bool = False,
+        contiguous_chunks: Optional[Sequence[int]] = None,
+        pad_to_tp: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.pg, self.mode, self.async_communication = pg, as_mode(mode), async_communication
         tp, rank = group_size(pg), group_rank(pg)
@@ -89,26 +100,30 @@ class TensorParallelColumnLinear(nn.Module):
             raise ValueError(f"contiguous_chunks {chunks} must sum to out_features={out_features}")
         if pad_to_tp:
             if len(chunks) > 1:
-                raise ValueError("pad_to_tp pads a single output block; it cannot be combined with "
-                                 "contiguous_chunks")
+                raise ValueError("pad_to_tp pads a single output block; it cannot be combined with contiguous_chunks")
             padded_chunks = (_ceil_to(out_features, tp),)
         else:
             bad = [c for c in chunks if c % tp]
             if bad:
-                raise ValueError(f"output chunk(s) {bad} of {chunks} not divisible by tp={tp}; "
-                                 f"pass pad_to_tp=True for a vocabulary-sized output")
+                raise ValueError(
+                    f"output chunk(s) {bad} of {chunks} not divisible by tp={tp}; "
+                    f"pass pad_to_tp=True for a vocabulary-sized output"
+                )
             padded_chunks = chunks
         self.in_features, self.out_features = in_features, out_features
         self.padded_out_features = sum(padded_chunks)
         self.contiguous_chunks = chunks
         self.local_out_features = self.padded_out_features // tp
         self.weight = _param((self.local_out_features, in_features), device, dtype)
-        set_shard_info(self.weight, row_shard_info(
-            (self.padded_out_features, in_features), 0, padded_chunks, rank, tp, real_sizes=chunks))
+        set_shard_info(
+            self.weight,
+            row_shard_info((self.padded_out_features, in_features), 0, padded_chunks, rank, tp, real_sizes=chunks),
+        )
         if bias:
             self.bias = _param((self.local_out_features,), device, dtype)
-            set_shard_info(self.bias, row_shard_info(
-                (self.padded_out_features,), 0, padded_chunks, rank, tp, real_sizes=chunks))
+            set_shard_info(
+                self.bias, row_shard_info((self.padded_out_features,), 0, padded_chunks, rank, tp, real_sizes=chunks)
+            )
         else:
             self.register_parameter("bias", None)
 
@@ -116,10 +131,12 @@ class TensorParallelColumnLinear(nn.Module):
         return column_linear(x, self.weight, self.bias, self.pg, self.mode, self.async_communication)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(padded {self.padded_out_features}, local {self.local_out_features}), "
-                f"chunks={self.contiguous_chunks}, tp={self.tp}, mode={self.mode.value}, "
-                f"async={self.async_communication}, bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(padded {self.padded_out_features}, local {self.local_out_features}), "
+            f"chunks={self.contiguous_chunks}, tp={self.tp}, mode={self.mode.value}, "
+            f"async={self.async_communication}, bias={self.bias is not None}"
+        )
 
 
 class TensorParallelRowLinear(nn.Module):
@@ -130,8 +147,17 @@ class TensorParallelRowLinear(nn.Module):
     REDUCE_SCATTER it is marked as having a partial (per-token-shard) gradient.
     """
 
-    def __init__(self, in_features: int, out_features: int, pg, mode, bias: bool = False,
-                 async_communication: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        pg,
+        mode,
+        bias: bool = False,
+        async_communication: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.pg, self.mode, self.async_communication = pg, as_mode(mode), async_communication
         tp, rank = group_size(pg), group_rank(pg)
@@ -141,8 +167,7 @@ class TensorParallelRowLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.local_in_features = in_features // tp
         self.weight = _param((out_features, self.local_in_features), device, dtype)
-        set_shard_info(self.weight, row_shard_info((out_features, in_features), 1, (in_features,),
-                                                   rank, tp))
+        set_shard_info(self.weight, row_shard_info((out_features, in_features), 1, (in_features,), rank, tp))
         if bias:
             self.bias = _param((out_features,), device, dtype)
             set_shard_info(self.bias, replicated_info((out_features,)))
@@ -155,9 +180,11 @@ class TensorParallelRowLinear(nn.Module):
         return row_linear(x, self.weight, self.bias, self.pg, self.mode, self.async_communication)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (local {self.local_in_features}), "
-                f"out_features={self.out_features}, tp={self.tp}, mode={self.mode.value}, "
-                f"async={self.async_communication}, bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features} (local {self.local_in_features}), "
+            f"out_features={self.out_features}, tp={self.tp}, mode={self.mode.value}, "
+            f"async={self.async_communication}, bias={self.bias is not None}"
+        )
 
 
 # ----------------------------------------------------------------------------- embedding
@@ -181,9 +208,17 @@ class TensorParallelEmbedding(nn.Module):
         rows = self.padded_num_embeddings // tp
         self.vocab_start, self.vocab_end = rank * rows, (rank + 1) * rows
         self.weight = _param((rows, embedding_dim), device, dtype)
-        set_shard_info(self.weight, row_shard_info(
-            (self.padded_num_embeddings, embedding_dim), 0, (self.padded_num_embeddings,), rank, tp,
-            real_sizes=(num_embeddings,)))
+        set_shard_info(
+            self.weight,
+            row_shard_info(
+                (self.padded_num_embeddings, embedding_dim),
+                0,
+                (self.padded_num_embeddings,),
+                rank,
+                tp,
+                real_sizes=(num_embeddings,),
+            ),
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Under autocast the result is in the compute dtype (an fp32 table stays fp32): the
@@ -199,6 +234,8 @@ class TensorParallelEmbedding(nn.Module):
         return reduce_scatter_along_dim0(out, self.pg)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings} (padded {self.padded_num_embeddings}, rows "
-                f"[{self.vocab_start}, {self.vocab_end})), {self.embedding_dim}, tp={self.tp}, "
-                f"mode={self.mode.value}")
+        return (
+            f"{self.num_embeddings} (padded {self.padded_num_embeddings}, rows "
+            f"[{self.vocab_start}, {self.vocab_end})), {self.embedding_dim}, tp={self.tp}, "
+            f"mode={self.mode.value}"
+        )

@@ -4,6 +4,7 @@ Each function takes a plain module (``nn.Linear``, an embedding with a ``weight`
 tensor-parallel module standing for it on this rank, on the same device (the meta device while a
 model is being cut: values come later, from the seeded initializer or a checkpoint).
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
@@ -21,20 +22,42 @@ from nanotrain.parallel.tensor_parallel.layers import (
 )
 
 
-def column_parallel(linear: nn.Linear, pg, mode: TensorParallelLinearMode, async_communication: bool = False,
-                    chunks: Optional[Sequence[int]] = None, pad_to_tp: bool = False) -> TensorParallelColumnLinear:
+def column_parallel(
+    linear: nn.Linear,
+    pg,
+    mode: TensorParallelLinearMode,
+    async_communication: bool = False,
+    chunks: Optional[Sequence[int]] = None,
+    pad_to_tp: bool = False,
+) -> TensorParallelColumnLinear:
     """``linear`` with its output features (rows) split over ``pg``, chunk by chunk for a fused
     projection (``chunks``: e.g. the q, k, v output sizes)."""
-    return TensorParallelColumnLinear(linear.in_features, linear.out_features, pg, mode, bias=linear.bias is not None,
-                                      async_communication=async_communication, contiguous_chunks=chunks,
-                                      pad_to_tp=pad_to_tp, device=linear.weight.device)
+    return TensorParallelColumnLinear(
+        linear.in_features,
+        linear.out_features,
+        pg,
+        mode,
+        bias=linear.bias is not None,
+        async_communication=async_communication,
+        contiguous_chunks=chunks,
+        pad_to_tp=pad_to_tp,
+        device=linear.weight.device,
+    )
 
 
-def row_parallel(linear: nn.Linear, pg, mode: TensorParallelLinearMode,
-                 async_communication: bool = False) -> TensorParallelRowLinear:
+def row_parallel(
+    linear: nn.Linear, pg, mode: TensorParallelLinearMode, async_communication: bool = False
+) -> TensorParallelRowLinear:
     """``linear`` with its input features (columns) split over ``pg``."""
-    return TensorParallelRowLinear(linear.in_features, linear.out_features, pg, mode, bias=linear.bias is not None,
-                                   async_communication=async_communication, device=linear.weight.device)
+    return TensorParallelRowLinear(
+        linear.in_features,
+        linear.out_features,
+        pg,
+        mode,
+        bias=linear.bias is not None,
+        async_communication=async_communication,
+        device=linear.weight.device,
+    )
 
 
 def vocab_parallel_embedding(embedding: nn.Module, pg, mode: TensorParallelLinearMode) -> TensorParallelEmbedding:
