@@ -10,6 +10,7 @@ from nanotrain.config.schema import (
     MoEArgs,
     OptimizerArgs,
     ParallelismArgs,
+    RopeScalingArgs,
     SlurmArgs,
     TrainingArgs,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "MoEArgs",
     "OptimizerArgs",
     "ParallelismArgs",
+    "RopeScalingArgs",
     "SlurmArgs",
     "SlurmLayout",
     "TrainingArgs",

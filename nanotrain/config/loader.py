@@ -53,14 +53,15 @@ def _describe(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
-def _parse_value(where: str, hint: Any, value: Any) -> Any:
-    """Convert one YAML value to `hint`, or raise ConfigError naming `where`."""
+def _parse_value(where: str, hint: Any, value: Any, why: str = "") -> Any:
+    """Convert one YAML value to `hint`, or raise ConfigError naming `where` (`why`, the field's
+    fix, follows the error of a value that is not one of a `Literal`'s choices)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Union:  # Optional[X]
         if value is None:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _parse_value(where, inner[0], value)
+        return _parse_value(where, inner[0], value, why)
     if value is None:
         raise ConfigError(f"{where}: must be set (null is not allowed here)")
     if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -75,7 +76,7 @@ def _parse_value(where: str, hint: Any, value: Any) -> Any:
             if isinstance(value, str) and isinstance(option, str) and value.lower() == option.lower():
                 return option
         choices = ", ".join(repr(a) for a in args)
-        return _fail(f"{where}: {_describe(value)} is not one of {choices}")
+        return _fail(f"{where}: {_describe(value)} is not one of {choices}{': ' + why if why else ''}")
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -191,7 +192,8 @@ def _build_section(section: str, cls: type, raw: Any):
             )
         where = f"{section}.{key}"
         hook = _PARSE_HOOKS.get(fields[key].metadata.get("parse"))
-        parsed = hook(where, value) if hook else _parse_value(where, hints[key], value)
+        why = fields[key].metadata.get("why", "")
+        parsed = hook(where, value) if hook else _parse_value(where, hints[key], value, why)
         _check_range(where, fields[key].metadata, parsed)
         kwargs[key] = parsed
     return cls(**kwargs)

@@ -47,12 +47,15 @@ def slurm_time(default: int, doc: str):
     return bounded(default, 1, 525600, doc=doc, parse="slurm_time")
 
 
-def doc(default, text: str, path: str | None = None):
+def doc(default, text: str, path: str | None = None, why: str = ""):
     """A plain field with a one-line description; `list`/`dict` defaults become factories.
     `path` marks a path-typed field with what it must be (a kind of `paths.py`, or DATA_SOURCE /
     TOKENIZER, whose keywords and hub names are not paths): every such field gets the path
-    checker, and a test enumerates them from here."""
+    checker, and a test enumerates them from here. `why` follows the loader's error for a value
+    that is not one of a `Literal`'s choices: the fix."""
     meta = {"doc": text} if path is None else {"doc": text, "path": path}
+    if why:
+        meta["why"] = why
     if default in (list, dict):
         return field(default_factory=default, metadata=meta)
     return field(default=default, metadata=meta)
@@ -112,6 +115,36 @@ class MoEArgs:
 
 
 @dataclass
+class RopeScalingArgs:
+    """``model.rope_scaling``: RoPE frequencies stretched for a longer context than pretraining's
+    (absent = plain RoPE). ``llama3`` (Llama 3.1-3.3): with wavelength ``2*pi / inv_freq``,
+    frequencies whose wavelength is below ``original_max_position_embeddings / high_freq_factor``
+    are kept, those above ``original_max_position_embeddings / low_freq_factor`` are divided by
+    ``factor``, and the band between is interpolated smoothly (Hugging Face's ``rope_type: llama3``)."""
+
+    type: Literal["llama3"] = doc(
+        "llama3",
+        "scaling scheme; llama3 (Llama 3.1/3.2/3.3) is the one supported",
+        why="llama3 is the one scaling nanotrain computes; for plain RoPE remove model.rope_scaling (or set it to null)",
+    )
+    factor: float = bounded(
+        8.0,
+        1.0,
+        doc="low frequencies are divided by this (Llama 3.1: 8, Llama 3.2: 32)",
+        why="a factor below 1 would shorten the context, not stretch it; Llama 3.1 uses 8.0",
+    )
+    low_freq_factor: float = bounded(
+        1.0, 0.0, doc="wavelengths above original_max_position_embeddings / this are scaled", above=True
+    )
+    high_freq_factor: float = bounded(
+        4.0, 0.0, doc="wavelengths below original_max_position_embeddings / this are kept (> low_freq_factor)", above=True
+    )
+    original_max_position_embeddings: int = bounded(
+        8192, 1, doc="pretraining context the frequencies were trained at (< model.max_position_embeddings)"
+    )
+
+
+@dataclass
 class ModelArgs:
     vocab_size: int = bounded(256, 1, doc="tokens; padded to a multiple of tp inside the model")
     hidden_size: int = bounded(128, 1, doc="model width")
@@ -137,6 +170,9 @@ class ModelArgs:
         why="all-zero weights get zero gradients, so the model would never learn; the usual value is 0.02",
     )
     moe: Optional[MoEArgs] = doc(None, "mixture of experts (absent = dense): the model.moe fields")
+    rope_scaling: Optional[RopeScalingArgs] = doc(
+        None, "RoPE scaling for long context (absent = plain RoPE): the model.rope_scaling fields"
+    )
 
 
 @dataclass

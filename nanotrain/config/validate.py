@@ -40,6 +40,8 @@ def validate_layout(config: Config) -> None:
         )
     if m.moe is not None:
         validate_moe(config)
+    if m.rope_scaling is not None:
+        validate_rope_scaling(config)
     if m.dtype == "float16":
         _fail(
             "model.dtype: float16 needs loss scaling, which nanotrain does not do (its 5-bit exponent "
@@ -142,6 +144,23 @@ def validate_moe(config: Config) -> None:
         _fail(
             "checkpoints.init_from_hf: a Hugging Face Llama checkpoint has no experts to initialise model.moe "
             "from: drop one of them"
+        )
+
+
+def validate_rope_scaling(config: Config) -> None:
+    """``model.rope_scaling`` against itself and the model's context (its own ranges are the loader's)."""
+    rs, m = config.model.rope_scaling, config.model
+    if rs.low_freq_factor >= rs.high_freq_factor:
+        _fail(
+            f"model.rope_scaling.low_freq_factor ({rs.low_freq_factor}) must be below high_freq_factor "
+            f"({rs.high_freq_factor}): the smoothed band lies between them (Llama 3.1: 1.0 and 4.0)"
+        )
+    if rs.original_max_position_embeddings >= m.max_position_embeddings:
+        _fail(
+            f"model.rope_scaling.original_max_position_embeddings ({rs.original_max_position_embeddings}) must be "
+            f"below model.max_position_embeddings ({m.max_position_embeddings}): scaling stretches the original "
+            "context to max_position_embeddings; raise max_position_embeddings (Llama 3.1: 131072) or drop "
+            "model.rope_scaling"
         )
 
 
