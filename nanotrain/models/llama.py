@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanotrain.config import ModelArgs
+from nanotrain.config import ModelArgs, RopeScalingArgs
 from nanotrain.models import llama_arch
 from nanotrain.models.mlp import MLP
 from nanotrain.models.moe import MoEFeedForward, MoEState
@@ -58,11 +58,34 @@ class RMSNorm(nn.Module):
         return (wide * torch.rsqrt(variance + self.eps) * self.weight.to(wide.dtype)).to(x.dtype)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin (float64) of shape ``[S, 1, 1, head_dim]`` at the int ``positions`` ``[S]`` (HF
-    Llama convention: the two halves of a head rotate together)."""
-    device = positions.device
+def inv_frequencies(
+    head_dim: int, theta: float, scaling: RopeScalingArgs | None = None, device=None
+) -> torch.Tensor:
+    """RoPE's ``head_dim / 2`` inverse frequencies ``theta ** (-2i / head_dim)`` in float64, with
+    ``scaling`` (``model.rope_scaling``, type llama3) applied as Hugging Face's
+    ``_compute_llama3_parameters`` does, operation for operation (it computes in float32): with
+    wavelength ``2*pi / f``, f is kept below ``original / high_freq_factor``, divided by ``factor``
+    above ``original / low_freq_factor``, and in between ``(1 - s) * f / factor + s * f`` with
+    ``s = (original / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)``."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    if scaling is None:
+        return inv_freq
+    original, low, high = scaling.original_max_position_embeddings, scaling.low_freq_factor, scaling.high_freq_factor
+    low_freq_wavelen, high_freq_wavelen = original / low, original / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(
+    positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScalingArgs | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (float64) of shape ``[S, 1, 1, head_dim]`` at the int ``positions`` ``[S]`` (HF
+    Llama convention: the two halves of a head rotate together), of ``inv_frequencies``."""
+    inv_freq = inv_frequencies(head_dim, theta, scaling, positions.device)
     angles = torch.outer(positions.to(torch.float64), inv_freq)
     emb = torch.cat([angles, angles], dim=-1)
     return emb.cos()[:, None, None, :], emb.sin()[:, None, None, :]
@@ -261,7 +284,7 @@ class LlamaModel(nn.Module):
         if key not in self._rope_cache:
             if len(self._rope_cache) > 64:
                 self._rope_cache.clear()
-            cos, sin = rope_tables(positions, self.head_dim, self.args.rope_theta)
+            cos, sin = rope_tables(positions, self.head_dim, self.args.rope_theta, self.args.rope_scaling)
             self._rope_cache[key] = (positions, cos.to(dtype), sin.to(dtype))
         return self._rope_cache[key][1:]
 
