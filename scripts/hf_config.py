@@ -4,7 +4,8 @@
     python scripts/hf_config.py PATH >> my_run.yaml     # then set checkpoints.init_from_hf: PATH
 
 Reads config.json only (no torch); refuses, in one ``error:`` line naming each (exit status 2),
-what nanotrain's Llama cannot compute (another architecture, rope scaling, biases, sliding windows).
+what nanotrain's Llama cannot compute (another architecture, rope scaling other than llama3,
+biases, sliding windows). A llama3 scaling (Llama 3.1-3.3) is printed as ``model.rope_scaling``.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from nanotrain.checkpoint.offline_checks import (  # noqa: F401 (re-exported: th
     plan_export,
     source_checkpoint,
 )
-from nanotrain.config import ModelArgs
+from nanotrain.config import ModelArgs, config_from_dict
 from nanotrain.config.atomic_files import atomic_write
 from nanotrain.config.files import removed_on_failure
 from nanotrain.data.hf_tokenizer import export_tokenizer
@@ -114,7 +114,7 @@ def export_hf(
     t0 = time.perf_counter()
     ckpt, meta = plan_export(src, out_dir, dtype)
     config = meta["config"]
-    args = ModelArgs(**config["model"])
+    args = config_from_dict({"model": config["model"]}).model  # sub-sections (rope_scaling) as dataclasses
     bad = [
         p for rel, rec in meta["files"].items() if rel.startswith("model/") and (p := fmt.verify_file(ckpt, rel, rec))
     ]

@@ -14,6 +14,8 @@ The layout facts (proven by tests/test_hf.py against ``transformers.LlamaForCaus
   ``[gate_proj | up_proj]``; every other tensor is one HF tensor under another name.
 * RoPE rotates the two halves of each head (``rotate_half``), as HF's Llama does, so q/k rows
   need no permutation (the Meta checkpoints' interleaved layout is HF's problem, not ours).
+  Its frequencies are plain or scaled by ``rope_type: llama3`` (``model.rope_scaling``, proven by
+  tests/test_hf_llama3.py); every other scaling is refused.
 * The vocabulary is never padded in a checkpoint (padding to a multiple of tp exists only inside
   the live model), so the rows map 1:1. A HF vocabulary smaller than ``model.vocab_size`` fills
   the first rows; the others keep nanotrain's seeded initialisation.
@@ -23,7 +25,7 @@ The layout facts (proven by tests/test_hf.py against ``transformers.LlamaForCaus
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from nanotrain.config import ModelArgs
@@ -125,22 +127,79 @@ def hf_shapes(args: ModelArgs, hf_vocab: int | None = None) -> dict[str, tuple[i
 
 # ----------------------------------------------------------------------------- config.json
 def rope_theta_of(cfg: dict) -> Any:
-    """transformers 4.x writes ``rope_theta`` at the top, 5.x inside ``rope_parameters``."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        return params["rope_theta"]
-    return cfg.get("rope_theta", 10000.0)
+    """transformers 4.x writes ``rope_theta`` at the top, 5.x inside ``rope_parameters``; 5.x takes
+    it from the RoPE parameters it uses (``rope_params_of``), else from the top."""
+    return rope_params_of(cfg).get("rope_theta", cfg.get("rope_theta", 10000.0))
+
+
+def rope_params_of(cfg: dict) -> dict:
+    """The RoPE parameters transformers computes with: ``rope_scaling`` (4.x, and 5.x reads it
+    first when set) else ``rope_parameters`` (5.x); {} when neither is a mapping."""
+    for key in ("rope_scaling", "rope_parameters"):
+        params = cfg.get(key)
+        if isinstance(params, dict) and params:
+            return params
+    return {}
 
 
 def rope_type_of(cfg: dict) -> str | None:
-    """None / "default" = plain RoPE; anything else is a scaling scheme nanotrain does not have."""
-    for key in ("rope_parameters", "rope_scaling"):
-        params = cfg.get(key)
-        if isinstance(params, dict):
-            kind = params.get("rope_type", params.get("type"))
-            if kind not in (None, "default"):
-                return str(kind)
-    return None
+    """None for plain RoPE (no parameters, or rope_type "default"), else the scaling's name."""
+    params = rope_params_of(cfg)
+    kind = params.get("rope_type", params.get("type"))
+    return None if kind in (None, "default") else str(kind)
+
+
+SUPPORTED_ROPE = ("llama3",)
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+_ORIGINAL = "original_max_position_embeddings"
+
+
+def _original_context(cfg: dict) -> Any:
+    """transformers 5.x: a top-level ``original_max_position_embeddings`` wins over the RoPE
+    parameters' own, which default to ``max_position_embeddings``."""
+    return cfg.get(_ORIGINAL, rope_params_of(cfg).get(_ORIGINAL, cfg.get("max_position_embeddings")))
+
+
+def _rope_problems(cfg: dict) -> list[str]:
+    """What keeps the RoPE of config.json from being a ``model.rope_scaling`` section."""
+    kind = rope_type_of(cfg)
+    if kind is None:
+        return []
+    if kind not in SUPPORTED_ROPE:
+        return [
+            f"rope scaling {kind!r}: nanotrain computes plain RoPE and rope_type "
+            f"{' / '.join(map(repr, SUPPORTED_ROPE))} (Llama 3.1-3.3) only"
+        ]
+    params, out = rope_params_of(cfg), []
+    for key in _LLAMA3_KEYS:
+        if not _is_number(params.get(key)):
+            out.append(f"rope scaling {kind!r}: {key} is {params.get(key)!r}; transformers needs a number")
+    original = _original_context(cfg)
+    if not (isinstance(original, int) and not isinstance(original, bool)):
+        out.append(f"rope scaling {kind!r}: {_ORIGINAL} is {original!r}; transformers needs an integer")
+    elif _ORIGINAL in cfg and params.get(_ORIGINAL, original) != original:
+        out.append(
+            f"rope scaling {kind!r}: {_ORIGINAL} is {cfg[_ORIGINAL]} at the top of config.json but "
+            f"{params[_ORIGINAL]} in the RoPE parameters (transformers 4.x and 5.x read different ones): keep one"
+        )
+    return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def rope_scaling_of(cfg: dict) -> dict[str, Any] | None:
+    """The ``model.rope_scaling`` fields for config.json's RoPE (None = plain RoPE); call only
+    when ``unsupported(cfg)`` found nothing."""
+    kind = rope_type_of(cfg)
+    if kind is None:
+        return None
+    params = rope_params_of(cfg)
+    section: dict[str, Any] = {"type": kind}
+    section.update({key: float(params[key]) for key in _LLAMA3_KEYS})
+    section[_ORIGINAL] = _original_context(cfg)
+    return section
 
 
 def unsupported(cfg: dict) -> list[str]:
@@ -153,9 +212,7 @@ def unsupported(cfg: dict) -> list[str]:
             f"{MODEL_TYPE!r} / {ARCHITECTURE} checkpoints can be imported"
         )
         return problems  # the fields below mean something else in other architectures
-    kind = rope_type_of(cfg)
-    if kind is not None:
-        problems.append(f"rope scaling {kind!r}: nanotrain computes plain RoPE only (rope_type 'default')")
+    problems += _rope_problems(cfg)
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
             problems.append(f"{key}: true: nanotrain's Llama has no bias terms")
@@ -196,14 +253,20 @@ _HF_NAME = {"num_layers": "num_hidden_layers"}
 
 
 def model_section(cfg: dict) -> dict[str, Any]:
-    """The ``model:`` fields of a nanotrain config that compute the function config.json describes."""
-    return {k: read(cfg) for k, read in _FIELDS.items()}
+    """The ``model:`` fields of a nanotrain config that compute the function config.json describes
+    (``rope_scaling``, a mapping of its fields, only when config.json scales RoPE)."""
+    out = {k: read(cfg) for k, read in _FIELDS.items()}
+    scaling = rope_scaling_of(cfg)
+    if scaling is not None:
+        out["rope_scaling"] = scaling
+    return out
 
 
 def mismatches(args: ModelArgs, cfg: dict) -> list[str]:
     """Every ``model`` field that disagrees with config.json, one line each naming both values.
     ``model.vocab_size`` may exceed the HF vocabulary (the extra rows are trained from scratch)."""
-    want, out = model_section(cfg), []
+    want = model_section(cfg)
+    out = _rope_mismatches(args, want.pop("rope_scaling", None))
     for key, value in want.items():
         mine = llama_arch.kv_heads(args) if key == "num_key_value_heads" else getattr(args, key)
         hf_key = _HF_NAME.get(key, key)
@@ -222,9 +285,49 @@ def mismatches(args: ModelArgs, cfg: dict) -> list[str]:
     return out
 
 
+def _rope_mismatches(args: ModelArgs, want: dict[str, Any] | None) -> list[str]:
+    """``model.rope_scaling`` against config.json's scaling (``want``; None = plain RoPE)."""
+    mine = None if args.rope_scaling is None else asdict(args.rope_scaling)
+    hint = "(python scripts/hf_config.py prints the whole section)"
+    if mine == want:
+        return []
+    if want is None:
+        return [
+            f"model.rope_scaling is {_yaml(mine)} but config.json has plain RoPE (no rope scaling): "
+            "remove model.rope_scaling"
+        ]
+    if mine is None:
+        return [
+            f"model.rope_scaling is absent (plain RoPE) but config.json scales RoPE with {_yaml(want)}: "
+            f"set model.rope_scaling: {_yaml(want)} {hint}"
+        ]
+    return [
+        f"model.rope_scaling.{key} is {mine[key]!r} but config.json has {key} {value!r}: "
+        f"set model.rope_scaling.{key}: {_yaml(value)} {hint}"
+        for key, value in want.items()
+        if mine[key] != value
+    ]
+
+
+def _hf_rope(args: ModelArgs) -> dict[str, Any]:
+    """config.json's RoPE fields: ``rope_scaling`` (4.x) and ``rope_parameters`` (5.x; it also
+    reads ``rope_scaling`` first, so both hold the same scaling)."""
+    rs = args.rope_scaling
+    if rs is None:
+        return {"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta}}
+    scaling = {
+        "rope_type": rs.type,
+        "factor": rs.factor,
+        "low_freq_factor": rs.low_freq_factor,
+        "high_freq_factor": rs.high_freq_factor,
+        _ORIGINAL: rs.original_max_position_embeddings,
+    }
+    return {"rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": args.rope_theta}}
+
+
 def hf_config(args: ModelArgs, *, dtype: str, bos_token_id: int | None, eos_token_id: int | None) -> dict:
     """config.json for ``LlamaForCausalLM.from_pretrained``: the fields of transformers 4.x
-    (``rope_theta``, ``torch_dtype``) and 5.x (``rope_parameters``, ``dtype``) alike."""
+    (``rope_theta``, ``rope_scaling``, ``torch_dtype``) and 5.x (``rope_parameters``, ``dtype``) alike."""
     return {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
@@ -237,8 +340,7 @@ def hf_config(args: ModelArgs, *, dtype: str, bos_token_id: int | None, eos_toke
         "head_dim": llama_arch.head_dim(args),
         "max_position_embeddings": args.max_position_embeddings,
         "rope_theta": args.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        **_hf_rope(args),
         "rms_norm_eps": args.rms_norm_eps,
         "tie_word_embeddings": args.tie_word_embeddings,
         "hidden_act": "silu",
@@ -258,11 +360,19 @@ def hf_config(args: ModelArgs, *, dtype: str, bos_token_id: int | None, eos_toke
 
 def model_yaml(cfg: dict) -> str:
     """The ``model:`` YAML section for config.json (what ``scripts/hf_config.py`` prints)."""
-    lines = ["model:"] + [f"  {k}: {_yaml(v)}" for k, v in model_section(cfg).items()]
+    lines = ["model:"]
+    for key, value in model_section(cfg).items():
+        if isinstance(value, dict):
+            lines += [f"  {key}:"] + [f"    {k}: {_yaml(v)}" for k, v in value.items()]
+        else:
+            lines.append(f"  {key}: {_yaml(value)}")
     return "\n".join(lines) + "\n"
 
 
 def _yaml(value: Any) -> str:
+    """``value`` as YAML that nanotrain's loader reads back as it is (a mapping in flow style)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_yaml(v)}" for k, v in value.items()) + "}"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):  # YAML 1.1 (PyYAML) reads 1e-06 as a string: write 1.0e-06
