@@ -28,6 +28,7 @@ from nanotrain.config import ModelArgs
 
 from helpers.dist import run_distributed
 from helpers.hf_ranks import GQA, LAYOUT8, LAYOUTS4, MHA, batch, first_step_losses
+from helpers.hf_reference import in_float64
 from helpers.runs import ROOT, TINY, cli
 
 
@@ -42,34 +43,6 @@ def hf_loss(path: Path, ids: torch.Tensor) -> float:
     with torch.no_grad():
         logits = model(ids[:, :-1]).logits
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).item()
-
-
-def in_float64(hf):
-    """``hf`` in float64 throughout. transformers' Llama casts to fp32 in two places whatever the
-    model's dtype (RMSNorm: ``hidden_states.to(torch.float32)``; RoPE angles: ``inv_freq.float()``),
-    which alone caps agreement with a float64 model at ~2e-7. Here those two functions run their
-    own formulas in float64; everything else is transformers' code as shipped."""
-    hf = hf.double()
-    cfg = hf.config
-    d = cfg.hidden_size // cfg.num_attention_heads
-    inv = 1.0 / (cfg.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-
-    def rope(x, position_ids):
-        freqs = position_ids[..., None].double() * inv
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    def rms_norm(norm):
-        def forward(h):
-            return norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
-
-        return forward
-
-    hf.model.rotary_emb.forward = rope
-    for module in hf.modules():
-        if type(module).__name__ == "LlamaRMSNorm":
-            module.forward = rms_norm(module)
-    return hf
 
 
 @pytest.fixture(scope="session")

@@ -75,9 +75,9 @@ BAD = [
     ("another-architecture", _arch, None, ["model_type 'mistral'", "MistralForCausalLM", "only 'llama'"]),
     (
         "rope-scaling",
-        lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+        lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 8.0}),
         None,
-        ["rope scaling 'llama3'", "plain RoPE"],
+        ["rope scaling 'yarn'", "plain RoPE and rope_type 'llama3'"],
     ),
     ("attention-bias", lambda c: c.update(attention_bias=True), None, ["attention_bias: true", "no bias"]),
     (

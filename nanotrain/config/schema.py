@@ -125,7 +125,7 @@ class RopeScalingArgs:
     type: Literal["llama3"] = doc(
         "llama3",
         "scaling scheme; llama3 (Llama 3.1/3.2/3.3) is the one supported",
-        why="llama3 is the one scaling nanotrain computes; for plain RoPE remove model.rope_scaling (or set it to null)",
+        why="llama3 is the one scaling nanotrain computes; for plain RoPE remove model.rope_scaling (or set null)",
     )
     factor: float = bounded(
         8.0,
@@ -137,7 +137,10 @@ class RopeScalingArgs:
         1.0, 0.0, doc="wavelengths above original_max_position_embeddings / this are scaled", above=True
     )
     high_freq_factor: float = bounded(
-        4.0, 0.0, doc="wavelengths below original_max_position_embeddings / this are kept (> low_freq_factor)", above=True
+        4.0,
+        0.0,
+        doc="wavelengths below original_max_position_embeddings / this are kept (> low_freq_factor)",
+        above=True,
     )
     original_max_position_embeddings: int = bounded(
         8192, 1, doc="pretraining context the frequencies were trained at (< model.max_position_embeddings)"

@@ -58,9 +58,7 @@ class RMSNorm(nn.Module):
         return (wide * torch.rsqrt(variance + self.eps) * self.weight.to(wide.dtype)).to(x.dtype)
 
 
-def inv_frequencies(
-    head_dim: int, theta: float, scaling: RopeScalingArgs | None = None, device=None
-) -> torch.Tensor:
+def inv_frequencies(head_dim: int, theta: float, scaling: RopeScalingArgs | None = None, device=None) -> torch.Tensor:
     """RoPE's ``head_dim / 2`` inverse frequencies ``theta ** (-2i / head_dim)`` in float64, with
     ``scaling`` (``model.rope_scaling``, type llama3) applied as Hugging Face's
     ``_compute_llama3_parameters`` does, operation for operation (it computes in float32): with

@@ -9,5 +9,6 @@
 * ``cli`` — ``run_cli``: submit.py's command line called in-process, its output captured;
 * ``processes`` — a running job seen from outside: its step, a rank's pid, its latest checkpoint;
 * ``checkpoints`` — the one-process tiny model, a training step of it, damage to a saved file;
+* ``hf_reference`` — transformers' Llama in float64 (and its llama3 RoPE frequencies), the reference;
 * ``compat`` — the checkpoint fixture of an older format: its parts, its run, a parameter digest.
 """

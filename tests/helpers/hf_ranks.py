@@ -50,13 +50,17 @@ def batch() -> torch.Tensor:
     return torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7))
 
 
-def first_step_losses(hf_dirs: dict, layouts: list[dict], train_dir: str | None) -> dict:
-    """On every rank: for each layout and model, import and take one lr-0 step on ``batch()``;
-    with ``train_dir`` also train the GQA model 3 steps (ZeRO-1) and save a checkpoint there."""
+def first_step_losses(
+    hf_dirs: dict, layouts: list[dict], train_dir: str | None, models: dict | None = None, ids=None
+) -> dict:
+    """On every rank: for each layout and model, import and take one lr-0 step on ``ids``
+    (default ``batch()``, [BATCH, S + 1]); with ``train_dir`` also train the GQA model 3 steps
+    (ZeRO-1) and save a checkpoint there. ``models``: name -> ``ModelArgs`` fields, the
+    directories ``hf_dirs[name]`` (default ``{"gqa": GQA, "mha": MHA}``)."""
     dist.init_process_group("gloo")
     out = {}
     for layout in layouts:
-        for name, model in (("gqa", GQA), ("mha", MHA)):
+        for name, model in (models or {"gqa": GQA, "mha": MHA}).items():
             config = Config(parallelism=ParallelismArgs(**layout), model=ModelArgs(**model, dtype="float32"))
             training = train_dir is not None and name == "gqa"
             config.optimizer = OptimizerArgs(
@@ -69,9 +73,9 @@ def first_step_losses(hf_dirs: dict, layouts: list[dict], train_dir: str | None)
             sync = build_grad_sync(list(m.parameters()), pc)
             opt = build_optimizer(m.named_parameters(), config.optimizer, pc.dp_cp_pg)
             sched = build_lr_scheduler(opt, config.optimizer, 10)
-            ids = batch()
-            per = BATCH // pc.dp_size
-            mine = ids[pc.dp_rank * per : (pc.dp_rank + 1) * per]
+            rows = batch() if ids is None else ids
+            per = rows.shape[0] // pc.dp_size
+            mine = rows[pc.dp_rank * per : (pc.dp_rank + 1) * per]
             micro = [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(1)]
             losses = [
                 train_step(m, micro, sync, opt, sched, pc, None, engine=engine).loss
