@@ -18,24 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from nanotrain import LAYERS as ORDER  # noqa: E402
 from nanotrain.config.cli_args import ArgParser, answer  # noqa: E402
-
-ORDER = (
-    "config",
-    "parallel",
-    "models",
-    "data",
-    "optim",
-    "checkpoint",
-    "hf",
-    "logging",
-    "training",
-    "rehearse",
-    "estimate",
-    "runtime",
-    "launch",
-    "commands",
-)
 
 
 def edges() -> dict[tuple[str, str], set[str]]:

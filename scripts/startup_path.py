@@ -53,25 +53,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from nanotrain import LAYERS as ORDER  # noqa: E402
 from nanotrain.config.cli_args import ArgParser, answer, non_negative_int  # noqa: E402
 
 PACKAGE = str(ROOT / "nanotrain") + os.sep
-ORDER = (
-    "config",
-    "parallel",
-    "models",
-    "data",
-    "optim",
-    "checkpoint",
-    "hf",
-    "logging",
-    "training",
-    "rehearse",
-    "estimate",
-    "runtime",
-    "launch",
-    "commands",
-)
 ENTRY = ("nanotrain.runtime.task", "run_task")
 FIRST_STEP = ("nanotrain.training.step", "train_step")
 KEPT_DUNDERS = ("__init__", "__call__", "__post_init__")

@@ -19,25 +19,11 @@ import ast
 import functools
 from pathlib import Path
 
+from nanotrain import LAYERS as ORDER
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "nanotrain"
 TESTS = ROOT / "tests"
-ORDER = (
-    "config",
-    "parallel",
-    "models",
-    "data",
-    "optim",
-    "checkpoint",
-    "hf",
-    "logging",
-    "training",
-    "rehearse",
-    "estimate",
-    "runtime",
-    "launch",
-    "commands",
-)
 
 
 def module_name(path: Path) -> str:
@@ -130,11 +116,3 @@ def test_no_test_module_imports_another():
         "test modules that import another test module (move what they share into "
         "tests/helpers/):\n" + "\n".join(offenders)
     )
-
-
-def test_the_import_graph_script_draws_these_layers():
-    """``scripts/import_graph.py`` marks UP edges by its own copy of the order: the same one."""
-    text = (ROOT / "scripts" / "import_graph.py").read_text()
-    tree = ast.parse(text)
-    assigned = [n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "ORDER"]
-    assert len(assigned) == 1 and ast.literal_eval(assigned[0]) == ORDER
