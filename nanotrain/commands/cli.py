@@ -1,5 +1,4 @@
-"""`submit.py CONFIG [--dry-run] [--emit DIR] [--local] [--set section.field=value ...]`,
-`submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]`, or `submit.py --status RUN_DIR`.
+"""The `submit.py` command (its flags: ``flags.build_parser``).
 
 Everything a user can get wrong is checked here, before anything is submitted or started, and
 reported as one `error:` line with exit status 2. With no flag the job goes to SLURM when
@@ -8,7 +7,6 @@ reported as one `error:` line with exit status 2. With no flag the job goes to S
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import shutil
@@ -16,10 +14,10 @@ import sys
 from pathlib import Path
 
 from nanotrain.commands.config_commands import plan, rehearse
-from nanotrain.commands.flags import Mode, check_flags, given_flags
+from nanotrain.commands.flags import Mode, build_parser, check_flags, given_flags
 from nanotrain.commands.stopping import Terminated, sigterm_ends_command, stop_line
 from nanotrain.config import Config, ConfigError, SlurmLayout, load_config, validate
-from nanotrain.config.cli_args import EXIT_INTERRUPTED, ArgParser, refuse
+from nanotrain.config.cli_args import EXIT_INTERRUPTED, refuse
 from nanotrain.config.files import first_missing
 from nanotrain.config.path_fields import check_path_fields
 from nanotrain.config.paths import CREATE_DIR, DIR, check_path
@@ -28,80 +26,6 @@ from nanotrain.launch import sbatch
 from nanotrain.parallel.part.compile_check import compile_backend_problem
 from nanotrain.runtime import rundir
 from nanotrain.runtime.rundir import Launcher
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = ArgParser(
-        prog="submit.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("config", nargs="?", help="YAML config, e.g. configs/tiny_cpu.yaml")
-    parser.add_argument(
-        "--status", metavar="RUN_DIR", help="show a run's job state, requeues, last step, loss, tokens/s and ETA"
-    )
-    parser.add_argument(
-        "--resume",
-        metavar="RUN_DIR",
-        help="continue a stopped, preempted or failed run from its latest complete checkpoint "
-        "(as it ran: SLURM or local; --set may change the topology)",
-    )
-    parser.add_argument(
-        "--set",
-        metavar="SECTION.FIELD=VALUE",
-        action="append",
-        default=[],
-        help="override a config field (value parsed as YAML); repeatable",
-    )
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--dry-run", action="store_true", help="validate, print the rank grid and the sbatch script; submit nothing"
-    )
-    mode.add_argument(
-        "--emit", metavar="DIR", help="write a standalone .sbatch script (and its config) to DIR for plain `sbatch`"
-    )
-    mode.add_argument(
-        "--plan",
-        action="store_true",
-        help="propose the fastest layouts that fit (see nanotrain/estimate/plan.py); submit nothing",
-    )
-    parser.add_argument("--gpus", type=int, metavar="N", help="--plan: GPUs to plan for (default: the config's)")
-    parser.add_argument(
-        "--gpu-memory-gb",
-        type=float,
-        metavar="G",
-        help="--plan: memory of one GPU (default: slurm.gpu_memory_gb, else 80)",
-    )
-    for flag, what in (
-        ("--gpu-tflops", "peak bf16 TFLOP/s per GPU"),
-        ("--efficiency", "fraction of peak reached"),
-        ("--intra-node-gbs", "GB/s per GPU within a node"),
-        ("--inter-node-gbs", "GB/s per GPU across nodes"),
-    ):
-        parser.add_argument(flag, type=float, metavar="X", help=f"--plan cost model: {what}")
-    mode.add_argument(
-        "--rehearse",
-        action="store_true",
-        help="run ranks of the real job on CPU (meta device, fake NCCL world) at the real model "
-        "shape and world size: train, evaluate, save, load, train; report placement, host "
-        "syncs, memory and bytes per group; exit 1 on a defect (nanotrain/rehearse)",
-    )
-    parser.add_argument(
-        "--rank",
-        type=int,
-        action="append",
-        metavar="R",
-        help="--rehearse: this global rank (repeatable; default: one rank of every role)",
-    )
-    parser.add_argument("--steps", type=int, metavar="N", help="--rehearse: training steps (default 3)")
-    parser.add_argument("--json", action="store_true", help="--rehearse: print the report as one JSON object")
-    mode.add_argument(
-        "--prepare-data",
-        action="store_true",
-        help="tokenise every data source into the cache: a CPU-only SLURM job (slurm.prepare), or here with --local",
-    )
-    parser.add_argument(
-        "--local", action="store_true", help="run as local processes (gloo on CPU) even when SLURM is available"
-    )
-    return parser
 
 
 def describe_layout(config: Config, layout: SlurmLayout | None) -> str:
