@@ -98,3 +98,28 @@ def quick_problems(ckpt_dir: Path) -> tuple[list[str], dict | None]:
         if size != rec.get("bytes"):
             problems.append(f"{ckpt_dir / rel}: size {size} bytes, expected {rec.get('bytes')} (truncated or altered)")
     return problems, meta
+
+
+def prune(root: Path, step: int, keep_last: int, run_id: str | None = None) -> list[Path]:
+    """Keep the checkpoint of ``step`` (just written and checked) and the ``keep_last - 1`` newest
+    complete ones before it; delete older ones.
+
+    Only checkpoints of ``run_id`` are considered: another run's (a ``checkpoints.path`` shared
+    on purpose, ``checkpoints.allow_foreign``) are never deleted. A checkpoint is counted among
+    the kept ones only after a size check (``quick_problems``): one that fails is moved aside,
+    so the last good checkpoint is never pruned in favour of a damaged one. Complete
+    checkpoints after ``step`` (an abandoned future of a rolled-back run) are left alone.
+    Returns the directories deleted."""
+    kept, removed = 0, []
+    for _, p in (sp for sp in fmt.complete_checkpoints(root) if sp[0] < step):  # newest first
+        problems, meta = quick_problems(p)
+        if meta is not None and meta.get("run_id") != run_id:
+            continue  # another run's checkpoint: not ours to delete
+        if problems:
+            quarantine(p, problems)
+        elif kept < keep_last - 1:
+            kept += 1
+        else:
+            fmt.remove_dir(p)
+            removed.append(p)
+    return removed

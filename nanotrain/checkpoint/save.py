@@ -42,7 +42,7 @@ import torch
 from nanotrain.checkpoint import format as fmt
 from nanotrain.checkpoint import shard_files
 from nanotrain.checkpoint.comm import World
-from nanotrain.checkpoint.damage import full_problems, quarantine, quick_problems
+from nanotrain.checkpoint.damage import full_problems, prune, quarantine
 from nanotrain.checkpoint.format import CheckpointError
 from nanotrain.checkpoint.items import Models, config_as_dict, named_params, topology_of
 from nanotrain.checkpoint.save_rank import Written, plan_records, take_work, write_rank
@@ -379,28 +379,3 @@ def _commit(c: _Commit, reports: list[Written]) -> dict:
         return {"bytes": sum(f["bytes"] for f in meta["files"].values())}
     except Exception:
         return {"error": traceback.format_exc()}
-
-
-def prune(root: Path, step: int, keep_last: int, run_id: str | None = None) -> list[Path]:
-    """Keep the checkpoint of ``step`` (just written and checked) and the ``keep_last - 1`` newest
-    complete ones before it; delete older ones.
-
-    Only checkpoints of ``run_id`` are considered: another run's (a ``checkpoints.path`` shared
-    on purpose, ``checkpoints.allow_foreign``) are never deleted. A checkpoint is counted among
-    the kept ones only after a size check (``quick_problems``): one that fails is moved aside,
-    so the last good checkpoint is never pruned in favour of a damaged one. Complete
-    checkpoints after ``step`` (an abandoned future of a rolled-back run) are left alone.
-    Returns the directories deleted."""
-    kept, removed = 0, []
-    for _, p in (sp for sp in fmt.complete_checkpoints(root) if sp[0] < step):  # newest first
-        problems, meta = quick_problems(p)
-        if meta is not None and meta.get("run_id") != run_id:
-            continue  # another run's checkpoint: not ours to delete
-        if problems:
-            quarantine(p, problems)
-        elif kept < keep_last - 1:
-            kept += 1
-        else:
-            fmt.remove_dir(p)
-            removed.append(p)
-    return removed
