@@ -15,6 +15,8 @@ import struct
 from pathlib import Path
 from typing import Iterable
 
+from nanotrain.config import Config, ModelArgs, MoEArgs, config_to_dict
+
 FORMAT = "nanotrain-checkpoint"
 FORMAT_VERSION = 1
 META = "meta.json"
@@ -146,11 +148,22 @@ def read_meta(ckpt_dir: Path) -> dict:
     return meta
 
 
+def _model_fields(config: dict | None) -> dict:
+    """The ``model`` section of a config dict, with every field it lacks at its default: a
+    checkpoint written before a field existed computed what the default computes."""
+    defaults = config_to_dict(Config())["model"]
+    model = dict((config or {}).get("model") or {})
+    out = {k: v for k, v in {**defaults, **model}.items() if k != "dtype"}
+    if isinstance(out.get("moe"), dict):
+        moe_defaults = config_to_dict(Config(model=ModelArgs(moe=MoEArgs())))["model"]["moe"]
+        out["moe"] = {**moe_defaults, **out["moe"]}
+    return out
+
+
 def model_differences(saved: dict | None, mine: dict | None) -> list[str]:
     """Fields of the `model` sections of two config dicts that differ (dtype aside: a resumed run
     may change its compute dtype), as 'name (saved value saved, value now)'."""
-    saved = {k: v for k, v in ((saved or {}).get("model") or {}).items() if k != "dtype"}
-    mine = {k: v for k, v in ((mine or {}).get("model") or {}).items() if k != "dtype"}
+    saved, mine = _model_fields(saved), _model_fields(mine)
     return [
         f"{k} ({saved.get(k)!r} saved, {mine.get(k)!r} now)"
         for k in sorted(set(saved) | set(mine))

@@ -90,7 +90,7 @@ class ParallelismArgs:
 class MoEArgs:
     """``model.moe``: which decoder layers replace their SwiGLU MLP by routed SwiGLU experts.
 
-    Router: softmax over all experts, top-k, weights renormalised over the k (Mixtral). Layer i is
+    Router: softmax over all experts, top-k, weights renormalised over the k (``norm_topk_prob``). Layer i is
     MoE when ``i >= first_dense_layers`` and ``(i - first_dense_layers) % layer_frequency == 0``."""
 
     num_experts: int = bounded(8, 1, 65536, doc="routed experts per MoE layer")
@@ -111,6 +111,11 @@ class MoEArgs:
         1e3,
         doc="null = dropless; else tokens per expert capped at ceil(factor * tokens * top_k / num_experts)",
         above=True,
+    )
+    norm_topk_prob: bool = doc(
+        True,
+        "renormalise the top_k router weights to sum to 1 (Mixtral, Qwen3-MoE's usual setting); "
+        "false keeps the softmax probabilities (Qwen3-MoE's transformers default)",
     )
 
 
@@ -175,6 +180,25 @@ class ModelArgs:
     moe: Optional[MoEArgs] = doc(None, "mixture of experts (absent = dense): the model.moe fields")
     rope_scaling: Optional[RopeScalingArgs] = doc(
         None, "RoPE scaling for long context (absent = plain RoPE): the model.rope_scaling fields"
+    )
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "smollm3", "mixtral", "qwen3_moe"] = doc(
+        "llama",
+        "Hugging Face family (its model_type): the names and config.json that init_from_hf reads and "
+        "export writes; the options below say what the model computes",
+        why="nanotrain imports and exports these Hugging Face families; "
+        "python scripts/hf_config.py DIR prints the section of a directory",
+    )
+    head_dim: Optional[int] = bounded(
+        None, 1, doc="features per attention head; null = hidden_size / num_attention_heads (Qwen3: 128)"
+    )
+    qkv_bias: bool = doc(False, "bias terms on the q, k and v projections (Qwen2 / Qwen2.5)")
+    qk_norm: bool = doc(False, "RMSNorm over each head's features of q and k, before RoPE (Qwen3, Qwen3-MoE)")
+    no_rope_layers: list[int] = doc(list, "indices of the decoder layers that apply no RoPE (SmolLM3)")
+    sliding_window: Optional[int] = bounded(
+        None,
+        1,
+        doc="attention window in tokens (Mistral); null = full causal attention; at least "
+        "training.sequence_length (where it changes nothing), a shorter window is refused",
     )
 
 
