@@ -11,4 +11,5 @@
 * ``checkpoints`` — the one-process tiny model, a training step of it, damage to a saved file;
 * ``hf_reference`` — transformers' Llama in float64 (and its llama3 RoPE frequencies), the reference;
 * ``compat`` — the checkpoint fixture of an older format: its parts, its run, a parameter digest.
+* ``family_tokenizers`` — tokenizer.json files in the Llama 3, Mistral and Qwen2 styles, built offline.
 """
