@@ -22,8 +22,9 @@ from nanotrain.data.errors import DataError
 
 BYTE = "byte"
 
-# End-of-document tokens of common tokenizer families, tried in this order:
-# GPT-2/NeoX, Llama 3, Llama 2/Mistral, Gemma, then generic spellings.
+# End-of-document tokens of common tokenizer families, tried in this order: GPT-2/NeoX and
+# Qwen2/2.5/3, Llama 3 and SmolLM3, Llama 2/Mistral/Mixtral, Gemma, then generic spellings
+# (tests/test_family_tokenizers.py checks the first three families' pick).
 SEPARATOR_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<eot>", "[EOS]", "[SEP]")
 
 
@@ -95,6 +96,14 @@ class JsonTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        """The id of ``token`` (a vocabulary entry or an added token), None if it has none."""
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> Optional[str]:
+        """The token of ``token_id``, None outside the vocabulary."""
+        return self._tok.id_to_token(int(token_id))
 
 
 def check_tokenizer_path(spec: str) -> None:
