@@ -1,11 +1,13 @@
 #!/usr/bin/env python
-"""Export a nanotrain run or checkpoint as a Hugging Face Llama directory (transformers, vLLM, the Hub).
+"""Export a nanotrain run or checkpoint as a Hugging Face directory of its model.family (transformers, vLLM, the Hub).
 
     python scripts/export_hf.py SRC OUT_DIR [--dtype bfloat16|float32] [--max-shard-size 5GB]
 
 SRC: a run directory (its latest complete checkpoint), a checkpoints root, or one checkpoint
 directory, saved at any (dp, tp, pp, cp, ZeRO stage). OUT_DIR (apart from the checkpoint: not it,
-not inside it, not holding it) then loads with ``LlamaForCausalLM.from_pretrained(OUT_DIR)`` and
+not inside it, not holding it) then loads with ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``
+(the family's class: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``, ``SmolLM3ForCausalLM``, ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM``) and
 ``AutoTokenizer.from_pretrained(OUT_DIR)``. A wrong input is one ``error:`` line and exit status 2,
 before anything is written. The work is ``nanotrain.hf.export`` (streamed tensor by
 tensor; see its docstring).

@@ -72,7 +72,18 @@ def _arch(c):
 
 BAD = [
     # (id, config edit, tensor edit, fragments of the one error line)
-    ("another-architecture", _arch, None, ["model_type 'mistral'", "MistralForCausalLM", "only 'llama'"]),
+    (
+        "another-family",
+        _arch,
+        None,
+        ["holds a mistral model (MistralForCausalLM)", "model.family is llama", "set model.family: mistral"],
+    ),
+    (
+        "unknown-model-type",
+        lambda c: c.update(model_type="gpt2", architectures=["GPT2LMHeadModel"]),
+        None,
+        ["model_type 'gpt2'", "nanotrain imports llama (LlamaForCausalLM)", "qwen3_moe (Qwen3MoeForCausalLM)"],
+    ),
     (
         "rope-scaling",
         lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 8.0}),

@@ -22,6 +22,7 @@ from nanotrain.config import Config, ConfigError, config_from_dict
 from nanotrain.config.loader import apply_override, check_fields
 from nanotrain.config.paths import CREATE_DIR, DIR, check_path
 from nanotrain.config.validate import validate_layout
+from nanotrain.models.family import family_of
 
 DTYPES = ("float32", "bfloat16")  # export's --dtype choices, named as format.DTYPES names torch dtypes
 DEFAULT_MAX_SHARD = 5 * 10**9
@@ -161,8 +162,10 @@ def plan_reshard(src: str | Path, dst_root: str | Path, overrides: list[str] = (
 
 
 def plan_export(src: str | Path, out_dir: str | Path, dtype: str) -> tuple[Path, dict]:
-    """(checkpoint, meta.json) to export from ``src`` into ``out_dir``: a dense Llama with its
-    config stored, and an output apart from it. Raises CheckpointError; reads only meta.json."""
+    """(checkpoint, meta.json) to export from ``src`` into ``out_dir``: a checkpoint with its config
+    stored, whose model its family's config.json can describe (``Mapping.inexpressible``: e.g. an
+    MoE model only as mixtral or qwen3_moe, q/k/v biases only as qwen2), and an output apart from
+    it. Raises CheckpointError; reads only meta.json."""
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     check_path("SRC", src, DIR, CheckpointError, missing=f"{src}: no such run or checkpoint directory")
@@ -174,9 +177,15 @@ def plan_export(src: str | Path, out_dir: str | Path, dtype: str) -> tuple[Path,
     config = meta.get("config") or {}
     if not isinstance(config, dict) or not config.get("model"):
         raise CheckpointError(f"{ckpt}: meta.json holds no config, so the model's shape is unknown")
-    if config["model"].get("moe"):
+    try:
+        args = config_from_dict({"model": config["model"]}).model
+    except ConfigError as exc:
+        raise CheckpointError(f"{ckpt}: meta.json's model section does not read ({exc})") from None
+    family = family_of(args)
+    problems = family.hf.inexpressible(args)
+    if problems:
         raise CheckpointError(
-            f"{ckpt}: a model.moe checkpoint has no LlamaForCausalLM layout (export is for dense "
-            "Llama models; a Mixtral mapping is not implemented)"
+            f"{ckpt}: model.family {family.name} ({family.hf.ARCHITECTURE}) cannot describe this model: "
+            + "; ".join(problems)
         )
     return ckpt, meta

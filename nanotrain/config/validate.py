@@ -14,6 +14,7 @@ from nanotrain.config.validate_slurm import RUN_NAME, SlurmLayout, parallel_prod
 # training.collective_timeout_s: the process groups get more on top (training.builder.hang_timeouts),
 # which timedelta and torch's nanosecond clocks must still hold; a longer wait is no watchdog.
 MAX_COLLECTIVE_TIMEOUT_S = 7 * 24 * 3600.0
+MOE_FAMILIES = ("mixtral", "qwen3_moe")  # model.family values whose Hugging Face format has experts
 
 
 def _fail(message: str):
@@ -140,10 +141,12 @@ def validate_moe(config: Config) -> None:
             f"model.moe.num_shared_experts * expert width ({moe.num_shared_experts * ffn}) must be divisible "
             f"by parallelism.tp ({p.tp}): the shared experts are split over tp"
         )
-    if config.checkpoints.init_from_hf:
+    family = config.model.family
+    if config.checkpoints.init_from_hf and family not in MOE_FAMILIES:
         _fail(
-            "checkpoints.init_from_hf: a Hugging Face Llama checkpoint has no experts to initialise model.moe "
-            "from: drop one of them"
+            f"checkpoints.init_from_hf: a Hugging Face {family} checkpoint has no experts to initialise model.moe "
+            f"from: set model.family to {' or '.join(MOE_FAMILIES)} for such a directory "
+            "(python scripts/hf_config.py DIR prints the section), or drop model.moe"
         )
 
 

@@ -1,9 +1,12 @@
-"""A local Hugging Face Llama directory, read and checked without torch.
+"""A local Hugging Face model directory, read and checked without torch.
 
 ``submit.py`` calls ``check_hf_dir`` before anything is submitted (``checkpoints.init_from_hf``),
 so every problem a rank would otherwise meet minutes later in the queue — a missing directory,
-another architecture, a ``model`` section that differs from config.json, a tensor missing or of
-another shape, bias terms — is one ``error:`` line each, exit 2. Only config.json and the
+another family than ``model.family`` or one nanotrain does not import, a ``model`` section that
+differs from config.json, a tensor missing or of another shape, bias terms the family has not —
+is one ``error:`` line each, exit 2. The family's mapping (``models/family.py``) says which
+tensors it needs; an MoE directory may hold the experts one tensor per expert (what
+``save_pretrained`` writes) or as transformers 5.x's fused stacks (``HFDir.fused``). Only config.json and the
 safetensors headers are read (a few KB), never the weights. Single-file (``model.safetensors``)
 and index-sharded (``model.safetensors.index.json`` + ``model-0000k-of-0000n.safetensors``)
 directories are both understood.
@@ -18,7 +21,7 @@ from pathlib import Path
 from nanotrain.checkpoint.layout import CheckpointMismatch, read_safetensors_header
 from nanotrain.config import ModelArgs
 from nanotrain.config.paths import DIR, FILE, check_path
-from nanotrain.models import hf_llama
+from nanotrain.models.family import ModelFamily, family_of, family_of_hf, supported_families
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -35,6 +38,7 @@ class HFDir:
     path: Path
     config: dict
     tensors: dict[str, dict] = field(default_factory=dict)  # name -> {"file", "dtype", "shape"}
+    fused: bool = False  # experts stored as fused stacks (set by check_hf_dir)
 
     @property
     def vocab_size(self) -> int:
@@ -102,30 +106,56 @@ def open_hf_dir(path: str | Path) -> HFDir:
     return out
 
 
+def hf_family(hf: HFDir, path: str | Path | None = None) -> ModelFamily:
+    """The family of the directory's config.json. Raises HFError naming the supported families
+    when nanotrain imports none of this ``model_type``."""
+    found = family_of_hf(hf.config)
+    if found is None:
+        archs = hf.config.get("architectures") or []
+        raise HFError(
+            f"{_where(hf.path if path is None else Path(path))} holds model_type {hf.config.get('model_type')!r} "
+            f"(architectures {archs}): nanotrain imports {supported_families()}"
+        )
+    return found
+
+
 def check_hf_dir(path: str | Path, args: ModelArgs) -> HFDir:
     """The directory, if nanotrain's model ``args`` can start from it (checked before a launch
     and again by ``load_hf_weights``).
 
     Raises:
-        HFError: as ``open_hf_dir``, or an unsupported architecture, config fields that differ
-            from ``args``, bias tensors, tensors missing or of another shape; the message names
-            every problem, joined by ``; `` on one line (the CLI prints it after ``error:``).
+        HFError: as ``open_hf_dir``, or another family than ``model.family`` (both named, with
+            the fix), an unsupported model_type or config value, config fields that differ from
+            ``args``, bias tensors the family has not, tensors missing or of another shape; the
+            message names every problem, joined by ``; `` on one line (the CLI prints it after
+            ``error:``).
     """
     hf = open_hf_dir(path)
     where = _where(hf.path)
-    problems = [f"{where}: {p}" for p in hf_llama.unsupported(hf.config)]
+    found, family = hf_family(hf), family_of(args)
+    if found.name != family.name:
+        raise HFError(
+            f"{where} holds a {found.name} model ({found.hf.ARCHITECTURE}) but model.family is {family.name}: "
+            f"set model.family: {found.name} (python scripts/hf_config.py {hf.path} prints the whole section)"
+        )
+    mapping = family.hf
+    problems = [f"{where}: {p}" for p in mapping.unsupported(hf.config)]
     if problems:  # another architecture: its fields and tensors mean something else
         raise HFError("; ".join(problems))
-    problems += hf_llama.mismatches(args, hf.config)
+    problems += mapping.mismatches(args, hf.config)
     if problems:
         raise HFError("; ".join(problems))
-    biases = sorted(n for n in hf.tensors if n.endswith(".bias"))
+    expected = mapping.hf_shapes(args, hf.vocab_size)
+    if args.moe is not None and any(n not in hf.tensors for n in expected):
+        fused = mapping.hf_shapes(args, hf.vocab_size, fused=True)
+        if all(n in hf.tensors for n in fused):
+            expected, hf.fused = fused, True
+    biases = sorted(n for n in hf.tensors if n.endswith(".bias") and n not in expected)
     if biases:
         problems.append(
             f"{where}: bias tensors present ({', '.join(biases[:3])}{', ...' if len(biases) > 3 else ''}): "
-            "nanotrain's Llama has no bias terms"
+            f"nanotrain's {family.name} model has no such bias terms"
         )
-    expected = hf_llama.hf_shapes(args, hf.vocab_size)
     missing = [n for n in expected if n not in hf.tensors]
     if missing:
         problems.append(

@@ -1,19 +1,24 @@
-"""Export a nanotrain checkpoint, at whatever topology it was saved, as a Hugging Face Llama directory.
+"""Export a nanotrain checkpoint, at whatever topology it was saved, as a Hugging Face directory
+of its ``model.family``.
 
     python scripts/export_hf.py logs/<run> OUT_DIR [--dtype bfloat16|float32] [--max-shard-size 5GB]
 
-OUT_DIR gets what ``LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``
-read: config.json, generation_config.json, model.safetensors (or, above ``max_shard_size``,
-``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``), tokenizer.json and
-tokenizer_config.json. Nothing of transformers is imported: safetensors and JSON only.
+OUT_DIR gets what ``AutoModelForCausalLM.from_pretrained`` (the family's class: LlamaForCausalLM,
+MistralForCausalLM, Qwen2/Qwen3/SmolLM3/Mixtral/Qwen3MoeForCausalLM) and
+``AutoTokenizer.from_pretrained`` read: config.json, generation_config.json, model.safetensors
+(or, above ``max_shard_size``, ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``),
+tokenizer.json and tokenizer_config.json. Nothing of transformers is imported: safetensors and
+JSON only.
 
 Streaming: the output files' headers are computed from the checkpoint's index first (every
-shape is known), then one nanotrain tensor at a time is merged from its tp/pp shards by the
+shape is known), then one nanotrain tensor at a time is merged from its tp/pp/ep shards by the
 slice metadata (``assemble.assemble_full``, as resharding does), split into its HF tensors
-(``hf_llama.pieces``), cast and appended to the open file. The source files are opened per
-tensor and closed after it, so peak memory is about one full tensor (the embedding), not the
-model (benchmarks/hf_io.py measures it). Only the model files are read: the optimizer states
-are left alone, and every byte read is checked against the checkpoint's sha256s first.
+(the family's ``pieces``: an expert stack into one tensor per expert and projection, the layout
+``save_pretrained`` writes), cast and appended to the open file. The source files are opened per
+tensor and closed after it, so peak memory is about one full tensor (the embedding, or an MoE
+layer's expert stack), not the model (benchmarks/hf_io.py measures it). Only the model files are
+read: the optimizer states are left alone, and every byte read is checked against the
+checkpoint's sha256s first.
 """
 
 from __future__ import annotations
@@ -39,13 +44,14 @@ from nanotrain.config.atomic_files import atomic_write
 from nanotrain.config.files import removed_on_failure
 from nanotrain.data.hf_tokenizer import export_tokenizer
 from nanotrain.hf.directory import INDEX, SINGLE
-from nanotrain.models import hf_llama
+from nanotrain.models.family import family_of
+from nanotrain.models.hf_mapping import nanotrain_names
 
 
 def _plan(args: ModelArgs, max_shard: int, itemsize: int) -> list[list[tuple[str, tuple[int, ...]]]]:
     """HF tensors in order, packed greedily into files of at most ``max_shard`` bytes."""
     files, size = [[]], 0
-    for name, shape in hf_llama.hf_shapes(args).items():
+    for name, shape in family_of(args).hf.hf_shapes(args).items():
         nbytes = itemsize * int(torch.Size(shape).numel())
         if files[-1] and size + nbytes > max_shard:
             files.append([])
@@ -56,16 +62,17 @@ def _plan(args: ModelArgs, max_shard: int, itemsize: int) -> list[list[tuple[str
 
 
 def _tensors(ckpt: Path, meta: dict, args: ModelArgs, dtype: torch.dtype):
-    """(HF name, tensor) in ``hf_llama.hf_shapes`` order, one nanotrain tensor in memory at a time."""
+    """(HF name, tensor) in ``hf_shapes`` order, one nanotrain tensor in memory at a time."""
     index = meta["index"]["model"]
-    for name in hf_llama.nanotrain_names(args):
+    for name in nanotrain_names(args):
         if name not in index:
             raise CheckpointError(f"{ckpt}: no parameter {name!r} in the checkpoint")
         reader = ShardReader(ckpt)
         full = assemble_full(reader, name, index[name])
         reader.close()
-        for piece in hf_llama.pieces(name, args):
-            yield piece.hf_name, full[piece.start : piece.stop].to(dtype).contiguous()
+        for piece in family_of(args).hf.pieces(name, args):
+            rows = full if piece.lead is None else full[piece.lead]
+            yield piece.hf_name, rows[piece.start : piece.stop].to(dtype).contiguous()
         del full
 
 
@@ -93,8 +100,9 @@ def _write_file(path: Path, entries: list[tuple[str, tuple[int, ...]]], st_dtype
 def export_hf(
     src: str | Path, out_dir: str | Path, dtype: str = "float32", max_shard_size: int = DEFAULT_MAX_SHARD
 ) -> dict:
-    """Write a nanotrain checkpoint out as a Hugging Face ``LlamaForCausalLM`` directory (weights,
-    config.json, generation config, tokenizer), shards merged; one process, any saved topology.
+    """Write a nanotrain checkpoint out as a Hugging Face directory of its ``model.family``
+    (weights, config.json, generation config, tokenizer), shards merged; one process, any saved
+    topology.
 
     Args:
         src: a run directory or checkpoint directory (its ``latest`` complete checkpoint).
@@ -106,8 +114,8 @@ def export_hf(
         ``{"checkpoint", "files", "bytes", "seconds"}``.
 
     Raises:
-        CheckpointError: a wrong source, output or dtype, an MoE checkpoint
-            (``offline_checks.plan_export``, before anything is written), or a damaged
+        CheckpointError: a wrong source, output or dtype, a model its family's config.json
+            cannot describe (``offline_checks.plan_export``, before anything is written), or a damaged
             checkpoint. A failure after writing began removes what this call made: ``out_dir``
             itself if it did not exist, else the files it added.
     """
@@ -153,7 +161,7 @@ def _write(
             stale.unlink(missing_ok=True)  # an earlier export's files in the same directory
     tokenizer = (config.get("data") or {}).get("tokenizer", "byte")
     special = export_tokenizer(tokenizer, out, args.max_position_embeddings)
-    hf_cfg = hf_llama.hf_config(args, dtype=dtype, **special)
+    hf_cfg = family_of(args).hf.hf_config(args, dtype=dtype, **special)
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
     generation = {
         "bos_token_id": special["bos_token_id"],
