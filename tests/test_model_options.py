@@ -296,7 +296,11 @@ BAD = [
     ("no-rope-twice", ["model.family=smollm3", "model.no_rope_layers=[2,2]"], ["model.no_rope_layers[1]", "twice"]),
     ("qk-norm-llama", ["model.qk_norm=true"], ["model.qk_norm: true", "model.family llama", "model.family: qwen3"]),
     ("bias-qwen3", ["model.family=qwen3", "model.qkv_bias=true"], ["model.qkv_bias", "qwen3", "model.family: qwen2"]),
-    ("head-dim-llama", ["model.head_dim=8"], ["model.head_dim (8", "model.family llama", "head_dim: null"]),
+    (
+        "head-dim-llama",
+        ["model.head_dim=8"],
+        ["model.head_dim (8; num_attention_heads x head_dim = 32, not hidden_size 64)", "llama", "head_dim: null"],
+    ),
     ("window-llama", ["model.sliding_window=64"], ["model.sliding_window (64)", "llama", "mistral or qwen2"]),
     ("moe-qwen2", ["model.family=qwen2", "model.moe.num_experts=4"], ["model.moe", "qwen2", "has no experts"]),
     ("qwen3-moe-dense", ["model.family=qwen3_moe"], ["model.family qwen3_moe needs a model.moe", "qwen3"]),

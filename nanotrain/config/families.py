@@ -7,7 +7,7 @@ there (its biases or norms dropped, every layer rotated), and one imported under
 would be read with the wrong names. So each family lists the options it may have, and
 ``validate_family`` refuses any other in one line naming the field, the family and the fix.
 
-A ``head_dim`` equal to ``hidden_size / num_attention_heads`` is no option (it is the default);
+A ``head_dim`` with ``num_attention_heads * head_dim == hidden_size`` is no option (the default);
 ``tie_word_embeddings`` is every family's (every transformers model can tie its head); the
 ``llama`` family also takes nanotrain's own MoE (``model.moe``, any shape), as before families.
 Torch-free: ``validate`` calls it before anything is built.
@@ -44,10 +44,6 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def _derived_head_dim(m: ModelArgs) -> int:
-    return m.hidden_size // m.num_attention_heads
-
-
 # option -> (is it set?, how the field and its value read, why the family lacks it (``{cls}``:
 # its transformers class, ``{have}``: the families that have it), how to turn it off)
 OPTIONS: dict[str, tuple[Callable[[ModelArgs], bool], Callable[[ModelArgs], str], str, str]] = {
@@ -59,8 +55,11 @@ OPTIONS: dict[str, tuple[Callable[[ModelArgs], bool], Callable[[ModelArgs], str]
     ),
     "qk_norm": (lambda m: m.qk_norm, lambda m: "model.qk_norm: true", "{cls} has no q/k norms", "qk_norm: false"),
     "head_dim": (
-        lambda m: m.head_dim is not None and m.head_dim != _derived_head_dim(m),
-        lambda m: f"model.head_dim ({m.head_dim}, not hidden_size / num_attention_heads = {_derived_head_dim(m)})",
+        lambda m: m.head_dim is not None and m.head_dim * m.num_attention_heads != m.hidden_size,
+        lambda m: (
+            f"model.head_dim ({m.head_dim}; num_attention_heads x head_dim = "
+            f"{m.head_dim * m.num_attention_heads}, not hidden_size {m.hidden_size})"
+        ),
         "nanotrain maps a head_dim of its own for {have} only",
         "head_dim: null",
     ),
