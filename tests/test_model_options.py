@@ -14,6 +14,7 @@ qkv bias's tp shards put back in [q | k | v] order)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +25,9 @@ from nanotrain.models.llama import param_seed
 from nanotrain.models.llama_parallelize import build_llama
 from nanotrain.parallel.sharding import copy_from_full_, gather_full, get_shard_info
 
-from helpers.cli import run_cli
 from helpers.dist import run_distributed
-from helpers.runs import TINY
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"  # (helpers.runs: heavy for the ranks)
 
 DENSE = ModelArgs(
     vocab_size=64,
@@ -316,6 +317,8 @@ BAD = [
 
 @pytest.mark.parametrize("sets, fragments", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
 def test_bad_option_is_one_error_line(sets, fragments, tmp_path, capsys):
+    from helpers.cli import run_cli  # the command line: imported here, not by every rank
+
     argv = [TINY, "--dry-run", "--set", f"logging.dir={tmp_path}"]
     for s in sets:
         argv += ["--set", s]
