@@ -1,7 +1,8 @@
 """The torch-free arithmetic (``llama_arch``, ``llama_parallelize_costs``) that ``--dry-run``,
 ``--plan`` and the memory estimate use equals the numbers read from the module itself, exactly,
 over a grid of shapes (GQA and MHA, tied and untied, padded vocabularies, dense and MoE with
-shared experts, leading dense layers and a layer frequency) and layouts (tp, pp, virtual stages,
+shared experts, leading dense layers and a layer frequency, a head_dim apart from hidden / heads
+with qkv biases and q/k norms) and layouts (tp, pp, virtual stages,
 ep): the whole model's parameters, each rank's parameters and routed experts, the model FLOPs
 behind MFU, and the FLOPs each recompute mode adds (HFU). All on the meta device: no storage."""
 
@@ -37,6 +38,12 @@ SHAPES = {
         moe=MoEArgs(num_experts=4, top_k=2, num_shared_experts=1, first_dense_layers=1, expert_intermediate_size=40),
     ),
     "moe-sparse": replace(BASE, tie_word_embeddings=True, moe=MoEArgs(num_experts=8, top_k=1, layer_frequency=2)),
+    # the Hugging Face families' options: heads of their own width (6 x 12 = 72 query features
+    # for a hidden size of 48), q/k/v biases (split over tp), per-head q/k norms (replicated)
+    "options": replace(BASE, head_dim=12, qkv_bias=True, qk_norm=True, no_rope_layers=[1]),
+    "moe-options": replace(
+        BASE, head_dim=6, qkv_bias=True, qk_norm=True, moe=MoEArgs(num_experts=4, top_k=2, norm_topk_prob=False)
+    ),
 }
 # (tp, pp, virtual stages, ep); the MoE shapes take ep > 1
 LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (2, 2, 2, 1), (1, 1, 1, 2), (2, 2, 1, 2), (1, 3, 1, 4)]

@@ -57,7 +57,7 @@ def _mixtral(args: ModelArgs, ours):
     hf_config._attn_implementation = "eager"
     hf = transformers.MixtralForCausalLM(hf_config).eval()
     w = {n: p.detach() for n, p in ours.named_parameters()}
-    d = args.hidden_size // args.num_attention_heads
+    d = llama_arch.head_dim(args)
     q_out, kv_out = args.num_attention_heads * d, kv * d
     state = {
         "model.embed_tokens.weight": w["embed.weight"],

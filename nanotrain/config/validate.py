@@ -7,6 +7,7 @@ world size, and to the sbatch script the job becomes (``validate_slurm.py``).
 
 from __future__ import annotations
 
+from nanotrain.config.families import validate_family
 from nanotrain.config.loader import ConfigError, check_fields
 from nanotrain.config.schema import MAX_WORLD, Config
 from nanotrain.config.validate_slurm import RUN_NAME, SlurmLayout, parallel_product, slurm_layout, validate_names
@@ -39,21 +40,25 @@ def validate_layout(config: Config) -> None:
             f"parallelism.ep ({p.ep}): the model is dense (no model.moe, no experts to shard); "
             f"add a model.moe section or set parallelism.ep: 1 and give the ranks to dp (dp: {p.dp * p.ep})"
         )
+    validate_family(config)
     if m.moe is not None:
         validate_moe(config)
     if m.rope_scaling is not None:
         validate_rope_scaling(config)
+    validate_no_rope_layers(config)
     if m.dtype == "float16":
         _fail(
             "model.dtype: float16 needs loss scaling, which nanotrain does not do (its 5-bit exponent "
             "underflows small gradients); use bfloat16 (same memory and speed, fp32's range) or float32"
         )
-    if m.hidden_size % m.num_attention_heads:
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
         _fail(
             f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_attention_heads "
-            f"({m.num_attention_heads}): choose heads that divide the hidden size"
+            f"({m.num_attention_heads}): choose heads that divide the hidden size (or set model.head_dim)"
         )
-    if (m.hidden_size // m.num_attention_heads) % 2:
+    if m.head_dim is not None and m.head_dim % 2:
+        _fail(f"model.head_dim ({m.head_dim}) must be even for RoPE (it rotates pairs of features)")
+    if m.head_dim is None and (m.hidden_size // m.num_attention_heads) % 2:
         _fail(
             f"model: head dim hidden_size/num_attention_heads = {m.hidden_size // m.num_attention_heads} "
             "must be even for RoPE: change hidden_size or num_attention_heads"
@@ -93,6 +98,12 @@ def validate_model(config: Config) -> None:
         _fail(
             f"training.sequence_length ({t.sequence_length}) exceeds model.max_position_embeddings "
             f"({m.max_position_embeddings}): raise max_position_embeddings or shorten the sequence"
+        )
+    if m.sliding_window is not None and m.sliding_window < t.sequence_length:
+        _fail(
+            f"model.sliding_window ({m.sliding_window}) is shorter than training.sequence_length "
+            f"({t.sequence_length}): nanotrain attends causally over the whole sequence; set it to "
+            f"{t.sequence_length} or more (or null), or shorten training.sequence_length"
         )
     if p.cp > 1 and t.sequence_length % (2 * p.cp):
         _fail(
@@ -148,6 +159,20 @@ def validate_moe(config: Config) -> None:
             f"from: set model.family to {' or '.join(MOE_FAMILIES)} for such a directory "
             "(python scripts/hf_config.py DIR prints the section), or drop model.moe"
         )
+
+
+def validate_no_rope_layers(config: Config) -> None:
+    """``model.no_rope_layers``: decoder layer indices, each once."""
+    m, seen = config.model, set()
+    for i, layer in enumerate(m.no_rope_layers):
+        if not 0 <= layer < m.num_layers:
+            _fail(
+                f"model.no_rope_layers[{i}]: {layer} is not a decoder layer index (0 .. {m.num_layers - 1} "
+                f"for model.num_layers {m.num_layers}): remove it or fix the index"
+            )
+        if layer in seen:
+            _fail(f"model.no_rope_layers[{i}]: layer {layer} is listed twice; list each layer once")
+        seen.add(layer)
 
 
 def validate_rope_scaling(config: Config) -> None:

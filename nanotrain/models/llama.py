@@ -1,4 +1,6 @@
-"""Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention) as a plain single-device model.
+"""Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention) as a plain single-device model, with
+the options of the Hugging Face families it imports (``Attention``: a head width of its own,
+q/k/v biases, per-head q/k norms, layers without RoPE; ``moe.py``: the routers' top-k weights).
 
 Read it like nanoGPT: embedding -> decoder layers -> final norm -> LM head -> loss. Activations are
 sequence-first ``[S, B, H]``, the layout whose sequence shards are contiguous (what sequence and
@@ -120,16 +122,24 @@ class CausalCore(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query causal attention. ``qkv`` holds the rows ``[q | k | v]``; the head counts
-    of a forward are read from its output width, so a tensor-parallel ``qkv`` producing this
-    rank's heads needs no other change."""
+    """Grouped-query causal attention. ``qkv`` holds the rows ``[q | k | v]`` (its bias too, with
+    ``qkv_bias``); the head counts of a forward are read from its output width, so a
+    tensor-parallel ``qkv`` producing this rank's heads needs no other change.
 
-    def __init__(self, args: ModelArgs):
+    ``qk_norm`` (Qwen3): an RMSNorm of one head's width over each head of q and of k, after the
+    projection and before RoPE, as transformers' ``Qwen3Attention``; its weight is shared by all
+    heads, so under tp a rank's gradient covers its own heads only (the parallelize plan marks it
+    to be summed over tp). ``rope`` False (``model.no_rope_layers``, SmolLM3): no rotation."""
+
+    def __init__(self, args: ModelArgs, rope: bool = True):
         super().__init__()
         self.head_dim = llama_arch.head_dim(args)
         self.group = args.num_attention_heads // llama_arch.kv_heads(args)  # query heads per kv head
-        q_out, kv_out = args.num_attention_heads * self.head_dim, llama_arch.kv_heads(args) * self.head_dim
-        self.qkv = nn.Linear(args.hidden_size, q_out + 2 * kv_out, bias=False)
+        q_out, kv_out = llama_arch.query_features(args), llama_arch.kv_heads(args) * self.head_dim
+        self.qkv = nn.Linear(args.hidden_size, q_out + 2 * kv_out, bias=args.qkv_bias)
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.rope = rope
         self.core = CausalCore()
         self.o_proj = nn.Linear(q_out, args.hidden_size, bias=False)
 
@@ -139,8 +149,11 @@ class Attention(nn.Module):
         kv_heads = qkv.shape[-1] // (d * (self.group + 2))
         heads = kv_heads * self.group
         q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-        q = apply_rope(q.view(seq, batch, heads, d), cos, sin)
-        k = apply_rope(k.view(seq, batch, kv_heads, d), cos, sin)
+        q, k = q.view(seq, batch, heads, d), k.view(seq, batch, kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.o_proj(self.core(q, k, v.view(seq, batch, kv_heads, d)))
 
 
@@ -151,7 +164,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, index: int = 0, moe_state: MoEState | None = None):
         super().__init__()
         self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attn = Attention(args)
+        self.attn = Attention(args, rope=index not in args.no_rope_layers)
         self.post_attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if llama_arch.is_moe_layer(args, index):
             self.mlp = MoEFeedForward(args, moe_state if moe_state is not None else MoEState())
@@ -217,10 +230,13 @@ class LlamaModel(nn.Module):
     # ------------------------------------------------------------------ init
     def param_initializer(self, name: str, seed: int) -> Callable[[torch.Tensor], object]:
         """Fills the full (unsharded) fp32 tensor of parameter ``name`` in place: norms with 1,
-        others N(0, init_std), the residual projections (o_proj, down) scaled by 1/sqrt(2L), each
-        from a generator seeded by (seed, name) — identical on every rank and topology."""
+        biases with 0 (the qkv one: a fresh model computes what a bias-free one does), others
+        N(0, init_std), the residual projections (o_proj, down) scaled by 1/sqrt(2L), each from a
+        generator seeded by (seed, name) — identical on every rank and topology."""
         if name.endswith("norm.weight"):
             return lambda full: full.fill_(1.0)
+        if name.endswith(".bias"):
+            return lambda full: full.zero_()
         std = self.args.init_std
         if name.endswith(("o_proj.weight", "down.weight")):
             std /= math.sqrt(2 * self.args.num_layers)

@@ -23,7 +23,14 @@ from nanotrain.parallel.stage_split import Attach, split_stages
 
 # ----------------------------------------------------------------------------- shapes
 def head_dim(args: ModelArgs) -> int:
-    return args.hidden_size // args.num_attention_heads
+    """Features per attention head: ``model.head_dim``, default ``hidden_size / num_attention_heads``
+    (Qwen3 sets it apart: its query features ``heads * head_dim`` need not equal the hidden size)."""
+    return args.head_dim or args.hidden_size // args.num_attention_heads
+
+
+def query_features(args: ModelArgs) -> int:
+    """Width of the attention's query (and of o_proj's input): ``heads * head_dim``."""
+    return args.num_attention_heads * head_dim(args)
 
 
 def kv_heads(args: ModelArgs) -> int:
@@ -90,7 +97,7 @@ def block_costs(args: ModelArgs) -> dict[str, int]:
     MoE layer's active weights only), the LM head's vocab projection, the embedding's lookup (a
     copy of H values). ``layer`` is a dense layer, ``moe_layer`` an MoE one."""
     h = args.hidden_size
-    attention = 4 * args.max_position_embeddings * h
+    attention = 4 * args.max_position_embeddings * query_features(args)
     layer = 2 * layer_matmul_parameters(args) + attention
     moe_layer = 2 * layer_matmul_parameters(args, moe=True) + attention if args.moe else layer
     return {"embed": h, "layer": layer, "moe_layer": moe_layer, "head": 2 * h * args.vocab_size}
@@ -140,6 +147,9 @@ def _split_key(args: ModelArgs, pp: int, virtual_stages: int) -> tuple:
         args.vocab_size,
         args.max_position_embeddings,
         args.tie_word_embeddings,
+        args.head_dim,
+        args.qkv_bias,
+        args.qk_norm,
         repr(args.moe) if args.moe else None,
         pp,
         virtual_stages,
@@ -237,9 +247,10 @@ def _every_rank_blocks(args: ModelArgs, pp: int, virtual_stages: int) -> list[li
 # ----------------------------------------------------------------------------- parameters
 def layer_matmul_parameters(args: ModelArgs, moe: bool = False) -> int:
     """Weights of one unsharded decoder layer that multiply every token: qkv, o_proj and the
-    dense gate/up/down, or (``moe``) the router, top_k experts and the shared experts."""
+    dense gate/up/down, or (``moe``) the router, top_k experts and the shared experts (not the
+    qkv bias or the norms: they are added, not multiplied, ``layer_vector_parameters``)."""
     h = args.hidden_size
-    q_out, kv_out = args.num_attention_heads * head_dim(args), kv_heads(args) * head_dim(args)
+    q_out, kv_out = query_features(args), kv_heads(args) * head_dim(args)
     attention = h * (q_out + 2 * kv_out) + q_out * h
     if not moe:
         return attention + 3 * h * args.intermediate_size
@@ -247,21 +258,35 @@ def layer_matmul_parameters(args: ModelArgs, moe: bool = False) -> int:
     return attention + m.num_experts * h + (m.top_k + m.num_shared_experts) * 3 * h * ffn
 
 
+def layer_vector_parameters(args: ModelArgs, tp: int = 1) -> int:
+    """One decoder layer's one-dimensional parameters on one tp rank: the two RMSNorm weights
+    (replicated), the qkv bias (``qkv_bias``: split over tp with its rows, 1/tp of q, k and v)
+    and the q/k norms (``qk_norm``: one head's width each, replicated: every head shares them)."""
+    out = 2 * args.hidden_size
+    if args.qkv_bias:
+        kv_out = kv_heads(args) * head_dim(args)
+        out += _per_rank(query_features(args), tp, "query features") + 2 * _per_rank(kv_out, tp, "key/value features")
+    if args.qk_norm:
+        out += 2 * head_dim(args)
+    return out
+
+
 def layer_parameters(args: ModelArgs, tp: int = 1, index: int | None = None, ep: int = 1) -> int:
     """One decoder layer on one (tp, ep) rank: fused qkv and gate/up (column), o_proj and down
-    (row), each 1/tp; the two RMSNorm weights replicated. Layer ``index`` MoE: the router
+    (row), each 1/tp; its vectors (``layer_vector_parameters``). Layer ``index`` MoE: the router
     (replicated), E/ep routed experts (not split over tp) and the shared experts (1/tp)."""
     h, ffn = args.hidden_size, args.intermediate_size
-    q_out, kv_out = args.num_attention_heads * head_dim(args), kv_heads(args) * head_dim(args)
+    q_out, kv_out = query_features(args), kv_heads(args) * head_dim(args)
     qkv = h * (_per_rank(q_out, tp, "query features") + 2 * _per_rank(kv_out, tp, "key/value features"))
     o_proj = _per_rank(q_out, tp, "query features") * h
+    vectors = layer_vector_parameters(args, tp)
     if index is not None and is_moe_layer(args, index):
         m, effn = args.moe, expert_ffn(args)
         experts = routed_expert_parameters(args, ep)
         shared = 3 * h * _per_rank(m.num_shared_experts * effn, tp, "shared expert features")
-        return qkv + o_proj + m.num_experts * h + experts + shared + 2 * h
+        return qkv + o_proj + m.num_experts * h + experts + shared + vectors
     mlp = 3 * h * _per_rank(ffn, tp, "model.intermediate_size")  # gate and up (fused), down
-    return qkv + o_proj + mlp + 2 * h
+    return qkv + o_proj + mlp + vectors
 
 
 def routed_expert_parameters(args: ModelArgs, ep: int = 1) -> int:
@@ -272,7 +297,8 @@ def routed_expert_parameters(args: ModelArgs, ep: int = 1) -> int:
 
 
 def block_parameters(args: ModelArgs, name: str, tp: int = 1, ep: int = 1) -> int:
-    """Parameters of the block ``name`` (a ``Block.name``) on one (tp, ep) rank (no bias anywhere)."""
+    """Parameters of the block ``name`` (a ``Block.name``) on one (tp, ep) rank (the only bias is
+    the optional qkv one, counted with its layer)."""
     kind = name.split(".", 1)[0]
     if kind in ("embed", "lm_head"):  # vocab-parallel rows, padded
         return vocab_rows_per_rank(args, tp) * args.hidden_size
@@ -297,7 +323,7 @@ class ParamCount:
 
     embedding: int
     per_layer_matmul: int  # qkv + o_proj + gate/up/down of one dense decoder layer
-    per_layer_norm: int  # the two RMSNorm weights of one decoder layer
+    per_layer_vector: int  # one decoder layer's norms and qkv bias (``layer_vector_parameters``)
     num_layers: int
     final_norm: int
     lm_head: int  # 0 when tied to the embedding
@@ -313,7 +339,7 @@ class ParamCount:
             self.embedding
             + dense * self.per_layer_matmul
             + self.moe_layers * self.moe_layer_matmul
-            + self.num_layers * self.per_layer_norm
+            + self.num_layers * self.per_layer_vector
             + self.final_norm
             + self.lm_head
         )
@@ -333,26 +359,27 @@ class ParamCount:
 
 def parameter_count(args: ModelArgs) -> ParamCount:
     """The unsharded model (tp = pp = ep = 1), from the same per-block counts as every stage."""
-    norms = 2 * args.hidden_size
+    vectors = layer_vector_parameters(args)
     embedding = block_parameters(args, "embed")
     moe = moe_layer_indices(args)
     return ParamCount(
         embedding=embedding,
         per_layer_matmul=layer_matmul_parameters(args),
-        per_layer_norm=norms,
+        per_layer_vector=vectors,
         num_layers=args.num_layers,
         final_norm=block_parameters(args, "final_norm"),
         lm_head=0 if args.tie_word_embeddings else block_parameters(args, "lm_head"),
         moe_layers=len(moe),
-        moe_layer_matmul=layer_parameters(args, 1, moe[0]) - norms if moe else 0,
+        moe_layer_matmul=layer_parameters(args, 1, moe[0]) - vectors if moe else 0,
         moe_layer_active=layer_matmul_parameters(args, moe=True) if moe else 0,
     )
 
 
 # ----------------------------------------------------------------------------- FLOPs
 def attention_flops_per_token(args: ModelArgs, seq_len: int) -> int:
-    """12 * L * H * S: QK^T and AV, forward + backward, full (non-causal) S x S."""
-    return 12 * args.num_layers * args.num_attention_heads * head_dim(args) * seq_len
+    """12 * L * H * S: QK^T and AV, forward + backward, full (non-causal) S x S; H the query
+    features ``heads * head_dim`` (the hidden size unless ``model.head_dim`` sets it apart)."""
+    return 12 * args.num_layers * query_features(args) * seq_len
 
 
 def training_flops_per_token(args: ModelArgs, seq_len: int) -> int:

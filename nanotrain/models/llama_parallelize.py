@@ -9,7 +9,8 @@ One function per step, applied in this order by ``parallelize_llama`` (torchtita
 2. ``tensor_parallel``  — the linears, the embedding and the loss become nanotrain's
    tensor-parallel modules (column: qkv, gate/up, LM head; row: o_proj, down; vocab-parallel
    embedding and cross-entropy); under sequence parallelism (REDUCE_SCATTER) the replicated
-   norms, router and experts are marked as holding partial gradients;
+   norms, router and experts are marked as holding partial gradients (summed over tp after
+   backward), and so are the q/k norms in both modes (each tp rank holds some of the heads);
 3. ``context_parallel`` — each attention core gathers keys and values over cp and runs the
    zig-zag kernel;
 4. ``expert_parallel``  — each MoE layer's experts are cut to this rank's and wrapped in the
@@ -205,8 +206,11 @@ def tensor_parallel(model: LlamaModel, plan: ParallelPlan) -> None:
             head.weight = model.embed.weight
         model.lm_head = head
     model.loss = VocabParallelCrossEntropy(pg, args.vocab_size)
-    if sequence_parallel:
+    if sequence_parallel:  # every replicated norm sees this rank's sequence shard only
         mark_sequence_parallel_(p for n, p in model.named_parameters() if n.endswith("norm.weight"))
+    elif args.qk_norm and group_size(pg) > 1:  # the q/k norms see this rank's heads only, in either mode
+        qk_norms = ("q_norm.weight", "k_norm.weight")
+        mark_sequence_parallel_(p for n, p in model.named_parameters() if n.endswith(qk_norms))
 
 
 def context_parallel(model: LlamaModel, plan: ParallelPlan) -> ContextParallel:

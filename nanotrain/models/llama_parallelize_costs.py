@@ -20,6 +20,7 @@ from nanotrain.models.llama_arch import (
     is_moe_layer,
     kv_heads,
     layer_matmul_parameters,
+    query_features,
     training_flops_per_token,
     vocab_rows_per_rank,
 )
@@ -74,11 +75,16 @@ def activation_bytes_per_layer(
       fp32 per token), replicated (``/t`` under REDUCE_SCATTER): ``2 * (8h + 4)``;
     * the two column linears' inputs (the norm outputs; gathered over the whole sequence under
       REDUCE_SCATTER): ``2 * c * h``;
-    * attention, ``/t``: the qkv output ``c (h + 2 kv)`` (its v part is SDPA's input), rotated q
-      ``c h`` and k ``c kv``, the SDPA output (the o_proj input) ``c h``, its log-sum-exp
-      ``4 heads``. Under cp the local k and v are not kept but the gathered ones of the whole
-      sequence are (``2 c kv * cp``), the two causal chunks' outputs are concatenated into a
-      copy (another ``c h``); on CPU (``cpu``) each chunk's lower-right causal mask is
+    * attention, ``/t``, with ``q = heads * head_dim`` query features (``h`` unless
+      ``model.head_dim`` sets it apart): the qkv output ``c (q + 2 kv)`` (its v part is SDPA's
+      input), rotated q ``c q`` and k ``c kv`` (a ``no_rope_layers`` layer keeps no rotated copy:
+      counted as rotating, the estimate errs high there), the SDPA output (the o_proj input)
+      ``c q``, its log-sum-exp ``4 heads``; with ``qk_norm`` the two per-head RMSNorms keep
+      ``x * rsqrt`` (fp32) and rsqrt (one fp32 per head) and, under autocast, their fp32 input
+      copy: ``(4 or 8) (q + kv) + 4 (heads + kv_heads)``. Under cp the local k and v are not kept
+      but the gathered ones of the whole sequence are (``2 c kv * cp``), the two causal chunks'
+      outputs are concatenated into a copy (another ``c q``); on CPU (``cpu``) each chunk's
+      lower-right causal mask is
       materialized (torch's CausalBias has no CPU kernel) and kept, fp32 ``[s/2cp, visible
       keys]``: ``4 (s/2cp)^2 (2cp + 1)`` per micro-batch (on GPU the efficient-attention
       kernel takes the causal variant without a mask);
@@ -90,7 +96,7 @@ def activation_bytes_per_layer(
     ``full`` keeps the layer's input only (``c h``, ``/t`` under REDUCE_SCATTER)."""
     check_recompute(recompute)
     c, h, ffn = compute_bytes(args), args.hidden_size, args.intermediate_size
-    kv, heads = kv_heads(args) * head_dim(args), args.num_attention_heads
+    kv, heads, q = kv_heads(args) * head_dim(args), args.num_attention_heads, query_features(args)
     n = sequence_length // cp * micro_batch_size
     replicated = tp if tp_mode == "REDUCE_SCATTER" else 1
     if recompute == "full":
@@ -98,14 +104,16 @@ def activation_bytes_per_layer(
     norms = 2 * (8 * h + 4) / replicated + 2 * c * h
     masks = 0.0
     if cp > 1:
-        attention = c * (3 * h + 2 * kv * cp) + 4 * heads
+        attention = c * (3 * q + 2 * kv * cp) + 4 * heads
         chunk = sequence_length // (2 * cp)  # the two causal chunks' fp32 masks, [chunk, visible keys]
         masks = 4 * chunk * chunk * (2 * cp + 1) if cpu else 0.0
     else:
-        attention = c * (3 * h + 3 * kv) + 4 * heads
+        attention = c * (3 * q + 3 * kv) + 4 * heads
+    if args.qk_norm:  # the fp32 input copy only under autocast (an fp32 q is a view of the qkv output)
+        attention += (8 if c < 4 else 4) * (q + kv) + 4 * (heads + kv_heads(args))
     mlp = 4 * c * ffn
     if recompute == "selective":  # cp: the chunks' outputs and masks live inside the region too
-        attention -= 4 * heads + (c * h if cp > 1 else 0)
+        attention -= 4 * heads + (c * q if cp > 1 else 0)
         mlp -= c * ffn
         masks = 0.0
     weights = 2 * layer_matmul_parameters(args) / tp if c == 2 else 0

@@ -1,9 +1,11 @@
 """Mixture-of-Experts feed-forward: a router, routed SwiGLU experts, optional shared experts.
 
-Routing (Mixtral's convention): fp32 router logits ``x @ W_r^T`` over all ``num_experts``, softmax,
-top-k, the k weights renormalised to sum to 1. Each (token, slot) assignment goes to its expert;
-the token's output is the weighted sum of its experts' outputs (plus the shared experts' output,
-DeepSeek style, when ``num_shared_experts`` >= 1).
+Routing (Mixtral's convention): router logits ``x @ W_r^T`` over all ``num_experts`` (in fp32 at
+least: bf16 inputs are widened, a float64 model stays float64), softmax, top-k, the k weights
+renormalised to sum to 1 (``norm_topk_prob``; false keeps the k softmax probabilities as they are,
+transformers' ``Qwen3MoeSparseMoeBlock`` with ``norm_topk_prob: false``). Each (token, slot)
+assignment goes to its expert; the token's output is the weighted sum of its experts' outputs
+(plus the shared experts' output, DeepSeek style, when ``num_shared_experts`` >= 1).
 
 The experts are stacked in two 3-D parameters (``experts.gate_up.weight`` ``[E, 2F, H]``,
 ``experts.down.weight`` ``[E, H, F]``): one tensor per layer for checkpoints and resharding.
@@ -77,12 +79,12 @@ class _AddAuxLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float):
-        ctx.scale = scale
+        ctx.scale, ctx.aux_dtype = scale, aux.dtype
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+        return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
 
 
 class Stacked(nn.Module):
@@ -125,19 +127,21 @@ class Routing:
 
     order: torch.Tensor  # [N] kept assignments (index a = slot * T + token), grouped by expert
     counts: list[int]  # [E] kept assignments per expert
-    weights: torch.Tensor  # [N] renormalised router weight of each kept assignment (fp32)
+    weights: torch.Tensor  # [N] router weight of each kept assignment (the logits' dtype)
     aux: torch.Tensor  # load-balancing loss (differentiable)
     z: torch.Tensor  # router z-loss (differentiable)
     load: torch.Tensor  # [E] assignments per expert before any drop
     dropped: int
 
 
-def route(logits: torch.Tensor, top_k: int, capacity_factor: float | None) -> Routing:
-    """Top-k routing of fp32 ``logits`` [T, E] with the module docstring's drop rule."""
+def route(logits: torch.Tensor, top_k: int, capacity_factor: float | None, norm_topk_prob: bool = True) -> Routing:
+    """Top-k routing of ``logits`` [T, E] (fp32 or wider) with the module docstring's drop rule;
+    ``norm_topk_prob``: the k weights renormalised to sum to 1, else the softmax's own."""
     tokens, num_experts = logits.shape
     probs = torch.softmax(logits, dim=-1)
     top_w, top_e = torch.topk(probs, top_k, dim=-1)
-    top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    if norm_topk_prob:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
     load = torch.bincount(top_e.reshape(-1), minlength=num_experts)
     aux = num_experts * torch.sum(load.to(probs.dtype) / tokens * probs.mean(dim=0))
     z = torch.logsumexp(logits, dim=-1).pow(2).mean()
@@ -172,9 +176,10 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
+        wide = torch.promote_types(x.dtype, torch.float32)  # bf16 -> fp32; a float64 model stays float64
         with accelerator.autocast(x.device.type, enabled=False):
-            logits = tokens.float() @ self.router.weight.float().t()
-        r = route(logits, self.moe.top_k, self.moe.capacity_factor)
+            logits = tokens.to(wide) @ self.router.weight.to(wide).t()
+        r = route(logits, self.moe.top_k, self.moe.capacity_factor, self.moe.norm_topk_prob)
         num_tokens = tokens.shape[0]
         token_of = r.order % num_tokens
         y = self.experts(tokens[token_of], r.counts)

@@ -29,7 +29,7 @@ def in_float64(hf, inv_freq: torch.Tensor | None = None):
     hf = hf.double()
     cfg = hf.config
     if inv_freq is None:
-        d = cfg.hidden_size // cfg.num_attention_heads
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         inv_freq = 1.0 / (cfg.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     assert inv_freq.dtype == torch.float64 and hf.model.rotary_emb.attention_scaling == 1.0
 

@@ -66,7 +66,8 @@ class ModelPart(Adopting):
         self.inner.begin_step(microbatches)
 
     def sequence_parallel_params(self) -> list[nn.Parameter]:
-        """Params replicated over tp whose gradients are partial sums under REDUCE_SCATTER."""
+        """Params replicated over tp whose gradients are partial sums over tp (sequence shards
+        under REDUCE_SCATTER, heads for the q/k norms): ``allreduce_sequence_parallel_grads_``."""
         return [p for p in self.parameters() if has_sequence_parallel_partial_grad(p)]
 
     @property

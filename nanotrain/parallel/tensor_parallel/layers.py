@@ -47,9 +47,11 @@ def _param(shape, device, dtype) -> nn.Parameter:
 
 # ----------------------------------------------------------------------------- sequence parallel
 def mark_sequence_parallel_partial_grad_(param: torch.Tensor) -> None:
-    """Mark a replicated parameter that acts on sequence shards (REDUCE_SCATTER): each tp rank's
-    gradient covers only its own tokens, so the true gradient is the sum over tp. Norm weights
-    under sequence parallelism need the same mark (Megatron's `sequence_parallel` attribute)."""
+    """Mark a replicated parameter whose gradient on each tp rank is a partial sum: one that acts
+    on sequence shards (REDUCE_SCATTER: each rank's gradient covers only its own tokens; norm
+    weights under sequence parallelism, Megatron's `sequence_parallel` attribute), or one shared
+    by heads split over tp (a per-head q/k norm, in either mode). The true gradient is the sum
+    over tp, taken once however many reasons apply (the mark is a flag)."""
     setattr(param, _SP_PARTIAL, True)
 
 

@@ -78,6 +78,7 @@ class VocabParallelCrossEntropy(nn.Module):
 
 
 def mark_sequence_parallel_(params: Iterable[torch.Tensor]) -> None:
-    """Mark replicated parameters that act on sequence shards: their gradients are summed over tp."""
+    """Mark replicated parameters whose tp ranks each hold a partial gradient (sequence shards,
+    or heads split over tp): their gradients are summed over tp."""
     for param in params:
         mark_sequence_parallel_partial_grad_(param)
