@@ -1,6 +1,7 @@
 """Time and peak memory of the Hugging Face export and import, for a ~100M and a ~1B-shaped model.
 
-    .venv/bin/python benchmarks/hf_io.py [--sizes 100m,1b] [--dtype float32|bfloat16] [--workdir DIR]
+    .venv/bin/python benchmarks/hf_io.py [--sizes 100m,1b] [--families llama,qwen3,...] [--dtype float32|bfloat16]
+                                         [--workdir DIR]
 
 For each size: a random nanotrain model (one process) is saved as a checkpoint, then — each in a
 fresh process, so that its peak RSS (``ru_maxrss``) is its own — ``export_hf`` writes the HF
@@ -44,17 +45,28 @@ SIZES = {  # (hidden, intermediate, layers, heads, kv heads, vocab)
 }
 
 
-def _args(size: str):
-    from nanotrain.config import ModelArgs
+# What each dense family adds to the shape (its options on): the tensors it maps differ.
+FAMILY_OPTIONS = {
+    "llama": {},
+    "mistral": dict(sliding_window=4096),
+    "qwen2": dict(qkv_bias=True, tie_word_embeddings=True),
+    "qwen3": dict(qk_norm=True, head_dim=128, tie_word_embeddings=True),  # q/k/v wider than hidden
+    "smollm3": dict(no_rope_layers=[3, 7, 11, 15, 19], tie_word_embeddings=True),
+}
 
-    return ModelArgs(**SIZES[size], max_position_embeddings=2048, dtype="float32")
+
+def _args(size: str, family: str = "llama"):
+    from nanotrain.config import config_from_dict
+
+    model = {**SIZES[size], "max_position_embeddings": 2048, "dtype": "float32", "family": family}
+    return config_from_dict({"model": {**model, **FAMILY_OPTIONS[family]}}).model
 
 
 def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def prepare(size: str, ckpt_root: str) -> dict:
+def prepare(size: str, family: str, ckpt_root: str) -> dict:
     import torch
 
     from nanotrain.checkpoint import save_checkpoint
@@ -63,7 +75,7 @@ def prepare(size: str, ckpt_root: str) -> dict:
 
     torch.manual_seed(0)
     config = Config()
-    config.model = _args(size)
+    config.model = _args(size, family)
     t0 = time.perf_counter()
     model = build_llama(config.model, None)
     save_checkpoint(ckpt_root, 1, model, None, None, None, extra={"consumed_samples": 0}, config=config)
@@ -78,11 +90,11 @@ def export(ckpt_root: str, out: str, dtype: str) -> dict:
     return {"seconds": result["seconds"], "bytes": result["bytes"], "peak_mb": _peak_mb()}
 
 
-def import_(size: str, hf_dir: str) -> dict:
+def import_(size: str, family: str, hf_dir: str) -> dict:
     from nanotrain.hf.import_weights import load_hf_weights
     from nanotrain.models.llama_parallelize import build_llama
 
-    args = _args(size)
+    args = _args(size, family)
     model = build_llama(args, None)
     before = _peak_mb()
     result = load_hf_weights(hf_dir, model, args)
@@ -110,18 +122,19 @@ def main() -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="100m,1b")
+    parser.add_argument("--families", default="llama", help=f"of {', '.join(FAMILY_OPTIONS)}")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temporary one)")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="hf_io-"))
     rows = []
     try:
-        for size in args.sizes.split(","):
-            ckpt, out = work / f"{size}-ckpt", work / f"{size}-hf"
-            made = _child("_prepare", size, str(ckpt))
+        for size, family in [(s, f) for s in args.sizes.split(",") for f in args.families.split(",")]:
+            ckpt, out = work / f"{size}-{family}-ckpt", work / f"{size}-{family}-hf"
+            made = _child("_prepare", size, family, str(ckpt))
             exp = _child("_export", str(ckpt), str(out), args.dtype)
-            imp = _child("_import", size, str(out))
-            rows.append((size, made["params"], exp, imp))
+            imp = _child("_import", size, family, str(out))
+            rows.append((f"{size} {family}", made["params"], exp, imp))
             shutil.rmtree(ckpt, ignore_errors=True)
             shutil.rmtree(out, ignore_errors=True)
     finally:

@@ -16,10 +16,11 @@ import torch
 
 
 def in_float64(hf, inv_freq: torch.Tensor | None = None):
-    """``hf`` in float64 throughout. transformers' Llama casts to fp32 in two places whatever the
-    model's dtype (RMSNorm: ``hidden_states.to(torch.float32)``; RoPE angles: ``inv_freq.float()``),
-    which alone caps agreement with a float64 model at ~2e-7. Here those two functions run their
-    own formulas in float64; everything else is transformers' code as shipped.
+    """``hf`` in float64 throughout. transformers' Llama-like families cast to fp32 in three places
+    whatever the model's dtype (every RMSNorm, q/k norms included: ``hidden_states.to(torch.float32)``;
+    RoPE angles: ``inv_freq.float()``; an MoE router's softmax: ``.float()`` / ``dtype=torch.float``),
+    which alone caps agreement with a float64 model at ~2e-7. Here those functions run their own
+    formulas in float64; everything else is transformers' code as shipped.
 
     Args:
         hf: the model (changed in place and returned).
@@ -27,6 +28,8 @@ def in_float64(hf, inv_freq: torch.Tensor | None = None):
             ``theta ** (-2i / head_dim)`` (a scaled RoPE passes its own, e.g. ``llama3_inv_freq_float64``).
     """
     hf = hf.double()
+    if any(type(m).__name__.endswith("TopKRouter") for m in hf.modules()):
+        hf.set_experts_implementation("eager")  # the default grouped GEMM takes no float64
     cfg = hf.config
     if inv_freq is None:
         d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -46,9 +49,26 @@ def in_float64(hf, inv_freq: torch.Tensor | None = None):
 
     hf.model.rotary_emb.forward = rope
     for module in hf.modules():
-        if type(module).__name__ == "LlamaRMSNorm":
+        kind = type(module).__name__
+        if kind.endswith("RMSNorm"):
             module.forward = rms_norm(module)
+        elif kind.endswith("TopKRouter"):
+            module.forward = _router(module)
     return hf
+
+
+def _router(router):
+    """transformers' MoE router (Mixtral, Qwen3-MoE) with its softmax in the model's dtype: softmax,
+    top-k, the k weights renormalised unless ``norm_topk_prob`` is off (Mixtral always renormalises)."""
+
+    def forward(h):
+        logits = torch.nn.functional.linear(h.reshape(-1, router.hidden_dim), router.weight)
+        top, index = torch.topk(logits.softmax(dim=-1), router.top_k, dim=-1)
+        if getattr(router, "norm_topk_prob", True):
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top, index
+
+    return forward
 
 
 def llama3_inv_freq_float64(config) -> torch.Tensor:
