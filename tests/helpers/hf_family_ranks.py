@@ -99,3 +99,64 @@ def family_runs(hf_dirs: dict, sections: dict, layouts: dict, ids: torch.Tensor,
         del model, engine, sync, opt, sched
         pc.destroy()
     return out
+
+
+class _Batches:
+    """``evaluate``'s view of the validation stream: the same micro-batches for every global batch."""
+
+    def __init__(self, micro):
+        self.micro = micro
+
+    def get(self, start: int):
+        return self.micro
+
+
+def _share(pc, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This data rank's rows of ``rows`` ``[B, S + 1]``, one sample per micro-batch."""
+    per = rows.shape[0] // pc.data_size
+    mine = rows[pc.data_rank * per : (pc.data_rank + 1) * per]
+    return [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(1)]
+
+
+def train_and_evaluate(
+    hf_dirs: dict, sections: dict, layouts: dict, batches: torch.Tensor, heldout: torch.Tensor, out_root: str
+) -> dict:
+    """On every rank, for each family: import ``hf_dirs[name]`` at ``layouts[name]``, train one
+    step per batch of ``batches`` ``[steps, B, S + 1]`` (AdamW, ZeRO-1, clipping, weight decay),
+    save the checkpoint in ``out_root/name`` and evaluate it on ``heldout`` ``[B, S + 1]`` with
+    nanotrain's own ``training.evaluate``. Returns ``{name: {"losses", "heldout"}}``."""
+    from nanotrain.training.evaluate import evaluate
+
+    dist.init_process_group("gloo")
+    out = {}
+    for name, section in sections.items():
+        config = config_from_dict(
+            {
+                "model": {**section, "dtype": "float32"},
+                "parallelism": layouts[name],
+                "training": {"sequence_length": batches.shape[-1] - 1, "batch_accumulation_per_replica": 2},
+                "optimizer": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5, "zero_stage": 1},
+            }
+        )
+        pc = build_parallel_context(config)
+        model = build_model(config, pc)
+        load_hf_weights(hf_dirs[name], model, config.model)
+        engine = build_engine(config, pc)
+        sync = build_grad_sync(list(model.parameters()), pc)
+        opt = build_optimizer(model.named_parameters(), config.optimizer, **optimizer_groups(pc))
+        sched = build_lr_scheduler(opt, config.optimizer, batches.shape[0])
+        clip = config.optimizer.clip_grad
+        losses = [
+            float(train_step(model, _share(pc, rows), sync, opt, sched, pc, clip, engine=engine).loss)
+            for rows in batches
+        ]
+        save_checkpoint(
+            Path(out_root) / name, len(losses), model, opt, sched, pc, extra={"consumed_samples": 0}, config=config
+        )
+        micro = _share(pc, heldout)
+        message = model.pipeline_message(1, heldout.shape[1] - 1)
+        loss = evaluate(model, _Batches(micro), pc, 1, heldout.shape[0], len(micro), engine, message)
+        out[name] = {"losses": losses, "heldout": float(loss)}
+        del model, engine, sync, opt, sched
+        pc.destroy()
+    return out
