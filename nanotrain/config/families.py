@@ -7,9 +7,9 @@ there (its biases or norms dropped, every layer rotated), and one imported under
 would be read with the wrong names. So each family lists the options it may have, and
 ``validate_family`` refuses any other in one line naming the field, the family and the fix.
 
-A ``head_dim`` with ``num_attention_heads * head_dim == hidden_size`` is no option (the default);
-``tie_word_embeddings`` is every family's (every transformers model can tie its head); the
-``llama`` family also takes nanotrain's own MoE (``model.moe``, any shape), as before families.
+``head_dim`` is every family's (each transformers class reads config.json's ``head_dim``: Mistral
+NeMo's 128 at hidden 5120 and 32 heads), so is ``tie_word_embeddings`` (every transformers model
+can tie its head); the ``llama`` family also takes nanotrain's own MoE (``model.moe``, any shape), as before families.
 Torch-free: ``validate`` calls it before anything is built.
 """
 
@@ -34,13 +34,14 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {
+    # Every one but Llama's has a sliding_window field.
     "llama": Family("LlamaForCausalLM", frozenset({"rope_scaling"}), moe="may"),
     "mistral": Family("MistralForCausalLM", frozenset({"sliding_window"})),
     "qwen2": Family("Qwen2ForCausalLM", frozenset({"qkv_bias", "sliding_window"})),
-    "qwen3": Family("Qwen3ForCausalLM", frozenset({"qk_norm", "head_dim"})),
-    "smollm3": Family("SmolLM3ForCausalLM", frozenset({"no_rope_layers"})),
+    "qwen3": Family("Qwen3ForCausalLM", frozenset({"qk_norm", "sliding_window"})),
+    "smollm3": Family("SmolLM3ForCausalLM", frozenset({"no_rope_layers", "sliding_window"})),
     "mixtral": Family("MixtralForCausalLM", frozenset({"sliding_window"}), moe="must", dense="mistral"),
-    "qwen3_moe": Family("Qwen3MoeForCausalLM", frozenset({"qk_norm", "head_dim"}), moe="must", dense="qwen3"),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", frozenset({"qk_norm", "sliding_window"}), moe="must", dense="qwen3"),
 }
 
 
@@ -54,15 +55,6 @@ OPTIONS: dict[str, tuple[Callable[[ModelArgs], bool], Callable[[ModelArgs], str]
         "qkv_bias: false",
     ),
     "qk_norm": (lambda m: m.qk_norm, lambda m: "model.qk_norm: true", "{cls} has no q/k norms", "qk_norm: false"),
-    "head_dim": (
-        lambda m: m.head_dim is not None and m.head_dim * m.num_attention_heads != m.hidden_size,
-        lambda m: (
-            f"model.head_dim ({m.head_dim}; num_attention_heads x head_dim = "
-            f"{m.head_dim * m.num_attention_heads}, not hidden_size {m.hidden_size})"
-        ),
-        "nanotrain maps a head_dim of its own for {have} only",
-        "head_dim: null",
-    ),
     "no_rope_layers": (
         lambda m: bool(m.no_rope_layers),
         lambda m: f"model.no_rope_layers ({m.no_rope_layers})",
