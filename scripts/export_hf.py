@@ -23,12 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanotrain.checkpoint.layout import CheckpointError  # noqa: E402
 from nanotrain.checkpoint.offline_checks import DEFAULT_MAX_SHARD, DTYPES, plan_export, shard_size  # noqa: E402
 from nanotrain.config.cli_args import ArgParser, answer  # noqa: E402
+from nanotrain.data.errors import DataError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     """The command on ``argv`` (default ``sys.argv[1:]``; module doc); returns 0, or 2 for a wrong
     argument or input (one ``error:`` line on stderr, nothing written), 130 on Ctrl-C."""
-    return answer(lambda: _main(argv), CheckpointError, OSError)
+    return answer(lambda: _main(argv), CheckpointError, DataError, OSError)  # DataError: the run's tokenizer files
 
 
 def _main(argv: list[str] | None) -> int:

@@ -15,6 +15,7 @@ built offline here, with the families' pre-tokenizers, special tokens and post-p
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 import unicodedata
@@ -199,3 +200,26 @@ def test_export_refuses_a_config_of_another_tokenizer(tmp_path):
     assert list(out.iterdir()) == []  # checked before anything is written
     config.write_text(json.dumps({**tokenizer_config("llama3"), "eos_token": {"content": "<|end_of_text|>"}}))
     assert export_tokenizer(str(path), out, max_length=64) == {"bos_token_id": 500, "eos_token_id": 501}
+
+
+def test_export_script_refuses_a_bad_tokenizer_config_in_one_line(tmp_path, capsys):
+    from nanotrain.checkpoint import save_checkpoint
+    from nanotrain.config import Config, ModelArgs
+    from nanotrain.models.llama_parallelize import build_llama
+
+    from helpers.runs import ROOT
+
+    path = write_family_dir("llama3", tmp_path / "hf")
+    (path.parent / "tokenizer_config.json").write_text(
+        json.dumps({**tokenizer_config("llama3"), "eos_token": "<|im_end|>"})
+    )
+    args = ModelArgs(vocab_size=1024, hidden_size=16, intermediate_size=32, num_layers=1, num_attention_heads=2)
+    config = Config(model=args, data=DataArgs(tokenizer=str(path)))
+    ckpt = save_checkpoint(tmp_path / "ckpt", 1, build_llama(args, None), config=config)
+    spec = importlib.util.spec_from_file_location("_script_export_hf", ROOT / "scripts" / "export_hf.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    code = script.main([str(ckpt), str(tmp_path / "out")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert "eos_token '<|im_end|>' is not a token of" in lines[0] and not (tmp_path / "out").exists()

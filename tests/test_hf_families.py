@@ -8,7 +8,8 @@
   tp2 x pp2 x cp2, the MoE ones at tp2 x pp2 x ep2 and tp2 x cp2 x ep2; the gathered float32
   logits within 1e-5 of transformers' largest logit, the first-step loss and grad norm within
   1e-5 relative (auxiliary MoE loss off: transformers leaves it out of its loss), two lr-0 steps
-  alike;
+  alike (``make test-full``: three more layouts per family: sequence parallelism, afab, dp with
+  async tp; dp and cp beside ep);
 * the checkpoint each tp2 run saved, exported: every tensor bit-identical to the source
   directory's, none added or missing, ``AutoModelForCausalLM`` builds the family's class from it
   with nothing missing, unexpected or mismatched;
@@ -84,25 +85,30 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     return {name: make_hf_dir(name, root) for name in FAMILIES}
 
 
-@pytest.fixture(scope="module")
-def runs(hf_dirs, tmp_path_factory) -> tuple[dict, Path]:
-    """The one 8-rank launch: ``{run: result}`` (the first rank on the last stage's) and the
-    checkpoints' root."""
-    out_root = tmp_path_factory.mktemp("hf-families-ckpt")
+def _launch(hf_dirs: dict, runs: dict, out_root: Path) -> dict:
+    """One 8-rank launch of ``family_runs`` over ``runs`` (``{run: (family, layout)}``):
+    ``{run: result}`` (a last-stage rank's; every rank's losses agree)."""
     sections = {}
-    for run, (name, _) in RUNS.items():
+    for run, (name, _) in runs.items():
         section = section_of(hf_dirs[name])
         if "moe" in section:  # transformers' loss leaves the auxiliary loss out
             section["moe"]["aux_loss_coef"] = 0.0
         sections[run] = section
-    dirs = {run: hf_dirs[name] for run, (name, _) in RUNS.items()}
-    layouts = {run: layout for run, (_, layout) in RUNS.items()}
+    dirs = {run: hf_dirs[name] for run, (name, _) in runs.items()}
+    layouts = {run: layout for run, (_, layout) in runs.items()}
     results = run_distributed(family_runs, 8, dirs, sections, layouts, _ids(), str(out_root), timeout=600)
     merged = {}
-    for run in RUNS:
+    for run in runs:
         merged[run] = next(r[run] for r in results if r[run]["logits"] is not None)
         assert all(r[run]["losses"] == merged[run]["losses"] for r in results)
-    return merged, out_root
+    return merged
+
+
+@pytest.fixture(scope="module")
+def runs(hf_dirs, tmp_path_factory) -> tuple[dict, Path]:
+    """``RUNS`` in one launch, and the root of the checkpoints they saved."""
+    out_root = tmp_path_factory.mktemp("hf-families-ckpt")
+    return _launch(hf_dirs, RUNS, out_root), out_root
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -134,12 +140,8 @@ def _reference(path: Path, ids: torch.Tensor) -> tuple[torch.Tensor, float, floa
     return logits.detach(), loss.item(), norm.item()
 
 
-@pytest.mark.parametrize("run", list(RUNS))
-def test_parallel_logits_loss_and_grad_norm_equal_transformers(run, runs, hf_dirs):
-    results, _ = runs
-    name, _ = RUNS[run]
-    got = results[run]
-    logits, loss, norm = _reference(hf_dirs[name], _ids())
+def _check_against_transformers(run: str, got: dict, path: Path) -> None:
+    logits, loss, norm = _reference(path, _ids())
     scale, worst = logits.abs().max().item(), (got["logits"] - logits).abs().max().item()
     print(
         f"{run}: float32 worst |logit difference| {worst:.3g} (largest {scale:.3g}); loss {got['losses'][0]!r} vs "
@@ -149,6 +151,40 @@ def test_parallel_logits_loss_and_grad_norm_equal_transformers(run, runs, hf_dir
     assert got["losses"][0] == pytest.approx(loss, rel=1e-5)
     assert got["grad_norms"][0] == pytest.approx(norm, rel=1e-5)
     assert got["losses"][1] == got["losses"][0] and got["grad_norms"][1] == got["grad_norms"][0]  # lr 0
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_parallel_logits_loss_and_grad_norm_equal_transformers(run, runs, hf_dirs):
+    _check_against_transformers(run, runs[0][run], hf_dirs[RUNS[run][0]])
+
+
+# make test-full: the other tp modes, engines and data-parallel mixes, each family.
+FULL_DENSE = {
+    "tp2pp2cp2-sequence-parallel": dict(tp=2, pp=2, cp=2, tp_mode="REDUCE_SCATTER"),
+    "dp2tp2pp2-afab": dict(dp=2, tp=2, pp=2, pp_engine="afab"),
+    "dp2cp2tp2-async": dict(dp=2, cp=2, tp=2, tp_mode="REDUCE_SCATTER", tp_linear_async_communication=True),
+}
+FULL_MOE = {
+    "tp2pp2ep2-sequence-parallel": dict(tp=2, pp=2, ep=2, tp_mode="REDUCE_SCATTER"),
+    "dp2tp2ep2": dict(dp=2, tp=2, ep=2),
+    "cp2pp2ep2": dict(cp=2, pp=2, ep=2),
+}
+FULL_RUNS = {
+    f"{name}@{key}": (name, layout)
+    for name in FAMILIES
+    for key, layout in (FULL_MOE if name in MOE else FULL_DENSE).items()
+}
+
+
+@pytest.fixture(scope="module")
+def full_runs(hf_dirs, tmp_path_factory) -> dict:
+    return _launch(hf_dirs, FULL_RUNS, tmp_path_factory.mktemp("hf-families-full"))
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("run", list(FULL_RUNS))
+def test_more_layouts_equal_transformers(run, full_runs, hf_dirs):
+    _check_against_transformers(run, full_runs[run], hf_dirs[FULL_RUNS[run][0]])
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
