@@ -10,3 +10,15 @@ def run_cli(argv, capsys):
     code = main([str(a) for a in argv])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def dry_run_error_line(config, sets, tmp_path, capsys) -> str:
+    """The one ``error:`` line (exit 2) of ``submit.py CONFIG --dry-run`` with the ``--set``
+    assignments ``sets`` (asserted: exactly one line, nothing else on stderr)."""
+    argv = [config, "--dry-run", "--set", f"logging.dir={tmp_path}"]
+    for s in sets:
+        argv += ["--set", s]
+    code, _, err = run_cli(argv, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
