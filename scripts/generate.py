@@ -2,17 +2,18 @@
 """Print a prompt's continuation by a nanotrain checkpoint (one process, CPU or one GPU, KV cache).
 
     python scripts/generate.py RUN_DIR [--step N] --prompt TEXT [--max-new-tokens K]
-                               [--temperature T --top-k K --top-p P --seed S] [--device D] [--dtype X]
+        [--temperature T --top-k K --top-p P --seed S] [--device D] [--dtype X] [--raw]
 
 RUN_DIR: a run directory, a checkpoints root or one checkpoint, saved at any (dp, tp, pp, cp, ep,
 ZeRO stage): the weights are merged into the plain model in this process. ``--step N`` picks
 that step's checkpoint (default: the latest complete one). The prompt is encoded with the run's
 own tokenizer (``data.tokenizer`` of the config saved in the checkpoint) as training encoded a
-document; the continuation (its text only) goes to stdout, a summary line to stderr. Decoding
-stops after ``--max-new-tokens`` tokens, at the token the run's Hugging Face export names as
-eos (the document separator, unless the tokenizer's own tokenizer_config.json names another;
-not printed), or where the sequence reaches ``model.max_position_embeddings`` (or a shorter
-``model.sliding_window``: past it the model would compute another function than transformers').
+document. The continuation's text goes to stdout (control characters but newline and tab
+escaped, unless ``--raw``), a summary line to stderr. Decoding stops after ``--max-new-tokens``
+tokens, at the token the run's Hugging Face export names as eos (the document separator, unless
+the tokenizer's own tokenizer_config.json names another; not printed), or where the sequence
+reaches ``model.max_position_embeddings`` (or a shorter ``model.sliding_window``: past it the
+model would compute another function than transformers').
 
 ``--temperature 0`` (the default) is greedy: token for token what ``transformers``' ``generate``
 gives on the exported model. Above 0 it samples, after top-k and top-p (0 and 1: off), drawn with
@@ -28,6 +29,7 @@ import re
 import secrets
 import sys
 import time
+import unicodedata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,10 +38,13 @@ from nanotrain.checkpoint.layout import CheckpointError  # noqa: E402
 from nanotrain.checkpoint.offline_checks import plan_generate  # noqa: E402
 from nanotrain.config import ConfigError  # noqa: E402
 from nanotrain.config.cli_args import ArgParser, answer, non_negative_int  # noqa: E402
+from nanotrain.config.text import escaped  # noqa: E402
 from nanotrain.data.errors import DataError  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float64")
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+# Controls, format characters (bidi, zero-width), lone surrogates, line/paragraph separators.
+UNSAFE = {"Cc", "Cf", "Cs", "Zl", "Zp"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +65,7 @@ def _parser() -> ArgParser:
     parser.add_argument("--seed", type=non_negative_int, help="the sampler's seed (default: random, printed)")
     parser.add_argument("--device", default="auto", help="auto (cuda if there is one, else cpu), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations (default float32)")
+    parser.add_argument("--raw", action="store_true", help="print the text as decoded, control characters too")
     return parser
 
 
@@ -106,6 +112,14 @@ def decode(tok, ids: list[int]) -> str:
     return "".join(parts) + tok.decode(run)
 
 
+def shown(text: str) -> str:
+    """``text`` safe for a terminal: every control character but newline and tab, every format,
+    separator or lone surrogate character written as its escape (``\\x1b``), so that a sample
+    cannot move the cursor, recolour the terminal or read otherwise than it is (``--raw``: as
+    decoded, for a pipe)."""
+    return "".join(c if c in "\t\n" or unicodedata.category(c) not in UNSAFE else escaped(c) for c in text)
+
+
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     check_arguments(args)
@@ -141,7 +155,8 @@ def _main(argv: list[str] | None) -> int:
     new = generate(model, prompt, max_new, sampling, stop_ids=(eos,))
     seconds = time.perf_counter() - t1
     stopped = new[-1] == eos
-    print(decode(tok, new[:-1] if stopped else new), flush=True)
+    text = decode(tok, new[:-1] if stopped else new)
+    print(text if args.raw else shown(text), flush=True)
     why = "eos" if stopped else ("--max-new-tokens" if len(new) == args.max_new_tokens else field)
     saved = meta.get("topology") or {}
     axes = [f"{a}{saved[a]}" for a in ("dp", "tp", "pp", "cp", "ep") if saved.get(a, 1) != 1]

@@ -96,7 +96,7 @@ def test_greedy_equals_transformers_with_and_without_cache_at_every_layout(name,
     argv = [str(runs["2-2-2"] / name), "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--dtype", "float64"]
     assert script.main([*argv, "--device", "cpu"]) == 0
     out, err = capsys.readouterr()
-    assert out == ByteTokenizer().decode([t for t in stopped if t != 0]) + "\n"
+    assert out == script.shown(ByteTokenizer().decode([t for t in stopped if t != 0])) + "\n"
     assert "saved at dp2 tp2 pp2" in err and f"{len(stopped)} new tokens, greedy" in err, err
     print(f"{name}: {NEW} greedy tokens equal transformers' from 1-1-1 and 2-2-2; eos after {len(stopped)}")
 
@@ -158,6 +158,16 @@ def test_step_and_the_context_limit(runs, capsys):
     # 128 positions: a 1-token prompt gets 128 new tokens (the last one is never fed), unless eos comes first
     limited = "stopped at model.max_position_embeddings" in err and "1 prompt + 128 new tokens" in err
     assert limited or "stopped at eos" in err, err
+
+
+def test_a_sample_is_printed_safe_for_a_terminal_unless_raw(runs, capsys):
+    assert script.shown("a\tb\nc\x1b[2J\u202e\u200b\x85d\ufffd") == "a\tb\nc\\x1b[2J\\u202e\\u200b\\x85d\ufffd"
+    run = str(runs["1-1-1"] / "qwen2")
+    texts = {}
+    for raw in ([], ["--raw"]):
+        assert script.main([run, "--prompt", PROMPT, "--max-new-tokens", "40", *raw]) == 0
+        texts[bool(raw)] = capsys.readouterr().out
+    assert texts[False] == script.shown(texts[True][:-1]) + "\n"
 
 
 BAD = [  # (arguments after RUN_DIR, what the one line says)
