@@ -75,6 +75,8 @@ def check_arguments(args) -> None:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise ConfigError(f"--temperature {args.temperature}: must be a number >= 0 (0 = greedy)")
+    if args.seed is not None and args.seed >= 2**63:
+        raise ConfigError(f"--seed {args.seed}: must be below 2**63")
     if args.top_k is not None and args.top_k < 0:
         raise ConfigError(f"--top-k {args.top_k}: must be >= 0 (0 = off)")
     if args.top_p is not None and not (0 < args.top_p <= 1):

@@ -34,8 +34,11 @@ class Sampling:
 def sampling_scores(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """One position's logits ``[V]`` as the float64 CPU scores sampled from: divided by the
     temperature, then -inf outside the top k and outside the top-p set (``transformers``'
-    ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``, in that order)."""
-    scores = logits.detach().to(device="cpu", dtype=torch.float64) / sampling.temperature
+    ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``, in that order). The
+    largest logit is subtracted first, which the softmax does not see, so that a tiny temperature
+    makes the others -inf instead of overflowing the largest to inf (inf - inf: no distribution)."""
+    wide = logits.detach().to(device="cpu", dtype=torch.float64)
+    scores = (wide - wide.max()) / sampling.temperature
     if 0 < sampling.top_k < scores.numel():
         kth = torch.topk(scores, sampling.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))  # ties with the k-th stay
