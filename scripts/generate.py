@@ -49,8 +49,10 @@ UNSAFE = {"Cc", "Cf", "Cs", "Zl", "Zp"}
 
 def main(argv: list[str] | None = None) -> int:
     """The command on ``argv`` (default ``sys.argv[1:]``; module doc); returns 0, or 2 for a wrong
-    argument or input (one ``error:`` line on stderr), 130 on Ctrl-C."""
-    return answer(lambda: _main(argv), CheckpointError, DataError, OSError)
+    argument or input, a checkpoint that is not nanotrain's or is damaged, or one whose logits are
+    not finite (one ``error:`` line on stderr), 130 on Ctrl-C."""
+    # FloatingPointError: the checkpoint's logits are not finite (nan weights), nothing to decode
+    return answer(lambda: _main(argv), CheckpointError, DataError, OSError, FloatingPointError)
 
 
 def _parser() -> ArgParser:

@@ -118,6 +118,16 @@ def test_the_cache_fed_in_chunks_gives_the_whole_sequences_logits(name, runs):
     torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=1e-12)
 
 
+def test_logits_that_are_not_finite_are_refused(runs):
+    ckpt, meta = plan_generate(runs["1-1-1"] / "llama")
+    model = load_plain_model(ckpt, meta)
+    with torch.no_grad():
+        model.final_norm.weight[0] = float("nan")
+    for sampling in (Sampling(), Sampling(1.0)):
+        with pytest.raises(FloatingPointError, match="not finite"):
+            generate(model, list(PROMPT.encode()), 4, sampling)
+
+
 def test_sampling_filters_are_transformers_warpers():
     from transformers.generation import logits_process as lp
 

@@ -49,9 +49,8 @@ def load_plain_model(ckpt: Path, meta: dict, dtype: torch.dtype = torch.float32,
     if bad:
         raise CheckpointError(f"{ckpt} is damaged: " + "; ".join(bad))
     with placement.on_meta():
-        model = family_of(args).build(args)
-    placement.materialize_(model, device)  # tied weights stay one tensor
-    model.to(dtype)
+        model = family_of(args).build(args).to(dtype)
+    placement.materialize_(model, device)  # in ``dtype`` at once; tied weights stay one tensor
     index = meta["index"]["model"]
     reader = ShardReader(ckpt)
     try:

@@ -69,7 +69,8 @@ def generate(
     """Up to ``max_new_tokens`` tokens after ``prompt`` (token ids), stopping after the first one
     in ``stop_ids`` (which is returned, as ``transformers`` returns its eos). ``cache`` False
     runs the whole sequence through the model at every step (what the cache must equal).
-    ``model`` is a plain ``LlamaModel`` on one device, in the dtype to decode in."""
+    ``model`` is a plain ``LlamaModel`` on one device, in the dtype to decode in. Raises
+    FloatingPointError where the logits are not finite (there is no distribution to pick from)."""
     if not prompt or max_new_tokens < 1:
         raise ValueError("generate: an empty prompt or max_new_tokens < 1")
     device = model.embed.weight.device
@@ -81,6 +82,11 @@ def generate(
         while True:
             model.begin_step(1)  # MoE layers: no routing statistics kept from step to step
             logits = kv.forward(ids) if cache else model(torch.tensor([prompt + out], device=device))
+            if not bool(torch.isfinite(logits[-1, 0]).all()):
+                raise FloatingPointError(
+                    f"the model's logits for new token {len(out) + 1} are not finite (nan or inf): weights "
+                    "that are, or a dtype too narrow for them"
+                )
             out.append(next_token(logits[-1, 0], sampling, generator))
             if len(out) == max_new_tokens or out[-1] in stop_ids:
                 return out
