@@ -184,6 +184,22 @@ def test_a_sample_is_printed_safe_for_a_terminal_unless_raw(runs, capsys):
     assert texts[False] == script.shown(texts[True][:-1]) + "\n"
 
 
+@pytest.mark.parametrize("style", ["byte", "llama3", "mistral", "qwen2"])
+def test_decoding_stops_at_the_eos_the_export_names(style, tmp_path):
+    """The stop token is the export's eos: the separator, or the eos of a tokenizer_config.json
+    beside the run's tokenizer.json (an instruct model's end of turn), with and without one."""
+    from nanotrain.data.hf_tokenizer import export_tokenizer, special_token_ids
+
+    from helpers.family_tokenizers import write_family_dir
+
+    specs = ["byte"]
+    if style != "byte":
+        specs = [str(write_family_dir(style, tmp_path / f"{style}-{c}", config=c)) for c in (True, False)]
+    for i, spec in enumerate(specs):
+        (tmp_path / f"out-{i}").mkdir()
+        assert special_token_ids(spec) == export_tokenizer(spec, tmp_path / f"out-{i}", 128)
+
+
 BAD = [  # (arguments after RUN_DIR, what the one line says)
     (["--prompt", "x", "--step", "7"], "--step 7: no complete checkpoint of that step in"),
     (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
