@@ -39,6 +39,11 @@ NAMES = ("llama", *FAMILIES)
 PROMPT = "def fibonacci(n):"
 NEW = 32
 LAYOUTS = {"1-1-1": dict(dp=1, tp=1, pp=1), "2-2-2": dict(dp=2, tp=2, pp=2)}
+# Saved in the same launch, for some families: expert and context parallel shards.
+MORE = {
+    "tp2-pp2-ep2": (dict(tp=2, pp=2, ep=2), ("qwen3_moe",)),
+    "cp2-tp2-pp2": (dict(cp=2, tp=2, pp=2), ("smollm3",)),
+}
 
 
 def _script():
@@ -53,13 +58,16 @@ script = _script()
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """``{layout: checkpoints root}``: every family's HF directory imported and saved at each layout
-    (``root/<family>/step_000001``), the 2-2-2 ones in one 8-rank launch."""
+    """``{layout: checkpoints root}``: every family's HF directory imported and saved at each of
+    ``LAYOUTS`` (and ``MORE``'s families at its layouts) as ``root/<family>/step_000001``; all but
+    the 1-1-1 ones in one 8-rank launch."""
     base = tmp_path_factory.mktemp("generate")
     hf_dirs = {name: make_hf_dir(name, base / "hf") for name in NAMES}
-    save_imported(hf_dirs, LAYOUTS["1-1-1"], str(base / "1-1-1"), ranks=False)
-    run_distributed(save_imported, 8, hf_dirs, LAYOUTS["2-2-2"], str(base / "2-2-2"), timeout=300)
-    return {layout: base / layout for layout in LAYOUTS}
+    save_imported([(hf_dirs[n], LAYOUTS["1-1-1"], str(base / "1-1-1" / n)) for n in NAMES], ranks=False)
+    jobs = [(hf_dirs[n], LAYOUTS["2-2-2"], str(base / "2-2-2" / n)) for n in NAMES]
+    jobs += [(hf_dirs[n], layout, str(base / key / n)) for key, (layout, names) in MORE.items() for n in names]
+    run_distributed(save_imported, 8, jobs, timeout=300)
+    return {key: base / key for key in [*LAYOUTS, *MORE]}
 
 
 def _transformers_greedy(export_dir, prompt: list[int], eos: bool) -> list[int]:
@@ -79,7 +87,8 @@ def test_greedy_equals_transformers_with_and_without_cache_at_every_layout(name,
 
     prompt = list(PROMPT.encode())
     got = {}
-    for layout, root in runs.items():
+    for layout in LAYOUTS:
+        root = runs[layout]
         ckpt, meta = plan_generate(root / name)
         model = load_plain_model(ckpt, meta, torch.float64)
         cached = generate(model, prompt, NEW)  # no stop token: all NEW tokens compared
@@ -100,6 +109,16 @@ def test_greedy_equals_transformers_with_and_without_cache_at_every_layout(name,
     assert out == script.shown(ByteTokenizer().decode([t for t in stopped if t != 0])) + "\n"
     assert "saved at dp2 tp2 pp2" in err and f"{len(stopped)} new tokens, greedy" in err, err
     print(f"{name}: {NEW} greedy tokens equal transformers' from 1-1-1 and 2-2-2; eos after {len(stopped)}")
+
+
+@pytest.mark.parametrize("layout, name", [(key, n) for key, (_, names) in MORE.items() for n in names])
+def test_expert_and_context_parallel_checkpoints_decode_alike(layout, name, runs):
+    prompt = list(PROMPT.encode())
+    tokens = []
+    for key in ("1-1-1", layout):
+        ckpt, meta = plan_generate(runs[key] / name)
+        tokens.append(generate(load_plain_model(ckpt, meta, torch.float64), prompt, NEW))
+    assert tokens[0] == tokens[1]
 
 
 @pytest.mark.parametrize("name", ["smollm3", "qwen3_moe"])

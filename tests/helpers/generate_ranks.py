@@ -26,10 +26,10 @@ def imported_config(hf_dir: Path, layout: dict):
     )
 
 
-def save_imported(hf_dirs: dict, layout: dict, out_root: str, ranks: bool = True) -> None:
-    """On every rank (``ranks`` False: in this process, ``layout`` all ones): each
-    ``hf_dirs[name]`` imported at ``layout`` and saved, weights only, as ``out_root/name/step_000001``
-    with its config."""
+def save_imported(jobs: list[tuple[str, dict, str]], ranks: bool = True) -> None:
+    """On every rank (``ranks`` False: in this process, layouts all ones): for each job
+    ``(hf_dir, layout, root)``, ``hf_dir`` imported at ``layout`` and saved, weights only, as
+    ``root/step_000001`` with its config."""
     import torch.distributed as dist
 
     from nanotrain.checkpoint import save_checkpoint
@@ -38,12 +38,12 @@ def save_imported(hf_dirs: dict, layout: dict, out_root: str, ranks: bool = True
 
     if ranks:
         dist.init_process_group("gloo")
-    for name, hf_dir in hf_dirs.items():
-        config = imported_config(hf_dir, layout)
+    for hf_dir, layout, root in jobs:
+        config = imported_config(Path(hf_dir), layout)
         pc = build_parallel_context(config) if ranks else None
         model = build_model(config, pc)
         load_hf_weights(hf_dir, model, config.model)
-        save_checkpoint(Path(out_root) / name, 1, model, None, None, pc, config=config)
+        save_checkpoint(root, 1, model, None, None, pc, config=config)
         del model  # it holds the groups: destroyed only once nothing does
         if pc is not None:
             pc.destroy()
