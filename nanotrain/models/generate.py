@@ -81,7 +81,7 @@ def generate(
     with kv if cache else contextlib.nullcontext():
         while True:
             model.begin_step(1)  # MoE layers: no routing statistics kept from step to step
-            logits = kv.forward(ids) if cache else model(torch.tensor([prompt + out], device=device))
+            logits = kv.forward(ids, last=True) if cache else model(torch.tensor([prompt + out], device=device))
             if not bool(torch.isfinite(logits[-1, 0]).all()):
                 raise FloatingPointError(
                     f"the model's logits for new token {len(out) + 1} are not finite (nan or inf): weights "

@@ -67,6 +67,7 @@ class KVCache:
 
     ``forward`` runs the model on ids ``[B, S]`` that follow the ``length`` tokens fed before,
     at positions ``length .. length + S - 1`` (RoPE's absolute positions), and returns their logits.
+    ``capacity`` sizes each layer's k/v buffers, allocated on the first ``forward``.
     """
 
     def __init__(self, model: nn.Module, capacity: int):
@@ -84,10 +85,12 @@ class KVCache:
             self.model.layers[name].attn.core = core
         self._own_cores.clear()
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """Logits ``[S, B, V]`` of ``ids`` ``[B, S]``; ``last``: of the last position only
+        ``[1, B, V]`` (decoding needs no more; a long prompt's ``[S, B, V]`` can be gigabytes)."""
         if not self._own_cores:
             raise RuntimeError("KVCache.forward outside its `with` block")
         positions = torch.arange(self.length, self.length + ids.shape[1], device=ids.device)
         hidden = self.model.run_layers(self.model.embed_tokens(ids), positions=positions)
         self.length += ids.shape[1]
-        return self.model.head(hidden)
+        return self.model.head(hidden[-1:] if last else hidden)
