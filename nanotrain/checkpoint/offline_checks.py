@@ -1,7 +1,8 @@
-"""What the offline tools (``scripts/reshard_checkpoint.py``, ``scripts/export_hf.py``) check
-before they read a tensor or write a byte: the source is a checkpoint (its meta.json, sha256
-checked), the output does not overlap it, the target topology is one the model can be cut into
-(the config validator's own layout rules and messages) and the arguments make sense.
+"""What the offline tools (``scripts/reshard_checkpoint.py``, ``scripts/export_hf.py``,
+``scripts/generate.py``) check before they read a tensor or write a byte: the source is a
+checkpoint (its meta.json, sha256 checked), the output does not overlap it, the target topology
+is one the model can be cut into (the config validator's own layout rules and messages) and the
+arguments make sense.
 
 Standard library, yaml and ``nanotrain.config`` only (no torch): a script refuses a wrong input
 in a fraction of a second, before it imports the tensor code, and refuses it before anything is
@@ -188,4 +189,32 @@ def plan_export(src: str | Path, out_dir: str | Path, dtype: str) -> tuple[Path,
             f"{ckpt}: model.family {family.name} ({family.hf.ARCHITECTURE}) cannot describe this model: "
             + "; ".join(problems)
         )
+    return ckpt, meta
+
+
+def step_checkpoint(src: str | Path, step: int) -> Path:
+    """Checkpoint ``step_<step>`` beside the one ``src`` names (``source_checkpoint``: a run, a
+    checkpoints root or a checkpoint directory); raises CheckpointError listing the saved steps."""
+    root = source_checkpoint(src).parent
+    found = dict(layout.complete_checkpoints(root))
+    if step not in found:
+        saved = ", ".join(str(s) for s in sorted(found))
+        raise CheckpointError(f"--step {step}: no complete checkpoint of that step in {root}; saved steps: {saved}")
+    return found[step]
+
+
+def plan_generate(src: str | Path, step: int | None = None) -> tuple[Path, dict]:
+    """(checkpoint, meta.json) that ``scripts/generate.py`` decodes from: step ``step`` of the
+    run, root or checkpoint ``src`` (None: the latest complete one), holding a readable model
+    section. Raises CheckpointError; reads only meta.json."""
+    check_path("RUN_DIR", src, DIR, CheckpointError, missing=f"{src}: no such run or checkpoint directory")
+    ckpt = source_checkpoint(src) if step is None else step_checkpoint(src, step)
+    meta = layout.read_meta(ckpt)
+    config = meta.get("config") or {}
+    if not isinstance(config, dict) or not config.get("model"):
+        raise CheckpointError(f"{ckpt}: meta.json holds no config, so the model's shape is unknown")
+    try:
+        config_from_dict({"model": config["model"]})
+    except ConfigError as exc:
+        raise CheckpointError(f"{ckpt}: meta.json's model section does not read ({exc})") from None
     return ckpt, meta

@@ -144,6 +144,19 @@ def export_tokenizer(spec: str, out_dir: Path, max_length: int) -> dict:
     return {"bos_token_id": sep_id, "eos_token_id": sep_id}
 
 
+def special_token_ids(spec: str, tok=None) -> dict:
+    """``{"bos_token_id", "eos_token_id"}`` as ``export_tokenizer`` gives them for ``spec``, with
+    nothing written: the eos is what the export's ``generation_config.json`` stops at, so
+    ``scripts/generate.py`` stops at the same token (``tok``: ``spec`` already loaded)."""
+    if spec == BYTE:
+        return {"bos_token_id": 0, "eos_token_id": 0}
+    path = Path(spec).expanduser()
+    tok = tok if tok is not None else load_tokenizer(spec)
+    if path.name == "tokenizer.json" and (path.parent / CONFIG).is_file():
+        return _hf_config(path.parent / CONFIG, tok, spec)[1]
+    return {"bos_token_id": tok.separator_id, "eos_token_id": tok.separator_id}
+
+
 def _hf_config(path: Path, tok, spec: str) -> tuple[str | None, dict]:
     """(the text to export for the tokenizer_config.json at ``path``, None where it is copied as it
     is; the bos/eos ids for config.json), by the rules of ``export_tokenizer``."""

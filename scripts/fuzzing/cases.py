@@ -18,7 +18,7 @@ import yaml
 
 from fuzzing.workspace import TINY, hostile_for
 
-SCRIPTS = ("export_hf", "reshard_checkpoint", "hf_config", "inspect_topology", "fuzz_config")
+SCRIPTS = ("export_hf", "reshard_checkpoint", "hf_config", "inspect_topology", "fuzz_config", "generate")
 
 
 @dataclass
@@ -103,6 +103,7 @@ SCRIPT_ARGS = {
     "hf_config": (["@hf@"], ["in"]),
     "inspect_topology": (["@cfg@"], ["in"]),
     "fuzz_config": (["--limit", "1", "--subprocess", "0"], []),
+    "generate": (["@ckpt@", "--prompt", "def", "--max-new-tokens", "2"], ["in"]),
 }
 # (script, extra argv replacing the flags, expect, names)
 BAD_FLAGS = [
@@ -141,6 +142,22 @@ BAD_FLAGS = [
     ("fuzz_config", ["--seed", "x"], "ok-2", ["--seed"]),
     ("fuzz_config", ["--limit"], "ok-2", ["--limit"]),
     ("fuzz_config", ["--category", "nope"], "ok-2", ["--category"]),
+    ("generate", ["--prompt", ""], "ok-2", ["--prompt"]),
+    ("generate", ["--prompt"], "ok-2", ["--prompt"]),
+    ("generate", ["--prompt", "x", "--max-new-tokens", "0"], "ok-2", ["--max-new-tokens"]),
+    ("generate", ["--prompt", "x", "--max-new-tokens", "1e3"], "ok-2", ["--max-new-tokens"]),
+    ("generate", ["--prompt", "x", "--temperature", "-0.5"], "ok-2", ["--temperature"]),
+    ("generate", ["--prompt", "x", "--temperature", "inf"], "ok-2", ["--temperature"]),
+    ("generate", ["--prompt", "x", "--temperature", "1", "--top-p", "0"], "ok-2", ["--top-p"]),
+    ("generate", ["--prompt", "x", "--temperature", "1", "--top-p", "nan"], "ok-2", ["--top-p"]),
+    ("generate", ["--prompt", "x", "--temperature", "1", "--top-k", "-3"], "ok-2", ["--top-k"]),
+    ("generate", ["--prompt", "x", "--top-k", "3"], "ok-2", ["--top-k"]),
+    ("generate", ["--prompt", "x", "--step", "99"], "ok-2", ["--step"]),
+    ("generate", ["--prompt", "x", "--step", "x"], "ok-2", ["--step"]),
+    ("generate", ["--prompt", "x", "--temperature", "1", "--seed", str(2**63)], "ok-2", ["--seed"]),
+    ("generate", ["--prompt", "x", "--temperature", "1e-320", "--seed", "1"], "ok-0", []),
+    ("generate", ["--prompt", "x" * 4096], "ok-2", ["--prompt"]),
+    ("generate", ["--prompt", "x", "--device", "cuda:x"], "ok-2", ["--device"]),
 ]
 
 

@@ -56,11 +56,14 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     ),
 }
 MOE = ("mixtral", "qwen3_moe")
+# Llama itself, for the tests that cover every family nanotrain has (test_hf_families compares the
+# six others; Llama's own tests are test_hf.py and test_hf_llama3.py).
+LLAMA = ("LlamaConfig", dict(**_rope(5e5)))
 
 
 def make_hf_dir(name: str, root: Path) -> Path:
-    """``FAMILIES[name]`` built by transformers with a fixed seed and saved under ``root / name``."""
-    cls, options = FAMILIES[name]
+    """``FAMILIES[name]`` (or ``LLAMA``) built by transformers with a fixed seed and saved under ``root / name``."""
+    cls, options = LLAMA if name == "llama" else FAMILIES[name]
     torch.manual_seed(11)
     cfg = getattr(transformers, cls)(**BASE, **options)
     hf = transformers.AutoModelForCausalLM.from_config(cfg)
