@@ -39,7 +39,7 @@ from nanotrain.models.mlp import MLP
 from nanotrain.models.moe import MoEFeedForward, MoEState
 from nanotrain.parallel import accelerator
 from nanotrain.parallel.documents import document_attention
-from nanotrain.parallel.sdpa import SDPA_GQA, sdpa
+from nanotrain.parallel.sdpa import SDPA_GQA, masked_sdpa, sdpa
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +114,7 @@ class CausalKernel(nn.Module):
     ) -> torch.Tensor:
         if mask is None:
             return sdpa(q, k, v, is_causal=True)
-        return sdpa(q, k, v, attn_mask=mask)
+        return masked_sdpa(q, k, v, mask)
 
 
 class CausalCore(nn.Module):

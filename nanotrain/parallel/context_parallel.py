@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from nanotrain.parallel.sdpa import sdpa
+from nanotrain.parallel.sdpa import masked_sdpa, sdpa
 from nanotrain.parallel.tensor_parallel import gather_along_dim0, group_rank, group_size
 
 
@@ -109,8 +109,11 @@ class ContextParallel:
         for half, index in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             rows = slice(half * chunk, (half + 1) * chunk)
             visible = (index + 1) * chunk  # keys up to the end of this chunk
-            part_mask = causal_lower_right(chunk, visible) if mask is None else mask[:, :, rows, :visible]
-            outputs.append(sdpa(q[:, :, rows], k[:, :, :visible], v[:, :, :visible], attn_mask=part_mask))
+            part, keys, values = q[:, :, rows], k[:, :, :visible], v[:, :, :visible]
+            if mask is None:
+                outputs.append(sdpa(part, keys, values, attn_mask=causal_lower_right(chunk, visible)))
+            else:
+                outputs.append(masked_sdpa(part, keys, values, mask[:, :, rows, :visible]))
         return torch.cat(outputs, dim=2)
 
 
