@@ -1,7 +1,8 @@
 """``training.compile``: each decoder layer is ``torch.compile``d (inductor; on CPU it needs a C++
-compiler) and gives the eager loss within fp32 tolerance (the forward graph only here: compiling
-the backward graph too takes minutes on 2 cores), with unchanged parameter names; without a
-working backend the run does not start: one ``error:`` line, exit 2. One tiny layer, one process."""
+compiler) and gives the eager loss within fp32 tolerance, causal and with document masks (the
+forward graph only here: compiling the backward graph too takes minutes on 2 cores), with
+unchanged parameter names; without a working backend the run does not start: one ``error:``
+line, exit 2. One tiny layer, one process."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from nanotrain.config import ModelArgs
+from nanotrain.data.sampler import document_ids
 from nanotrain.models.llama_parallelize import build_llama
 from nanotrain.parallel.part.compile_check import compile_backend_problem
 from nanotrain.parallel.part.recompute import compile_layers_
@@ -36,12 +38,18 @@ def test_compiled_layer_matches_eager():
     if problem is not None:  # a machine without a C++ compiler (CI's has gcc: a failure there)
         unavailable("C++ compiler for inductor", problem)
     ids = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids[:, [0, 5, 6, 11]] = 0  # separators: documents of 1, 5, 1, 5 and 4 tokens
     eager, compiled = build_llama(ARGS, None, seed=1), build_llama(ARGS, None, seed=1, compile_layers=True)
     assert [n for n, _ in eager.named_parameters()] == [n for n, _ in compiled.named_parameters()]
     assert eager.state_dict().keys() == compiled.state_dict().keys()
     with torch.no_grad():  # the forward graph only: compiling the backward too takes minutes on 2 cores
         losses = [model(ids, ids).item() for model in (eager, compiled)]
+        # document masking (issue 30): the layer's block-causal mask and per-sample RoPE tables
+        # are arguments of the compiled layer (one more graph, ~2 s)
+        documents = document_ids(ids, 0)
+        masked = [model(ids, ids, documents=documents).item() for model in (eager, compiled)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert masked[1] == pytest.approx(masked[0], rel=1e-5) and masked[0] != pytest.approx(losses[0], rel=1e-5)
 
 
 def test_no_compiler_is_a_clear_error(monkeypatch, tmp_path):

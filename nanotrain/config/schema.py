@@ -300,6 +300,16 @@ class DataArgs:
         doc="a training job tokenises a source without a cache only up to this size on disk "
         "(larger: run --prepare-data first); null = no limit",
     )
+    document_masking: bool = doc(
+        False,
+        "attention stays within each packed document (a document: its tokens up to and including "
+        "the separator) and RoPE positions restart at 0 at each one, and at each window's start",
+    )
+    mask_boundary_loss: bool = doc(
+        False,
+        "ignore the loss of each separator token, whose target is the next document's first token "
+        "(false: it is trained)",
+    )
 
 
 @dataclass

@@ -3,7 +3,7 @@
     from nanotrain.data import build_sampler
     sampler = build_sampler(config, builder=rank == 0, needs_data=..., barrier=dist.barrier)
     for step in range(start_step, train_steps):
-        micro_batches = sampler.batch(consumed, dp_rank)   # m x (ids, targets) [mbs, S] int64
+        micro_batches = sampler.batch(consumed, dp_rank)   # m x (ids, targets[, documents]) [mbs, S] int64
         consumed += sampler.global_batch_size
 
 Modules, in pipeline order: `sources` (what to read), `tokenizer` (byte or tokenizer.json),

@@ -142,6 +142,8 @@ def build_samplers(
         dp=dp or config.parallelism.batch_replicas,
         micro_batch_size=t.micro_batch_size,
         batch_accumulation=t.batch_accumulation_per_replica,
+        document_masking=d.document_masking,
+        mask_boundary_loss=d.mask_boundary_loss,
     )
     fraction = d.validation.fraction if d.validation is not None else None
     if fraction is None:

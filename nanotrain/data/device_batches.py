@@ -6,7 +6,9 @@ GPU model needs them on its device. On CUDA the next step's batch is read, pinne
 host reads data while the GPU computes and the copy overlaps the step (nanotron and torchtitan
 leave this to a DataLoader with ``pin_memory``; our sampler is a pure function of the position,
 so one step of look-ahead needs no worker processes). The compute stream waits for the copy
-before it uses the tensors. On CPU the batch is used where it is.
+before it uses the tensors. On CPU the batch is used where it is. Under document masking each
+micro-batch also holds its document ids (``sampler.py``), computed on the host with the windows
+and copied with them: the step reads nothing back to find document boundaries.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from nanotrain.parallel import accelerator
 
-MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+MicroBatches = list[tuple[torch.Tensor, ...]]  # (ids, targets) or (ids, targets, documents)
 
 
 class BatchPrefetcher:
@@ -38,9 +40,9 @@ class BatchPrefetcher:
         if self.acc:
             current = self.acc.current_stream(self.device)
             current.wait_stream(self._stream)
-            for ids, targets in batch:  # the caching allocator must not reuse them early
-                self.acc.record_stream(ids, current)
-                self.acc.record_stream(targets, current)
+            for tensors in batch:  # the caching allocator must not reuse them early
+                for t in tensors:
+                    self.acc.record_stream(t, current)
         return batch
 
     def prefetch(self, consumed: int) -> None:
@@ -52,9 +54,7 @@ class BatchPrefetcher:
         if self.device.type == "cpu":
             return host
         if not self.acc:  # a device with no streams (a bare "meta" in unit tests): a plain copy
-            return [(i.to(self.device), t.to(self.device)) for i, t in host]
+            return [tuple(t.to(self.device) for t in tensors) for tensors in host]
         pin = self.acc.pin
         with self.acc.use_stream(self._stream):
-            return [
-                (pin(i).to(self.device, non_blocking=True), pin(t).to(self.device, non_blocking=True)) for i, t in host
-            ]
+            return [tuple(pin(t).to(self.device, non_blocking=True) for t in tensors) for tensors in host]

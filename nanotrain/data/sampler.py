@@ -14,6 +14,14 @@ contiguous m*mbs of them starting at s*G + d*m*mbs, as m micro-batches. The posi
 therefore one integer, the consumed sample count: restoring it restores the data order exactly,
 and at another dp the global stream is unchanged, only its split across ranks differs. Nothing
 here keeps state besides a cache of the current epochs' permutations.
+
+Document masking (`data.document_masking`): each micro-batch also carries its per-token document
+ids, int64 [micro_batch_size, sequence_length], computed here on the host from the windows
+(`document_ids`): the id of input token i is the number of separators among the window's inputs
+before i, so a document is its tokens up to and including its separator, and the window's first
+token starts document 0 (a document cut by a window's edge is a document of its own in each
+window). `data.mask_boundary_loss` sets to -100 (ignored) the targets that cross a boundary: those
+of the separator tokens, whose target is the next document's first token.
 """
 
 from __future__ import annotations
@@ -29,6 +37,14 @@ from nanotrain.data.errors import DataError
 from nanotrain.data.mixture import MixturePattern
 
 DEFAULT_NAME = "default"  # the TensorBoard name (data/tokens/default) of the `data.source` shorthand
+IGNORE_INDEX = -100  # a target the loss skips (F.cross_entropy's and the vocab-parallel loss's default)
+
+
+def document_ids(ids: torch.Tensor, separator_id: int) -> torch.Tensor:
+    """Per-token document ids of input windows ``ids`` ``[..., S]``: the count of separators
+    strictly before each token, so a separator belongs to the document it ends (int64, from 0)."""
+    ends = (ids == separator_id).to(torch.int64)
+    return ends.cumsum(-1) - ends
 
 
 @dataclass(frozen=True)
@@ -53,7 +69,9 @@ class SourcePart:
 class GlobalSampler:
     """Maps (consumed samples, dp rank) to that rank's micro-batches; see the module docstring.
 
-    `dataset` is one `TokenDataset` (the `data.source` shorthand) or a list of `SourcePart`."""
+    `dataset` is one `TokenDataset` (the `data.source` shorthand) or a list of `SourcePart`.
+    `document_masking`: micro-batches are (ids, targets, document ids); `mask_boundary_loss`:
+    the separators' targets are ignored (see the module docstring)."""
 
     def __init__(
         self,
@@ -63,10 +81,20 @@ class GlobalSampler:
         dp: int,
         micro_batch_size: int,
         batch_accumulation: int,
+        document_masking: bool = False,
+        mask_boundary_loss: bool = False,
     ):
         parts = [SourcePart(DEFAULT_NAME, dataset)] if isinstance(dataset, TokenDataset) else list(dataset)
         self.parts = parts
         self.dataset = parts[0].dataset
+        self.document_masking, self.mask_boundary_loss = document_masking, mask_boundary_loss
+        self.separator_id = self.dataset.separator_id
+        if (document_masking or mask_boundary_loss) and len({p.dataset.separator_id for p in parts}) > 1:
+            raise DataError(
+                "data: the sources' separator ids differ ("
+                + ", ".join(f"{p.name}: {p.dataset.separator_id}" for p in parts)
+                + "); data.document_masking and data.mask_boundary_loss need one separator"
+            )
         self.seed = int(seed)
         self.dp = dp
         self.micro_batch_size = micro_batch_size
@@ -161,19 +189,31 @@ class GlobalSampler:
             out[sel] = self.parts[int(k)].dataset.windows(win[sel])
         return out
 
-    def batch(self, consumed_samples: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batch(self, consumed_samples: int, dp_rank: int) -> list[tuple[torch.Tensor, ...]]:
         """dp rank `dp_rank`'s m micro-batches of the step that starts at `consumed_samples`.
 
         Each is (input ids, targets), both int64 [micro_batch_size, sequence_length], targets
-        being the inputs shifted left by one token.
+        being the inputs shifted left by one token; with `document_masking` (input ids, targets,
+        document ids), the third of the same shape (`document_ids`). With `mask_boundary_loss`
+        the separators' targets are -100.
         """
         if not 0 <= dp_rank < self.dp:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, {self.dp})")
         w = torch.from_numpy(self.samples(consumed_samples + dp_rank * self.per_rank, self.per_rank))
         w = w.view(self.batch_accumulation, self.micro_batch_size, -1)
-        return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in w]
+        if not (self.document_masking or self.mask_boundary_loss):
+            return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in w]
+        out = []
+        for mb in w:
+            ids, targets = mb[:, :-1].contiguous(), mb[:, 1:].contiguous()
+            if self.mask_boundary_loss:  # not in place: for one row, ids and targets share storage
+                targets = targets.masked_fill(ids == self.separator_id, IGNORE_INDEX)
+            out.append(
+                (ids, targets, document_ids(ids, self.separator_id)) if self.document_masking else (ids, targets)
+            )
+        return out
 
-    def batch_for_step(self, step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batch_for_step(self, step: int, dp_rank: int) -> list[tuple[torch.Tensor, ...]]:
         """`batch(consumed_samples(step), dp_rank)`: step `step` (0-based) of a run that started
         at sample 0 with this global batch size."""
         return self.batch(self.consumed_samples(step), dp_rank)

@@ -20,6 +20,10 @@ own cost-balanced split, ``llama_arch.rank_blocks``), and the largest total is r
   (k routed copies of each token, the experts' intermediates) are
   ``llama_parallelize_costs.moe_extra_activation_bytes``.
 It ignores allocator fragmentation, communication buffers and the CUDA context (~1-3 GB).
+Attention is counted as the causal kernel holds it (inputs, output, log-sum-exp): under
+``data.document_masking`` it leaves out the boolean mask each chunk builds per micro-batch in
+flight (``micro_batch_size * S/cp * S`` bytes, shared by its layers: 64 MiB at S = 8192) and the
+per-sample RoPE tables (``parallel/documents.py``).
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ from nanotrain.models import llama_arch
 from nanotrain.models.mlp import MLP
 from nanotrain.models.moe import MoEFeedForward, MoEState
 from nanotrain.parallel import accelerator
-from nanotrain.parallel.sdpa import SDPA_GQA, sdpa
+from nanotrain.parallel.documents import document_attention
+from nanotrain.parallel.sdpa import SDPA_GQA, masked_sdpa, sdpa
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -84,11 +85,16 @@ def rope_tables(
     positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScalingArgs | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin (float64) of shape ``[S, 1, 1, head_dim]`` at the int ``positions`` ``[S]`` (HF
-    Llama convention: the two halves of a head rotate together), of ``inv_frequencies``."""
+    Llama convention: the two halves of a head rotate together), of ``inv_frequencies``; per-sample
+    ``positions`` ``[S, B]`` (document masking: they restart at each document) give ``[S, B, 1, head_dim]``."""
     inv_freq = inv_frequencies(head_dim, theta, scaling, positions.device)
-    angles = torch.outer(positions.to(torch.float64), inv_freq)
+    if positions.dim() == 1:
+        angles = torch.outer(positions.to(torch.float64), inv_freq)
+    else:
+        angles = positions.to(torch.float64)[..., None] * inv_freq
     emb = torch.cat([angles, angles], dim=-1)
-    return emb.cos()[:, None, None, :], emb.sin()[:, None, None, :]
+    shape = (positions.shape[0], -1, 1, head_dim)
+    return emb.cos().view(shape), emb.sin().view(shape)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -99,26 +105,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CausalKernel(nn.Module):
-    """Causal attention of ``[B, heads, S, d]`` q, k, v (k/v may have fewer heads)."""
+    """Causal attention of ``[B, heads, S, d]`` q, k, v (k/v may have fewer heads); with a boolean
+    ``mask`` ``[B, 1, S, S]`` (document masking, ``parallel/documents.py``) attention under that
+    mask instead. The mask is an argument, not state, so a recomputed kernel reruns with it."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return sdpa(q, k, v, is_causal=True)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if mask is None:
+            return sdpa(q, k, v, is_causal=True)
+        return masked_sdpa(q, k, v, mask)
 
 
 class CausalCore(nn.Module):
     """Rotated ``q`` ``[S, B, heads, d]`` and ``k, v`` ``[S', B, kv_heads, d]`` -> ``[S, B, heads * d]``
-    through ``kernel`` (heads-major layout, grouped-query k/v repeated where torch cannot take them)."""
+    through ``kernel`` (heads-major layout, grouped-query k/v repeated where torch cannot take them);
+    ``mask``: the kernel's block-causal mask (None: causal)."""
 
     def __init__(self):
         super().__init__()
         self.kernel = CausalKernel()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         seq, batch, heads, d = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, heads, S, d]
         if k.shape[1] != heads and not SDPA_GQA:
             k, v = k.repeat_interleave(heads // k.shape[1], dim=1), v.repeat_interleave(heads // v.shape[1], dim=1)
-        return self.kernel(q, k, v).permute(2, 0, 1, 3).reshape(seq, batch, heads * d)
+        return self.kernel(q, k, v, mask).permute(2, 0, 1, 3).reshape(seq, batch, heads * d)
 
 
 class Attention(nn.Module):
@@ -143,7 +158,9 @@ class Attention(nn.Module):
         self.core = CausalCore()
         self.o_proj = nn.Linear(q_out, args.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         qkv = self.qkv(x)  # [S, B, (heads + 2 kv_heads) * d] over the sequence attention sees
         seq, batch, d = qkv.shape[0], qkv.shape[1], self.head_dim
         kv_heads = qkv.shape[-1] // (d * (self.group + 2))
@@ -154,7 +171,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.o_proj(self.core(q, k, v.view(seq, batch, kv_heads, d)))
+        return self.o_proj(self.core(q, k, v.view(seq, batch, kv_heads, d), mask))
 
 
 class DecoderLayer(nn.Module):
@@ -171,8 +188,10 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(args.hidden_size, args.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, mask)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -262,15 +281,21 @@ class LlamaModel(nn.Module):
         return self.embed(input_ids.transpose(0, 1).contiguous())
 
     def run_layers(
-        self, hidden: torch.Tensor, names: Iterable[str] | None = None, positions: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        names: Iterable[str] | None = None,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The decoder layers ``names`` (default: all held, in order) on ``hidden``; ``positions``
-        are the int positions of the tokens attention sees (default ``0 .. S-1``)."""
+        are the int positions of the tokens attention sees (default ``0 .. S-1``; ``[S, B]`` under
+        document masking), ``mask`` its block-causal attention mask (None: causal;
+        ``parallel/documents.document_attention`` makes both)."""
         if positions is None:
             positions = self.default_positions(hidden.shape[0], hidden.device)
         cos, sin = self.rotary(positions, torch.promote_types(hidden.dtype, torch.float32))
         for name in self.layers.keys() if names is None else names:
-            hidden = self.layers[name](hidden, cos, sin)
+            hidden = self.layers[name](hidden, cos, sin, mask)
         return hidden
 
     def head(self, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -280,8 +305,13 @@ class LlamaModel(nn.Module):
             return logits
         return self.loss(logits, targets.transpose(0, 1).contiguous()).mean()
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        return self.head(self.run_layers(self.embed_tokens(input_ids)), targets)
+    def forward(
+        self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``documents``: per-token document ids ``[B, S]`` (``data.document_masking``): attention
+        stays within each document and positions restart at each (``parallel/documents.py``)."""
+        positions, mask = document_attention(documents) if documents is not None else (None, None)
+        return self.head(self.run_layers(self.embed_tokens(input_ids), None, positions, mask), targets)
 
     # ------------------------------------------------------------------ rotary tables
     def default_positions(self, seq_len: int, device) -> torch.Tensor:
@@ -293,7 +323,12 @@ class LlamaModel(nn.Module):
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``rope_tables`` at ``positions`` cast to ``dtype`` (what ``apply_rope`` computes in),
-        built once per positions tensor and dtype, not in every forward."""
+        built once per positions tensor and dtype, not in every forward. Per-sample positions
+        (``[S, B]``, document masking) are new with every micro-batch: built once per call, never
+        kept (a cache of them would hold dozens of batches' tables)."""
+        if positions.dim() > 1:
+            cos, sin = rope_tables(positions, self.head_dim, self.args.rope_theta, self.args.rope_scaling)
+            return cos.to(dtype), sin.to(dtype)
         key = ("rotary", id(positions), dtype)  # the entry keeps ``positions`` alive: ids stay unique
         if key not in self._rope_cache:
             if len(self._rope_cache) > 64:

@@ -377,8 +377,8 @@ def parameter_count(args: ModelArgs) -> ParamCount:
 
 # ----------------------------------------------------------------------------- FLOPs
 def attention_flops_per_token(args: ModelArgs, seq_len: int) -> int:
-    """12 * L * H * S: QK^T and AV, forward + backward, full (non-causal) S x S; H the query
-    features ``heads * head_dim`` (the hidden size unless ``model.head_dim`` sets it apart)."""
+    """12 * L * H * S: QK^T and AV, forward + backward, full S x S: an upper bound of the causal and
+    the document-masked (``data.document_masking``) work; H the query features ``heads * head_dim``."""
     return 12 * args.num_layers * query_features(args) * seq_len
 
 
@@ -392,6 +392,6 @@ def training_flops_per_token(args: ModelArgs, seq_len: int) -> int:
     for weights). ``12 * L * H * S``: attention scores and the weighted sum over the full S x S
     matrix (``attention_flops_per_token``). A property of the model, not of this implementation, so
     that MFU compares across codebases: recomputation (``llama_parallelize_costs.
-    hardware_flops_per_token`` adds it, for HFU), vocabulary padding and the causal mask are not
-    counted."""
+    hardware_flops_per_token`` adds it, for HFU), vocabulary padding, the causal mask and the
+    document mask are not counted (attention is charged its full S x S, the upper bound)."""
     return 6 * parameter_count(args).matmul + attention_flops_per_token(args, seq_len)

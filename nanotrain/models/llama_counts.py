@@ -35,7 +35,8 @@ def matmul_parameters(module: nn.Module) -> int:
 
 def attention_forward_flops(module: nn.Module, seq_len: int) -> int:
     """Forward FLOPs per token of the attention scores and weighted sums in ``module``
-    (``4 * H * S`` per layer: full S x S, as the PaLM convention counts them)."""
+    (``4 * H * S`` per layer: full S x S, as the PaLM convention counts them; an upper bound of
+    the causal and of the document-masked work, ``data.document_masking``)."""
     return sum(4 * query_features(m) * seq_len for m in module.modules() if isinstance(m, Attention))
 
 

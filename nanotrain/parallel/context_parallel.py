@@ -19,6 +19,12 @@ both. This is the all-gather variant (Llama 3's, torchtitan's ``allgather`` rota
   the mean over the whole sequence. cp ranks are replicas of the parameters and optimizer state,
   like dp ranks; they read the same samples (the data sampler is indexed by dp rank only).
 
+* Document masking (``data.document_masking``, ``documents.py``): the rank's queries keep their
+  zig-zag global positions; the mask ``[B, 1, S/cp, S]`` (built from the whole window's document
+  ids, which every cp rank holds) lets query i see key j iff j <= its global position and both
+  lie in the same document; RoPE rotates each token at its position within its document. Each
+  chunk's keys are still cut at the chunk's end (the mask's later columns are all False there).
+
 Everything outside attention (norms, MLP, LM head, loss, pipeline transfers) is per token and
 runs unchanged on the local tokens.
 """
@@ -29,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from nanotrain.parallel.sdpa import sdpa
+from nanotrain.parallel.sdpa import masked_sdpa, sdpa
 from nanotrain.parallel.tensor_parallel import gather_along_dim0, group_rank, group_size
 
 
@@ -92,15 +98,22 @@ class ContextParallel:
         both = both.index_select(0, self._position_order(both.shape[0], both.device))
         return both.split(k.shape[-1], dim=-1)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Causal attention of this rank's queries ``[B, heads, S/cp, d]`` (its two chunks) over
-        the whole sequence's keys and values ``[B, heads, S, d]`` (position order)."""
+        the whole sequence's keys and values ``[B, heads, S, d]`` (position order); with a boolean
+        ``mask`` ``[B, 1, S/cp, S]`` (document masking) attention under that mask instead."""
         chunk = q.shape[2] // 2
         outputs = []
-        for part, index in ((q[:, :, :chunk], self.rank), (q[:, :, chunk:], 2 * self.size - 1 - self.rank)):
+        for half, index in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
+            rows = slice(half * chunk, (half + 1) * chunk)
             visible = (index + 1) * chunk  # keys up to the end of this chunk
-            mask = causal_lower_right(chunk, visible)
-            outputs.append(sdpa(part, k[:, :, :visible], v[:, :, :visible], attn_mask=mask))
+            part, keys, values = q[:, :, rows], k[:, :, :visible], v[:, :, :visible]
+            if mask is None:
+                outputs.append(sdpa(part, keys, values, attn_mask=causal_lower_right(chunk, visible)))
+            else:
+                outputs.append(masked_sdpa(part, keys, values, mask[:, :, rows, :visible]))
         return torch.cat(outputs, dim=2)
 
 
@@ -113,8 +126,10 @@ class ContextParallelKernel(nn.Module):
         super().__init__()
         self.cp = cp
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.cp.attention(q, k, v)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.cp.attention(q, k, v, mask)
 
 
 class GatherKV(nn.Module):
@@ -125,6 +140,8 @@ class GatherKV(nn.Module):
         super().__init__()
         self.inner, self.cp = core, cp
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         k, v = self.cp.gather_kv(k, v)
-        return self.inner(q, k, v)
+        return self.inner(q, k, v, mask)

@@ -16,3 +16,14 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.T
     if SDPA_GQA and k.shape[1] != q.shape[1]:
         kwargs["enable_gqa"] = True
     return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sdpa`` under a boolean ``mask`` (True: attend) broadcast over heads. Grouped-query k/v
+    are repeated to every query head here: given a tensor mask and ``enable_gqa``, CUDA's SDPA
+    has only its math kernel (a float S x S score matrix per head), while with equal head counts
+    the memory-efficient kernel takes the mask. On the CPU both are the math kernel, same numbers."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -117,7 +117,7 @@ class TrainingParts:
     grad_sync: Any
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    sampler: Optional[GlobalSampler]  # None on a middle pipeline stage: it reads no data
+    sampler: Optional[GlobalSampler]  # None on a middle pipeline stage: it reads no data (unless document masking)
     batches: Optional[BatchPrefetcher]
     val_batches: Optional[BatchPrefetcher]  # None without validation data
     metrics: MetricsLogger
@@ -144,7 +144,8 @@ def build_parts(config: Config, pc: ParallelContext, run_dir: Path, run_id: Opti
         config,
         builder=pc.world_rank == 0,
         barrier=dist.barrier,
-        needs_data=pc.is_pipeline_first_stage or pc.is_pipeline_last_stage,
+        # Document masking: every stage's attention needs the windows' document ids.
+        needs_data=pc.is_pipeline_first_stage or pc.is_pipeline_last_stage or config.data.document_masking,
     )
     batches = BatchPrefetcher(sampler, pc.data_rank, pc.device) if sampler else None
     val_batches = BatchPrefetcher(val_sampler, pc.data_rank, pc.device) if val_sampler else None

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from nanotrain.training.step import reduce_loss
+from nanotrain.training.step import micro_loss, reduce_loss
 
 
 @torch.no_grad()
@@ -23,14 +23,14 @@ def evaluate(
 ) -> torch.Tensor:
     """The mean validation loss over `num_batches` global batches, as a float64 0-d tensor on
     every rank. `batches`: a `BatchPrefetcher` over the validation sampler (None on middle
-    pipeline stages, which read no data)."""
+    pipeline stages, which read no data unless document masking hands them document ids)."""
     total = torch.zeros((), dtype=torch.float64, device=pc.device)
     for b in range(num_batches):
         micro = batches.get(b * global_batch) if batches is not None else [None] * m
         if pc.pp_size > 1:
             loss = engine.forward_only(model, micro, message)
         else:
-            loss = sum(model(ids, targets) for ids, targets in micro) / m
+            loss = sum(micro_loss(model, mb) for mb in micro) / m
         total = total + reduce_loss(loss, pc).to(torch.float64)
     return total / num_batches
 

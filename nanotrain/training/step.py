@@ -23,7 +23,7 @@ from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.parallel.pipeline_parallel import MessageSpec, PipelineEngine, TensorPointer, allreduce_tied_grads_
 from nanotrain.parallel.tensor_parallel import allreduce_sequence_parallel_grads_
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], targets [B, S])
+MicroBatch = tuple[torch.Tensor, ...]  # (input ids [B, S], targets [B, S]), + document ids [B, S]
 
 
 class StepStats:
@@ -52,15 +52,22 @@ class StepStats:
         return self._read()[1]
 
 
+def micro_loss(model: torch.nn.Module, microbatch: MicroBatch) -> torch.Tensor:
+    """The model's mean token loss of one micro-batch: ``(ids, targets)``, or ``(ids, targets,
+    documents)`` under document masking (the per-token document ids go in as ``documents``)."""
+    ids, targets, *documents = microbatch
+    return model(ids, targets, documents=documents[0]) if documents else model(ids, targets)
+
+
 def forward_backward(model: torch.nn.Module, microbatches: Sequence[MicroBatch], grad_sync) -> torch.Tensor:
     """Gradient accumulation; the DP all-reduces start only in the last micro-batch's backward."""
     total = None
     count = len(microbatches)
-    for index, (ids, targets) in enumerate(microbatches):
+    for index, microbatch in enumerate(microbatches):
         last = index == count - 1
         with nullcontext() if last else grad_sync.no_sync():
             HANG_RECORD.mark("forward")  # the hang record (progress.py): plain attribute writes
-            loss = model(ids, targets) / count
+            loss = micro_loss(model, microbatch) / count
             HANG_RECORD.mark("backward")
             loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
@@ -140,9 +147,10 @@ def train_step(
 
     Args:
         model: this rank's ``ModelPart`` (``build_model``).
-        microbatches: the step's (ids, targets) pairs; every pp rank passes the same ones (the
-            first stage reads the ids, the last the targets), or None on middle stages with
-            ``message``.
+        microbatches: the step's (ids, targets) pairs, or (ids, targets, documents) under document
+            masking; every pp rank passes the same ones (the first stage reads the ids, the last
+            the targets, every stage the documents), or None on middle stages with ``message``
+            when there are no documents.
         grad_sync: the model's ``BucketedGradSync``.
         optimizer, scheduler: as ``build_optimizer`` and ``build_lr_scheduler`` made them.
         pc: the ParallelContext.

@@ -79,7 +79,7 @@ class DistributedTrainer:
         start = time.perf_counter()
         WAITS.begin_step(self.device)  # the step's waits on peers (the straggler metric)
         while self.step < t.train_steps:
-            # Middle pipeline stages read no data: m placeholders.
+            # Middle pipeline stages read no data (but under document masking): m placeholders.
             HANG_RECORD.mark("data")
             if self.profiler is not None:
                 self.profiler.before(self.step + 1)

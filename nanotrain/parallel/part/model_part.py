@@ -9,6 +9,9 @@ adds what only a parallel run needs, around the model's own three forward pieces
 * the sequence layout: under context parallelism each rank keeps its zig-zag share of the ids
   and targets and rotates its tokens at their global positions; under sequence parallelism the
   hidden state between layers holds ``S / tp`` tokens while attention sees them all;
+* document masking (``documents.py``): every chunk of every stage is handed the micro-batch's
+  per-token document ids ``[B, S]`` (the whole window's, on every tp and cp rank) and derives the
+  RoPE positions and the block-causal mask of the tokens its attention sees from them;
 * the compute dtype (autocast around the forward) and the message crossing stage boundaries.
 
 Parameter names are the plain model's (``Adopting``): ``layers.7.attn.qkv.weight`` here too.
@@ -23,6 +26,7 @@ from torch import nn
 
 from nanotrain.parallel import accelerator
 from nanotrain.parallel.context_parallel import ContextParallel
+from nanotrain.parallel.documents import document_attention
 from nanotrain.parallel.part.adopt import Adopting
 from nanotrain.parallel.pipeline_parallel import MessageSpec, ModelChunk
 from nanotrain.parallel.tensor_parallel import TensorParallelLinearMode, has_sequence_parallel_partial_grad
@@ -31,7 +35,9 @@ from nanotrain.parallel.tensor_parallel import TensorParallelLinearMode, has_seq
 class ModelPart(Adopting):
     """``forward(input_ids [B, S], targets [B, S], hidden, chunk)`` runs one chunk: the hidden
     state for the next stage, or on the last stage the mean token loss (fp32 scalar; the logits
-    without targets). Every cp rank is given the full ``[B, S]`` ids and targets."""
+    without targets). Every cp rank is given the full ``[B, S]`` ids and targets, and with
+    ``documents`` (document masking: per-token document ids ``[B, S]``) every chunk of every
+    stage is given them too."""
 
     def __init__(
         self,
@@ -92,22 +98,28 @@ class ModelPart(Adopting):
         targets: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
         chunk: int = 0,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         device = self.device
         _check_input("input_ids", input_ids, device, integer=True)
         _check_input("targets", targets, device, integer=True)
         _check_input("hidden", hidden, device, integer=False)
+        _check_input("documents", documents, device, integer=True)
         if self.compute_dtype in (None, torch.float32):
-            return self._forward(input_ids, targets, hidden, chunk)
+            return self._forward(input_ids, targets, hidden, chunk, documents)
         with accelerator.autocast(device.type, dtype=self.compute_dtype):
-            return self._forward(input_ids, targets, hidden, chunk)
+            return self._forward(input_ids, targets, hidden, chunk, documents)
 
-    def _forward(self, input_ids, targets, hidden, chunk: int) -> torch.Tensor:
+    def _forward(self, input_ids, targets, hidden, chunk: int, documents) -> torch.Tensor:
         part, model = self.chunks[chunk], self.inner
         if part.is_first:
             hidden = model.embed_tokens(self.cp.local(input_ids)).to(self.residual_dtype)
         layers = [name.split(".", 1)[1] for name in part.blocks if name.startswith("layers.")]
-        hidden = model.run_layers(hidden, layers, self._positions(hidden))
+        if documents is None:
+            hidden = model.run_layers(hidden, layers, self._positions(hidden))
+        else:  # the queries attention sees: the whole window's (tp, both modes) or this cp rank's
+            queries = self.cp.positions(documents.shape[1], documents.device) if self.cp.enabled else None
+            hidden = model.run_layers(hidden, layers, *document_attention(documents, queries))
         if not part.is_last:
             return hidden
         return model.head(hidden, None if targets is None else self.cp.local(targets))
