@@ -24,7 +24,8 @@ from nanotrain.parallel.sdpa import SDPA_GQA, sdpa
 class CachedCore(nn.Module):
     """``attn.core`` during cached decoding: rotated ``q`` ``[S, B, heads, d]`` and this step's
     ``k, v`` ``[S, B, kv_heads, d]`` (at positions ``cache.length ..``) -> ``[S, B, heads * d]``,
-    attending to every cached token before them and causally among themselves."""
+    attending to every cached token before them and causally among themselves. A prompt is one
+    document: the attention's document mask (``data.document_masking``) is never given here."""
 
     def __init__(self, cache: KVCache):
         super().__init__()
@@ -32,7 +33,11 @@ class CachedCore(nn.Module):
         self.keys: torch.Tensor | None = None  # [B, kv_heads, capacity, d], filled up to cache.length
         self.values: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if mask is not None:
+            raise ValueError("cached decoding takes one document per prompt: no document mask")
         seq, batch, heads, d = q.shape
         start, stop = self.cache.length, self.cache.length + seq
         if stop > self.cache.capacity:
