@@ -26,7 +26,8 @@ the pipeline engine's) counts what the head keeps between forward and backward, 
 
 Autocast: the forward's dtype is recorded and entered again around each rerun, with autocast's
 cache of cast weights off, so each chunk casts the LM head weight itself and its gradient comes
-back in fp32 before the chunks' sum (a shared bf16 copy would sum the chunks' gradients in bf16,
+back in fp32 before the chunks' sum, whatever region the caller runs backward in (a copy cached
+by an enclosing region would be shared by the chunks, and their gradients summed in bf16,
 rounding once per chunk). A cast is ``V x H`` elements per chunk, against the chunk's
 ``tokens x V x H`` matmul. Tensor-parallel collectives inside the head (the vocab-parallel loss's
 all-reduces, the LM head's input gather and its gradient's all-reduce or reduce-scatter) run per
