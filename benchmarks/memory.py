@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/memory.py            # every layout x recompute mode, then timing
     .venv/bin/python benchmarks/memory.py --quick    # fewer layouts, fewer timed steps
     .venv/bin/python benchmarks/memory.py --timing-only
+    .venv/bin/python benchmarks/memory.py --loss          # the chunked loss: the head's peak
 
 For each layout (tp, tp_mode, pp and engine, cp, micro-batch, dtype) and each
 ``training.recompute`` mode, the product's own path (``load_config`` of configs/tiny_cpu.yaml
@@ -357,11 +358,41 @@ def run_layout(layout: str, steps: int, extra=()) -> dict:
     return run_workers(__file__, world, {"layout": layout, "steps": steps, "extra": list(extra)}, 1800)
 
 
+def loss_table() -> int:
+    """The head's peak (``head_peak``) in one piece and in 4 and 8 chunks, fp32 and bf16 autocast,
+    measured and estimated; 0 when every estimate is within 2% and each chunked peak at most the
+    one-piece peak over the chunk count plus what does not scale with the chunk (the fp32 sum of
+    the LM head weight's gradients, a chunk's weight copy under autocast, two hidden states)."""
+    torch.set_num_threads(1)
+    tokens, hidden, vocab = LOSS_SEQ * LOSS_BATCH, LOSS_MODEL["hidden_size"], LOSS_MODEL["vocab_size"]
+    print(f"The head at vocabulary {vocab}, hidden {hidden}, {LOSS_BATCH} x {LOSS_SEQ} tokens, one process (CPU):\n")
+    print("| dtype | training.loss_chunk_tokens | chunks | peak MiB measured | estimate | ratio | vs one piece |")
+    print("|---|---|---|---|---|---|---|")
+    ok = True
+    for dtype in ("float32", "bfloat16"):
+        value = 2 if dtype == "bfloat16" else 4
+        fixed = vocab * hidden * (4 + (value if value < 4 else 0)) + 2 * tokens * hidden * value
+        whole = None
+        for chunks in (1, 4, 8):
+            measured, estimate = head_peak(dtype, 0 if chunks == 1 else tokens // chunks)
+            whole = measured if whole is None else whole
+            ok &= abs(estimate / measured - 1) <= 0.02 and measured <= whole / chunks + fixed
+            setting = 0 if chunks == 1 else tokens // chunks
+            print(
+                f"| {dtype} | {setting} | {chunks} | {measured / 2**20:.1f} | {estimate / 2**20:.1f} | "
+                f"{estimate / measured:.3f} | {measured / whole:.3f} |"
+            )
+    return 0 if ok else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}; 2 timed steps")
     parser.add_argument("--timing-only", action="store_true", help="skip the memory table")
+    parser.add_argument("--loss", action="store_true", help="only the chunked loss's table (head_peak)")
     opts = parser.parse_args()
+    if opts.loss:
+        return loss_table()
     layouts = () if opts.timing_only else QUICK if opts.quick else tuple(LAYOUTS)
     t0 = time.perf_counter()
     worst = 0.0
