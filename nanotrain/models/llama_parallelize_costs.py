@@ -1,13 +1,17 @@
 """What the Llama's parallelize plan (``llama_parallelize.py``) costs, torch-free: what one rank
 keeps for backward, in bytes, per decoder layer (dense or MoE, under tp, sequence parallelism,
-cp and each ``training.recompute`` mode), the last stage's head and its logits; and the FLOPs
-recompute adds (HFU). Built on ``llama_arch`` (shapes, blocks, parameters, model FLOPs); the
-``--dry-run`` memory estimate (``estimate/memory.py``) and ``--plan`` sum these.
+cp and each ``training.recompute`` mode), the last stage's head and its logits in one piece or
+in chunks (``training.loss_chunk_tokens``, resolved here: ``loss_chunk_tokens``,
+``head_chunk_rows``); and the FLOPs recompute and the chunks' rerun add (HFU). Built on
+``llama_arch`` (shapes, blocks, parameters, model FLOPs); the ``--dry-run`` memory estimate
+(``estimate/memory.py``) and ``--plan`` sum these.
 
 What THIS implementation's autograd keeps (measured by benchmarks/memory.py with saved-tensor
 hooks, unique storages; tests/test_memory_measured.py holds it within 15%), not Megatron's
 paper count: its fp32 RMSNorm internals, fused qkv / gate-up outputs, RoPE copies, the SDPA
-output and log-sum-exp, and, under autocast, the bf16 weight copies each linear saves.
+output and log-sum-exp, and, under autocast, the bf16 weight copies each linear saves. The
+head's backward peak is what its allocations reach (``benchmarks/memory.py --loss`` on CPU,
+``--rehearse`` at real shapes: tests/test_chunked_loss.py, tests/test_estimate_rehearsed.py).
 """
 
 from __future__ import annotations
