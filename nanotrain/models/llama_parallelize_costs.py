@@ -196,14 +196,17 @@ def head_saved_bytes(
     chunk_rows: int = 0,
 ) -> float:
     """What the last stage's head keeps per micro-batch: the final RMSNorm (as a layer's) and
-    its output, the logits (fp32) over this tp rank's padded vocabulary rows. Under the chunked
-    loss (``chunk_rows``, ``head_chunk_rows``) only the hidden state the chunks start from, in
-    the compute dtype (this rank's ``1/tp`` of the tokens under sequence parallelism)."""
-    n, h = local_tokens * micro_batch_size, args.hidden_size
+    its output, the logits (fp32) over this tp rank's padded vocabulary rows and, under
+    autocast, the LM head weight's copy in the compute dtype (each micro-batch's forward casts
+    its own). Under the chunked loss (``chunk_rows``, ``head_chunk_rows``) only the hidden state
+    the chunks start from, in the compute dtype (this rank's ``1/tp`` of the tokens under
+    sequence parallelism)."""
+    n, h, c = local_tokens * micro_batch_size, args.hidden_size, compute_bytes(args)
     replicated = tp if tp_mode == "REDUCE_SCATTER" else 1
     if chunk_rows:
-        return n / replicated * compute_bytes(args) * h
-    return n * ((8 * h + 4) / replicated + compute_bytes(args) * h + 4 * vocab_rows_per_rank(args, tp))
+        return n / replicated * c * h
+    rows = vocab_rows_per_rank(args, tp)
+    return n * ((8 * h + 4) / replicated + c * h + 4 * rows) + (rows * h * c if c < 4 else 0)
 
 
 def moe_extra_activation_bytes(
@@ -279,7 +282,7 @@ def _head_backward_peak(
     ``beside_sum`` (a later chunk) the fp32 sum of the weight gradients stays through all."""
     c, h, rows = compute_bytes(args), args.hidden_size, vocab_rows_per_rank(args, tp)
     low = c if c < 4 else 0  # autocast: the low-precision copies
-    norm = head_saved_bytes(args, tokens, 1, tp, tp_mode) - 4 * tokens * rows
+    norm = head_saved_bytes(args, tokens, 1, tp, tp_mode) - 4 * tokens * rows - rows * h * low
     loss = tokens * rows * (12 if tp == 1 else 8 + low) + rows * h * low
     matmul = tokens * rows * c + rows * h * (low + c)
     cast = rows * h * (c + 4) if low else 0
