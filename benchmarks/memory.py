@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/memory.py            # every layout x recompute mode, then timing
     .venv/bin/python benchmarks/memory.py --quick    # fewer layouts, fewer timed steps
     .venv/bin/python benchmarks/memory.py --timing-only
+    .venv/bin/python benchmarks/memory.py --loss          # the chunked loss: the head's peak
 
 For each layout (tp, tp_mode, pp and engine, cp, micro-batch, dtype) and each
 ``training.recompute`` mode, the product's own path (``load_config`` of configs/tiny_cpu.yaml
@@ -27,10 +28,13 @@ import os
 import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -135,6 +139,85 @@ def peak_saved_bytes(model, step) -> int:
     with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
         step()
     return tracker.peak
+
+
+class AllocatedTracker(TorchDispatchMode):
+    """Peak bytes of the storages ops allocate while it is on (each once, until it is freed):
+    everything a step makes, saved for backward or not; storages that existed before it (the
+    parameters, the inputs) are never counted, even when an op returns a view of one. Under a
+    dispatch mode autograd sums the gradients that meet at a node out of place (its in-place
+    path is off for tensor subclasses and modes): measure code that does its own sums."""
+
+    def __init__(self, existing=()):
+        super().__init__()
+        self.existing = {t.untyped_storage()._cdata for t in existing}
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)):
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in self.existing or key in self.sizes:
+                continue
+            self.sizes[key] = storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key)
+        return out
+
+    def _free(self, key: int) -> None:
+        self.live -= self.sizes.pop(key, 0)
+
+
+def peak_allocated_bytes(step, existing=()) -> int:
+    """Peak bytes allocated while ``step()`` runs, beyond the storages of ``existing``."""
+    with AllocatedTracker(existing) as tracker:
+        step()
+    return tracker.peak
+
+
+# The chunked loss's own measurement: a head whose logits dwarf everything else (a 32k vocabulary,
+# hidden 32), 2 x 1024 tokens.
+LOSS_MODEL = dict(
+    vocab_size=32768,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_attention_heads=4,
+    max_position_embeddings=1024,
+)
+LOSS_BATCH, LOSS_SEQ = 2, 1024
+
+
+def head_peak(dtype: str, chunk_tokens: int, tied: bool = False) -> tuple[int, float]:
+    """(measured, estimated) peak bytes of one micro-batch's head (final norm, LM head, loss:
+    forward and backward, one process, ``LOSS_MODEL``) with ``training.loss_chunk_tokens`` =
+    ``chunk_tokens`` (0: in one piece), beyond the parameters and the hidden state it starts from;
+    the estimate is ``head_saved_bytes + head_backward_bytes``, as ``--dry-run`` adds them."""
+    from nanotrain.config import ModelArgs
+    from nanotrain.models import llama_parallelize_costs as costs
+    from nanotrain.models.llama_parallelize import build_llama
+
+    args = ModelArgs(**LOSS_MODEL, dtype=dtype, tie_word_embeddings=tied)
+    part = build_llama(args, None, seed=0, loss_chunk_tokens=chunk_tokens, compute_dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    residual = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    hidden = torch.randn(LOSS_SEQ, LOSS_BATCH, args.hidden_size, generator=gen).to(residual).requires_grad_()
+    targets = torch.randint(0, args.vocab_size, (LOSS_BATCH, LOSS_SEQ), generator=gen)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            loss = part.inner.head(hidden, targets)
+        loss.backward()
+
+    measured = peak_allocated_bytes(step, [*part.parameters(), hidden, targets])
+    rows = costs.loss_chunk_rows(chunk_tokens, LOSS_SEQ * LOSS_BATCH)
+    estimate = costs.head_saved_bytes(args, LOSS_SEQ, LOSS_BATCH, chunk_rows=rows) + costs.head_backward_bytes(
+        args, LOSS_SEQ, LOSS_BATCH, chunk_rows=rows
+    )
+    return measured, estimate
 
 
 def state_bytes(model, optimizer) -> tuple[int, int, int]:
@@ -275,11 +358,41 @@ def run_layout(layout: str, steps: int, extra=()) -> dict:
     return run_workers(__file__, world, {"layout": layout, "steps": steps, "extra": list(extra)}, 1800)
 
 
+def loss_table() -> int:
+    """The head's peak (``head_peak``) in one piece and in 4 and 8 chunks, fp32 and bf16 autocast,
+    measured and estimated; 0 when every estimate is within 2% and each chunked peak at most the
+    one-piece peak over the chunk count plus what does not scale with the chunk (the fp32 sum of
+    the LM head weight's gradients, a chunk's weight copy under autocast, two hidden states)."""
+    torch.set_num_threads(1)
+    tokens, hidden, vocab = LOSS_SEQ * LOSS_BATCH, LOSS_MODEL["hidden_size"], LOSS_MODEL["vocab_size"]
+    print(f"The head at vocabulary {vocab}, hidden {hidden}, {LOSS_BATCH} x {LOSS_SEQ} tokens, one process (CPU):\n")
+    print("| dtype | training.loss_chunk_tokens | chunks | peak MiB measured | estimate | ratio | vs one piece |")
+    print("|---|---|---|---|---|---|---|")
+    ok = True
+    for dtype in ("float32", "bfloat16"):
+        value = 2 if dtype == "bfloat16" else 4
+        fixed = vocab * hidden * (4 + (value if value < 4 else 0)) + 2 * tokens * hidden * value
+        whole = None
+        for chunks in (1, 4, 8):
+            measured, estimate = head_peak(dtype, 0 if chunks == 1 else tokens // chunks)
+            whole = measured if whole is None else whole
+            ok &= abs(estimate / measured - 1) <= 0.02 and measured <= whole / chunks + fixed
+            setting = 0 if chunks == 1 else tokens // chunks
+            print(
+                f"| {dtype} | {setting} | {chunks} | {measured / 2**20:.1f} | {estimate / 2**20:.1f} | "
+                f"{estimate / measured:.3f} | {measured / whole:.3f} |"
+            )
+    return 0 if ok else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}; 2 timed steps")
     parser.add_argument("--timing-only", action="store_true", help="skip the memory table")
+    parser.add_argument("--loss", action="store_true", help="only the chunked loss's table (head_peak)")
     opts = parser.parse_args()
+    if opts.loss:
+        return loss_table()
     layouts = () if opts.timing_only else QUICK if opts.quick else tuple(LAYOUTS)
     t0 = time.perf_counter()
     worst = 0.0

@@ -57,6 +57,12 @@ BAD_CONFIGS = [
     ),
     ("compile-not-bool", lambda c: c["training"].update(compile="yes"), [], ["training.compile"]),
     (
+        "loss-chunk-negative",
+        lambda c: c["training"].update(loss_chunk_tokens=-1),
+        [],
+        ["training.loss_chunk_tokens", "minimum 0", "0 turns the chunked loss off"],
+    ),
+    (
         "float16-no-scaler",
         lambda c: c["model"].update(dtype="float16"),
         [],

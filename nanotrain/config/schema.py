@@ -224,6 +224,15 @@ class TrainingArgs:
         "none", "activation recomputation: selective (attention core + SwiGLU activation), full (each decoder layer)"
     )
     compile: bool = doc(False, "torch.compile each decoder layer (GPU, or CPU with a C++ compiler)")
+    loss_chunk_tokens: Optional[int] = bounded(
+        None,
+        0,
+        doc="final norm, LM head and loss this many tokens at a time, each chunk's logits recomputed in "
+        "backward; null = 2048 at a vocabulary of 32000 or more where that lowers the head's peak "
+        "memory (--dry-run says), else off; 0 = off",
+        why="0 turns the chunked loss off, N > 0 computes the logits N tokens at a time, null lets "
+        "--dry-run's estimate choose",
+    )
 
 
 @dataclass

@@ -29,7 +29,9 @@ def traffic_bytes(config: Config, pp_rank: int | None = None) -> dict[str, float
 
     tp: per layer and micro-batch ``tp_collectives_per_layer`` collectives of the b x s/cp x h
     activation in the compute dtype (an all-reduce, or an all-gather and a reduce-scatter pair:
-    the same bytes), plus the embedding's (first stage) and the LM head's (last stage);
+    the same bytes), plus the embedding's (first stage) and the LM head's (last stage; under
+    sequence parallelism the chunked loss all-gathers each chunk's rows once more, half an
+    all-reduce's bytes);
     cp: the k/v all-gathers and their gradients' reduce-scatter;
     pp: each micro-batch's activation forward and its gradient backward (the whole activation:
     tp ranks hold it replicated, a 1/tp shard with sequence parallelism); dp: the fp32 gradients
@@ -56,6 +58,8 @@ def _rank_traffic(config: Config, pp_rank: int, rank: llama_arch.RankSummary) ->
     ring = lambda group: 2 * (group - 1) / group  # noqa: E731 - of the bytes, per rank
     tp_ops = tp_collectives_per_layer(t.recompute) * len(layer_ids)
     tp_ops += ("embed" in names and pp_rank == 0) + ("final_norm" in names)  # embedding fwd, head's input grad
+    if "final_norm" in names and p.tp_mode == "REDUCE_SCATTER" and llama_parallelize_costs.head_chunk_rows(config):
+        tp_ops += 0.5  # the chunked loss gathers each chunk's rows again when it recomputes them
     kv = 2 * local * llama_arch.kv_heads(m) * llama_arch.head_dim(m) * c / p.tp
     v = p.pp_virtual_stages
     chunks = [s for s in range(pp_rank, p.pp * v, p.pp)]  # this rank's virtual stages

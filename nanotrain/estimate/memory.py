@@ -13,8 +13,10 @@ own cost-balanced split, ``llama_arch.rank_blocks``), and the largest total is r
   1f1b, ((v+1)pp - 2 rank - 1)/v interleaved); the last stage adds the head's saved tensors
   (final norm, fp32 logits): once (its virtual stage runs each backward right after the
   forward) or m times (afab), and what its backward adds (``head_backward_bytes``: the logits'
-  gradients, the LM head weight's gradient in bf16 and its fp32 cast), which is over before
-  the layers' backward begins; plus, under recompute, the one layer
+  gradients, the LM head weight's copy in bf16), which is over before the layers' backward
+  begins. Under the chunked loss (``training.loss_chunk_tokens``, ``head_chunk_rows``) the head
+  keeps only its input, and its backward holds one chunk's logits and gradients at a time;
+  plus, under recompute, the one layer
   (one micro-batch) whose dropped tensors backward recomputes at a time.
 - MoE (``model.moe``): a rank holds num_experts/ep experts of each MoE layer; its extra activations
   (k routed copies of each token, the experts' intermediates) are
@@ -141,8 +143,11 @@ def _per_layer_bytes(config: Config) -> dict[str, float]:
                 for mode in {"none", t.recompute}
             }
         )
-    out["head"] = llama_parallelize_costs.head_saved_bytes(mdl, local, t.micro_batch_size, p.tp, p.tp_mode)
-    out["logits_grad"] = llama_parallelize_costs.head_backward_bytes(mdl, local, t.micro_batch_size, p.tp)
+    chunk = llama_parallelize_costs.head_chunk_rows(config)  # the chunked loss: one chunk's logits at a time
+    out["head"] = llama_parallelize_costs.head_saved_bytes(mdl, local, t.micro_batch_size, p.tp, p.tp_mode, chunk)
+    out["logits_grad"] = llama_parallelize_costs.head_backward_bytes(
+        mdl, local, t.micro_batch_size, p.tp, p.tp_mode, chunk
+    )
     return out
 
 
@@ -192,6 +197,8 @@ def describe(config: Config) -> list[str]:
         over += f" (experts over dp{p.dp}" + (f" x cp{p.cp})" if p.cp > 1 else ")")
     zero = f", ZeRO-1 over {over}" if config.optimizer.zero_stage == 1 else ""
     recompute = f", recompute {config.training.recompute}" if config.training.recompute != "none" else ""
+    if llama_parallelize_costs.head_chunk_rows(config):
+        recompute += f", loss in chunks of {llama_parallelize_costs.loss_chunk_tokens(config)} tokens"
     lines = [
         f"memory per GPU (estimate, busiest rank): weights {_gb(est.weights)} GB + grads {_gb(est.grads)} GB"
         f" + optimizer {_gb(est.optimizer)} GB{zero} + activations {_gb(est.activations)} GB "

@@ -113,7 +113,8 @@ def step_time(config: Config, hw: Hardware) -> tuple[float, float, dict]:
     Cost model (per optimizer step, nothing overlapped: an upper bound that ranks layouts):
     - compute: the hardware FLOPs of the step (model FLOPs, ``llama_arch.training_flops_per_token``,
       plus what recomputation re-runs: ``full`` one more forward of every layer, ``selective`` the
-      attention core's forward; the SwiGLU activation is elementwise, no matmul FLOPs) over
+      attention core's forward; the SwiGLU activation is elementwise, no matmul FLOPs; the chunked
+      loss, ``training.loss_chunk_tokens``, the LM head's forward) over
       N GPUs at ``efficiency`` x ``peak`` FLOP/s, times rows / (rows + SMALL_MATMUL_TOKENS) for
       the few rows of a small micro-batch (rows = micro_batch_size x sequence_length / cp);
     - pipeline bubble: compute x (pp - 1) / (v x m) for 1f1b and afab (v = 1) and interleaved 1f1b
@@ -140,7 +141,8 @@ def step_time(config: Config, hw: Hardware) -> tuple[float, float, dict]:
     seq, b, acc = t.sequence_length, t.micro_batch_size, t.batch_accumulation_per_replica
     tokens = seq * global_batch(config)
     model_flops = llama_arch.training_flops_per_token(m, seq) * tokens
-    hardware_flops = llama_parallelize_costs.hardware_flops_per_token(m, seq, t.recompute) * tokens  # with recompute
+    chunked = llama_parallelize_costs.head_chunk_rows(config) > 0  # the chunked loss reruns the LM head
+    hardware_flops = llama_parallelize_costs.hardware_flops_per_token(m, seq, t.recompute, chunked) * tokens
     local = b * (seq // p.cp)  # tokens of one micro-batch on one rank: the matmuls' rows
     efficiency = hw.efficiency * local / (local + SMALL_MATMUL_TOKENS)
     compute = hardware_flops / (n * hw.peak_tflops * 1e12 * efficiency)

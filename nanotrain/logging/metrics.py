@@ -31,7 +31,7 @@ from nanotrain.config import config_to_dict
 from nanotrain.config.atomic_files import atomic_write_json
 from nanotrain.logging.flops import peak_bf16_tflops
 from nanotrain.models.llama_arch import training_flops_per_token
-from nanotrain.models.llama_parallelize_costs import hardware_flops_per_token
+from nanotrain.models.llama_parallelize_costs import hardware_flops_per_token, head_chunk_rows
 
 PROGRESS_FILE = "progress.json"
 TB_DIR = "tb"
@@ -322,7 +322,7 @@ def metrics_logger_for(
     if flops is None:
         flops = (
             training_flops_per_token(config.model, t.sequence_length),
-            hardware_flops_per_token(config.model, t.sequence_length, t.recompute),
+            hardware_flops_per_token(config.model, t.sequence_length, t.recompute, head_chunk_rows(config) > 0),
         )
     enabled = True if parallel_context is None else is_logging_rank(parallel_context)
     ratio = None

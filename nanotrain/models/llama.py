@@ -15,7 +15,9 @@ modules:
   (``[B, heads, S, d]`` in, no parameters, no communication) can rerun in backward instead of
   keeping its output and log-sum-exp;
 * ``mlp.act`` — the SwiGLU activation, which can rerun in backward too;
-* ``loss`` — per-token cross-entropy of ``[S, B, V]`` logits (a vocab-parallel one under tp).
+* ``loss`` — per-token cross-entropy of ``[S, B, V]`` logits (a vocab-parallel one under tp);
+  with ``loss_chunk_tokens`` the head (final norm, LM head, loss) runs a chunk of tokens at a
+  time and recomputes each chunk's logits in backward (``chunked_loss.py``).
 
 A pipeline stage runs the three parts of ``forward`` on its own: ``embed_tokens`` (first stage),
 ``run_layers`` over the layers it holds, ``head`` (last stage). Layer ``i``'s parameters are named
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanotrain.config import ModelArgs, RopeScalingArgs
-from nanotrain.models import llama_arch
+from nanotrain.models import chunked_loss, llama_arch
 from nanotrain.models.mlp import MLP
 from nanotrain.models.moe import MoEFeedForward, MoEState
 from nanotrain.parallel import accelerator
@@ -244,6 +246,7 @@ class LlamaModel(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.loss = TokenCrossEntropy(args.vocab_size)
+        self.loss_chunk_tokens = 0  # the head in one piece; the parallelize plan sets the config's
         self._rope_cache: dict = {}
 
     # ------------------------------------------------------------------ init
@@ -299,11 +302,19 @@ class LlamaModel(nn.Module):
         return hidden
 
     def head(self, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Final norm and LM head: the logits, or with ``targets`` ``[B, S]`` the mean token loss."""
-        logits = self.lm_head(self.final_norm(hidden))
+        """Final norm and LM head: the logits, or with ``targets`` ``[B, S]`` the mean token loss,
+        ``loss_chunk_tokens`` tokens at a time when it is set (``chunked_loss``)."""
         if targets is None:
-            return logits
-        return self.loss(logits, targets.transpose(0, 1).contiguous()).mean()
+            return self.lm_head(self.final_norm(hidden))
+        targets = targets.transpose(0, 1).contiguous()
+        params = {id(p): p for m in (self.final_norm, self.lm_head, self.loss) for p in m.parameters()}
+        return chunked_loss.mean_token_loss(
+            self.token_losses, list(params.values()), hidden, targets, self.loss_chunk_tokens
+        )
+
+    def token_losses(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token loss of hidden rows ``[..., H]`` and their targets (final norm, LM head, loss)."""
+        return self.loss(self.lm_head(self.final_norm(hidden)), targets)
 
     def forward(
         self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, documents: torch.Tensor | None = None

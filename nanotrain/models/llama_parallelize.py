@@ -19,7 +19,8 @@ One function per step, applied in this order by ``parallelize_llama`` (torchtita
    starts from the single-process weights);
 6. ``compile_layers``   — ``torch.compile`` of each decoder layer, in place;
 7. ``recompute``        — ``training.recompute`` as wrappers: ``full`` around each decoder layer,
-   ``selective`` around the parameterless kernels (attention kernel, SwiGLU activations);
+   ``selective`` around the parameterless kernels (attention kernel, SwiGLU activations); and
+   ``training.loss_chunk_tokens`` (resolved), the head's chunk of tokens (``chunked_loss.py``);
 8. precision            — the compute dtype (autocast) the part runs its forward under.
 
 Steps 1-4 run on the meta device, so no rank ever holds more than its own part. Names never
@@ -37,7 +38,7 @@ import torch
 from nanotrain.config import Config, ModelArgs
 from nanotrain.models import llama_arch, llama_counts
 from nanotrain.models.llama import Attention, CausalKernel, DecoderLayer, LlamaModel
-from nanotrain.models.llama_parallelize_costs import check_recompute
+from nanotrain.models.llama_parallelize_costs import check_recompute, head_chunk_rows, loss_chunk_tokens
 from nanotrain.models.mlp import MLP, SwiGLU
 from nanotrain.models.moe import MoEFeedForward
 from nanotrain.parallel.context_parallel import ContextParallel, ContextParallelKernel, GatherKV
@@ -71,6 +72,7 @@ class ParallelPlan:
     cp_pg: Any = None
     ep_pg: Any = None
     recompute: str = "none"
+    loss_chunk_tokens: int = 0  # the head's logits this many tokens at a time (0: in one piece)
     compile_layers: bool = False
     compute_dtype: Optional[torch.dtype] = None
     seed: int = 0
@@ -94,6 +96,7 @@ def plan_from_config(config: Config, pc: Optional[Any] = None, device=None) -> P
         cp_pg=pc.cp_pg if pc is not None else None,
         ep_pg=pc.ep_pg if pc is not None else None,
         recompute=config.training.recompute,
+        loss_chunk_tokens=loss_chunk_tokens(config),
         compile_layers=config.training.compile,
         compute_dtype=getattr(torch, config.model.dtype),
         seed=config.training.seed,
@@ -117,6 +120,7 @@ def parallelize_llama(model: LlamaModel, plan: ParallelPlan) -> ModelPart:
     if plan.compile_layers:  # in place, before any wrapper: names and weights are unchanged
         compile_layers_(list(model.layers.values()), device.type)
     recompute(model, plan)
+    model.loss_chunk_tokens = plan.loss_chunk_tokens
     sequence_shards = group_size(plan.tp_pg) if plan.mode is TensorParallelLinearMode.REDUCE_SCATTER else 1
     return ModelPart(
         model,
@@ -248,7 +252,8 @@ def flops_per_token(config: Config) -> tuple[int, int]:
     """(model, hardware) FLOPs of one training token, read from a plain meta model with this
     config's recompute wrappers: the model FLOPs (MFU), plus the forwards the wrappers rerun in
     backward (HFU): a whole decoder layer under ``full``, the attention kernel under
-    ``selective`` (the SwiGLU activation is elementwise, not counted)."""
+    ``selective`` (the SwiGLU activation is elementwise, not counted), and the LM head's under
+    the chunked loss (``head_chunk_rows``: each chunk's logits are recomputed)."""
     with placement.on_meta():
         model = LlamaModel(config.model)
         recompute(model, ParallelPlan(recompute=config.training.recompute))
@@ -262,5 +267,7 @@ def flops_per_token(config: Config) -> tuple[int, int]:
             isinstance(m, Recomputed) and isinstance(m.inner, CausalKernel) for m in module.modules()
         ):
             rerun += llama_counts.attention_forward_flops(module, seq)
+    if head_chunk_rows(config):
+        rerun += 2 * config.model.hidden_size * config.model.vocab_size
     model_flops = llama_counts.training_flops_per_token(model, seq)
     return model_flops, model_flops + rerun

@@ -81,13 +81,14 @@ def stand_in_device():
     return _STAND_IN[-1].current_device() if _STAND_IN else None
 
 
-def autocast(device_type: str, dtype=None, enabled: bool = True):
+def autocast(device_type: str, dtype=None, enabled: bool = True, cache_enabled: bool | None = None):
     """``torch.autocast`` for ``device_type``, or the stand-in's emulation of CUDA's (torch has
-    no autocast for the rehearsal's meta device)."""
+    no autocast for the rehearsal's meta device). ``cache_enabled`` False: a leaf parameter is
+    cast anew at each use inside (None: as the enclosing region, torch's default)."""
     acc = _BY_TYPE.get(device_type)
     if acc is not None and hasattr(acc, "autocast"):
-        return acc.autocast(dtype, enabled)
-    return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled)
+        return acc.autocast(dtype, enabled) if cache_enabled is None else acc.autocast(dtype, enabled, cache_enabled)
+    return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
 
 
 def emulates_autocast(device_type: str) -> bool:

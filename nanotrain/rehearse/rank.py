@@ -96,8 +96,8 @@ def _model_stand_ins():
 
     route, exchange = moe.route, expert_parallel.exchange_counts
 
-    def balanced_route(logits, top_k, capacity_factor):
-        r = route(logits, top_k, capacity_factor)
+    def balanced_route(logits, top_k, capacity_factor, *rest):  # rest: norm_topk_prob, as route takes it
+        r = route(logits, top_k, capacity_factor, *rest)
         tokens, experts = logits.shape
         share = [tokens * top_k // experts + (e < tokens * top_k % experts) for e in range(experts)]
         order = torch.empty(sum(share), dtype=r.order.dtype, device=r.order.device)

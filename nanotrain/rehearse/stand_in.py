@@ -147,6 +147,7 @@ class Autocast(torch.overrides.TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.regions: list = []  # dtype (None: disabled) of each open region
+        self.caching: list[bool] = []  # whether each open region caches its parameters' casts
         self.cache: dict[int, torch.Tensor] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -163,7 +164,7 @@ class Autocast(torch.overrides.TorchFunctionMode):
     def _cast(self, value, dtype):
         if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype):
             return value
-        if value.is_leaf and value.requires_grad and torch.is_grad_enabled():
+        if value.is_leaf and value.requires_grad and torch.is_grad_enabled() and self.caching[-1]:
             cast = self.cache.get(id(value))
             if cast is None:
                 cast = self.cache[id(value)] = value.to(dtype)
@@ -171,18 +172,20 @@ class Autocast(torch.overrides.TorchFunctionMode):
         return value.to(dtype)
 
     @contextlib.contextmanager
-    def region(self, dtype, enabled: bool):
+    def region(self, dtype, enabled: bool, cache_enabled: bool = True):
         """An autocast region; it also enters this mode where it is not active (a region replayed
         by a recomputation in backward, where torch's checkpoint runs without the forward's
-        function modes)."""
+        function modes). ``cache_enabled`` False: parameters are cast anew at each use inside."""
         with contextlib.ExitStack() as stack:
             if self not in torch.overrides._get_current_function_mode_stack():
                 stack.enter_context(self)
             self.regions.append(dtype if enabled else None)
+            self.caching.append(cache_enabled)
             try:
                 yield
             finally:
                 self.regions.pop()
+                self.caching.pop()
                 if not any(r is not None for r in self.regions):
                     self.cache.clear()
 
@@ -239,8 +242,8 @@ class MetaAccelerator:
     def __init__(self):
         self.autocasting = Autocast()
 
-    def autocast(self, dtype=None, enabled: bool = True):
-        return self.autocasting.region(dtype or torch.bfloat16, enabled)
+    def autocast(self, dtype=None, enabled: bool = True, cache_enabled: bool = True):
+        return self.autocasting.region(dtype or torch.bfloat16, enabled, cache_enabled)
 
     def autocast_dtype(self):
         return self.autocasting.regions[-1] if self.autocasting.regions else None
