@@ -203,6 +203,17 @@ class ModelArgs:
 
 
 @dataclass
+class SpikeArgs:
+    """training.spike: what a step whose loss or gradient norm spikes or is not finite does (README: Loss spikes)."""
+
+    policy: Literal["stop", "skip"] = doc(
+        "stop", "stop: a non-finite step ends the run (exit 3); skip: a spiking or non-finite step applies no update"
+    )
+    factor: float = bounded(6.0, 1.0, 1e6, above=True, doc="skip: loss or grad norm above factor x its median = spike")
+    window: int = bounded(32, 1, 4096, doc="skip: medians of the last `window` applied steps (judged once full)")
+
+
+@dataclass
 class TrainingArgs:
     train_steps: int = bounded(100, 1, doc="optimizer steps")
     sequence_length: int = bounded(256, 1, doc="tokens per sample")
@@ -224,6 +235,7 @@ class TrainingArgs:
         "none", "activation recomputation: selective (attention core + SwiGLU activation), full (each decoder layer)"
     )
     compile: bool = doc(False, "torch.compile each decoder layer (GPU, or CPU with a C++ compiler)")
+    spike: SpikeArgs = field(default_factory=SpikeArgs, metadata={"doc": "loss spikes and non-finite steps"})
 
 
 @dataclass

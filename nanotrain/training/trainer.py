@@ -32,6 +32,7 @@ from nanotrain.parallel.observe.wait_clock import WAITS
 from nanotrain.training.builder import TrainingParts
 from nanotrain.training.evaluate import evaluate, perplexity
 from nanotrain.training.outcome import Outcome
+from nanotrain.training.spike import describe
 from nanotrain.training.step import train_step
 from nanotrain.training.stop_vote import StopVote
 
@@ -55,6 +56,7 @@ class DistributedTrainer:
         self.metrics, self.profiler = parts.metrics, parts.profiler
         self.step, self.consumed_samples = parts.step, parts.consumed_samples
         self.saved_step = parts.saved_step  # the step whose state is on disk, verified
+        self.spike = parts.spike  # training.spike.policy skip (training/spike.py); None: stop
         t, replicas = self.config.training, self.config.parallelism.batch_replicas
         # Samples one step consumes: every data replica (dp x ep) reads its micro-batches.
         self.global_batch = replicas * t.micro_batch_size * t.batch_accumulation_per_replica
@@ -95,6 +97,7 @@ class DistributedTrainer:
                 engine=self.engine,
                 message=self.message,
                 before_update=self.pending_save.wait_snapshot if self.pending_save else None,
+                spike=self.spike,
             )
             self.step += 1
             HANG_RECORD.advance(self.step)
@@ -114,10 +117,12 @@ class DistributedTrainer:
             saves = bool(interval and self.step % interval == 0) or self.step == t.train_steps
             HANG_RECORD.mark("stop vote")
             writing = self.pending_save is not None and not self.pending_save.done()
-            self.votes.post(self.step, stats.loss_tensor, stats.grad_norm_tensor, writing=writing)
+            values = self.spike.values(stats.loss_tensor, stats.grad_norm_tensor) if self.spike else None
+            self.votes.post(self.step, stats.loss_tensor, stats.grad_norm_tensor, writing, stats.skipped, values)
             self.stop_code = self.votes.settle(latest=saves)
             if self.stop_code and not saves:  # about to save: this step must be finite too
                 self.stop_code = max(self.stop_code, self.votes.settle(latest=True))
+            self.record_skips()  # every skip settled so far: a save below holds them all
             voted_step, still_writing = self.votes.last_settled
             if self.pending_save is not None and voted_step > self.pending_save.step and not still_writing:
                 self.finish_save()  # every rank's files are durable: commit, at the same step everywhere
@@ -132,6 +137,15 @@ class DistributedTrainer:
             WAITS.begin_step(self.device)
         self.save()  # the final state (a no-op when the interval just wrote it)
         return Outcome.COMPLETED
+
+    def record_skips(self) -> None:
+        """The skipped steps the stop vote has told of (a step late; all of them before a save):
+        into the guard's record (checkpoint, ``<run>/spikes.jsonl``) and the console."""
+        for step, values in self.votes.skips:
+            entry = self.spike.record(step, values)
+            if self.pc.world_rank == 0:
+                print(describe(entry, self.spike.factor), flush=True)
+        self.votes.skips.clear()
 
     def log_step(self, stats, step_s: float) -> None:
         """The step's metrics. ``step_s``: host time of the step (data included, saves not); the
@@ -213,6 +227,8 @@ class DistributedTrainer:
             "consumed_samples": self.consumed_samples,
             "consumed_tokens": self.consumed_samples * t.sequence_length,
         }
+        if self.spike is not None:  # the median window and the skipped steps (bit-exact resume)
+            extra["spike"] = self.spike.state_dict()
         args = (self.config.checkpoints.path, self.step, self.model, self.optimizer, self.scheduler, self.pc)
         if wait:
             save_checkpoint(*args, extra=extra, config=self.config, run_id=self.run_id)

@@ -1,0 +1,114 @@
+"""`training.spike.policy: skip`: a step whose loss or gradient norm is not finite, or exceeds
+`factor` times the median of the last `window` applied steps, applies no update — decided on
+the device, without a host sync.
+
+Why on the device: reading the loss on the host every step would make the host wait for every
+step's kernels (the trainer keeps silent steps free of host syncs, README "Host syncs"). So the
+decision is a 0-d float tensor handed to the fused AdamW kernel as ``found_inf`` (what
+``torch.amp.GradScaler`` uses): the kernel leaves the parameters and both moments untouched
+when it is 1, and torch takes the step count back (``_fused_adamw``), so a skipped step is
+exactly a step that did not happen for the optimizer. ZeRO-1 is an AdamW subclass: its shards
+skip the same way and the all-gather then gathers unchanged parameters. The LR schedule and the
+data position still advance (the step is spent; its samples are not read again). Under `skip`
+the optimizer is fused on the CPU too, the only CPU AdamW that takes ``found_inf``.
+
+Agreement: the loss and the grad norm are already global after the step's reductions, but one
+1-element all-reduce (MAX over every rank, asynchronous to the host) makes the decision identical
+on every rank even if a reduction rounded differently somewhere: a rank that updated while its
+replicas skipped would silently fork the model.
+
+The median window (losses and grad norms of the last applied steps, NaN where not yet filled) is
+a device tensor updated with ``torch.where``; it is saved in the checkpoint with the list of
+skipped steps, so a resumed run judges the same steps the same way (bit-exact resume). The
+trainer learns which steps were skipped a step late, from the stop vote it reads anyway
+(``stop_vote.py``), and records them in ``<run>/spikes.jsonl`` and the console.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from nanotrain.config.schema import SpikeArgs
+from nanotrain.parallel import collectives
+
+SPIKES_FILE = "spikes.jsonl"
+
+
+class SpikeGuard:
+    """The skip decision and its record for one rank (every rank holds one; module doc)."""
+
+    def __init__(self, args: SpikeArgs, device, run_dir: Optional[Path], writes: bool, state: Optional[dict] = None):
+        """``writes``: this rank writes ``<run_dir>/spikes.jsonl`` (one rank per run). ``state``:
+        ``state_dict()`` of a checkpoint (resume), else a fresh window."""
+        self.factor, self.window = float(args.factor), int(args.window)
+        self.device = torch.device(device)
+        self.path = Path(run_dir) / SPIKES_FILE if run_dir is not None and writes else None
+        history = torch.full((2, self.window), math.nan, dtype=torch.float64)
+        self.skipped: list[dict] = []  # one record per skipped step, oldest first
+        if state is not None:
+            if len(state["history"][0]) != self.window:
+                raise ValueError(
+                    f"training.spike.window is {self.window} but the checkpoint's median window holds "
+                    f"{len(state['history'][0])} steps; resume with the window it was saved with"
+                )
+            history = torch.tensor(state["history"], dtype=torch.float64)
+            self.skipped = [dict(r) for r in state["skipped"]]
+        self.history = history.to(self.device)
+        self.medians = torch.full((2,), math.nan, dtype=torch.float64, device=self.device)
+        if self.path is not None:  # the record from the checkpoint on: a step past it is redone
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.skipped))
+
+    def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """The step's decision, a 0-d float32 device tensor (1.0: skip), the same on every rank;
+        an applied step joins the median window. No host sync."""
+        now = torch.stack([loss.detach().reshape(()).double(), grad_norm.detach().reshape(()).double()])
+        self.medians = self.history.nanmedian(dim=1).values  # NaN while the window is empty
+        full = ~torch.isnan(self.history).any()
+        spikes = (now > self.factor * self.medians).any() & full
+        skip = (spikes | ~torch.isfinite(now).all()).to(torch.float32).reshape(1)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            collectives.all_reduce(skip, op=dist.ReduceOp.MAX, what="all_reduce spike skip")
+        shifted = torch.cat([self.history[:, 1:], now.reshape(2, 1)], dim=1)
+        self.history = torch.where(skip > 0, self.history, shifted)
+        return skip.reshape(())
+
+    def values(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """What a record of this step holds (loss, grad norm, their medians), still on the device."""
+        return torch.cat([torch.stack([loss.detach().double(), grad_norm.detach().double()]), self.medians])
+
+    def record(self, step: int, values: list[float]) -> dict:
+        """Note the skipped ``step`` (a step late, from the stop vote): the list, the file."""
+        loss, grad_norm, median_loss, median_grad_norm = values
+        entry = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "median_loss": median_loss,
+            "median_grad_norm": median_grad_norm,
+        }
+        self.skipped.append(entry)
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(entry) + "\n")
+        return entry
+
+    def state_dict(self) -> dict:
+        """JSON-able state for the checkpoint (a host copy of the window: at saves only)."""
+        return {"history": self.history.cpu().tolist(), "skipped": [dict(r) for r in self.skipped]}
+
+
+def describe(entry: dict, factor: float) -> str:
+    """The console line of a skipped step."""
+    medians = f"loss {entry['median_loss']:.4g}, grad norm {entry['median_grad_norm']:.4g}"
+    finite = math.isfinite(entry["loss"]) and math.isfinite(entry["grad_norm"])
+    why = f"above {factor:g} x the median ({medians})" if finite else "not finite"
+    return (
+        f"step {entry['step']}: skipped (training.spike.policy skip): loss {entry['loss']:.4g}, "
+        f"grad norm {entry['grad_norm']:.4g} {why}; no update applied"
+    )
