@@ -57,10 +57,16 @@ BAD_CONFIGS = [
     ),
     ("compile-not-bool", lambda c: c["training"].update(compile="yes"), [], ["training.compile"]),
     # training.spike (issue 31 item 2)
-    ("spike-bad-policy", None, ["--set", "training.spike.policy=rewind"], ["training.spike.policy", "'stop', 'skip'"]),
+    (
+        "spike-bad-policy",
+        None,
+        ["--set", "training.spike.policy=retry"],
+        ["training.spike.policy", "'stop', 'skip', 'rewind'"],
+    ),
     ("spike-factor-one", None, ["--set", "training.spike.factor=1"], ["training.spike.factor", "above 1.0"]),
     ("spike-window-zero", None, ["--set", "training.spike.window=0"], ["training.spike.window", "minimum 1"]),
     ("spike-window-huge", None, ["--set", "training.spike.window=5000"], ["training.spike.window", "maximum"]),
+    ("spike-rewinds-negative", None, ["--set", "training.spike.max_rewinds=-1"], ["training.spike.max_rewinds"]),
     ("spike-unknown-key", None, ["--set", "training.spike.k=3"], ["training.spike.k", "unknown key"]),
     (
         "float16-no-scaler",

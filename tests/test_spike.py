@@ -1,13 +1,14 @@
-"""`training.spike.policy: skip` (issue 31 item 2): a poisoned step — an injected non-finite
-gradient, then a gradient 1000x too large (the test hook ``NANOTRAIN_TEST_SPIKE``,
-tests/hooks/sitecustomize.py) — applies no update, is recorded, and the run finishes.
+"""`training.spike` (issue 31 item 2): poisoned steps — an injected non-finite gradient, a gradient
+1000x too large (the test hook ``NANOTRAIN_TEST_SPIKE``, tests/hooks/sitecustomize.py) — under
+`skip` apply no update, under `rewind` send the run back to its last checkpoint without the data
+read since; the run finishes either way, and a preemption in between changes nothing.
 
-The reference is a run without the poison whose AdamW is simply not called at the recorded steps
-(the hook's ``noupdate``): every other step's loss and the final weights must be equal bit for
-bit, so a skipped step left no trace (weights, moments, step count, the median window). The
-layout is dp2 x pp2 with ZeRO-1: the loss crosses the pipeline before the update and the sharded
-update skips on both dp ranks before the all-gather. A run preempted between the two poisoned
-steps and resumed equals the uninterrupted one bit for bit, its record included.
+References: for `skip`, a run without the poison whose AdamW is simply not called at the
+recorded steps (the hook's ``noupdate``), at dp2 x pp2 with ZeRO-1 (the loss crosses the pipeline
+before the update; the sharded update skips on both dp ranks before the all-gather); for
+`rewind`, a run whose data leaves out exactly the recorded samples (the hook's ``drop``). The
+runs compared with them are preempted between or after the spikes and resumed, so their equality
+(bit for bit, losses and final weights) is also the bit-exact resume.
 """
 
 from __future__ import annotations
@@ -20,66 +21,104 @@ from pathlib import Path
 
 import pytest
 
-from helpers.runs import TINY, cli, final_weights, set_args, tb_losses
+from nanotrain.commands.status import show_status
+
+from helpers.runs import TINY, TOPOLOGIES, cli, final_weights, set_args, tb_losses
 
 HOOKS = Path(__file__).resolve().parent / "hooks"
-STEPS = 12
-POISON = "poison=5:inf,9:1000"
-SETTINGS = [
-    f"training.train_steps={STEPS}",
-    "logging.log_interval=1",
+COMMON = ["logging.log_interval=1", "optimizer.warmup_steps=3", "training.spike.window=4"]
+SKIP = [
+    "training.train_steps=12",
     "checkpoints.interval=0",
-    "optimizer.warmup_steps=3",
     "parallelism.dp=2",
     "parallelism.tp=1",
     "parallelism.pp=2",
     "optimizer.zero_stage=1",
     "training.spike.policy=skip",
-    "training.spike.window=4",
 ]
+REWIND = ["training.train_steps=16", "checkpoints.interval=4", "training.spike.policy=rewind", *TOPOLOGIES["1-1-1"]]
 
 
-def run(logs: Path, name: str, hook: str, *args: str) -> str:
-    """``submit.py --local`` with the test hook; returns its output (exit 0 asserted)."""
+def run(logs: Path, name: str, hook: str, settings: list[str], *args: str, code: int = 0) -> str:
+    """``submit.py --local`` (or ``args``) with the test hook; returns its output."""
     env = dict(os.environ, NANOTRAIN_TEST_SPIKE=hook)
     env["PYTHONPATH"] = os.pathsep.join([str(HOOKS), env.get("PYTHONPATH", "")])
-    argv = args or (str(TINY), "--local", *set_args([f"logging.dir={logs}", f"logging.run_name={name}", *SETTINGS]))
-    proc = subprocess.run(cli(*argv), capture_output=True, text=True, timeout=400, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    items = [f"logging.dir={logs}", f"logging.run_name={name}", *COMMON, *settings]
+    proc = subprocess.run(
+        cli(*(args or (str(TINY), "--local", *set_args(items)))), capture_output=True, text=True, timeout=400, env=env
+    )
+    assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr + (logs / name / "job" / "rank-0.log").read_text()  # the rank's lines
 
 
-def same(a: list, b: list) -> bool:
-    """Equal bit for bit, an infinite loss included."""
-    return [(s, repr(v)) for s, v in a] == [(s, repr(v)) for s, v in b]
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "spikes.jsonl").read_text().splitlines()]
+
+
+def last_losses(run_dir: Path) -> dict[int, float]:
+    """Each step's last logged loss: a rewound run logs the steps after its checkpoint twice."""
+    return dict(tb_losses(run_dir))
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    x, y = final_weights(a), final_weights(b)
+    return x.keys() == y.keys() and all((x[k] == y[k]).all() for k in x)
 
 
 @pytest.mark.timeout(600)
-def test_skip_equals_no_update_at_the_recorded_steps_and_resumes_bit_exact(tmp_path):
+def test_skip_equals_no_update_at_the_recorded_steps_across_a_preemption(tmp_path, capsys):
     logs = tmp_path / "logs"
-    out = run(logs, "skip", POISON)
-    records = [json.loads(line) for line in (logs / "skip" / "spikes.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [5, 9], records
-    assert math.isinf(records[0]["loss"]) and records[1]["grad_norm"] > 6 * records[1]["median_grad_norm"]
-    assert "step 5: skipped" in out and "not finite" in out and "step 9: skipped" in out, out[-3000:]
+    # Preempted between the two poisoned steps (the stop lands a step after the signal), resumed.
+    out = run(logs, "skip", "poison=5:inf,9:1000;preempt=6", SKIP)
+    assert "preempted at step 7" in out and "step 5: skipped (training.spike)" in out and "not finite" in out
+    meta = json.loads((logs / "skip" / "checkpoints" / "step_000007" / "meta.json").read_text())
+    assert [r["step"] for r in meta["extra"]["spike"]["log"]] == [5]
+    out = run(logs, "skip", "poison=5:inf,9:1000", SKIP, "--resume", str(logs / "skip"), "--local")
+    assert "step 9: skipped (training.spike)" in out and "above 6 x the median" in out, out[-3000:]
+    found = records(logs / "skip")
+    assert [r["step"] for r in found] == [5, 9], found
+    assert math.isinf(found[0]["loss"]) and found[1]["grad_norm"] > 6 * found[1]["median_grad_norm"]
 
     # The reference: no poison, and no AdamW call at exactly the recorded steps.
-    run(logs, "reference", "noupdate=" + ",".join(str(r["step"]) for r in records))
-    skipped, reference = tb_losses(logs / "skip"), tb_losses(logs / "reference")
-    assert [s for s, _ in skipped] == list(range(1, STEPS + 1))
-    kept = {r["step"] for r in records}
-    assert same([x for x in skipped if x[0] not in kept], [x for x in reference if x[0] not in kept])
-    a, b = final_weights(logs / "skip"), final_weights(logs / "reference")
-    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
-    assert not (logs / "reference" / "spikes.jsonl").read_text()  # nothing spiked there
+    run(logs, "reference", "noupdate=5,9", SKIP)
+    skipped, reference = last_losses(logs / "skip"), last_losses(logs / "reference")
+    assert sorted(skipped) == list(range(1, 13))
+    for step in (5, 9):
+        del skipped[step], reference[step]
+    assert skipped == reference
+    assert same_weights(logs / "skip", logs / "reference")
+    assert not records(logs / "reference")  # nothing spiked there
 
-    # Preempted between the two poisoned steps (the stop lands a step after the signal), resumed.
-    out = run(logs, "preempted", POISON + ";preempt=6")
-    assert "preempted at step 7" in out, out[-3000:]
-    meta = json.loads((logs / "preempted" / "checkpoints" / "step_000007" / "meta.json").read_text())
-    assert [r["step"] for r in meta["extra"]["spike"]["skipped"]] == [5]
-    run(logs, "preempted", POISON, "--resume", str(logs / "preempted"), "--local")
-    assert same(tb_losses(logs / "preempted"), skipped)
-    c = final_weights(logs / "preempted")
-    assert c.keys() == a.keys() and all((a[k] == c[k]).all() for k in a)
-    assert (logs / "preempted" / "spikes.jsonl").read_text() == (logs / "skip" / "spikes.jsonl").read_text()
+    capsys.readouterr()
+    show_status(logs / "skip")
+    assert f"skipped steps: 2 (5, 9; details in {logs / 'skip' / 'spikes.jsonl'})" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(600)
+def test_rewind_equals_a_run_without_the_recorded_samples_across_a_preemption(tmp_path):
+    logs = tmp_path / "logs"
+    # 16 samples a step: step 10 reads from position 144. Checkpoints at 4 and 8; the spike is
+    # seen a step late (at 11), the run goes back to 8 and reads on from 160; preempted at 12
+    # (a saving step: it reads its own vote).
+    out = run(logs, "rewind", "poisondata=144:inf;preempt=12", REWIND)
+    assert "step 10: rewind 1/3 (training.spike.policy rewind) to the checkpoint of step 8" in out, out[-3000:]
+    assert "samples 128..159 are left out" in out and "preempted at step 12" in out, out[-3000:]
+    meta = json.loads((logs / "rewind" / "checkpoints" / "step_000012" / "meta.json").read_text())
+    assert meta["extra"]["consumed_samples"] == 12 * 16 + 32 and len(meta["extra"]["spike"]["log"]) == 1
+    run(logs, "rewind", "poisondata=144:inf", REWIND, "--resume", str(logs / "rewind"), "--local")
+    (found,) = records(logs / "rewind")
+    assert (found["rewind"], found["at_step"], found["to_step"], found["skipped_samples"]) == (1, 10, 8, [128, 160])
+    assert math.isinf(found["loss"])
+
+    run(logs, "reference", "poisondata=144:inf;drop=128-160", REWIND)
+    rewound, reference = last_losses(logs / "rewind"), last_losses(logs / "reference")
+    assert sorted(rewound) == list(range(1, 17)) and rewound == reference
+    assert same_weights(logs / "rewind", logs / "reference")
+    assert not records(logs / "reference")
+
+
+def test_rewinds_are_bounded(tmp_path):
+    settings = [*REWIND, "training.train_steps=8", "training.spike.max_rewinds=0"]
+    out = run(tmp_path / "logs", "bounded", "poisondata=80:inf", settings, code=3)
+    assert "error: training spiked at step 6 and cannot rewind: 0 rewinds (training.spike.max_rewinds) spent" in out
+    assert "latest checkpoint step_000004 is untouched" in out, out[-3000:]

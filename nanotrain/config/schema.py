@@ -204,13 +204,16 @@ class ModelArgs:
 
 @dataclass
 class SpikeArgs:
-    """training.spike: what a step whose loss or gradient norm spikes or is not finite does (README: Loss spikes)."""
+    """training.spike: what a step whose loss or gradient norm spikes or is not finite does (README)."""
 
-    policy: Literal["stop", "skip"] = doc(
-        "stop", "stop: a non-finite step ends the run (exit 3); skip: a spiking or non-finite step applies no update"
+    policy: Literal["stop", "skip", "rewind"] = doc(
+        "stop",
+        "stop: a non-finite step ends the run (exit 3); skip: a spiking or non-finite step applies no update; "
+        "rewind: that, then back to the last checkpoint, leaving out the data read since",
     )
-    factor: float = bounded(6.0, 1.0, 1e6, above=True, doc="skip: loss or grad norm above factor x its median = spike")
-    window: int = bounded(32, 1, 4096, doc="skip: medians of the last `window` applied steps (judged once full)")
+    factor: float = bounded(6.0, 1.0, 1e6, above=True, doc="loss or grad norm above factor x its median = spike")
+    window: int = bounded(32, 1, 4096, doc="skip, rewind: medians of the last `window` applied steps (once full)")
+    max_rewinds: int = bounded(3, 0, 1000, doc="rewind: rewinds per run; one spike more ends it as stop does (exit 3)")
 
 
 @dataclass

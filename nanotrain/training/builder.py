@@ -140,7 +140,7 @@ def build_parts(config: Config, pc: ParallelContext, run_dir: Path, run_id: Opti
     engine = build_engine(config, pc)
     message = model.pipeline_message(t.micro_batch_size, t.sequence_length)
     grad_sync = build_grad_sync(list(model.parameters()), pc)
-    skips = t.spike.policy == "skip"  # found_inf: the fused kernel (training/spike.py)
+    skips = t.spike.policy in ("skip", "rewind")  # found_inf: the fused kernel (training/spike.py)
     optimizer = build_optimizer(model.named_parameters(), config.optimizer, **optimizer_groups(pc), fused=skips)
     scheduler = build_lr_scheduler(optimizer, config.optimizer, t.train_steps)
     sampler, val_sampler = build_samplers(

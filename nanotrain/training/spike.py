@@ -50,7 +50,7 @@ class SpikeGuard:
         self.device = torch.device(device)
         self.path = Path(run_dir) / SPIKES_FILE if run_dir is not None and writes else None
         history = torch.full((2, self.window), math.nan, dtype=torch.float64)
-        self.skipped: list[dict] = []  # one record per skipped step, oldest first
+        self.log: list[dict] = []  # skipped steps and rewinds, in the order they happened
         if state is not None:
             if len(state["history"][0]) != self.window:
                 raise ValueError(
@@ -58,11 +58,22 @@ class SpikeGuard:
                     f"{len(state['history'][0])} steps; resume with the window it was saved with"
                 )
             history = torch.tensor(state["history"], dtype=torch.float64)
-            self.skipped = [dict(r) for r in state["skipped"]]
+            self.log = [dict(r) for r in state["log"]]
         self.history = history.to(self.device)
         self.medians = torch.full((2,), math.nan, dtype=torch.float64, device=self.device)
-        if self.path is not None:  # the record from the checkpoint on: a step past it is redone
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.skipped))
+        self._rewrite()  # the record from the checkpoint on: a step past it is redone
+
+    @property
+    def skipped(self) -> list[dict]:
+        return [r for r in self.log if "step" in r]
+
+    @property
+    def rewinds(self) -> list[dict]:
+        return [r for r in self.log if "rewind" in r]
+
+    def _rewrite(self) -> None:
+        if self.path is not None:
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.log))
 
     def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """The step's decision, a 0-d float32 device tensor (1.0: skip), the same on every rank;
@@ -92,15 +103,32 @@ class SpikeGuard:
             "median_loss": median_loss,
             "median_grad_norm": median_grad_norm,
         }
-        self.skipped.append(entry)
+        self.log.append(entry)
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps(entry) + "\n")
         return entry
 
+    def rewound(self, state: Optional[dict], spike: dict, to_step: int, samples: list[int]) -> dict:
+        """Back to the checkpoint of ``to_step`` (its ``state_dict``; None: saved without one),
+        after ``spike`` (the record of the skipped step that set it off): its window and record,
+        plus every rewind made since it was saved (they count towards `max_rewinds`) and this one,
+        whose left-out sample positions are [``samples[0]``, ``samples[1]``)."""
+        kept = len(state["log"]) if state is not None else 0
+        later = [r for r in self.log[kept:] if "rewind" in r]
+        entry = {"rewind": len(self.rewinds) + 1, "at_step": spike["step"], "to_step": to_step}
+        entry.update(skipped_samples=samples, loss=spike["loss"], grad_norm=spike["grad_norm"])
+        history = torch.full((2, self.window), math.nan, dtype=torch.float64)
+        if state is not None:
+            history = torch.tensor(state["history"], dtype=torch.float64)
+        self.history = history.to(self.device)
+        self.log = self.log[:kept] + later + [entry]
+        self._rewrite()
+        return entry
+
     def state_dict(self) -> dict:
         """JSON-able state for the checkpoint (a host copy of the window: at saves only)."""
-        return {"history": self.history.cpu().tolist(), "skipped": [dict(r) for r in self.skipped]}
+        return {"history": self.history.cpu().tolist(), "log": [dict(r) for r in self.log]}
 
 
 def describe(entry: dict, factor: float) -> str:
@@ -109,6 +137,6 @@ def describe(entry: dict, factor: float) -> str:
     finite = math.isfinite(entry["loss"]) and math.isfinite(entry["grad_norm"])
     why = f"above {factor:g} x the median ({medians})" if finite else "not finite"
     return (
-        f"step {entry['step']}: skipped (training.spike.policy skip): loss {entry['loss']:.4g}, "
+        f"step {entry['step']}: skipped (training.spike): loss {entry['loss']:.4g}, "
         f"grad norm {entry['grad_norm']:.4g} {why}; no update applied"
     )

@@ -41,6 +41,15 @@ class TrainingDiverged(RuntimeError):
         )
 
 
+class SpikesPersist(TrainingDiverged):
+    """`training.spike.policy: rewind` cannot rewind any more at ``step`` (``why``); ends the run
+    as a divergence does (exit 3), with the last checkpoint kept."""
+
+    def __init__(self, step: int, why: str):
+        RuntimeError.__init__(self, f"training spiked at step {step} and cannot rewind: {why}")
+        self.step, self.loss, self.grad_norm = step, float("nan"), float("nan")
+
+
 class StopVote:
     """``post`` every step, then ``settle``; see the module doc."""
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
-from nanotrain.checkpoint import begin_save, save_checkpoint
+from nanotrain.checkpoint import begin_save, load_checkpoint, save_checkpoint
 from nanotrain.logging.moe_stats import step_scalars
 from nanotrain.parallel.observe.hang_record import HANG_RECORD
 from nanotrain.parallel.observe.wait_clock import WAITS
@@ -34,7 +34,7 @@ from nanotrain.training.evaluate import evaluate, perplexity
 from nanotrain.training.outcome import Outcome
 from nanotrain.training.spike import describe
 from nanotrain.training.step import train_step
-from nanotrain.training.stop_vote import StopVote
+from nanotrain.training.stop_vote import SpikesPersist, StopVote
 
 
 class DistributedTrainer:
@@ -122,7 +122,12 @@ class DistributedTrainer:
             self.stop_code = self.votes.settle(latest=saves)
             if self.stop_code and not saves:  # about to save: this step must be finite too
                 self.stop_code = max(self.stop_code, self.votes.settle(latest=True))
-            self.record_skips()  # every skip settled so far: a save below holds them all
+            spiked = self.record_skips()  # every skip settled so far: a save below holds them all
+            if spiked is not None:  # training.spike.policy rewind: instead of saving or stopping here
+                self.rewind(spiked)
+                start = time.perf_counter()
+                WAITS.begin_step(self.device)
+                continue
             voted_step, still_writing = self.votes.last_settled
             if self.pending_save is not None and voted_step > self.pending_save.step and not still_writing:
                 self.finish_save()  # every rank's files are durable: commit, at the same step everywhere
@@ -138,14 +143,60 @@ class DistributedTrainer:
         self.save()  # the final state (a no-op when the interval just wrote it)
         return Outcome.COMPLETED
 
-    def record_skips(self) -> None:
+    def record_skips(self) -> Optional[dict]:
         """The skipped steps the stop vote has told of (a step late; all of them before a save):
-        into the guard's record (checkpoint, ``<run>/spikes.jsonl``) and the console."""
-        for step, values in self.votes.skips:
+        into the guard's record (checkpoint, ``<run>/spikes.jsonl``) and the console. Returns
+        the record of the first of them when the policy rewinds and there is a checkpoint to go back to (the
+        same on every rank: the votes and the saves are collective); before the first save a
+        spike under `rewind` is only skipped."""
+        skips, self.votes.skips = self.votes.skips, []
+        for step, values in skips:
             entry = self.spike.record(step, values)
             if self.pc.world_rank == 0:
                 print(describe(entry, self.spike.factor), flush=True)
-        self.votes.skips.clear()
+            rewinds = self.config.training.spike.policy == "rewind"
+            if rewinds and (self.saved_step is not None or self.pending_save is not None):
+                return entry
+        return None
+
+    def rewind(self, spiked: dict) -> None:
+        """Back to the last checkpoint after the spike ``spiked`` (its record), leaving out the samples
+        read from that checkpoint to the spike (the data position jumps past them: a later
+        checkpoint holds the position, so a resume keeps them left out). In-process, through the
+        resume path (``load_checkpoint``: weights, optimizer, schedule, RNG, median window). Raises
+        SpikesPersist once `training.spike.max_rewinds` rewinds are spent, or without a checkpoint."""
+        spike = self.config.training.spike
+        self.votes.close()  # the votes of the steps after the spike: their all-reduces complete
+        self.votes.skips.clear()  # ... and those steps are undone
+        self.finish_save()
+        if len(self.spike.rewinds) >= spike.max_rewinds:
+            raise SpikesPersist(spiked["step"], f"{len(self.spike.rewinds)} rewinds (training.spike.max_rewinds) spent")
+        HANG_RECORD.mark("rewind (loading the last checkpoint)")
+        c = self.config.checkpoints
+        loaded = load_checkpoint(
+            c.path,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.pc,
+            config=self.config,
+            run_id=self.run_id,
+            allow_foreign=c.allow_foreign,
+        )
+        if loaded is None:
+            raise SpikesPersist(spiked["step"], "no checkpoint to rewind to")
+        after = self.consumed_samples - (self.step - spiked["step"]) * self.global_batch  # the position after the spike
+        samples = [loaded.extra["consumed_samples"], after]
+        entry = self.spike.rewound(loaded.extra.get("spike"), spiked, loaded.step, samples)
+        if self.pc.world_rank == 0:
+            print(
+                f"step {spiked['step']}: rewind {entry['rewind']}/{spike.max_rewinds} (training.spike.policy rewind) "
+                f"to the checkpoint of step {loaded.step}; samples {samples[0]}..{samples[1] - 1} are left out",
+                flush=True,
+            )
+        self.step, self.consumed_samples, self.saved_step = loaded.step, after, loaded.step
+        self._source_epochs = None
+        HANG_RECORD.advance(self.step)
 
     def log_step(self, stats, step_s: float) -> None:
         """The step's metrics. ``step_s``: host time of the step (data included, saves not); the
