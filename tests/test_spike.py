@@ -122,3 +122,23 @@ def test_rewinds_are_bounded(tmp_path):
     out = run(tmp_path / "logs", "bounded", "poisondata=80:inf", settings, code=3)
     assert "error: training spiked at step 6 and cannot rewind: 0 rewinds (training.spike.max_rewinds) spent" in out
     assert "latest checkpoint step_000004 is untouched" in out, out[-3000:]
+
+
+def test_the_guard_judges_against_the_median_of_applied_steps_only():
+    """In-process (no launch): spikes are judged once the window is full, a skipped step stays
+    out of the window, non-finite numbers are skipped from the first step; a saved window resumes
+    at another `window` with its newest steps."""
+    import torch
+
+    from nanotrain.config.schema import SpikeArgs
+    from nanotrain.training.spike import SpikeGuard
+
+    guard = SpikeGuard(SpikeArgs(policy="skip", factor=6.0, window=2), "cpu", None, False)
+    norm = torch.tensor(1.0)
+    judged = [float(guard.judge(torch.tensor(v), norm)) for v in (100.0, math.inf, 1.0, 1.5, 9.0, 5.0, 1.25)]
+    # the median of an even window is its lower middle value (torch.median): 1 of (1, 1.5), so
+    # 9 > 6 x 1 spikes and 5 does not; then 1.25 against 1.5 of (1.5, 5)
+    assert judged == [0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    assert guard.history.tolist() == [[5.0, 1.25], [1.0, 1.0]] == guard.state_dict()["history"]
+    wider = SpikeGuard(SpikeArgs(policy="skip", window=3), "cpu", None, False, guard.state_dict())
+    assert math.isnan(wider.history[0, 0]) and wider.history[:, 1:].tolist() == [[5.0, 1.25], [1.0, 1.0]]

@@ -18,7 +18,8 @@ on every rank even if a reduction rounded differently somewhere: a rank that upd
 replicas skipped would silently fork the model.
 
 The median window (losses and grad norms of the last applied steps, NaN where not yet filled) is
-a device tensor updated with ``torch.where``; it is saved in the checkpoint with the list of
+a device tensor updated with ``torch.where`` (no data-dependent shapes; the median of an even
+window is its lower middle value, ``torch.nanmedian``'s); it is saved in the checkpoint with the list of
 skipped steps, so a resumed run judges the same steps the same way (bit-exact resume). The
 trainer learns which steps were skipped a step late, from the stop vote it reads anyway
 (``stop_vote.py``), and records them in ``<run>/spikes.jsonl`` and the console.
@@ -52,16 +53,18 @@ class SpikeGuard:
         history = torch.full((2, self.window), math.nan, dtype=torch.float64)
         self.log: list[dict] = []  # skipped steps and rewinds, in the order they happened
         if state is not None:
-            if len(state["history"][0]) != self.window:
-                raise ValueError(
-                    f"training.spike.window is {self.window} but the checkpoint's median window holds "
-                    f"{len(state['history'][0])} steps; resume with the window it was saved with"
-                )
-            history = torch.tensor(state["history"], dtype=torch.float64)
+            history = self._fitted(state["history"])
             self.log = [dict(r) for r in state["log"]]
         self.history = history.to(self.device)
         self.medians = torch.full((2,), math.nan, dtype=torch.float64, device=self.device)
         self._rewrite()  # the record from the checkpoint on: a step past it is redone
+
+    def _fitted(self, saved: list) -> torch.Tensor:
+        """A saved median window at this `window`: its newest steps, NaN-padded in front when it
+        is shorter (a resume may change `training.spike.window`; the same window resumes exactly)."""
+        saved = torch.tensor(saved, dtype=torch.float64)[:, -self.window :]
+        pad = torch.full((2, self.window - saved.shape[1]), math.nan, dtype=torch.float64)
+        return torch.cat([pad, saved], dim=1)
 
     @property
     def skipped(self) -> list[dict]:
@@ -120,7 +123,7 @@ class SpikeGuard:
         entry.update(skipped_samples=samples, loss=spike["loss"], grad_norm=spike["grad_norm"])
         history = torch.full((2, self.window), math.nan, dtype=torch.float64)
         if state is not None:
-            history = torch.tensor(state["history"], dtype=torch.float64)
+            history = self._fitted(state["history"])
         self.history = history.to(self.device)
         self.log = self.log[:kept] + later + [entry]
         self._rewrite()
