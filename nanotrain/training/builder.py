@@ -126,7 +126,7 @@ class TrainingParts:
     step: int = 0  # where training starts: the resumed checkpoint's step, or 0
     consumed_samples: int = 0
     saved_step: Optional[int] = None  # the step whose state is on disk, verified (the resumed one)
-    spike: Optional[SpikeGuard] = None  # training.spike.policy skip: the skip decision and its record
+    spike: Optional[SpikeGuard] = None  # training.spike skip or rewind: the skip decision and its record
 
 
 def build_parts(config: Config, pc: ParallelContext, run_dir: Path, run_id: Optional[str] = None) -> TrainingParts:

@@ -1,16 +1,16 @@
-"""`training.spike.policy: skip`: a step whose loss or gradient norm is not finite, or exceeds
-`factor` times the median of the last `window` applied steps, applies no update — decided on
-the device, without a host sync.
+"""`training.spike.policy: skip` (and `rewind`, which then also goes back: ``trainer.rewind``):
+a step whose loss or gradient norm is not finite, or exceeds `factor` times the median of the
+last `window` applied steps, applies no update — decided on the device, without a host sync.
 
 Why on the device: reading the loss on the host every step would make the host wait for every
-step's kernels (the trainer keeps silent steps free of host syncs, README "Host syncs"). So the
+step's kernels (the trainer keeps silent steps free of host syncs; ``--rehearse`` checks it). So the
 decision is a 0-d float tensor handed to the fused AdamW kernel as ``found_inf`` (what
 ``torch.amp.GradScaler`` uses): the kernel leaves the parameters and both moments untouched
 when it is 1, and torch takes the step count back (``_fused_adamw``), so a skipped step is
 exactly a step that did not happen for the optimizer. ZeRO-1 is an AdamW subclass: its shards
 skip the same way and the all-gather then gathers unchanged parameters. The LR schedule and the
 data position still advance (the step is spent; its samples are not read again). Under `skip`
-the optimizer is fused on the CPU too, the only CPU AdamW that takes ``found_inf``.
+and `rewind` the optimizer is fused on the CPU too, the only CPU AdamW that takes ``found_inf``.
 
 Agreement: the loss and the grad norm are already global after the step's reductions, but one
 1-element all-reduce (MAX over every rank, asynchronous to the host) makes the decision identical
@@ -19,8 +19,8 @@ replicas skipped would silently fork the model.
 
 The median window (losses and grad norms of the last applied steps, NaN where not yet filled) is
 a device tensor updated with ``torch.where`` (no data-dependent shapes; the median of an even
-window is its lower middle value, ``torch.nanmedian``'s); it is saved in the checkpoint with the list of
-skipped steps, so a resumed run judges the same steps the same way (bit-exact resume). The
+window is its lower middle value, ``torch.nanmedian``'s); it is saved in the checkpoint with the
+record of skips and rewinds, so a resumed run judges the same steps the same way. The
 trainer learns which steps were skipped a step late, from the stop vote it reads anyway
 (``stop_vote.py``), and records them in ``<run>/spikes.jsonl`` and the console.
 """

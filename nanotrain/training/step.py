@@ -33,7 +33,7 @@ class StepStats:
 
     def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, skipped: Optional[torch.Tensor] = None):
         self.loss_tensor, self.grad_norm_tensor, self.lr = loss, grad_norm, lr
-        self.skipped = skipped  # training.spike.policy skip: 1.0 where the step applied no update (device)
+        self.skipped = skipped  # training.spike skip/rewind: 1.0 where the step applied no update (device)
         self._host: Optional[tuple[float, float]] = None
 
     def _read(self) -> tuple[float, float]:
@@ -166,7 +166,7 @@ def train_step(
         engine: required when pp > 1 (``build_engine``).
         message: the pipeline messages' shapes, for middle stages (see ``PipelineEngine``).
         before_update: called right before the parameters change (``optimizer_step``).
-        spike: a ``SpikeGuard`` (``training.spike.policy: skip``): the loss is reduced before the
+        spike: a ``SpikeGuard`` (``training.spike.policy`` skip or rewind): the loss is reduced before the
             update, so that the guard can judge it with the grad norm and skip the update.
 
     Returns:

@@ -17,6 +17,9 @@ grad norm stay on the device until a logging step reads them, and the stop vote 
 late (`training/stop_vote.py`), so on a GPU the host runs ahead of the kernels it launches.
 Reproducibility: every source of randomness derives from `training.seed` (weights from
 (seed, parameter name), data order from (seed, epoch)), so a run repeats bit for bit on CPU.
+Spikes (`training.spike`, ``training/spike.py``): `stop` ends the run at a non-finite step
+(TrainingDiverged); `skip` leaves a spiking step without an update, decided on the device; `rewind`
+also goes back to the last checkpoint (``rewind``) and reads on past the data since.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class DistributedTrainer:
 
     Raises (from ``train``):
         TrainingDiverged: a non-finite loss or gradient norm (nothing saved after the last finite step).
+        SpikesPersist (a TrainingDiverged): `rewind` cannot go back any more.
     """
 
     def __init__(self, parts: TrainingParts, stop_code: Callable[[], int]):
@@ -56,7 +60,7 @@ class DistributedTrainer:
         self.metrics, self.profiler = parts.metrics, parts.profiler
         self.step, self.consumed_samples = parts.step, parts.consumed_samples
         self.saved_step = parts.saved_step  # the step whose state is on disk, verified
-        self.spike = parts.spike  # training.spike.policy skip (training/spike.py); None: stop
+        self.spike = parts.spike  # training.spike skip or rewind (training/spike.py); None: stop
         t, replicas = self.config.training, self.config.parallelism.batch_replicas
         # Samples one step consumes: every data replica (dp x ep) reads its micro-batches.
         self.global_batch = replicas * t.micro_batch_size * t.batch_accumulation_per_replica
@@ -145,10 +149,10 @@ class DistributedTrainer:
 
     def record_skips(self) -> Optional[dict]:
         """The skipped steps the stop vote has told of (a step late; all of them before a save):
-        into the guard's record (checkpoint, ``<run>/spikes.jsonl``) and the console. Returns
-        the record of the first of them when the policy rewinds and there is a checkpoint to go back to (the
-        same on every rank: the votes and the saves are collective); before the first save a
-        spike under `rewind` is only skipped."""
+        into the guard's record (checkpoint, ``<run>/spikes.jsonl``) and the console. Returns the
+        record of the first of them when the policy rewinds and there is a checkpoint to go back
+        to (the same on every rank: the votes and the saves are collective); before the first
+        save a spike under `rewind` is only skipped."""
         skips, self.votes.skips = self.votes.skips, []
         for step, values in skips:
             entry = self.spike.record(step, values)
@@ -160,8 +164,8 @@ class DistributedTrainer:
         return None
 
     def rewind(self, spiked: dict) -> None:
-        """Back to the last checkpoint after the spike ``spiked`` (its record), leaving out the samples
-        read from that checkpoint to the spike (the data position jumps past them: a later
+        """Back to the last checkpoint after the spike ``spiked`` (its record), leaving out the
+        samples read from that checkpoint to the spike (the data position jumps past them: a later
         checkpoint holds the position, so a resume keeps them left out). In-process, through the
         resume path (``load_checkpoint``: weights, optimizer, schedule, RNG, median window). Raises
         SpikesPersist once `training.spike.max_rewinds` rewinds are spent, or without a checkpoint."""
