@@ -56,6 +56,24 @@ BAD_CONFIGS = [
         ["training.recompute", "none", "selective", "full"],
     ),
     ("compile-not-bool", lambda c: c["training"].update(compile="yes"), [], ["training.compile"]),
+    # training.spike (issue 31 item 2)
+    (
+        "spike-bad-policy",
+        None,
+        ["--set", "training.spike.policy=retry"],
+        ["training.spike.policy", "'stop', 'skip', 'rewind'"],
+    ),
+    ("spike-factor-one", None, ["--set", "training.spike.factor=1"], ["training.spike.factor", "above 1.0"]),
+    ("spike-window-zero", None, ["--set", "training.spike.window=0"], ["training.spike.window", "minimum 1"]),
+    ("spike-window-huge", None, ["--set", "training.spike.window=5000"], ["training.spike.window", "maximum"]),
+    (
+        "spike-rewind-without-checkpoints",
+        None,
+        ["--set", "training.spike.policy=rewind", "--set", "checkpoints.interval=0"],
+        ["training.spike.policy: rewind", "checkpoints.interval is 0", "policy skip"],
+    ),
+    ("spike-rewinds-negative", None, ["--set", "training.spike.max_rewinds=-1"], ["training.spike.max_rewinds"]),
+    ("spike-unknown-key", None, ["--set", "training.spike.k=3"], ["training.spike.k", "unknown key"]),
     (
         "loss-chunk-negative",
         lambda c: c["training"].update(loss_chunk_tokens=-1),

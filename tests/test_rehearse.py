@@ -58,6 +58,15 @@ def test_the_tiny_job_rehearses_clean_with_every_leg(tiny):
     assert all(not rows for w, rows in report["syncs"].items() if w in report["silent"])
 
 
+def test_skipping_spikes_adds_no_host_sync_on_silent_steps(tmp_path):
+    """`training.spike.policy: skip` decides on the device (training/spike.py): steps 1-3 stay
+    silent; the median window is read on the host only where a save is (its checkpoint state)."""
+    config = load_config(TINY, [f"logging.dir={tmp_path / 'logs'}", "training.spike.policy=skip"])
+    report = rehearse_rank(config, 4, 3)  # the last stage: the loss is judged there (and everywhere)
+    assert _defects(report) == []
+    assert report["silent"] and all(not rows for w, rows in report["syncs"].items() if w in report["silent"])
+
+
 def test_optimizer_state_loaded_on_the_host_is_named(tiny, monkeypatch):
     """The revert of the loaders' fix: `step` back on the host for the fused (device) AdamW."""
     from nanotrain.optim import optimizer
@@ -99,7 +108,7 @@ def test_the_stop_vote_built_from_host_data_is_named(tiny, monkeypatch):
     back with tolist(), every step."""
     from nanotrain.training import stop_vote
 
-    def post(self, step_no, loss, grad_norm, writing=False):
+    def post(self, step_no, loss, grad_norm, writing=False, skipped=None, values=None):
         flags = torch.tensor([float(self.stop_code()), 0.0, float(writing)], device=self.device)
         self._pending_host = flags.tolist()
 

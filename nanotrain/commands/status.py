@@ -260,4 +260,26 @@ def show_status(run_dir: str | Path, out: TextIO | None = None) -> int:
     print(prepared if prepared is not None else progress_line(_read_progress(run_dir), run_dir), file=out)
     for line in hang_lines(run_dir):  # a run that hung: the culprit, from the ranks' reports
         print(line, file=out)
+    skipped = skipped_line(run_dir)
+    if skipped is not None:
+        print(skipped, file=out)
     return 0
+
+
+def skipped_line(run_dir: Path, shown: int = 10) -> Optional[str]:
+    """The steps `training.spike` left without an update and its rewinds (``<run>/spikes.jsonl``,
+    written by training/spike.py; read here without importing it, which would import torch)."""
+    path = run_dir / "spikes.jsonl"
+    if not path.is_file():
+        return None
+    try:
+        entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        steps = [int(e["step"]) for e in entries if "step" in e]
+        rewinds = [f"{int(e['at_step'])}->{int(e['to_step'])}" for e in entries if "rewind" in e]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"skipped steps: {path} is unreadable"
+    if not entries:
+        return "skipped steps: none"
+    listed = ", ".join(map(str, steps[-shown:])) + "; " if steps else ""
+    line = f"skipped steps: {len(steps)} ({'..., ' if len(steps) > shown else ''}{listed}details in {path})"
+    return line + (f"; rewinds: {len(rewinds)} (step->checkpoint: {', '.join(rewinds[-shown:])})" if rewinds else "")

@@ -203,6 +203,20 @@ class ModelArgs:
 
 
 @dataclass
+class SpikeArgs:
+    """training.spike: what a step whose loss or gradient norm spikes or is not finite does (README)."""
+
+    policy: Literal["stop", "skip", "rewind"] = doc(
+        "stop",
+        "stop: a non-finite step ends the run (exit 3); skip: a spiking or non-finite step applies no update; "
+        "rewind: that, then back to the last checkpoint, leaving out the data read since",
+    )
+    factor: float = bounded(6.0, 1.0, 1e6, above=True, doc="loss or grad norm above factor x its median = spike")
+    window: int = bounded(32, 1, 4096, doc="skip, rewind: medians of the last `window` applied steps (once full)")
+    max_rewinds: int = bounded(3, 0, 1000, doc="rewind: rewinds per run; one spike more ends it as stop does (exit 3)")
+
+
+@dataclass
 class TrainingArgs:
     train_steps: int = bounded(100, 1, doc="optimizer steps")
     sequence_length: int = bounded(256, 1, doc="tokens per sample")
@@ -233,6 +247,7 @@ class TrainingArgs:
         why="0 turns the chunked loss off, N > 0 computes the logits N tokens at a time, null lets "
         "--dry-run's estimate choose",
     )
+    spike: SpikeArgs = field(default_factory=SpikeArgs, metadata={"doc": "loss spikes and non-finite steps"})
 
 
 @dataclass

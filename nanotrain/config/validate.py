@@ -311,6 +311,11 @@ def validate(config: Config, *, slurm: bool = False) -> SlurmLayout | None:
             f"training.collective_timeout_s: {config.training.collective_timeout_s:g} s is more than 7 days "
             f"({MAX_COLLECTIVE_TIMEOUT_S:g} s), longer than a hang should go unnoticed: lower it"
         )
+    if config.training.spike.policy == "rewind" and not config.checkpoints.interval:
+        _fail(
+            "training.spike.policy: rewind goes back to the last checkpoint, but checkpoints.interval is 0 "
+            "(none before a preemption or the end): set checkpoints.interval (e.g. 500), or use policy skip"
+        )
     validate_profile(config)
     validate_model(config)
     validate_optimizer(config)

@@ -50,6 +50,7 @@ def build_optimizer(
     dp_group: Optional[dist.ProcessGroup] = None,
     zero_stage: Optional[int] = None,
     expert_dp_group: Optional[dist.ProcessGroup] = None,
+    fused: bool = False,
 ) -> torch.optim.AdamW:
     """AdamW over ``named_params`` (``model.named_parameters()`` of this pp stage / tp shard).
 
@@ -62,6 +63,9 @@ def build_optimizer(
     ``expert_dp_group=pc.dp_cp_pg``: ZeRO-1 then shards the expert parameters over the latter
     (``ZeroOneOptimizer``'s domains); ZeRO-0 ignores both. ``optimizer_groups(pc)`` gives the pair.
 
+    ``fused``: the fused kernel on the CPU too (always on accelerators): the only AdamW that
+    takes a ``found_inf`` flag, which ``training.spike.policy: skip`` sets (``training/spike.py``).
+
     Raises:
         ValueError: no trainable parameter, or a ``zero_stage`` other than 0 and 1.
     """
@@ -71,7 +75,7 @@ def build_optimizer(
         raise ValueError("build_optimizer: no trainable parameters")
     kwargs = dict(lr=args.lr, betas=tuple(args.betas), eps=args.eps)
     params = groups[0]["params"] + groups[1]["params"]
-    if all(accelerator.of(p.device) is not None for p in params):
+    if fused or all(accelerator.of(p.device) is not None for p in params):
         kwargs["fused"] = True  # one kernel for all tensors (torch's default on CUDA is foreach)
     if stage == 0:
         return torch.optim.AdamW(groups, **kwargs)

@@ -35,6 +35,7 @@ from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.parallel.part.model_part import ModelPart
 from nanotrain.parallel.pipeline_parallel import PipelineEngine
 from nanotrain.training.profile import StepProfiler
+from nanotrain.training.spike import SpikeGuard
 
 
 def hang_timeouts(collective_timeout_s: float) -> tuple[float, float]:
@@ -125,6 +126,7 @@ class TrainingParts:
     step: int = 0  # where training starts: the resumed checkpoint's step, or 0
     consumed_samples: int = 0
     saved_step: Optional[int] = None  # the step whose state is on disk, verified (the resumed one)
+    spike: Optional[SpikeGuard] = None  # training.spike skip or rewind: the skip decision and its record
 
 
 def build_parts(config: Config, pc: ParallelContext, run_dir: Path, run_id: Optional[str] = None) -> TrainingParts:
@@ -138,7 +140,8 @@ def build_parts(config: Config, pc: ParallelContext, run_dir: Path, run_id: Opti
     engine = build_engine(config, pc)
     message = model.pipeline_message(t.micro_batch_size, t.sequence_length)
     grad_sync = build_grad_sync(list(model.parameters()), pc)
-    optimizer = build_optimizer(model.named_parameters(), config.optimizer, **optimizer_groups(pc))
+    skips = t.spike.policy in ("skip", "rewind")  # found_inf: the fused kernel (training/spike.py)
+    optimizer = build_optimizer(model.named_parameters(), config.optimizer, **optimizer_groups(pc), fused=skips)
     scheduler = build_lr_scheduler(optimizer, config.optimizer, t.train_steps)
     sampler, val_sampler = build_samplers(
         config,
@@ -149,7 +152,8 @@ def build_parts(config: Config, pc: ParallelContext, run_dir: Path, run_id: Opti
     )
     batches = BatchPrefetcher(sampler, pc.data_rank, pc.device) if sampler else None
     val_batches = BatchPrefetcher(val_sampler, pc.data_rank, pc.device) if val_sampler else None
-    step, consumed_samples, saved_step = _starting_state(config, pc, model, optimizer, scheduler, run_id)
+    step, consumed_samples, saved_step, extra = _starting_state(config, pc, model, optimizer, scheduler, run_id)
+    spike = SpikeGuard(t.spike, pc.device, run_dir, pc.world_rank == 0, extra.get("spike")) if skips else None
     metrics = metrics_logger_for(
         config, run_dir, pc, device=pc.device, start_step=step, flops=family_of(config.model).flops_per_token(config)
     )
@@ -172,12 +176,13 @@ def build_parts(config: Config, pc: ParallelContext, run_dir: Path, run_id: Opti
         step,
         consumed_samples,
         saved_step,
+        spike,
     )
 
 
-def _starting_state(config, pc, model, optimizer, scheduler, run_id) -> tuple[int, int, Optional[int]]:
-    """(step, consumed samples, saved step): the latest complete checkpoint's, loaded into the
-    model, optimizer and schedule (``checkpoints.resume``); else the first start, with the
+def _starting_state(config, pc, model, optimizer, scheduler, run_id) -> tuple[int, int, Optional[int], dict]:
+    """(step, consumed samples, saved step, the checkpoint's ``extra``): the latest complete
+    checkpoint's, loaded into the model, optimizer and schedule (``checkpoints.resume``); else the first start, with the
     Hugging Face weights of ``checkpoints.init_from_hf`` when set."""
     c = config.checkpoints
     if c.resume:
@@ -187,7 +192,7 @@ def _starting_state(config, pc, model, optimizer, scheduler, run_id) -> tuple[in
         if resumed is not None:
             if pc.world_rank == 0:
                 print(f"resumed from {resumed.path} at step {resumed.step} ({resumed.provenance()})", flush=True)
-            return resumed.step, resumed.extra["consumed_samples"], resumed.step
+            return resumed.step, resumed.extra["consumed_samples"], resumed.step, resumed.extra
     if c.init_from_hf:
         loaded = load_hf_weights(c.init_from_hf, model, config.model)
         if pc.world_rank == 0:
@@ -197,4 +202,4 @@ def _starting_state(config, pc, model, optimizer, scheduler, run_id) -> tuple[in
                 "optimizer and step start fresh",
                 flush=True,
             )
-    return 0, 0, None
+    return 0, 0, None, {}

@@ -31,8 +31,9 @@ class StepStats:
     ``.loss`` / ``.grad_norm`` copy them to the host (a sync that waits for the whole step on a
     GPU), so a loop reads them on logging steps only and lets the host run ahead otherwise."""
 
-    def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float):
+    def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, skipped: Optional[torch.Tensor] = None):
         self.loss_tensor, self.grad_norm_tensor, self.lr = loss, grad_norm, lr
+        self.skipped = skipped  # training.spike skip/rewind: 1.0 where the step applied no update (device)
         self._host: Optional[tuple[float, float]] = None
 
     def _read(self) -> tuple[float, float]:
@@ -82,10 +83,13 @@ def optimizer_step(
     pc: ParallelContext,
     clip_grad: float | None,
     before_update=None,
-) -> tuple[torch.Tensor, float]:
-    """Finish the gradient sync, clip, step; returns (grad norm before clipping, lr used).
-    ``before_update``: called right before the parameters and optimizer states change (an async
-    checkpoint's host copies are waited for there)."""
+    judge=None,
+) -> tuple[torch.Tensor, float, Optional[torch.Tensor]]:
+    """Finish the gradient sync, clip, step; returns (grad norm before clipping, lr used, skip
+    decision or None). ``before_update``: called right before the parameters and optimizer states
+    change (an async checkpoint's host copies are waited for there). ``judge(grad_norm)``: the
+    skip decision (``training/spike.py``), a device tensor given to the fused AdamW as
+    ``found_inf``: 1.0 leaves parameters, moments and step count as they were."""
     HANG_RECORD.mark("optimizer (gradient sync)")
     grad_sync.finish_grad_sync()
     HANG_RECORD.mark("optimizer (clip, step)")
@@ -94,6 +98,9 @@ def optimizer_step(
         allreduce_tied_grads_(model.parameters(), pc.embedding_pg)
     grad_norm = clip_grad_norm_(model.parameters(), clip_grad, pc, grad_sync.grad_shards())  # ZeRO-1: pieces
     lr = optimizer.param_groups[0]["lr"]
+    skipped = None
+    if judge is not None:
+        skipped = optimizer.found_inf = judge(grad_norm)
     if before_update is not None:
         HANG_RECORD.mark("optimizer (waiting for the checkpoint's host copy)")
         before_update()
@@ -101,7 +108,7 @@ def optimizer_step(
     optimizer.step()
     scheduler.step()
     grad_sync.zero_grad()
-    return grad_norm, lr
+    return grad_norm, lr, skipped
 
 
 def mean_over_replicas(loss: torch.Tensor, pc: ParallelContext) -> torch.Tensor:
@@ -140,6 +147,7 @@ def train_step(
     engine: PipelineEngine | None = None,
     message: MessageSpec | None = None,
     before_update=None,
+    spike=None,
 ) -> StepStats:
     """One optimizer step: forward and backward of every micro-batch, the gradient sync, clipping,
     the update and the scheduler step. Collective over every group of the model. No host sync
@@ -158,6 +166,8 @@ def train_step(
         engine: required when pp > 1 (``build_engine``).
         message: the pipeline messages' shapes, for middle stages (see ``PipelineEngine``).
         before_update: called right before the parameters change (``optimizer_step``).
+        spike: a ``SpikeGuard`` (``training.spike.policy`` skip or rewind): the loss is reduced before the
+            update, so that the guard can judge it with the grad norm and skip the update.
 
     Returns:
         ``StepStats``: the global mean loss, the grad norm before clipping and the lr used.
@@ -174,6 +184,15 @@ def train_step(
         loss = engine.forward_backward(model, microbatches, grad_sync, message)
     else:
         loss = forward_backward(model, microbatches, grad_sync)
-    grad_norm, lr = optimizer_step(model, grad_sync, optimizer, scheduler, pc, clip_grad, before_update)
+    if spike is None:
+        grad_norm, lr, _ = optimizer_step(model, grad_sync, optimizer, scheduler, pc, clip_grad, before_update)
+        HANG_RECORD.mark("loss reduction")
+        return StepStats(reduce_loss(loss, pc), grad_norm, lr)
     HANG_RECORD.mark("loss reduction")
-    return StepStats(reduce_loss(loss, pc), grad_norm, lr)
+    loss = reduce_loss(loss, pc)  # before the update: the skip decision needs it
+
+    def judge(grad_norm):
+        return spike.judge(loss, grad_norm)
+
+    grad_norm, lr, skipped = optimizer_step(model, grad_sync, optimizer, scheduler, pc, clip_grad, before_update, judge)
+    return StepStats(loss, grad_norm, lr, skipped)

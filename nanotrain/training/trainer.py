@@ -17,23 +17,27 @@ grad norm stay on the device until a logging step reads them, and the stop vote 
 late (`training/stop_vote.py`), so on a GPU the host runs ahead of the kernels it launches.
 Reproducibility: every source of randomness derives from `training.seed` (weights from
 (seed, parameter name), data order from (seed, epoch)), so a run repeats bit for bit on CPU.
+Spikes (`training.spike`, ``training/spike.py``): `stop` ends the run at a non-finite step
+(TrainingDiverged); `skip` leaves a spiking step without an update, decided on the device; `rewind`
+also goes back to the last checkpoint (``rewind``) and reads on past the data since.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
-from nanotrain.checkpoint import begin_save, save_checkpoint
+from nanotrain.checkpoint import begin_save, load_checkpoint, save_checkpoint
 from nanotrain.logging.moe_stats import step_scalars
 from nanotrain.parallel.observe.hang_record import HANG_RECORD
 from nanotrain.parallel.observe.wait_clock import WAITS
 from nanotrain.training.builder import TrainingParts
 from nanotrain.training.evaluate import evaluate, perplexity
 from nanotrain.training.outcome import Outcome
+from nanotrain.training.spike import describe
 from nanotrain.training.step import train_step
-from nanotrain.training.stop_vote import StopVote
+from nanotrain.training.stop_vote import SpikesPersist, StopVote
 
 
 class DistributedTrainer:
@@ -43,6 +47,7 @@ class DistributedTrainer:
 
     Raises (from ``train``):
         TrainingDiverged: a non-finite loss or gradient norm (nothing saved after the last finite step).
+        SpikesPersist (a TrainingDiverged): `rewind` cannot go back any more.
     """
 
     def __init__(self, parts: TrainingParts, stop_code: Callable[[], int]):
@@ -55,6 +60,7 @@ class DistributedTrainer:
         self.metrics, self.profiler = parts.metrics, parts.profiler
         self.step, self.consumed_samples = parts.step, parts.consumed_samples
         self.saved_step = parts.saved_step  # the step whose state is on disk, verified
+        self.spike = parts.spike  # training.spike skip or rewind (training/spike.py); None: stop
         t, replicas = self.config.training, self.config.parallelism.batch_replicas
         # Samples one step consumes: every data replica (dp x ep) reads its micro-batches.
         self.global_batch = replicas * t.micro_batch_size * t.batch_accumulation_per_replica
@@ -95,6 +101,7 @@ class DistributedTrainer:
                 engine=self.engine,
                 message=self.message,
                 before_update=self.pending_save.wait_snapshot if self.pending_save else None,
+                spike=self.spike,
             )
             self.step += 1
             HANG_RECORD.advance(self.step)
@@ -114,10 +121,17 @@ class DistributedTrainer:
             saves = bool(interval and self.step % interval == 0) or self.step == t.train_steps
             HANG_RECORD.mark("stop vote")
             writing = self.pending_save is not None and not self.pending_save.done()
-            self.votes.post(self.step, stats.loss_tensor, stats.grad_norm_tensor, writing=writing)
+            values = self.spike.values(stats.loss_tensor, stats.grad_norm_tensor) if self.spike else None
+            self.votes.post(self.step, stats.loss_tensor, stats.grad_norm_tensor, writing, stats.skipped, values)
             self.stop_code = self.votes.settle(latest=saves)
             if self.stop_code and not saves:  # about to save: this step must be finite too
                 self.stop_code = max(self.stop_code, self.votes.settle(latest=True))
+            spiked = self.record_skips()  # every skip settled so far: a save below holds them all
+            if spiked is not None:  # training.spike.policy rewind: instead of saving or stopping here
+                self.rewind(spiked)
+                start = time.perf_counter()
+                WAITS.begin_step(self.device)
+                continue
             voted_step, still_writing = self.votes.last_settled
             if self.pending_save is not None and voted_step > self.pending_save.step and not still_writing:
                 self.finish_save()  # every rank's files are durable: commit, at the same step everywhere
@@ -132,6 +146,61 @@ class DistributedTrainer:
             WAITS.begin_step(self.device)
         self.save()  # the final state (a no-op when the interval just wrote it)
         return Outcome.COMPLETED
+
+    def record_skips(self) -> Optional[dict]:
+        """The skipped steps the stop vote has told of (a step late; all of them before a save):
+        into the guard's record (checkpoint, ``<run>/spikes.jsonl``) and the console. Returns the
+        record of the first of them when the policy rewinds and there is a checkpoint to go back
+        to (the same on every rank: the votes and the saves are collective); before the first
+        save a spike under `rewind` is only skipped."""
+        skips, self.votes.skips = self.votes.skips, []
+        for step, values in skips:
+            entry = self.spike.record(step, values)
+            if self.pc.world_rank == 0:
+                print(describe(entry, self.spike.factor), flush=True)
+            rewinds = self.config.training.spike.policy == "rewind"
+            if rewinds and (self.saved_step is not None or self.pending_save is not None):
+                return entry
+        return None
+
+    def rewind(self, spiked: dict) -> None:
+        """Back to the last checkpoint after the spike ``spiked`` (its record), leaving out the
+        samples read from that checkpoint to the spike (the data position jumps past them: a later
+        checkpoint holds the position, so a resume keeps them left out). In-process, through the
+        resume path (``load_checkpoint``: weights, optimizer, schedule, RNG, median window). Raises
+        SpikesPersist once `training.spike.max_rewinds` rewinds are spent, or without a checkpoint."""
+        spike = self.config.training.spike
+        self.votes.close()  # the votes of the steps after the spike: their all-reduces complete
+        self.votes.skips.clear()  # ... and those steps are undone
+        self.finish_save()
+        if len(self.spike.rewinds) >= spike.max_rewinds:
+            raise SpikesPersist(spiked["step"], f"{len(self.spike.rewinds)} rewinds (training.spike.max_rewinds) spent")
+        HANG_RECORD.mark("rewind (loading the last checkpoint)")
+        c = self.config.checkpoints
+        loaded = load_checkpoint(
+            c.path,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.pc,
+            config=self.config,
+            run_id=self.run_id,
+            allow_foreign=c.allow_foreign,
+        )
+        if loaded is None:
+            raise SpikesPersist(spiked["step"], "no checkpoint to rewind to")
+        after = self.consumed_samples - (self.step - spiked["step"]) * self.global_batch  # the position after the spike
+        samples = [loaded.extra["consumed_samples"], after]
+        entry = self.spike.rewound(loaded.extra.get("spike"), spiked, loaded.step, samples)
+        if self.pc.world_rank == 0:
+            print(
+                f"step {spiked['step']}: rewind {entry['rewind']}/{spike.max_rewinds} (training.spike.policy rewind) "
+                f"to the checkpoint of step {loaded.step}; samples {samples[0]}..{samples[1] - 1} are left out",
+                flush=True,
+            )
+        self.step, self.consumed_samples, self.saved_step = loaded.step, after, loaded.step
+        self._source_epochs = None
+        HANG_RECORD.advance(self.step)
 
     def log_step(self, stats, step_s: float) -> None:
         """The step's metrics. ``step_s``: host time of the step (data included, saves not); the
@@ -213,6 +282,8 @@ class DistributedTrainer:
             "consumed_samples": self.consumed_samples,
             "consumed_tokens": self.consumed_samples * t.sequence_length,
         }
+        if self.spike is not None:  # the median window and the skipped steps (bit-exact resume)
+            extra["spike"] = self.spike.state_dict()
         args = (self.config.checkpoints.path, self.step, self.model, self.optimizer, self.scheduler, self.pc)
         if wait:
             save_checkpoint(*args, extra=extra, config=self.config, run_id=self.run_id)

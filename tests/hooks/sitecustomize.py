@@ -58,3 +58,67 @@ if _slow and os.environ.get("NANOTRAIN_LAUNCHER") and os.environ.get("RANK"):
         return _write(path, tensors, header)
 
     _fmt.write_safetensors = _slow_write
+
+# ``NANOTRAIN_TEST_SPIKE=poison=5:inf,10:1000;noupdate=5,10;preempt=7`` (tests/test_spike.py), any
+# part optional, in every rank: ``poison`` multiplies each micro-batch loss of those steps by the
+# factor on the stage that computes it (an injected non-finite or huge gradient); ``noupdate``
+# leaves out AdamW's update at those steps (the reference a skipped step must equal: no call of
+# the kernel at all); ``preempt`` sends this rank the stop signal (SIGUSR2) as step P ends: a
+# preemption at a known step. Keyed on the data instead of the step (a step may run twice under
+# `rewind`): ``poisondata=144:inf`` poisons the step that reads from sample position 144 on;
+# ``drop=128-160`` leaves the samples at positions 128..159 out of the run (every read position
+# from 128 on moves 32 further: the reference of a rewind that left them out).
+_spike = os.environ.get("NANOTRAIN_TEST_SPIKE")
+if _spike and os.environ.get("NANOTRAIN_LAUNCHER") and os.environ.get("RANK"):
+    import signal
+
+    import torch
+
+    from nanotrain.data.device_batches import BatchPrefetcher
+    from nanotrain.parallel.observe.hang_record import HANG_RECORD
+    from nanotrain.parallel.part.model_part import ModelPart
+    from nanotrain.training import stop_vote as _vote_module
+
+    _parts = dict(part.split("=", 1) for part in _spike.split(";") if part)
+    _poison = {int(s): float(f) for s, f in (p.split(":") for p in _parts.get("poison", "").split(",") if p)}
+    _noupdate = {int(s) for s in _parts.get("noupdate", "").split(",") if s}
+    _preempt = int(_parts["preempt"]) if "preempt" in _parts else None
+    _poisondata = {int(s): float(f) for s, f in (p.split(":") for p in _parts.get("poisondata", "").split(",") if p)}
+    _drop = tuple(int(x) for x in _parts["drop"].split("-")) if "drop" in _parts else None
+    _get, _prefetch = BatchPrefetcher.get, BatchPrefetcher.prefetch
+    _position = [None]  # the sample position the step in flight reads from
+
+    def _moved(consumed):
+        return consumed + _drop[1] - _drop[0] if _drop and consumed >= _drop[0] else consumed
+
+    def _get_moved(self, consumed):
+        _position[0] = _moved(consumed)
+        return _get(self, _moved(consumed))
+
+    def _prefetch_moved(self, consumed):
+        return _prefetch(self, _moved(consumed))
+
+    _forward, _adamw_step, _post = ModelPart.forward, torch.optim.AdamW.step, _vote_module.StopVote.post
+
+    def _poisoned_forward(self, input_ids=None, targets=None, *args, **kwargs):
+        out = _forward(self, input_ids, targets, *args, **kwargs)
+        factor = _poison.get(HANG_RECORD.step + 1)  # HANG_RECORD.step: the steps done so far
+        factor = _poisondata.get(_position[0], factor)
+        if factor is None or targets is None or not torch.is_grad_enabled():  # the loss of a training step
+            return out
+        return out * factor
+
+    def _maybe_update(self, closure=None):
+        if HANG_RECORD.step + 1 in _noupdate:
+            return None
+        return _adamw_step(self, closure)
+
+    def _post_and_preempt(self, step, *args, **kwargs):
+        if step == _preempt:
+            os.kill(os.getpid(), signal.SIGUSR2)  # the handler sets this rank's stop flag
+        return _post(self, step, *args, **kwargs)
+
+    ModelPart.forward = _poisoned_forward
+    BatchPrefetcher.get, BatchPrefetcher.prefetch = _get_moved, _prefetch_moved
+    torch.optim.AdamW.step = _maybe_update
+    _vote_module.StopVote.post = _post_and_preempt
