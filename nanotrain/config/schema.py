@@ -366,6 +366,9 @@ class SlurmArgs:
     constraint: Optional[str] = doc(None, "node features, e.g. h100")
     exclusive: bool = doc(False, "whole nodes")
     max_requeues: int = bounded(3, 0, doc="requeues after preemption / time limit")
+    array_parallelism: int = bounded(
+        0, 0, 100000, doc="--sweep: at most this many points of the job array run at once; 0 = all"
+    )
     signal: Literal["USR1", "USR2", "TERM", "INT", "HUP"] = doc(
         "USR2", "sent by SLURM before the time limit / on preemption"
     )
