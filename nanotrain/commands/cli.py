@@ -234,6 +234,43 @@ def check_path_arguments(args) -> None:
             check_path(flag, value, kind, ConfigError)
 
 
+def check_launch(
+    config: Config, config_arg: str, mode: Mode, use_slurm: bool, emit_dir: str | None = None
+) -> tuple[SlurmLayout | None, Path]:
+    """Every check a launch makes before anything is written or queued (a sweep makes them for
+    each of its points): the config and its SLURM layout, paths, data, the resume target and the
+    run's owner. Returns the layout (None locally) and the run directory; raises ValueError
+    (ConfigError, DataError: one `error:` line)."""
+    layout = validate(config, slurm=use_slurm)
+    check_path_fields(config)
+    if not use_slurm:
+        from nanotrain.launch.local import check_process_count
+
+        check_process_count(config.parallelism.world_size)
+        problem = config.training.compile and compile_backend_problem("cpu")
+        if problem:  # local ranks compile here (on a GPU node each rank checks its device again)
+            raise ConfigError(f"training.compile: {problem}; install one or set training.compile: false")
+    elif mode.launches and sbatch.partition_problem(config):
+        raise ConfigError(sbatch.partition_problem(config))  # plans may target another cluster
+    from nanotrain.data import check_data_config
+
+    check_data_config(config.data, vocab_size=config.model.vocab_size, config=config)
+    if mode is not Mode.PREPARE_DATA:
+        from nanotrain.data import missing_cache_problem
+
+        problem = missing_cache_problem(config)
+        if problem:
+            raise ConfigError(problem)
+    run_dir = rundir.resolve_run(config, config_arg)
+    validate_names(config)  # again: the default run name is only known now
+    check_paths(config, run_dir, emit_dir)
+    from nanotrain.commands.preflight import before_launch  # live owner / job, resume target
+
+    for note in before_launch(config, run_dir, launching=mode.launches):
+        print(f"warning: {note}", file=sys.stderr)
+    return layout, run_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``submit.py`` command on ``argv`` (default ``sys.argv[1:]``); returns its exit status:
     0, 2 for any user error (one ``error:`` line on stderr, nothing submitted or started), or a
@@ -271,6 +308,10 @@ def _main(argv: list[str] | None):
             from nanotrain.commands.status import show_status
 
             return show_status(args.status)
+        if args.sweep or args.sweep_mode:
+            from nanotrain.commands.sweep import run_sweep
+
+            return run_sweep(args, mode)
         config, config_arg, resumed = _config_of(args)
         has_sbatch = shutil.which("sbatch") is not None
         use_slurm = _launcher(mode, args.local, resumed, has_sbatch) is Launcher.SLURM
@@ -278,33 +319,7 @@ def _main(argv: list[str] | None):
             raise ConfigError(
                 "this run was launched on SLURM but `sbatch` is not on PATH: resume it where SLURM runs, or add --local"
             )
-        layout = validate(config, slurm=use_slurm)
-        check_path_fields(config)
-        if not use_slurm:
-            from nanotrain.launch.local import check_process_count
-
-            check_process_count(config.parallelism.world_size)
-            problem = config.training.compile and compile_backend_problem("cpu")
-            if problem:  # local ranks compile here (on a GPU node each rank checks its device again)
-                raise ConfigError(f"training.compile: {problem}; install one or set training.compile: false")
-        elif mode.launches and sbatch.partition_problem(config):
-            raise ConfigError(sbatch.partition_problem(config))  # plans may target another cluster
-        from nanotrain.data import check_data_config
-
-        check_data_config(config.data, vocab_size=config.model.vocab_size, config=config)
-        if mode is not Mode.PREPARE_DATA:
-            from nanotrain.data import missing_cache_problem
-
-            problem = missing_cache_problem(config)
-            if problem:
-                raise ConfigError(problem)
-        run_dir = rundir.resolve_run(config, config_arg)
-        validate_names(config)  # again: the default run name is only known now
-        check_paths(config, run_dir, args.emit)
-        from nanotrain.commands.preflight import before_launch  # live owner / job, resume target
-
-        for note in before_launch(config, run_dir, launching=mode.launches):
-            print(f"warning: {note}", file=sys.stderr)
+        layout, run_dir = check_launch(config, config_arg, mode, use_slurm, args.emit)
     except ValueError as exc:  # ConfigError, DataError: user errors
         return refuse(exc)
     try:
