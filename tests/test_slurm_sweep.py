@@ -31,6 +31,7 @@ STEPS = 40
 
 
 def submit_sweep(tmp_path: Path, *sweeps: str) -> subprocess.CompletedProcess:
+    """``submit.py`` of a sweep of one-rank points; ``sweeps``: ``--sweep`` values, or ``--set`` and its value."""
     items = [
         f"logging.dir={tmp_path}",
         "logging.run_name=sw",
@@ -49,7 +50,7 @@ def submit_sweep(tmp_path: Path, *sweeps: str) -> subprocess.CompletedProcess:
     for item in items:
         args += ["--set", item]
     for spec in sweeps:
-        args += ["--sweep", spec]
+        args += [spec] if spec == "--set" or args[-1] == "--set" else ["--sweep", spec]
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
@@ -113,3 +114,13 @@ def test_sweep_runs_as_one_array_and_a_preempted_point_resumes(slurm_cluster, tm
         assert cells[0] == f"lr-{lr}_hidden_size-{hidden}" and cells[1:3] == [lr, hidden], status.stdout
         assert cells[3] == "COMPLETED" and f"{STEPS}/{STEPS}" in cells, status.stdout
     assert "requeued 1" in rows[0], status.stdout
+
+
+@pytest.mark.timeout(120)
+def test_an_array_sbatch_refuses_leaves_nothing_behind(slurm_cluster, tmp_path):
+    """sbatch refuses after every point's run directory and the pickles were written: all go."""
+    proc = submit_sweep(tmp_path, "optimizer.lr=1e-3,3e-3", "--set", "slurm.sbatch_extra={begin: not-a-time}")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: sbatch refused the sweep's job array: sbatch: error:"), lines[0]
+    assert list(tmp_path.iterdir()) == []

@@ -35,7 +35,7 @@ from nanotrain.config import Config, ConfigError, load_config
 from nanotrain.config.cli_args import EXIT_INTERRUPTED, refuse
 from nanotrain.config.files import first_missing
 from nanotrain.config.loader import apply_override
-from nanotrain.config.validate_slurm import MAX_RUN_NAME
+from nanotrain.config.validate_slurm import MAX_RUN_NAME, validate_names
 from nanotrain.launch import sbatch
 from nanotrain.runtime import rundir
 from nanotrain.runtime.rundir import Launcher
@@ -188,7 +188,8 @@ def check_points(args, mode, use_slurm: bool) -> tuple[Path, list[Point], list[t
         raise ConfigError("the following arguments are required: config (see --help)")
     points = expand(args.sweep, args.sweep_mode)
     base = load_config(args.config, args.set)
-    sweep_name = base.logging.run_name or rundir.default_run_name(args.config)
+    sweep_name = base.logging.run_name = base.logging.run_name or rundir.default_run_name(args.config)
+    validate_names(base)  # the sweep's name is a directory and the array's job name
     sweep_dir = Path(base.logging.dir).expanduser().resolve() / sweep_name
     rundir.check_can_create(sweep_dir, "logging.dir")
     if sweep_dir.exists():
