@@ -228,10 +228,6 @@ def show_status(run_dir: str | Path, out: TextIO | None = None) -> int:
     """Print the run's state; ConfigError (-> one `error:` line, exit 2) if it is not a run dir."""
     out = out or sys.stdout
     run_dir = Path(run_dir).expanduser()
-    from nanotrain.commands.sweep_status import is_sweep_dir, show_sweep_status
-
-    if is_sweep_dir(run_dir):  # a sweep's directory: one row per point
-        return show_sweep_status(run_dir, out)
     _check_run_dir(run_dir)
     launch = rundir.read_launch_record(run_dir) if (run_dir / rundir.LAUNCH_FILE).is_file() else {}
     launcher = rundir.recorded_launcher(launch)

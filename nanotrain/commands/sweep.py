@@ -2,7 +2,7 @@
 
 A researcher rarely trains one run; typing one `submit.py` per point loses the points' common
 origin and scatters their status. Here every point is built and checked the way a single launch
-is (`cli.check_launch`: config, SLURM layout, paths, data) before anything is written or queued,
+is (`launching.check_launch`: config, SLURM layout, paths, data) before anything is written or queued,
 so a bad point costs one `error:` line naming it and nothing else. The points then go to SLURM as
 one job array through submitit (`slurm.array_parallelism` caps how many run at once), or, with
 `--local`, run here one after another.
@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanotrain.commands.launching import check_launch, choose_launcher, describe_layout, run_locally
 from nanotrain.commands.stopping import Terminated, stop_line
 from nanotrain.config import Config, ConfigError, load_config
 from nanotrain.config.cli_args import EXIT_INTERRUPTED, refuse
@@ -153,15 +154,20 @@ def name_points(points: list[Point]) -> list[Point]:
     return named
 
 
-def point_config(args, point: Point, sweep_dir: Path, checkpoints_root: str | None) -> Config:
+def point_config(args, point: Point, sweep_dir: Path, base: Config) -> Config:
     """The point's config: the file, ``--set``, then the point's values; its run directory is
-    ``sweep_dir/<name>`` and a configured ``checkpoints.path`` gets ``<sweep>/<name>`` below it
-    (the points must never share checkpoints)."""
+    ``sweep_dir/<name>``, a configured ``checkpoints.path`` gets ``<sweep>/<name>`` below it (the
+    points must never share checkpoints), and the token cache stays that of the sweep's
+    ``logging.dir`` (where `--prepare-data` put it), not one per sweep."""
+    from nanotrain.data import default_cache_dir
+
     config = load_config(args.config, [*args.set, *point.overrides])
     config.logging.dir = str(sweep_dir)
     config.logging.run_name = point.name
-    if checkpoints_root is not None:
-        config.checkpoints.path = str(Path(checkpoints_root).expanduser().resolve() / sweep_dir.name / point.name)
+    if base.checkpoints.path is not None:
+        config.checkpoints.path = str(Path(base.checkpoints.path).expanduser().resolve() / sweep_dir.name / point.name)
+    if config.data.cache_dir is None:
+        config.data.cache_dir = str(Path(default_cache_dir(base)).expanduser().resolve())
     return config
 
 
@@ -176,8 +182,6 @@ def check_points(args, mode, use_slurm: bool) -> tuple[Path, list[Point], list[t
     """Expand and check every point before anything is written or queued. Returns the sweep
     directory, the points and each one's (config, SLURM layout, run directory); ConfigError
     (one line, naming the point) for the first bad one."""
-    from nanotrain.commands.cli import check_launch
-
     if args.resume is not None:
         raise ConfigError(
             "--sweep takes a config file; --resume continues one run: resume a point with --resume SWEEP_DIR/POINT"
@@ -200,7 +204,7 @@ def check_points(args, mode, use_slurm: bool) -> tuple[Path, list[Point], list[t
     checked, first = [], None
     for point in points:
         try:
-            config = point_config(args, point, sweep_dir, base.checkpoints.path)
+            config = point_config(args, point, sweep_dir, base)
             layout, run_dir = check_launch(config, args.config, mode, use_slurm)
             if use_slurm:  # one script for all: the job of every point must be the first's
                 job = {
@@ -260,8 +264,6 @@ def read_manifest(sweep_dir: Path) -> dict:
 
 
 def dry_run(sweep_dir: Path, points: list[Point], checked: list, use_slurm: bool, args) -> int:
-    from nanotrain.commands.cli import describe_layout
-
     config, layout, _ = checked[0]
     how = "one SLURM job array" if use_slurm else "local runs, one after another"
     print(f"config: {args.config} (valid, every point)")
@@ -288,8 +290,6 @@ def dry_run(sweep_dir: Path, points: list[Point], checked: list, use_slurm: bool
 def submit_array(sweep_dir: Path, points: list[Point], checked: list, args) -> int:
     """Write every point's run directory and the manifest, then queue the array; on a refusal
     (or a stop while sbatch runs) remove all of it again."""
-    from nanotrain.commands.cli import describe_layout
-    from nanotrain.launch.submission import SubmitRefused
     from nanotrain.launch.submission import submit_array as queue_array
     from nanotrain.runtime.task import TrainingTask
 
@@ -310,7 +310,7 @@ def submit_array(sweep_dir: Path, points: list[Point], checked: list, args) -> i
             [(str(path),) for path in paths],
             what="the sweep's job array",
         )
-    except (SubmitRefused, OSError) as exc:
+    except (ConfigError, OSError) as exc:  # SubmitRefused, a write that failed although checked
         shutil.rmtree(made, ignore_errors=True)
         return refuse(rundir.os_error("logging.dir", exc) if isinstance(exc, OSError) else exc)
     except (KeyboardInterrupt, Terminated) as stop:
@@ -319,9 +319,23 @@ def submit_array(sweep_dir: Path, points: list[Point], checked: list, args) -> i
         print(line, file=sys.stderr)
         return status
     array_id = jobs[0].job_id.split("_")[0]
-    write_manifest(sweep_dir, args, points, Launcher.SLURM, array_id)
-    for job, (_, _, run_dir) in zip(jobs, checked):
-        rundir.write_launch_record(run_dir, mode=Launcher.SLURM, job_id=job.job_id, argv=sys.argv[1:])
+    try:
+        write_manifest(sweep_dir, args, points, Launcher.SLURM, array_id)
+        for job, (_, _, run_dir) in zip(jobs, checked):
+            rundir.write_launch_record(run_dir, mode=Launcher.SLURM, job_id=job.job_id, argv=sys.argv[1:])
+        _report_submitted(sweep_dir, points, jobs, config, layout)
+    except (KeyboardInterrupt, Terminated) as stop:  # the array is queued and runs regardless
+        line, status = stop_line(stop, f"job array {array_id} was submitted; see it with: squeue -j {array_id}")
+        print(line, file=sys.stderr)
+        return status
+    except (ConfigError, OSError) as exc:  # the records could not be written (a quota, a race)
+        print(f"error: job array {array_id} was submitted, but: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _report_submitted(sweep_dir: Path, points: list[Point], jobs: list, config: Config, layout) -> None:
+    array_id = jobs[0].job_id.split("_")[0]
     cap = config.slurm.array_parallelism
     print(
         f"submitted job array {array_id}: {len(points)} points"
@@ -333,13 +347,10 @@ def submit_array(sweep_dir: Path, points: list[Point], checked: list, args) -> i
     print(f"sweep directory: {sweep_dir}")
     print(f"status: python submit.py --status {sweep_dir}")
     print(f"tensorboard: tensorboard --logdir {sweep_dir}")
-    return 0
 
 
 def run_points_locally(sweep_dir: Path, points: list[Point], checked: list, args) -> int:
     """The points one after another (a failed point does not stop the others; a stop does)."""
-    from nanotrain.commands.cli import run_locally
-
     try:
         sweep_dir.mkdir(parents=True, exist_ok=True)
         write_manifest(sweep_dir, args, points, Launcher.LOCAL, None)
@@ -364,10 +375,9 @@ def run_points_locally(sweep_dir: Path, points: list[Point], checked: list, args
 
 def run_sweep(args, mode):
     """``submit.py CONFIG --sweep ...``: the exit status, or (local) the call that runs the points."""
-    from nanotrain.commands.cli import _launcher
     from nanotrain.commands.flags import Mode
 
-    use_slurm = _launcher(mode, args.local, None, shutil.which("sbatch") is not None) is Launcher.SLURM
+    use_slurm = choose_launcher(mode, args.local, None, shutil.which("sbatch") is not None) is Launcher.SLURM
     try:
         sweep_dir, points, checked = check_points(args, mode, use_slurm)
     except ValueError as exc:

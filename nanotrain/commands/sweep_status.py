@@ -8,6 +8,7 @@ validation loss and tokens/s of its progress.json. A point's full story stays on
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TextIO
 
@@ -64,6 +65,13 @@ def rows(sweep_dir: Path) -> tuple[dict, list[list[str]]]:
             ]
         )
     return manifest, table
+
+
+def show_any_status(path: str | Path, out: TextIO | None = None) -> int:
+    """``--status PATH``: a sweep's table when PATH holds sweep.json, else the run's status."""
+    if is_sweep_dir(Path(path).expanduser()):
+        return show_sweep_status(path, out or sys.stdout)
+    return status.show_status(path, out)
 
 
 def show_sweep_status(sweep_dir: Path, out: TextIO) -> int:
