@@ -163,6 +163,7 @@ def test_local_sweep_runs_the_points_one_after_another_and_status_shows_them(tmp
     assert manifest["launcher"] == "local" and manifest["fields"] == ["optimizer.lr"]
     assert [p["name"] for p in manifest["points"]] == ["lr-1e-3", "lr-3e-3"]
     assert [p["values"] for p in manifest["points"]] == [{"optimizer.lr": "1e-3"}, {"optimizer.lr": "3e-3"}]
+    assert (tmp_path / ".cache" / "data").is_dir() and not (sweep_dir / ".cache").exists()  # logging.dir's cache
     for name, lr in (("lr-1e-3", 1e-3), ("lr-3e-3", 3e-3)):
         assert (sweep_dir / name / "tb").is_dir()  # TensorBoard: one run per point, named by values
         assert f"lr: {lr}" in (sweep_dir / name / "config.yaml").read_text()

@@ -300,6 +300,12 @@ class DataArgs:
         doc="a training job tokenises a source without a cache only up to this size on disk "
         "(larger: run --prepare-data first); null = no limit",
     )
+    cache_dir: Optional[str] = doc(
+        None,
+        "where tokenised sources are cached; default <logging.dir>/.cache/data (a sweep's points: "
+        "that of the sweep's logging.dir)",
+        path="create dir",
+    )
     document_masking: bool = doc(
         False,
         "attention stays within each packed document (a document: its tokens up to and including "
