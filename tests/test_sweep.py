@@ -176,3 +176,19 @@ def test_local_sweep_runs_the_points_one_after_another_and_status_shows_them(tmp
         cells = line.split()
         assert cells[:4] == [name, lr, "done", "3/3"], line
         assert all(cell != "-" for cell in cells[4:]), line  # loss, val loss, tokens/s
+
+
+def test_points_never_share_checkpoints_and_share_the_token_cache(tmp_path):
+    """A configured checkpoints.path gets <sweep>/<point> below it; the token cache stays that of
+    the sweep's logging.dir (where --prepare-data put it)."""
+    from argparse import Namespace
+
+    from nanotrain.config import load_config
+
+    args = Namespace(config=str(TINY), set=[f"logging.dir={tmp_path}", f"checkpoints.path={tmp_path}/ck"])
+    base = load_config(args.config, args.set)
+    a, b = sweep.expand(["optimizer.lr=1e-3,3e-3"], None)
+    configs = [sweep.point_config(args, p, tmp_path / "sw", base) for p in (a, b)]
+    assert [c.checkpoints.path for c in configs] == [f"{tmp_path}/ck/sw/lr-1e-3", f"{tmp_path}/ck/sw/lr-3e-3"]
+    assert {c.data.cache_dir for c in configs} == {f"{tmp_path}/.cache/data"}
+    assert [c.optimizer.lr for c in configs] == [1e-3, 3e-3]
