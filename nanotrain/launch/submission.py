@@ -5,7 +5,8 @@ hung slurmctld hung the launch with its run directory half made. `SlurmExecutor.
 is the one method that runs the command, so `BoundedExecutor` overrides it: the same steps as
 submitit 1.5's (write the batch file, run it, name the job, move the file into the job's
 folder), with the call going through `slurm_commands.run`. Any sbatch refusal, timeout or
-missing binary becomes `SubmitRefused`, whose message is the one line to print.
+missing binary becomes `SubmitRefused`, whose message is the one line to print. A sweep's job
+array (`submit_array`) goes through the same bounded call: submitit's own `map_array` would not.
 """
 
 from __future__ import annotations
