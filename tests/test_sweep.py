@@ -192,3 +192,9 @@ def test_points_never_share_checkpoints_and_share_the_token_cache(tmp_path):
     assert [c.checkpoints.path for c in configs] == [f"{tmp_path}/ck/sw/lr-1e-3", f"{tmp_path}/ck/sw/lr-3e-3"]
     assert {c.data.cache_dir for c in configs} == {f"{tmp_path}/.cache/data"}
     assert [c.optimizer.lr for c in configs] == [1e-3, 3e-3]
+
+
+def test_a_damaged_manifest_is_one_line(tmp_path, capsys):
+    (tmp_path / "sweep.json").write_text('{"points": 3}')
+    code, _, err = run_cli(["--status", tmp_path], capsys)
+    assert code == 2 and "sweep.json: not a sweep manifest" in one_error_line(err)
