@@ -24,6 +24,10 @@ def argv_of(action, tmp_path) -> list[str]:
         value = "1"
     elif action.dest == "set":
         value = "training.steps=1"
+    elif action.dest == "sweep":
+        value = "optimizer.lr=1e-3,3e-3"
+    elif action.choices:
+        value = list(action.choices)[0]
     else:
         value = str(tmp_path / f"no_{action.dest}")
     return [*action.option_strings[:1], value]

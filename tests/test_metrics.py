@@ -93,6 +93,22 @@ def test_tensorboard_tags_on_cpu(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # atomic: no leftovers
 
 
+def test_progress_carries_the_latest_val_loss(tmp_path):
+    """A sweep's --status table reads val loss from progress.json: an evaluation after the last
+    log step reaches it too, and a later log step keeps it."""
+    logger = MetricsLogger(
+        tmp_path, {}, True, total_steps=4, tokens_per_step=8, flops_per_token=1.0, device="cpu", log_interval=2
+    )
+    progress = lambda: json.loads((tmp_path / "progress.json").read_text())  # noqa: E731
+    logger.log(2, 5.0, 1e-3, 1.0, STEP_TIME)
+    assert progress()["val_loss"] is None
+    logger.log_scalars(2, {"val/loss": 4.5, "val/ppl": 90.0})
+    assert progress()["val_loss"] == pytest.approx(4.5) and progress()["step"] == 2
+    logger.log(4, 4.0, 1e-3, 1.0, STEP_TIME)
+    assert progress()["val_loss"] == pytest.approx(4.5) and progress()["step"] == 4
+    logger.close()
+
+
 def test_mfu_present_for_a_known_gpu(tmp_path):
     write_steps(tmp_path, device_name="NVIDIA H100 80GB HBM3")
     acc = read_events(tmp_path / "tb")

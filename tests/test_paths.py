@@ -100,6 +100,7 @@ def test_the_schema_marks_every_path_field():
         "data.tokenizer": TOKENIZER,
         "data.sources[].source": DATA_SOURCE,
         "data.validation.source": DATA_SOURCE,
+        "data.cache_dir": "create dir",
         "checkpoints.path": "create dir",
         "checkpoints.init_from_hf": HF_DIR,
         "logging.dir": "create dir",

@@ -15,33 +15,15 @@ from pathlib import Path
 
 from nanotrain.commands.config_commands import plan, rehearse
 from nanotrain.commands.flags import Mode, build_parser, check_flags, given_flags
+from nanotrain.commands.launching import check_launch, choose_launcher, describe_layout, metrics_rank, run_locally
 from nanotrain.commands.stopping import Terminated, sigterm_ends_command, stop_line
-from nanotrain.config import Config, ConfigError, SlurmLayout, load_config, validate
-from nanotrain.config.cli_args import EXIT_INTERRUPTED, refuse
+from nanotrain.config import Config, ConfigError, SlurmLayout, load_config
+from nanotrain.config.cli_args import refuse
 from nanotrain.config.files import first_missing
-from nanotrain.config.path_fields import check_path_fields
 from nanotrain.config.paths import CREATE_DIR, DIR, check_path
-from nanotrain.config.validate import validate_names
 from nanotrain.launch import sbatch
-from nanotrain.parallel.part.compile_check import compile_backend_problem
 from nanotrain.runtime import rundir
 from nanotrain.runtime.rundir import Launcher
-
-
-def describe_layout(config: Config, layout: SlurmLayout | None) -> str:
-    p = config.parallelism
-    grid = f"world {p.world_size} = dp{p.dp} x tp{p.tp} x pp{p.pp} x cp{p.cp} x ep{p.ep}"
-    if layout is None:
-        return f"{grid}; {p.world_size} local processes"
-    gpus = f", {layout.gpus_per_node} GPUs per node" if layout.gpus_per_node else " (CPU)"
-    return f"{grid}; {layout.nodes} node(s) x {layout.tasks_per_node} tasks{gpus}"
-
-
-def metrics_rank(config: Config) -> int:
-    """The rank that logs metrics: last pipeline stage, tp/dp/cp/ep 0 (the loss lives there)."""
-    from nanotrain.parallel.grid import RankGrid
-
-    return RankGrid.of(config.parallelism).rank(pp=config.parallelism.pp - 1)
 
 
 def grid_summary(config: Config) -> str:
@@ -158,24 +140,6 @@ def _report_submitted(config: Config, layout: SlurmLayout, run_dir: Path, job) -
     return 0
 
 
-def run_locally(config: Config, run_dir: Path) -> int:
-    from nanotrain.launch.local import Interrupted, report_interrupt, run_local, task_command
-
-    config_path = rundir.write_run_dir(config, run_dir)
-    rundir.write_launch_record(run_dir, mode=Launcher.LOCAL, argv=sys.argv[1:])
-    world = config.parallelism.world_size
-    print(f"local run: {describe_layout(config, None)}; run directory: {run_dir}", flush=True)
-    try:
-        status = run_local(
-            task_command(config_path), world, sbatch.job_folder(run_dir), stream_ranks=(0, metrics_rank(config))
-        )
-    except Interrupted as stop:
-        print(report_interrupt(run_dir, Path(config.checkpoints.path), stop), file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
-    print(f"tensorboard: tensorboard --logdir {config.logging.dir}", flush=True)
-    return status
-
-
 def _config_of(args) -> tuple[Config, str, Launcher | None]:
     """The config to launch: a YAML file, or (--resume) the run's own resolved config; plus how
     the resumed run was launched."""
@@ -196,25 +160,6 @@ def _config_of(args) -> tuple[Config, str, Launcher | None]:
     config.logging.dir = str(run_dir.resolve().parent)
     config.checkpoints.resume = True
     return config, str(run_dir / rundir.CONFIG_FILE), rundir.recorded_launcher(rundir.read_launch_record(run_dir))
-
-
-def check_paths(config: Config, run_dir: Path, emit_dir: str | None) -> None:
-    """Every directory the launch will write: creatable and writable, checked before any of it
-    is made (and by --dry-run, which promises that the launch would work)."""
-    rundir.check_can_create(run_dir, "logging.dir")
-    rundir.check_can_create(Path(config.checkpoints.path), "checkpoints.path")
-    if emit_dir is not None:
-        rundir.check_can_create(Path(emit_dir), "--emit")
-
-
-def _launcher(mode: Mode, local: bool, resumed: Launcher | None, has_sbatch: bool) -> Launcher:
-    """Where the job goes: --local keeps it here; --dry-run and --emit show the SLURM job; a
-    resumed run goes where it ran; else to SLURM when `sbatch` is on PATH."""
-    if local:
-        return Launcher.LOCAL
-    if not mode.launches:
-        return Launcher.SLURM
-    return resumed or (Launcher.SLURM if has_sbatch else Launcher.LOCAL)
 
 
 def check_path_arguments(args) -> None:
@@ -268,43 +213,21 @@ def _main(argv: list[str] | None):
         if mode is Mode.REHEARSE:
             return rehearse(args)
         if mode is Mode.STATUS:
-            from nanotrain.commands.status import show_status
+            from nanotrain.commands.sweep_status import show_any_status
 
-            return show_status(args.status)
+            return show_any_status(args.status)
+        if args.sweep or args.sweep_mode:
+            from nanotrain.commands.sweep import run_sweep
+
+            return run_sweep(args, mode)
         config, config_arg, resumed = _config_of(args)
         has_sbatch = shutil.which("sbatch") is not None
-        use_slurm = _launcher(mode, args.local, resumed, has_sbatch) is Launcher.SLURM
+        use_slurm = choose_launcher(mode, args.local, resumed, has_sbatch) is Launcher.SLURM
         if use_slurm and not has_sbatch and mode.launches:
             raise ConfigError(
                 "this run was launched on SLURM but `sbatch` is not on PATH: resume it where SLURM runs, or add --local"
             )
-        layout = validate(config, slurm=use_slurm)
-        check_path_fields(config)
-        if not use_slurm:
-            from nanotrain.launch.local import check_process_count
-
-            check_process_count(config.parallelism.world_size)
-            problem = config.training.compile and compile_backend_problem("cpu")
-            if problem:  # local ranks compile here (on a GPU node each rank checks its device again)
-                raise ConfigError(f"training.compile: {problem}; install one or set training.compile: false")
-        elif mode.launches and sbatch.partition_problem(config):
-            raise ConfigError(sbatch.partition_problem(config))  # plans may target another cluster
-        from nanotrain.data import check_data_config
-
-        check_data_config(config.data, vocab_size=config.model.vocab_size, config=config)
-        if mode is not Mode.PREPARE_DATA:
-            from nanotrain.data import missing_cache_problem
-
-            problem = missing_cache_problem(config)
-            if problem:
-                raise ConfigError(problem)
-        run_dir = rundir.resolve_run(config, config_arg)
-        validate_names(config)  # again: the default run name is only known now
-        check_paths(config, run_dir, args.emit)
-        from nanotrain.commands.preflight import before_launch  # live owner / job, resume target
-
-        for note in before_launch(config, run_dir, launching=mode.launches):
-            print(f"warning: {note}", file=sys.stderr)
+        layout, run_dir = check_launch(config, config_arg, mode, use_slurm, args.emit)
     except ValueError as exc:  # ConfigError, DataError: user errors
         return refuse(exc)
     try:

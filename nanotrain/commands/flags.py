@@ -25,6 +25,7 @@ from nanotrain.config.cli_args import ArgParser
 CONFIG = "CONFIG"  # the positional config file, as the usage line names it
 PLAN_FLAGS = ("--gpus", "--gpu-memory-gb", "--gpu-tflops", "--efficiency", "--intra-node-gbs", "--inter-node-gbs")
 REHEARSE_FLAGS = ("--rank", "--steps", "--json")
+SWEEP_FLAGS = ("--sweep", "--sweep-mode")  # a config's points (commands/sweep.py); not with --resume
 
 
 class Mode(enum.Enum):
@@ -73,9 +74,9 @@ MODES = (
     Row("--status", "takes a run directory and shows where it stands", (), ()),
     Row("--resume", "takes a run directory instead of a config", (), ("--set", "--local")),
     Row("--emit", "writes a SLURM script", EITHER, ("--set",)),
-    Row("--dry-run", "validates and shows the launch", EITHER, ("--set", "--local")),
-    Row("--local", "runs the ranks as local processes", EITHER, ("--set",)),
-    Row(CONFIG, "runs a config", (), ("--set", "--local")),
+    Row("--dry-run", "validates and shows the launch", EITHER, ("--set", "--local", *SWEEP_FLAGS)),
+    Row("--local", "runs the ranks as local processes", EITHER, ("--set", *SWEEP_FLAGS)),
+    Row(CONFIG, "runs a config", (), ("--set", "--local", *SWEEP_FLAGS)),
 )
 DEFAULT = MODES[-1]  # no mode flag given: run a config
 _ROW = {mode.flag: mode for mode in MODES}
@@ -131,14 +132,17 @@ def check_flags(flags: list[str]) -> Mode:
 
 
 USAGE = """`submit.py CONFIG [--dry-run] [--emit DIR] [--local] [--set section.field=value ...]`,
-`submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]`, or `submit.py --status RUN_DIR`."""
+`submit.py CONFIG [--dry-run] [--local] --sweep section.field=V1,V2 [--sweep ...] [--sweep-mode zip]`,
+`submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]`, or `submit.py --status RUN_DIR|SWEEP_DIR`."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgParser(prog="submit.py", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", nargs="?", help="YAML config, e.g. configs/tiny_cpu.yaml")
     parser.add_argument(
-        "--status", metavar="RUN_DIR", help="show a run's job state, requeues, last step, loss, tokens/s and ETA"
+        "--status",
+        metavar="RUN_DIR",
+        help="show a run's job state, requeues, last step, loss, tokens/s and ETA (a sweep's: one row per point)",
     )
     parser.add_argument(
         "--resume",
@@ -202,5 +206,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--local", action="store_true", help="run as local processes (gloo on CPU) even when SLURM is available"
+    )
+    parser.add_argument(
+        "--sweep",
+        metavar="SECTION.FIELD=V1,V2,...",
+        action="append",
+        default=[],
+        help="run the config once per value (each parsed as YAML, like --set); repeatable: the points are "
+        "the grid of all lists (or --sweep-mode zip); on SLURM one job array, one run directory per point",
+    )
+    parser.add_argument(
+        "--sweep-mode",
+        choices=("grid", "zip"),
+        help="--sweep: every combination of the lists (grid, the default) or their i-th values together (zip)",
     )
     return parser

@@ -72,7 +72,8 @@ def query_squeue(job_id: str) -> Optional[dict]:
 def query_sacct(job_id: str) -> Optional[dict]:
     out = _query(["sacct", "-j", job_id, "-X", "-n", "-P", "-D", "-o", "JobID,State,NodeList,ExitCode"])
     rows = [line.split("|") for line in (out or "").splitlines() if line.strip()]
-    rows = [r + [""] for r in rows if len(r) >= 3 and r[0].split("_")[0] == job_id]
+    # A job array's task is asked for by "<array>_<index>" and answers with that id.
+    rows = [r + [""] for r in rows if len(r) >= 3 and job_id in (r[0], r[0].split("_")[0])]
     if not rows:
         return None
     _, state, nodes, code = rows[-1][:4]  # one record per incarnation; the last is the current one
@@ -150,13 +151,16 @@ def _check_run_dir(run_dir: Path) -> None:
     if not run_dir.is_dir():
         raise ConfigError(f"--status: {run_dir} is not a directory (expected a run directory such as logs/<run>)")
     if not any((run_dir / name).is_file() for name in RUN_DIR_MARKERS):
-        raise ConfigError(f"--status: {run_dir} is not a run directory (none of {', '.join(RUN_DIR_MARKERS)} in it)")
+        raise ConfigError(
+            f"--status: {run_dir} is not a run directory (none of {', '.join(RUN_DIR_MARKERS)} in it) "
+            "nor a sweep directory (no sweep.json)"
+        )
 
 
 # progress.json field -> what --status does with it. The file is ours (written atomically), but
 # it lives in a user-writable directory: a damaged one is named, never a traceback.
 _WHOLE = ("step", "total_steps")  # integers >= 0
-_NUMBERS = ("loss", "tokens_per_sec", "mfu", "eta_s", "time")  # numbers (loss may be nan)
+_NUMBERS = ("loss", "val_loss", "tokens_per_sec", "mfu", "eta_s", "time")  # numbers (loss may be nan)
 
 
 def _read_progress(run_dir: Path) -> Optional[dict]:

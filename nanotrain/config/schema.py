@@ -324,6 +324,12 @@ class DataArgs:
         doc="a training job tokenises a source without a cache only up to this size on disk "
         "(larger: run --prepare-data first); null = no limit",
     )
+    cache_dir: Optional[str] = doc(
+        None,
+        "where tokenised sources are cached; default <logging.dir>/.cache/data (a sweep's points: "
+        "that of the sweep's logging.dir)",
+        path="create dir",
+    )
     document_masking: bool = doc(
         False,
         "attention stays within each packed document (a document: its tokens up to and including "
@@ -390,6 +396,9 @@ class SlurmArgs:
     constraint: Optional[str] = doc(None, "node features, e.g. h100")
     exclusive: bool = doc(False, "whole nodes")
     max_requeues: int = bounded(3, 0, doc="requeues after preemption / time limit")
+    array_parallelism: int = bounded(
+        0, 0, 100000, doc="--sweep: at most this many points of the job array run at once; 0 = all"
+    )
     signal: Literal["USR1", "USR2", "TERM", "INT", "HUP"] = doc(
         "USR2", "sent by SLURM before the time limit / on preemption"
     )

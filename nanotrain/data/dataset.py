@@ -156,8 +156,9 @@ class TokenDataset:
 
 def default_cache_dir(config) -> str:
     """`<logging.dir>/.cache/data`: shared by every run under the same logs folder, so a second
-    run (or a resumed one) finds the tokens the first one made."""
-    return os.path.join(config.logging.dir, ".cache", "data")
+    run (or a resumed one) finds the tokens the first one made; `data.cache_dir` when set (the
+    points of a sweep, one folder down, share the cache of the sweep's logs folder)."""
+    return config.data.cache_dir or os.path.join(config.logging.dir, ".cache", "data")
 
 
 def per_source_args(data_args) -> list:

@@ -133,6 +133,8 @@ class MetricsLogger:
         self._writer = None
         self._bar = None
         self._closed = False
+        self._val_loss: Optional[float] = None  # the latest val/loss, for progress.json (--status)
+        self._last_progress: Optional[dict] = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -187,7 +189,8 @@ class MetricsLogger:
         # Not fsynced: this runs in the training loop on every log step, where a slow shared file
         # system would stall the step, and a crash that loses the newest progress costs nothing
         # (the next log step, or the checkpoint, says where the run is).
-        atomic_write_json(self.run_dir / PROGRESS_FILE, self._progress(step, metrics), durable=False)
+        self._last_progress = self._progress(step, metrics)
+        atomic_write_json(self.run_dir / PROGRESS_FILE, self._last_progress, durable=False)
         return metrics
 
     def log_scalars(self, step: int, scalars: dict[str, float], console: str | None = None) -> None:
@@ -199,6 +202,13 @@ class MetricsLogger:
             for tag, value in scalars.items():
                 self._writer.add_scalar(tag, value, global_step=step)
             self._writer.flush()
+        if "val/loss" in scalars:
+            self._val_loss = float(scalars["val/loss"])
+        if "val/loss" in scalars and self._last_progress is not None:
+            # A sweep's --status table shows each point's validation loss: an evaluation that
+            # follows the last log step (the final one) must reach progress.json too.
+            self._last_progress = {**self._last_progress, "val_loss": self._val_loss}
+            atomic_write_json(self.run_dir / PROGRESS_FILE, self._last_progress, durable=False)
         if console is not None:
             if self._bar is not None:
                 self._bar.write(console, file=self._stream)
@@ -268,6 +278,7 @@ class MetricsLogger:
             "time": now,
             "time_iso": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)),
             "elapsed_s": now - self._started,
+            "val_loss": self._val_loss,
         }
 
     # ------------------------------------------------------------------ end

@@ -60,6 +60,8 @@ def resolve_run(config: Config, config_path: str | None) -> Path:
         config.checkpoints.path = str(run_dir / "checkpoints")
     else:
         config.checkpoints.path = str(Path(config.checkpoints.path).expanduser().resolve())
+    if config.data.cache_dir is not None:
+        config.data.cache_dir = str(Path(config.data.cache_dir).expanduser().resolve())
     return run_dir
 
 

@@ -216,6 +216,7 @@ PATH_FIELDS = [
     ("data", "tokenizer", "in"),
     ("data", "sources", "data"),
     ("data", "validation", "data"),
+    ("data", "cache_dir", "out"),
     ("checkpoints", "path", "out"),
     ("checkpoints", "init_from_hf", "in"),
     ("logging", "dir", "out"),
