@@ -78,3 +78,30 @@ def imbalance(work) -> float:
     """max/mean of per-rank work: the step's attention time over a perfectly even split's."""
     work = np.asarray(work, dtype=np.float64)
     return float(work.max() / work.mean())
+
+
+def balanced_order(documents, cp: int, k: int = 4) -> np.ndarray:
+    """``[cp, S/cp]`` global positions (each row ascending) of the tokens each rank holds, chosen
+    to even out the masked attention work of the micro-batch ``documents`` (``[B, S]`` or ``[S]``).
+
+    Greedy, longest-processing-time first with equal counts: 2*cp*k chunks of S/(2*cp*k) tokens,
+    by decreasing work, each to the least-loaded rank (lowest rank on ties) that holds fewer than
+    2k; zig-zag is kept when it is at least as even (plain causal work, one document per window)."""
+    seq_len = np.asarray(documents).shape[-1]
+    zigzag = zigzag_order(seq_len, cp)
+    if cp == 1:
+        return zigzag
+    n = 2 * cp * k
+    if seq_len % n:
+        raise ValueError(f"sequence length {seq_len} must be divisible by 2*cp*k = {n}")
+    size = seq_len // n
+    per_token = token_pairs(documents).reshape(-1, seq_len).sum(axis=0)
+    chunk_work = per_token.reshape(n, size).sum(axis=1)
+    load, owned = np.zeros(cp, dtype=np.int64), [[] for _ in range(cp)]
+    for chunk in np.argsort(-chunk_work, kind="stable"):
+        open_ranks = [r for r in range(cp) if len(owned[r]) < 2 * k]
+        rank = min(open_ranks, key=lambda r: (load[r], r))
+        owned[rank].append(int(chunk))
+        load[rank] += chunk_work[chunk]
+    order = np.stack([(np.sort(o)[:, None] * size + np.arange(size)).reshape(-1) for o in owned])
+    return order if load.max() < rank_pairs(documents, zigzag).max() else zigzag
