@@ -5,7 +5,10 @@ positions (boundary loss masked: -100 targets through the vocab-parallel loss to
 Layouts, in two launches (each runs its layouts in turn on one process group):
 
 * 2 ranks: tp2 (all-reduce), tp2 with sequence parallelism, cp2 (zig-zag queries over gathered
-  keys) under selective recompute, pp2 interleaved (four virtual stages: the middle ones are
+  keys) under selective recompute, cp2 under the balanced order (``parallelism.cp_balance:
+  documents``: each micro-batch brings its token order from ``cp_balance.balanced_order``, single
+  tokens dealt to the ranks, so every query and key is out of zig-zag's place) under selective
+  recompute, pp2 interleaved (four virtual stages: the middle ones are
   handed the document ids too) under full recompute, ep2 (MoE);
 * 8 ranks: dp2 x cp2 x tp2 (sequence parallel), tp2 x pp2 (1F1B) beside dp2 x ep2 (MoE), the
   batch split over the data ranks as a run splits it.
@@ -27,6 +30,8 @@ from nanotrain.config import ModelArgs, MoEArgs
 from nanotrain.data.sampler import document_ids
 from nanotrain.models.llama import param_seed
 from nanotrain.models.llama_parallelize import build_llama
+from nanotrain.parallel.context_parallel import zigzag_table
+from nanotrain.parallel.cp_balance import balanced_order
 from nanotrain.parallel.sharding import copy_from_full_, gather_full, get_shard_info
 
 from helpers.dist import run_distributed
@@ -58,6 +63,7 @@ TWO = {
     "tp2": dict(tp=2),
     "tp2-sp": dict(tp=2, mode="REDUCE_SCATTER"),
     "cp2-selective": dict(cp=2, recompute="selective"),
+    "cp2-balanced-selective": dict(cp=2, cp_balance="documents", recompute="selective"),
     "pp2-interleaved-full": dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, recompute="full"),
 }
 EIGHT = {
@@ -97,6 +103,14 @@ def microbatches(data_rank: int, data_size: int, masked: bool = True) -> list[tu
     return list(zip(*(t.split(MICRO) for t in parts)))
 
 
+def with_orders(micro: list, cp: int) -> list:
+    """Each micro-batch with its balanced token order (``[cp, S/cp]``, 2*cp*4 one-token chunks),
+    as the sampler hands it out under ``parallelism.cp_balance: documents``."""
+    orders = [torch.as_tensor(balanced_order(mb[2], cp, k=SEQ // (2 * cp))) for mb in micro]
+    assert any((o != zigzag_table(SEQ, cp)).any() for o in orders), "the batch must leave zig-zag"
+    return [(*mb, o) for mb, o in zip(micro, orders)]
+
+
 def first_step(model_name: str, layout: dict) -> dict:
     """The first step's loss (averaged like a run's) and every held parameter's full gradient
     after the product's sums (dp/cp/ep sync, tp partial sums), on this rank of ``layout``."""
@@ -123,12 +137,15 @@ def first_step(model_name: str, layout: dict) -> dict:
         virtual_stages=layout.get("virtual_stages", 1),
         seed=SEED,
         cp_pg=pc.cp_pg,
+        cp_balance=layout.get("cp_balance", "zigzag"),
         ep_pg=pc.ep_pg,
         recompute=layout.get("recompute", "none"),
     )
     set_options_(model)
     sync = build_grad_sync(list(model.parameters()), pc)
     micro = microbatches(pc.data_rank, pc.data_size)  # every pp stage: the middle ones need the ids
+    if layout.get("cp_balance") == "documents":
+        micro = with_orders(micro, cp)
     model.begin_step(len(micro))
     if pp > 1:
         engine = PipelineEngine(layout["schedule"], pc.pp_pg)

@@ -70,6 +70,7 @@ class ParallelPlan:
     pp_size: int = 1
     virtual_stages: int = 1
     cp_pg: Any = None
+    cp_balance: str = "zigzag"  # or "documents": per-micro-batch token orders (context_parallel.py)
     ep_pg: Any = None
     recompute: str = "none"
     loss_chunk_tokens: int = 0  # the head's logits this many tokens at a time (0: in one piece)
@@ -218,8 +219,9 @@ def tensor_parallel(model: LlamaModel, plan: ParallelPlan) -> None:
 
 
 def context_parallel(model: LlamaModel, plan: ParallelPlan) -> ContextParallel:
-    """Each attention core gathers k/v over ``plan.cp_pg`` and runs the zig-zag kernel."""
-    cp = ContextParallel(plan.cp_pg)
+    """Each attention core gathers k/v over ``plan.cp_pg`` and runs the zig-zag kernel (or, with
+    ``plan.cp_balance`` "documents", the micro-batch's own token order under its mask)."""
+    cp = ContextParallel(plan.cp_pg, plan.cp_balance)
     if cp.enabled:
         for layer in model.layers.values():
             layer.attn.core.kernel = ContextParallelKernel(cp)

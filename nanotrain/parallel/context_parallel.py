@@ -25,6 +25,14 @@ both. This is the all-gather variant (Llama 3's, torchtitan's ``allgather`` rota
   lie in the same document; RoPE rotates each token at its position within its document. Each
   chunk's keys are still cut at the chunk's end (the mask's later columns are all False there).
 
+* Balanced order (``parallelism.cp_balance: documents``, ``cp_balance.py``): under document masks
+  zig-zag no longer evens the work (a rank holding a long document's late part does most of it),
+  so each micro-batch brings its own token order ``[cp, S/cp]`` (rank r holds the ascending global
+  positions ``order[r]``), chosen on the host from the document ids with the batch. The gathered
+  keys then stay in gather order (rank 0's, rank 1's, ...: no sort, which would need the order on
+  every layer) and the mask's columns follow it (``document_attention(..., key_positions)``); each
+  rank's queries attend once over all gathered keys under that mask.
+
 Everything outside attention (norms, MLP, LM head, loss, pipeline transfers) is per token and
 runs unchanged on the local tokens.
 """
@@ -52,14 +60,24 @@ def cp_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
     return torch.cat([first, last])
 
 
+BALANCES = ("zigzag", "documents")
+
+
+def zigzag_table(seq_len: int, cp: int, device=None) -> torch.Tensor:
+    """``[cp, S/cp]``: row r is ``cp_positions(seq_len, cp, r)``, the token order of zig-zag."""
+    return torch.stack([cp_positions(seq_len, cp, r, device) for r in range(cp)])
+
+
 class ContextParallel:
     """The cp group of a model and the per-length index tables derived from it (cached).
 
     ``cp_pg`` None or of size 1 means no context parallelism: ``local`` is the identity and the
     model's attention uses the plain causal mask."""
 
-    def __init__(self, cp_pg):
-        self.group = cp_pg
+    def __init__(self, cp_pg, balance: str = "zigzag"):
+        if balance not in BALANCES:
+            raise ValueError(f"cp balance {balance!r}: one of {BALANCES}")
+        self.group, self.balance = cp_pg, balance
         # None is "no cp group", not the default group (which group_size(None) would measure):
         # a model built without a cp_pg in a multi-rank world must not split its sequences.
         self.size, self.rank = (1, 0) if cp_pg is None else (group_size(cp_pg), group_rank(cp_pg))
@@ -69,6 +87,11 @@ class ContextParallel:
     def enabled(self) -> bool:
         return self.size > 1
 
+    @property
+    def balanced(self) -> bool:
+        """Per-micro-batch token orders (``balance`` "documents") instead of the fixed zig-zag."""
+        return self.enabled and self.balance == "documents"
+
     def positions(self, seq_len: int, device) -> torch.Tensor:
         """Global positions of this rank's tokens."""
         key = ("positions", seq_len, device)
@@ -76,11 +99,13 @@ class ContextParallel:
             self._cache[key] = cp_positions(seq_len, self.size, self.rank, device)
         return self._cache[key]
 
-    def local(self, tokens: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's tokens of a full-length tensor (``[B, S]`` ids or targets: dim 1)."""
+    def local(self, tokens: torch.Tensor, dim: int = 1, order: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's tokens of a full-length tensor (``[B, S]`` ids or targets: dim 1), under
+        the token ``order`` ``[cp, S/cp]`` (None: zig-zag)."""
         if not self.enabled:
             return tokens
-        return tokens.index_select(dim, self.positions(tokens.shape[dim], tokens.device))
+        mine = self.positions(tokens.shape[dim], tokens.device) if order is None else order[self.rank]
+        return tokens.index_select(dim, mine)
 
     def _position_order(self, seq_len: int, device) -> torch.Tensor:
         """Index that sorts the gathered tokens (cp-rank order: rank 0's, rank 1's, ...) by position."""
@@ -93,8 +118,11 @@ class ContextParallel:
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """All-gather ``[S/cp, B, kv_heads, d]`` keys and values along the sequence (one
         differentiable collective; backward reduce-scatters their gradients) and return them for
-        the whole sequence in position order, ``[S, B, kv_heads, d]``."""
+        the whole sequence in position order (gather order under a balanced order), ``[S, B,
+        kv_heads, d]``."""
         both = gather_along_dim0(torch.cat([k, v], dim=-1), self.group)
+        if self.balanced:  # gather order; the mask's columns follow it
+            return both.split(k.shape[-1], dim=-1)
         both = both.index_select(0, self._position_order(both.shape[0], both.device))
         return both.split(k.shape[-1], dim=-1)
 
@@ -103,7 +131,12 @@ class ContextParallel:
     ) -> torch.Tensor:
         """Causal attention of this rank's queries ``[B, heads, S/cp, d]`` (its two chunks) over
         the whole sequence's keys and values ``[B, heads, S, d]`` (position order); with a boolean
-        ``mask`` ``[B, 1, S/cp, S]`` (document masking) attention under that mask instead."""
+        ``mask`` ``[B, 1, S/cp, S]`` (document masking) attention under that mask instead; under a
+        balanced order (keys in gather order) all queries at once under the mask."""
+        if self.balanced:
+            if mask is None:
+                raise ValueError("cp balance 'documents' needs document masking (data.document_masking)")
+            return masked_sdpa(q, k, v, mask)
         chunk = q.shape[2] // 2
         outputs = []
         for half, index in enumerate((self.rank, 2 * self.size - 1 - self.rank)):

@@ -37,12 +37,14 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
 
 
 def document_attention(
-    documents: torch.Tensor, query_positions: torch.Tensor | None = None
+    documents: torch.Tensor, query_positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What attention needs for the queries at window positions ``query_positions`` (``[S_q]``,
-    ascending; None: all S) over all S keys of windows with ``documents`` ``[B, S]``: their RoPE
-    positions ``[S_q, B]`` (sequence-first, as the hidden states) and the boolean block-causal
-    mask ``[B, 1, S_q, S]`` (True: attend)."""
+    """What attention needs for the queries at window positions ``query_positions`` (``[S_q]``;
+    None: all S) over the keys at window positions ``key_positions`` (``[S]``, a permutation:
+    the order gathered keys arrive in under cp's balanced order; None: position order) of
+    windows with ``documents`` ``[B, S]``: the queries' RoPE positions ``[S_q, B]``
+    (sequence-first, as the hidden states) and the boolean block-causal mask ``[B, 1, S_q, S]``
+    (True: attend)."""
     keys = torch.arange(documents.shape[1], device=documents.device)
     positions = document_positions(documents)
     if query_positions is None:
@@ -51,5 +53,8 @@ def document_attention(
         query_docs = documents.index_select(1, query_positions)
         query_rope = positions.index_select(1, query_positions)
         query_index = query_positions
-    mask = (query_docs[:, :, None] == documents[:, None, :]) & (query_index[:, None] >= keys[None, :])
+    key_docs = documents
+    if key_positions is not None:
+        key_docs, keys = documents.index_select(1, key_positions), key_positions
+    mask = (query_docs[:, :, None] == key_docs[:, None, :]) & (query_index[:, None] >= keys[None, :])
     return query_rope.transpose(0, 1), mask[:, None]

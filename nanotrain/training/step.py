@@ -55,9 +55,10 @@ class StepStats:
 
 def micro_loss(model: torch.nn.Module, microbatch: MicroBatch) -> torch.Tensor:
     """The model's mean token loss of one micro-batch: ``(ids, targets)``, or ``(ids, targets,
-    documents)`` under document masking (the per-token document ids go in as ``documents``)."""
-    ids, targets, *documents = microbatch
-    return model(ids, targets, documents=documents[0]) if documents else model(ids, targets)
+    documents)`` under document masking (the per-token document ids go in as ``documents``), or
+    ``(ids, targets, documents, cp_order)`` under cp's balanced order (``parallelism.cp_balance``)."""
+    ids, targets, *extra = microbatch
+    return model(ids, targets, **dict(zip(("documents", "cp_order"), extra)))
 
 
 def forward_backward(model: torch.nn.Module, microbatches: Sequence[MicroBatch], grad_sync) -> torch.Tensor:

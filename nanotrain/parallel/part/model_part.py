@@ -11,7 +11,9 @@ adds what only a parallel run needs, around the model's own three forward pieces
   hidden state between layers holds ``S / tp`` tokens while attention sees them all;
 * document masking (``documents.py``): every chunk of every stage is handed the micro-batch's
   per-token document ids ``[B, S]`` (the whole window's, on every tp and cp rank) and derives the
-  RoPE positions and the block-causal mask of the tokens its attention sees from them;
+  RoPE positions and the block-causal mask of the tokens its attention sees from them; under
+  cp's balanced order (``parallelism.cp_balance: documents``) the micro-batch's token order
+  ``[cp, S/cp]`` comes with them (``cp_order``) and picks this rank's ids, targets and queries;
 * the compute dtype (autocast around the forward) and the message crossing stage boundaries.
 
 Parameter names are the plain model's (``Adopting``): ``layers.7.attn.qkv.weight`` here too.
@@ -25,7 +27,7 @@ import torch
 from torch import nn
 
 from nanotrain.parallel import accelerator
-from nanotrain.parallel.context_parallel import ContextParallel
+from nanotrain.parallel.context_parallel import ContextParallel, zigzag_table
 from nanotrain.parallel.documents import document_attention
 from nanotrain.parallel.part.adopt import Adopting
 from nanotrain.parallel.pipeline_parallel import MessageSpec, ModelChunk
@@ -99,30 +101,47 @@ class ModelPart(Adopting):
         hidden: torch.Tensor | None = None,
         chunk: int = 0,
         documents: torch.Tensor | None = None,
+        cp_order: torch.Tensor | None = None,
     ) -> torch.Tensor:
         device = self.device
         _check_input("input_ids", input_ids, device, integer=True)
         _check_input("targets", targets, device, integer=True)
         _check_input("hidden", hidden, device, integer=False)
         _check_input("documents", documents, device, integer=True)
+        _check_input("cp_order", cp_order, device, integer=True)
         if self.compute_dtype in (None, torch.float32):
-            return self._forward(input_ids, targets, hidden, chunk, documents)
+            return self._forward(input_ids, targets, hidden, chunk, documents, cp_order)
         with accelerator.autocast(device.type, dtype=self.compute_dtype):
-            return self._forward(input_ids, targets, hidden, chunk, documents)
+            return self._forward(input_ids, targets, hidden, chunk, documents, cp_order)
 
-    def _forward(self, input_ids, targets, hidden, chunk: int, documents) -> torch.Tensor:
+    def _forward(self, input_ids, targets, hidden, chunk: int, documents, cp_order) -> torch.Tensor:
         part, model = self.chunks[chunk], self.inner
+        order = self._order(documents, cp_order)
         if part.is_first:
-            hidden = model.embed_tokens(self.cp.local(input_ids)).to(self.residual_dtype)
+            hidden = model.embed_tokens(self.cp.local(input_ids, order=order)).to(self.residual_dtype)
         layers = [name.split(".", 1)[1] for name in part.blocks if name.startswith("layers.")]
         if documents is None:
             hidden = model.run_layers(hidden, layers, self._positions(hidden))
+        elif order is not None:  # balanced: this rank's queries over the keys in gather order
+            attention = document_attention(documents, order[self.cp.rank], order.reshape(-1))
+            hidden = model.run_layers(hidden, layers, *attention)
         else:  # the queries attention sees: the whole window's (tp, both modes) or this cp rank's
             queries = self.cp.positions(documents.shape[1], documents.device) if self.cp.enabled else None
             hidden = model.run_layers(hidden, layers, *document_attention(documents, queries))
         if not part.is_last:
             return hidden
-        return model.head(hidden, None if targets is None else self.cp.local(targets))
+        return model.head(hidden, None if targets is None else self.cp.local(targets, order=order))
+
+    def _order(self, documents, cp_order) -> torch.Tensor | None:
+        """The micro-batch's token order ``[cp, S/cp]`` under cp's balanced order (zig-zag's table
+        when none came with the batch, e.g. an evaluation batch), else None (zig-zag positions)."""
+        if not self.cp.balanced:
+            return None
+        if documents is None:
+            raise ValueError("parallelism.cp_balance 'documents' needs data.document_masking")
+        if cp_order is None:
+            return zigzag_table(documents.shape[1], self.cp.size, documents.device)
+        return cp_order
 
     def _positions(self, hidden: torch.Tensor) -> torch.Tensor:
         """Global positions of the tokens attention sees on this rank: the whole sequence's

@@ -43,7 +43,8 @@ from nanotrain.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 MicroBatch = tuple[torch.Tensor, ...]  # (input ids [B, S], targets [B, S]), + document ids [B, S]
 # Middle stages read no data: they may pass None for each micro-batch (the count is m). Under
 # document masking every stage's attention needs the document ids: every stage passes the
-# micro-batches (ids, targets, documents), and each chunk is given the documents.
+# micro-batches (ids, targets, documents), and each chunk is given the documents (and, under cp's
+# balanced order, the micro-batch's token order: (ids, targets, documents, cp_order)).
 
 # The phase of each pp action in the hang record (``HANG_RECORD.mark(template, micro-batch, chunk)``),
 # without / with virtual chunks; ``str.format`` ignores the chunk where the template has no slot.
@@ -173,7 +174,7 @@ class _Step:
         hidden = received[0] if received else None
         input_ids = data[0] if chunk.is_first else None
         targets = data[1] if chunk.is_last else None
-        extra = {"documents": data[2]} if data is not None and len(data) > 2 else {}
+        extra = dict(zip(("documents", "cp_order"), data[2:])) if data is not None else {}
         if self.training:  # measured once per chunk and input shapes/dtypes (see _ActivationMeter)
             inputs = (input_ids if chunk.is_first else hidden, targets)
             record = self.meter.record((action.chunk, *((t.shape, t.dtype) for t in inputs if t is not None)))
