@@ -120,6 +120,12 @@ BAD_CONFIGS = [
         ["training.sequence_length (66)", "2*parallelism.cp = 4"],
     ),
     (
+        "cp-balance-unmasked",
+        lambda c: c["parallelism"].update(cp=2, dp=1, cp_balance="documents"),
+        [],
+        ["parallelism.cp_balance 'documents'", "data.document_masking: true"],
+    ),
+    (
         "seq-vs-cp-tp-rs",
         lambda c: (
             c["parallelism"].update(cp=2, dp=1, tp=4, tp_mode="REDUCE_SCATTER"),

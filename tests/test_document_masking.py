@@ -28,6 +28,8 @@ from nanotrain.data.dataset import TokenDataset
 from nanotrain.data.sampler import GlobalSampler, SourcePart, document_ids
 from nanotrain.models.llama import param_seed
 from nanotrain.models.llama_parallelize import build_llama
+from nanotrain.parallel.context_parallel import zigzag_table
+from nanotrain.parallel.cp_balance import balanced_order
 from nanotrain.parallel.documents import document_attention, document_positions
 
 SEP = 0
@@ -111,6 +113,16 @@ def test_sampler_gives_document_ids_restarting_at_separators_and_windows():
     ]
     assert document_positions(docs).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], [0, 1, 2, 0, 1, 2, 0, 1], list(range(8))]
     assert all(t.dtype == torch.int64 and t.shape == (1, 8) for mb in batch for t in mb)
+
+
+def test_cp_balance_adds_each_micro_batch_token_order():
+    plain = hand_made_sampler(document_masking=True).batch(0, 0)
+    batch = hand_made_sampler(document_masking=True, cp_balance=2).batch(0, 0)
+    assert [len(mb) for mb in batch] == [4, 4, 4]
+    for (*same, order), expected in zip(batch, plain):
+        assert all(torch.equal(a, b) for a, b in zip(same, expected))
+        assert order.dtype == torch.int64 and torch.equal(order, torch.from_numpy(balanced_order(same[2], 2)))
+    assert not torch.equal(batch[1][3], zigzag_table(8, 2))  # the second window's documents leave zig-zag
 
 
 def test_options_off_are_todays_pairs_and_boundary_loss_alone_masks_targets():

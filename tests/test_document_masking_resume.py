@@ -9,7 +9,8 @@ window holds several boundaries), with ``data.document_masking`` and
   (losses and final weights ``==``).
 * Rehearsed (``--rehearse``, in this process) on a middle pipeline stage at cp rank 1 in bf16
   with selective recompute, the silent steps read nothing back: the document ids, positions and
-  masks add no host sync to the step.
+  masks add no host sync to the step; nor does cp's balanced token order
+  (``parallelism.cp_balance: documents``), computed by the sampler with the batch.
 """
 
 from __future__ import annotations
@@ -102,14 +103,15 @@ def test_resume_from_step_3_is_bit_exact(straight, tmp_path):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
-def test_rehearsed_masked_step_holds_no_host_sync(tmp_path):
+@pytest.mark.parametrize("balance", ["zigzag", "documents"])
+def test_rehearsed_masked_step_holds_no_host_sync(tmp_path, balance):
     from nanotrain.config import load_config
     from nanotrain.rehearse import report as rehearsal
     from nanotrain.rehearse.rank import rehearse_rank
 
     sets = ["parallelism.dp=1", "parallelism.tp=1", "parallelism.cp=2", "parallelism.pp=4"]
     sets += [f"logging.dir={tmp_path}", "model.dtype=bfloat16", "training.recompute=selective"]
-    config = load_config(TINY, [*sets, "data.document_masking=true"])
+    config = load_config(TINY, [*sets, "data.document_masking=true", f"parallelism.cp_balance={balance}"])
     report = rehearse_rank(config, 3, 3)
     assert report["coords"] == {"ep": 0, "pp": 1, "dp": 0, "cp": 1, "tp": 0}
     assert rehearsal.defects(report) == [] and report["silent"]

@@ -35,6 +35,11 @@ class ParallelismArgs:
     cp: int = bounded(
         1, 1, MAX_WORLD, doc="context-parallel ranks: each holds 2 of 2*cp zig-zag chunks of every sequence"
     )
+    cp_balance: Literal["zigzag", "documents"] = doc(
+        "zigzag",
+        "cp token order: zigzag (fixed, even for plain causal work) or documents (per micro-batch from the "
+        "document ids: even under data.document_masking, which it needs)",
+    )
     ep: int = bounded(1, 1, MAX_WORLD, doc="expert-parallel ranks: each holds model.moe.num_experts / ep experts")
     pp_engine: Literal["afab", "1f1b", "interleaved_1f1b"] = doc("1f1b", "pipeline schedule")
     pp_virtual_stages: int = bounded(1, 1, 1024, doc="model chunks per pp rank (interleaved_1f1b)")

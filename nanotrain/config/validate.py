@@ -110,6 +110,8 @@ def validate_model(config: Config) -> None:
             f"training.sequence_length ({t.sequence_length}) must be divisible by 2*parallelism.cp "
             f"= {2 * p.cp} (each cp rank holds two of 2*cp equal chunks): change the length or cp"
         )
+    if p.cp_balance == "documents" and not config.data.document_masking:
+        _fail("parallelism.cp_balance 'documents' evens document-masked work: set data.document_masking: true")
     local_seq = t.sequence_length // p.cp
     if p.tp_mode == "REDUCE_SCATTER" and local_seq % p.tp:
         what = (

@@ -144,6 +144,7 @@ def build_samplers(
         batch_accumulation=t.batch_accumulation_per_replica,
         document_masking=d.document_masking,
         mask_boundary_loss=d.mask_boundary_loss,
+        cp_balance=config.parallelism.cp if config.parallelism.cp_balance == "documents" else 1,
     )
     fraction = d.validation.fraction if d.validation is not None else None
     if fraction is None:

@@ -21,7 +21,9 @@ ids, int64 [micro_batch_size, sequence_length], computed here on the host from t
 before i, so a document is its tokens up to and including its separator, and the window's first
 token starts document 0 (a document cut by a window's edge is a document of its own in each
 window). `data.mask_boundary_loss` sets to -100 (ignored) the targets that cross a boundary: those
-of the separator tokens, whose target is the next document's first token.
+of the separator tokens, whose target is the next document's first token. Under
+`parallelism.cp_balance: documents` each micro-batch also carries the token order over the cp
+ranks that evens their masked attention work (`parallel/cp_balance.py`), chosen here on the host.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 from nanotrain.data.dataset import TokenDataset
 from nanotrain.data.errors import DataError
 from nanotrain.data.mixture import MixturePattern
+from nanotrain.parallel.cp_balance import balanced_order
 
 DEFAULT_NAME = "default"  # the TensorBoard name (data/tokens/default) of the `data.source` shorthand
 IGNORE_INDEX = -100  # a target the loss skips (F.cross_entropy's and the vocab-parallel loss's default)
@@ -83,11 +86,13 @@ class GlobalSampler:
         batch_accumulation: int,
         document_masking: bool = False,
         mask_boundary_loss: bool = False,
+        cp_balance: int = 1,
     ):
         parts = [SourcePart(DEFAULT_NAME, dataset)] if isinstance(dataset, TokenDataset) else list(dataset)
         self.parts = parts
         self.dataset = parts[0].dataset
         self.document_masking, self.mask_boundary_loss = document_masking, mask_boundary_loss
+        self.cp_balance = cp_balance if document_masking else 1
         self.separator_id = self.dataset.separator_id
         if (document_masking or mask_boundary_loss) and len({p.dataset.separator_id for p in parts}) > 1:
             raise DataError(
@@ -195,7 +200,9 @@ class GlobalSampler:
         Each is (input ids, targets), both int64 [micro_batch_size, sequence_length], targets
         being the inputs shifted left by one token; with `document_masking` (input ids, targets,
         document ids), the third of the same shape (`document_ids`). With `mask_boundary_loss`
-        the separators' targets are -100.
+        the separators' targets are -100. With `cp_balance` = cp > 1 (`parallelism.cp_balance:
+        documents`) a fourth: the micro-batch's token order over the cp ranks, int64 [cp, S/cp]
+        (`parallel/cp_balance.py`), which evens their masked attention work.
         """
         if not 0 <= dp_rank < self.dp:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, {self.dp})")
@@ -208,9 +215,14 @@ class GlobalSampler:
             ids, targets = mb[:, :-1].contiguous(), mb[:, 1:].contiguous()
             if self.mask_boundary_loss:  # not in place: for one row, ids and targets share storage
                 targets = targets.masked_fill(ids == self.separator_id, IGNORE_INDEX)
-            out.append(
-                (ids, targets, document_ids(ids, self.separator_id)) if self.document_masking else (ids, targets)
-            )
+            if not self.document_masking:
+                out.append((ids, targets))
+                continue
+            documents = document_ids(ids, self.separator_id)
+            if self.cp_balance > 1:
+                out.append((ids, targets, documents, torch.from_numpy(balanced_order(documents, self.cp_balance))))
+            else:
+                out.append((ids, targets, documents))
         return out
 
     def batch_for_step(self, step: int, dp_rank: int) -> list[tuple[torch.Tensor, ...]]:

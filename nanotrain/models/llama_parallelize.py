@@ -95,6 +95,7 @@ def plan_from_config(config: Config, pc: Optional[Any] = None, device=None) -> P
         pp_size=pc.pp_size if pc is not None else 1,
         virtual_stages=p.pp_virtual_stages,
         cp_pg=pc.cp_pg if pc is not None else None,
+        cp_balance=p.cp_balance,
         ep_pg=pc.ep_pg if pc is not None else None,
         recompute=config.training.recompute,
         loss_chunk_tokens=loss_chunk_tokens(config),

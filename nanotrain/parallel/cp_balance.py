@@ -17,7 +17,7 @@ the keys up to the chunk's end, masked or not. FLOPs are the forward's matrix pr
 ``4 * head_dim * heads * pairs`` (2*d for q.k and 2*d for p.v per pair and head); the backward
 is about twice that and the max/mean ratio is the same.
 
-The balanced order (``balanced_order``) cuts the sequence into 2*cp*k equal chunks and deals them
+The balanced order (``balanced_order``) cuts the sequence into 2*cp*k equal chunks (k = 4) and deals them
 out largest-work-first to the least-loaded rank that still has fewer than 2k chunks (every rank
 gets the same number of tokens, so shapes stay equal across ranks), and keeps zig-zag when that
 is at least as even. It depends only on the document ids, which the sampler computes on the host
@@ -86,14 +86,15 @@ def balanced_order(documents, cp: int, k: int = 4) -> np.ndarray:
 
     Greedy, longest-processing-time first with equal counts: 2*cp*k chunks of S/(2*cp*k) tokens,
     by decreasing work, each to the least-loaded rank (lowest rank on ties) that holds fewer than
-    2k; zig-zag is kept when it is at least as even (plain causal work, one document per window)."""
+    2k; zig-zag is kept when it is at least as even (plain causal work, one document per window).
+    ``k`` is halved until S divides into the chunks (S is a multiple of 2*cp)."""
     seq_len = np.asarray(documents).shape[-1]
     zigzag = zigzag_order(seq_len, cp)
     if cp == 1:
         return zigzag
+    while seq_len % (2 * cp * k):  # S is a multiple of 2*cp (validated): k = 1 always fits
+        k //= 2
     n = 2 * cp * k
-    if seq_len % n:
-        raise ValueError(f"sequence length {seq_len} must be divisible by 2*cp*k = {n}")
     size = seq_len // n
     per_token = token_pairs(documents).reshape(-1, seq_len).sum(axis=0)
     chunk_work = per_token.reshape(n, size).sum(axis=1)
