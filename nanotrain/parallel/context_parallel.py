@@ -31,7 +31,9 @@ both. This is the all-gather variant (Llama 3's, torchtitan's ``allgather`` rota
   positions ``order[r]``), chosen on the host from the document ids with the batch. The gathered
   keys then stay in gather order (rank 0's, rank 1's, ...: no sort, which would need the order on
   every layer) and the mask's columns follow it (``document_attention(..., key_positions)``); each
-  rank's queries attend once over all gathered keys under that mask.
+  rank's queries attend once over all gathered keys under that mask. Through the materialised
+  mask that is S/cp x S dense work per rank (zig-zag's cut chunks do about half): the balance
+  pays with a kernel that skips masked blocks.
 
 Everything outside attention (norms, MLP, LM head, loss, pipeline transfers) is per token and
 runs unchanged on the local tokens.
