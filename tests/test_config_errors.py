@@ -73,6 +73,12 @@ BAD_CONFIGS = [
         ["training.spike.policy: rewind", "checkpoints.interval is 0", "policy skip"],
     ),
     ("spike-rewinds-negative", None, ["--set", "training.spike.max_rewinds=-1"], ["training.spike.max_rewinds"]),
+    (
+        "spike-skips-in-a-row-zero",
+        None,
+        ["--set", "training.spike.max_consecutive_skips=0"],
+        ["training.spike.max_consecutive_skips", "minimum 1"],
+    ),
     ("spike-unknown-key", None, ["--set", "training.spike.k=3"], ["training.spike.k", "unknown key"]),
     (
         "loss-chunk-negative",

@@ -142,3 +142,38 @@ def test_the_guard_judges_against_the_median_of_applied_steps_only():
     assert guard.history.tolist() == [[5.0, 1.25], [1.0, 1.0]] == guard.state_dict()["history"]
     wider = SpikeGuard(SpikeArgs(policy="skip", window=3), "cpu", None, False, guard.state_dict())
     assert math.isnan(wider.history[0, 0]) and wider.history[:, 1:].tolist() == [[5.0, 1.25], [1.0, 1.0]]
+
+
+def test_skipped_steps_in_a_row_are_bounded(tmp_path):
+    """Three poisoned steps in a row with `max_consecutive_skips` 3: the run ends as a
+    divergence does (exit 3) instead of training on without ever applying an update."""
+    settings = [
+        "training.train_steps=10",
+        "checkpoints.interval=0",
+        "training.spike.policy=skip",
+        "training.spike.max_consecutive_skips=3",
+        *TOPOLOGIES["1-1-1"],
+    ]
+    out = run(tmp_path / "logs", "in-a-row", "poison=3:inf,5:inf,6:inf,7:inf", settings, code=3)
+    assert "step 3: skipped (training.spike)" in out and "step 7: skipped (training.spike)" in out, out[-3000:]
+    assert "error: training spiked at step 7: 3 steps in a row skipped (training.spike.max_consecutive_skips)" in out, (
+        out[-3000:]
+    )
+    assert [r["step"] for r in records(tmp_path / "logs" / "in-a-row")] == [3, 5, 6, 7]
+
+
+def test_skips_in_a_row_are_counted_from_the_record():
+    """The count a resumed run sees is the record's: consecutive step numbers back from the step,
+    broken by an applied step or by a rewind (whose steps run once more)."""
+    from nanotrain.config.schema import SpikeArgs
+    from nanotrain.training.spike import SpikeGuard
+
+    guard = SpikeGuard(SpikeArgs(policy="skip"), "cpu", None, False)
+    counts = []
+    for step in (2, 4, 5, 6):  # as the trainer asks: right after recording the step
+        guard.record(step, [math.inf, 1.0, 1.0, 1.0])
+        counts.append(guard.in_a_row(step))
+    assert counts == [1, 1, 2, 3]
+    guard.log.append({"rewind": 1, "at_step": 6, "to_step": 4})
+    guard.record(5, [math.inf, 1.0, 1.0, 1.0])
+    assert guard.in_a_row(5) == 1

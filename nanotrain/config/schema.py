@@ -69,6 +69,13 @@ class SpikeArgs:
     factor: float = bounded(6.0, 1.0, 1e6, above=True, doc="loss or grad norm above factor x its median = spike")
     window: int = bounded(32, 1, 4096, doc="skip, rewind: medians of the last `window` applied steps (once full)")
     max_rewinds: int = bounded(3, 0, 1000, doc="rewind: rewinds per run; one spike more ends it as stop does (exit 3)")
+    max_consecutive_skips: int = bounded(
+        8,
+        1,
+        100000,
+        doc="skip, rewind: this many steps skipped in a row end the run as stop does (exit 3): the model "
+        "or the data keeps failing and no step would ever apply",
+    )
 
 
 @dataclass

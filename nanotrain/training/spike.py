@@ -112,6 +112,17 @@ class SpikeGuard:
                 f.write(json.dumps(entry) + "\n")
         return entry
 
+    def in_a_row(self, step: int) -> int:
+        """How many steps up to ``step``, the step just recorded, were skipped one after the other,
+        read from the record (so a resumed run counts alike); a rewind starts the count again (its
+        steps run once more)."""
+        count = 0
+        for entry in reversed(self.log):
+            if "rewind" in entry or entry["step"] != step - count:
+                break
+            count += 1
+        return count
+
     def rewound(self, state: Optional[dict], spike: dict, to_step: int, samples: list[int]) -> dict:
         """Back to the checkpoint of ``to_step`` (its ``state_dict``; None: saved without one),
         after ``spike`` (the record of the skipped step that set it off): its window and record,

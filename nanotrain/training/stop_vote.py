@@ -42,11 +42,13 @@ class TrainingDiverged(RuntimeError):
 
 
 class SpikesPersist(TrainingDiverged):
-    """`training.spike.policy: rewind` cannot rewind any more at ``step`` (``why``); ends the run
-    as a divergence does (exit 3), with the last checkpoint kept."""
+    """`training.spike.policy: rewind` cannot rewind any more at ``step`` (``why``), or
+    ``training.spike.max_consecutive_skips`` steps in a row were skipped (``rewinding`` False);
+    ends the run as a divergence does (exit 3), with the last checkpoint kept."""
 
-    def __init__(self, step: int, why: str):
-        RuntimeError.__init__(self, f"training spiked at step {step} and cannot rewind: {why}")
+    def __init__(self, step: int, why: str, rewinding: bool = True):
+        how = " and cannot rewind" if rewinding else ""
+        RuntimeError.__init__(self, f"training spiked at step {step}{how}: {why}")
         self.step, self.loss, self.grad_norm = step, float("nan"), float("nan")
 
 

@@ -47,7 +47,8 @@ class DistributedTrainer:
 
     Raises (from ``train``):
         TrainingDiverged: a non-finite loss or gradient norm (nothing saved after the last finite step).
-        SpikesPersist (a TrainingDiverged): `rewind` cannot go back any more.
+        SpikesPersist (a TrainingDiverged): `rewind` cannot go back any more, or
+            `training.spike.max_consecutive_skips` steps in a row were skipped.
     """
 
     def __init__(self, parts: TrainingParts, stop_code: Callable[[], int]):
@@ -152,7 +153,8 @@ class DistributedTrainer:
         into the guard's record (checkpoint, ``<run>/spikes.jsonl``) and the console. Returns the
         record of the first of them when the policy rewinds and there is a checkpoint to go back
         to (the same on every rank: the votes and the saves are collective); before the first
-        save a spike under `rewind` is only skipped."""
+        save a spike under `rewind` is only skipped. Raises SpikesPersist once
+        `training.spike.max_consecutive_skips` steps in a row were skipped."""
         skips, self.votes.skips = self.votes.skips, []
         for step, values in skips:
             entry = self.spike.record(step, values)
@@ -161,6 +163,10 @@ class DistributedTrainer:
             rewinds = self.config.training.spike.policy == "rewind"
             if rewinds and (self.saved_step is not None or self.pending_save is not None):
                 return entry
+            bound = self.config.training.spike.max_consecutive_skips
+            if self.spike.in_a_row(step) >= bound:  # skipped, not rewound: the run would never move
+                why = f"{bound} steps in a row skipped (training.spike.max_consecutive_skips)"
+                raise SpikesPersist(step, why, rewinding=False)
         return None
 
     def rewind(self, spiked: dict) -> None:
