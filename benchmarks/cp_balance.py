@@ -1,4 +1,4 @@
-"""Per-cp-rank attention work under document masks, zig-zag vs the balanced order (issue 30 item 4).
+"""Per-cp-rank attention work under document masks, zig-zag vs the balanced order.
 
 Host arithmetic only (``nanotrain/parallel/cp_balance.py``), no model and no ranks, in seconds:
 

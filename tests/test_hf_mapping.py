@@ -12,10 +12,10 @@ Mixtral 4 experts top 2; Qwen3-MoE a dense and a sparse layer, renormalised top-
   ``AutoModelForCausalLM`` loads the export as the same class with no missing or unexpected key,
   the same config values and the same logits as the original (so windows, NoPE layers and
   routing survive the config.json round trip);
-* ``nanotrain_shapes`` is ``LlamaModel``'s parameters (skipped, naming the option, where the
-  model does not compute it yet); an imported Mixtral at pp2·ep2 has transformers' first-step
-  loss; an ep rank reads only its experts; another family, an unknown model_type and each config
-  value nanotrain cannot compute are refused in one line.
+* ``nanotrain_shapes`` is ``LlamaModel``'s parameters, every family's options included; an
+  imported Mixtral at pp2·ep2 has transformers' first-step loss; an ep rank reads only its
+  experts; another family, an unknown model_type and each config value nanotrain cannot compute
+  are refused in one line.
 
 The numerics of the other options are the model's (tests of its own); this file needs none of them.
 """
@@ -151,8 +151,8 @@ def test_section_validates_and_hf_shapes_are_the_header(name, hf_dirs, capsys):
 
 @pytest.mark.parametrize("name", ["llama", *NEW])
 def test_nanotrain_names_are_the_models(name, hf_dirs, capsys):
-    """``nanotrain_shapes`` is ``LlamaModel``'s parameters, names and shapes (once the model
-    computes the family's options: until then the test says which it lacks)."""
+    """``nanotrain_shapes`` is ``LlamaModel``'s parameters, names and shapes, every family's
+    options included."""
     from nanotrain.models.llama import LlamaModel
 
     section = {**_section(hf_dirs[name], capsys), "family": name} if name != "llama" else {}
@@ -160,12 +160,6 @@ def test_nanotrain_names_are_the_models(name, hf_dirs, capsys):
     with torch.device("meta"):
         model = LlamaModel(args)
     got = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    suffix = {"qkv_bias": ".attn.qkv.bias", "qk_norm": ".attn.q_norm.weight"}
-    lacking = [k for k, end in suffix.items() if getattr(args, k) and not any(n.endswith(end) for n in got)]
-    if lacking or got.get("layers.0.attn.o_proj.weight", (0, 0))[1] != args.num_attention_heads * (
-        args.head_dim or args.hidden_size // args.num_attention_heads
-    ):
-        pytest.skip(f"LlamaModel does not compute {lacking or 'model.head_dim'} yet")
     assert got == nanotrain_shapes(args)
 
 

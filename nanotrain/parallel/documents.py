@@ -16,8 +16,9 @@ without a host sync (no value is read back, every shape is known), into what att
 
 The mask is a materialised boolean ``[B, 1, S_q, S]`` tensor given to SDPA (``attn_mask``):
 the exact reference on the CPU, and what runs on a GPU too (SDPA's memory-efficient kernel takes
-it; O(S^2) bytes per sample, 64 MiB at S = 8192). TODO(issue 30, item 3): a FlexAttention block
-mask or a variable-length kernel on GPUs, which never materialises S x S.
+it; O(S^2) bytes per sample, 64 MiB at S = 8192). Not built yet: a FlexAttention block mask or
+a variable-length kernel for GPUs, which would never materialise S x S (and would let
+``parallelism.cp_balance: documents`` pay off).
 """
 
 from __future__ import annotations
