@@ -6,11 +6,19 @@ time every rank agrees on the step, saves, the job requeues itself and resumes. 
 and its TensorBoard loss sequence equals an uninterrupted run's, with no step lost or repeated.
 A second job reaches its time limit while training (the limit is lowered once a step is done)
 and saves, requeues and finishes the same way. A third, with `slurm.max_requeues: 0`, saves on
-the preemption signal, is not requeued and exits 75 (not COMPLETED), as `--status` says."""
+the preemption signal, is not requeued and exits 75 (not COMPLETED), as `--status` says.
+
+The first job also trains under `training.spike.policy: skip` with two poisoned steps (the test
+hook ``NANOTRAIN_TEST_SPIKE``, tests/hooks/sitecustomize.py, in every rank of every incarnation):
+step 2's gradient is not finite, step 26's is 1000x too large, so at least one preemption falls
+between them. Each is skipped once, recorded once in spikes.jsonl, and the losses still equal an
+uninterrupted local run with the same poison: a skip survives a requeue bit for bit."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -35,10 +43,21 @@ from helpers.slurm import (
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
+HOOKS = ROOT / "tests" / "hooks"
+POISON = "poison=2:inf,26:1000"  # the steps the first job skips (one non-finite, one spike)
+SKIP = ["training.spike.policy=skip", "training.spike.window=4"]
 pytestmark = [pytest.mark.slurm]
 
 
-def submit(tmp_path: Path, name: str, steps: int, *extra: str, local: bool = False) -> subprocess.CompletedProcess:
+def submit(
+    tmp_path: Path, name: str, steps: int, *extra: str, local: bool = False, spike: str = ""
+) -> subprocess.CompletedProcess:
+    """``submit.py`` (SLURM, or ``--local``); ``spike``: the test hook's poison, passed to the job
+    through the environment sbatch exports (every task of every incarnation reads it)."""
+    env = dict(os.environ)
+    if spike:
+        env["NANOTRAIN_TEST_SPIKE"] = spike
+        env["PYTHONPATH"] = os.pathsep.join([str(HOOKS), env.get("PYTHONPATH", "")])
     items = [
         f"logging.dir={tmp_path}",
         f"logging.run_name={name}",
@@ -51,7 +70,7 @@ def submit(tmp_path: Path, name: str, steps: int, *extra: str, local: bool = Fal
     args = [sys.executable, str(ROOT / "submit.py"), str(TINY)] + (["--local"] if local else [])
     for item in items:
         args += ["--set", item]
-    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:
@@ -73,7 +92,7 @@ def running_past(job_id: str, run_dir: Path, step: int):
 @pytest.mark.timeout(900)
 def test_preempted_three_times_completes_with_identical_losses(slurm_cluster, tmp_path):
     steps = 30
-    proc = submit(tmp_path, "preempted", steps, "slurm.partition=low")
+    proc = submit(tmp_path, "preempted", steps, "slurm.partition=low", *SKIP, spike=POISON)
     assert proc.returncode == 0, proc.stderr
     job_id, run_dir = submitted_job_id(proc.stdout), tmp_path / "preempted"
     last = 0
@@ -108,9 +127,11 @@ def test_preempted_three_times_completes_with_identical_losses(slurm_cluster, tm
     assert wait_for_job(job_id, timeout=400) == "COMPLETED"
     assert restart_count(job_id) >= 3
 
-    reference = submit(tmp_path, "straight", steps, local=True)
+    reference = submit(tmp_path, "straight", steps, *SKIP, local=True, spike=POISON)
     assert reference.returncode == 0, reference.stdout[-2000:] + reference.stderr[-2000:]
     got, expected = losses(run_dir), losses(tmp_path / "straight")
+    skipped = [json.loads(line) for line in (run_dir / "spikes.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in skipped] == [2, 26], skipped  # each once, across the requeues
     assert [s for s, _ in got] == list(range(1, steps + 1))  # no step lost, none repeated
     assert got == expected
     logs = "".join(p.read_text() for p in (run_dir / "job").glob(f"{job_id}_0_log.out"))

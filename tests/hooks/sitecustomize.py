@@ -67,9 +67,12 @@ if _slow and os.environ.get("NANOTRAIN_LAUNCHER") and os.environ.get("RANK"):
 # preemption at a known step. Keyed on the data instead of the step (a step may run twice under
 # `rewind`): ``poisondata=144:inf`` poisons the step that reads from sample position 144 on;
 # ``drop=128-160`` leaves the samples at positions 128..159 out of the run (every read position
-# from 128 on moves 32 further: the reference of a rewind that left them out).
+# from 128 on moves 32 further: the reference of a rewind that left them out). In local ranks
+# and in the tasks of a SLURM job (SLURM_PROCID; sbatch exports the variables to every task of
+# every incarnation), tests/test_slurm_preemption.py.
 _spike = os.environ.get("NANOTRAIN_TEST_SPIKE")
-if _spike and os.environ.get("NANOTRAIN_LAUNCHER") and os.environ.get("RANK"):
+_a_rank = (os.environ.get("NANOTRAIN_LAUNCHER") and os.environ.get("RANK")) or os.environ.get("SLURM_PROCID")
+if _spike and _a_rank:
     import signal
 
     import torch
