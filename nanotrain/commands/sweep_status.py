@@ -4,11 +4,14 @@ A sweep is compared across its points, so the table puts their values side by si
 each point's own `--status RUN_DIR` would say in brief: the scheduler's state of its array task
 (`status.slurm_job_info`, asked by the task's own id `<array>_<index>`), and the step, loss,
 validation loss and tokens/s of its progress.json. A point's full story stays one command away.
+The scheduler is asked about the points concurrently (three short commands a point, each mostly
+waiting on slurmctld), so a sweep of a hundred points answers in seconds rather than a minute.
 """
 
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TextIO
 
@@ -39,25 +42,35 @@ def _number(value, form: str) -> str:
     return "-" if value is None else format(value, form)
 
 
+def _progress(run_dir: Path) -> dict:
+    try:
+        return status._read_progress(run_dir) or {}
+    except ConfigError:
+        return {}  # damaged: that point's own --status names the file
+
+
 def rows(sweep_dir: Path) -> tuple[dict, list[list[str]]]:
     """The manifest and the table (a header row, then one row per point)."""
     manifest = read_manifest(sweep_dir)
     fields = [str(field) for field in manifest.get("fields") or []]
     table = [["point", *fields, "state", "step", "loss", "val loss", "tokens/s"]]
-    for point in manifest["points"]:
-        run_dir = sweep_dir / point["name"]
-        try:
-            progress = status._read_progress(run_dir)
-        except ConfigError:
-            progress = None  # damaged: that point's own --status names the file
-        progress = progress or {}
+    points = manifest["points"]
+    progresses = [_progress(sweep_dir / point["name"]) for point in points]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        states = list(
+            pool.map(
+                lambda pair: _state(pair[0], sweep_dir / pair[0]["name"], manifest.get("launcher"), pair[1]),
+                zip(points, progresses),
+            )
+        )
+    for point, progress, state in zip(points, progresses, states):
         values = point.get("values") if isinstance(point.get("values"), dict) else {}
         step, total = progress.get("step"), progress.get("total_steps")
         table.append(
             [
                 point["name"],
                 *(str(values.get(field, "-")) for field in fields),
-                _state(point, run_dir, manifest.get("launcher"), progress),
+                state,
                 "-" if step is None else f"{step}/{total}" if total else str(step),
                 _number(progress.get("loss"), ".4f"),
                 _number(progress.get("val_loss"), ".4f"),
