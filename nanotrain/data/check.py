@@ -173,6 +173,14 @@ def eval_source_args(config) -> list[tuple[str, object]]:
     ]
 
 
+def as_entry(message: str, where: str) -> str:
+    """A data error about `data.source` / `data.text_column` (what one source's check names) as
+    one about the evaluation source ``where`` (``eval.sources[1]``)."""
+    for field in ("data.source", "data.text_column"):
+        message = message.replace(field, where + "." + field.split(".")[1])
+    return message
+
+
 def check_eval_config(config) -> None:
     """Before a launch with `checkpoints.eval_job` or an `--evaluate`: every `eval.sources` entry
     as `check_source` checks a training source (errors naming the entry), with enough windows for
@@ -185,11 +193,7 @@ def check_eval_config(config) -> None:
         try:
             _, bound = _checked(args, config.model.vocab_size, None)
         except DataError as exc:
-            message = str(exc)
-            for field in ("data.source", "data.text_column"):
-                if message.startswith(field + ":"):
-                    message = where + "." + field.split(".")[1] + message[len(field) :]
-            raise DataError(message) from None
+            raise DataError(as_entry(str(exc), where)) from None
         need = entry.batches * per_batch
         if bound is not None and max(0, (bound - 1) // t.sequence_length) < need:
             raise DataError(

@@ -49,10 +49,10 @@ class EvalJobs:
         if eval_record.read_record(self.run_dir, step) is not None:
             return
         launcher = "local" if self.local else "slurm"
-        eval_record.update_record(
-            self.run_dir, step, state="submitting", launcher=launcher, submitted=time.time(), read=False
-        )
         log = eval_record.record_path(self.run_dir, step).with_suffix(".log")
+        eval_record.update_record(
+            self.run_dir, step, state="submitting", launcher=launcher, submitted=time.time(), read=False, log=str(log)
+        )
         argv = [sys.executable, "-m", "nanotrain.launch.eval_job", str(self.run_dir), str(step)]
         try:
             with open(log, "ab") as out:

@@ -25,7 +25,7 @@ from typing import Callable, Optional, TextIO
 
 from nanotrain.checkpoint.offline_checks import plan_generate
 from nanotrain.config import Config, load_config
-from nanotrain.data.check import eval_source_args
+from nanotrain.data.check import as_entry, eval_source_args
 from nanotrain.runtime import eval_record
 from nanotrain.runtime.rundir import CONFIG_FILE
 
@@ -86,7 +86,7 @@ def evaluate_checkpoint(
         try:
             r = evaluate_source(model, config, where, entry.name, args, entry.batches)
         except (ValueError, OSError, FloatingPointError) as exc:  # DataError is a ValueError
-            errors.append(f"{where} ({entry.name}): {exc}")
+            errors.append(f"{entry.name}: {as_entry(str(exc), where)}")
             print(f"{entry.name:<16} failed: {exc}", file=out, flush=True)
             continue
         results[entry.name] = asdict(r)

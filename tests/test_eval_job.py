@@ -1,0 +1,154 @@
+"""`checkpoints.eval_job` and `--evaluate` without a scheduler: `keep_last` keeps a checkpoint its
+evaluation job has yet to read (and lets it go once read, or once the job is found gone without
+reading it: recorded `skipped`), the fields' one-line errors, and `--evaluate`'s refusals. The
+jobs themselves on the real SLURM cluster: tests/test_slurm_eval_job.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from nanotrain.checkpoint import save_checkpoint
+from nanotrain.checkpoint.format import complete_checkpoints
+from nanotrain.runtime import eval_record
+
+from helpers.checkpoints import tiny
+from helpers.cli import run_cli
+from helpers.runs import TINY
+
+
+def saved_steps(root) -> list[int]:
+    return sorted(step for step, _ in complete_checkpoints(root))
+
+
+def test_keep_last_keeps_a_checkpoint_until_its_eval_job_read_it(tmp_path):
+    run_dir, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    model, opt, sched = tiny()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # an evaluation still running
+    try:
+
+        def protected(step: int) -> bool:
+            return eval_record.protects(run_dir, step)
+
+        def save(step: int) -> None:
+            save_checkpoint(root, step, model, opt, sched, keep_last=1, run_id="r", protected=protected)
+
+        save(1)
+        eval_record.update_record(
+            run_dir, 1, state="running", launcher="local", **{**eval_record.here(), "pid": alive.pid}
+        )
+        save(2)  # keep_last 1 would delete step 1: its evaluation has not read it
+        assert saved_steps(root) == [1, 2]
+        eval_record.update_record(
+            run_dir, 2, state="running", launcher="local", **{**eval_record.here(), "pid": alive.pid}
+        )
+        eval_record.update_record(run_dir, 1, read=True)
+        save(3)  # step 1 was read: pruned; step 2 not yet
+        assert saved_steps(root) == [2, 3]
+        alive.kill()
+        alive.wait()
+        save(4)  # step 2's evaluation ended without reading it: skipped, pruned
+        assert saved_steps(root) == [4]
+        assert eval_record.read_record(run_dir, 2)["state"] == "skipped"
+        assert eval_record.read_record(run_dir, 1)["state"] == "running"  # read: nothing to skip
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_queued_job_slurm_no_longer_holds_is_skipped(tmp_path, monkeypatch):
+    """A SLURM job is asked of squeue (all of the user's jobs); one squeue does not answer for
+    keeps its checkpoint, one it does not list releases it."""
+    from nanotrain.runtime import slurm_commands
+
+    eval_record.update_record(tmp_path, 5, state="queued", launcher="slurm", job_id="4242")
+    monkeypatch.setattr(slurm_commands, "answer", lambda argv: None)
+    assert eval_record.protects(tmp_path, 5)
+    monkeypatch.setattr(slurm_commands, "answer", lambda argv: "17\n4242\n")
+    assert eval_record.protects(tmp_path, 5)
+    monkeypatch.setattr(slurm_commands, "answer", lambda argv: "17\n")
+    assert not eval_record.protects(tmp_path, 5)
+    assert eval_record.read_record(tmp_path, 5)["state"] == "skipped"
+    assert not eval_record.protects(tmp_path, 6)  # no evaluation job for that step: nothing to wait for
+
+
+EVAL = "eval.sources=[{name: held, source: stdlib}]"
+BAD = [
+    (["--set", "eval.sources=[{source: stdlib}]"], "eval.sources[0].name: every evaluation source needs a name"),
+    (["--set", "eval.sources=[{name: a/b, source: stdlib}]"], "eval.sources[0].name: 'a/b' must be letters"),
+    (
+        ["--set", "eval.sources=[{name: a, source: stdlib}, {name: a, source: stdlib}]"],
+        "eval.sources[1].name: 'a' is used twice",
+    ),
+    (["--set", "eval.sources=[{name: a}]"], "eval.sources[0].source: missing"),
+    (
+        ["--set", "eval.sources=[{name: a, source: stdlib, batches: 0}]"],
+        "eval.sources[0].batches: 0 is below the minimum 1",
+    ),
+    (["--set", "eval.sources=[{name: a, source: /nonexistent/x.txt}]"], "eval.sources[0].source: no such file"),
+    (["--set", "eval.sources=[{name: a, source: stdlib, batchs: 2}]"], "eval.sources[0].batchs: unknown key"),
+    (["--set", "eval.prompts=['']"], "eval.prompts[0]: an empty prompt"),
+    (["--set", "eval.prompts=[x]", "--set", "eval.sample_tokens=0"], "eval.sample_tokens: 0 is below the minimum 1"),
+    (
+        ["--set", "eval.prompts=[x]", "--set", "eval.sample_tokens=300"],
+        "eval.prompts[0]: 1 tokens + eval.sample_tokens 300",
+    ),
+    (["--set", "checkpoints.eval_job={enabled: true}"], "checkpoints.eval_job.enabled: eval.sources and eval.prompts"),
+    (
+        ["--set", EVAL, "--set", "checkpoints.eval_job={enabled: true, cpus: 0}"],
+        "checkpoints.eval_job.cpus: 0 is below",
+    ),
+    (
+        ["--set", EVAL, "--set", "checkpoints.eval_job={enabled: true, gpus: -1}"],
+        "checkpoints.eval_job.gpus: -1 is below",
+    ),
+    (["--set", EVAL, "--set", "checkpoints.eval_job={enabled: true, time: 0}"], "checkpoints.eval_job.time"),
+    (["--set", EVAL, "--set", "checkpoints.eval_job={enabled: true, mem_gb: 0}"], "checkpoints.eval_job.mem_gb"),
+    (["--set", EVAL, "--set", "checkpoints.eval_job={enabled: maybe}"], "checkpoints.eval_job.enabled"),
+    (
+        ["--set", EVAL, "--set", "checkpoints.eval_job={enabled: true, partition: 'a b'}"],
+        "checkpoints.eval_job.partition: 'a b' contains characters",
+    ),
+    (["--set", EVAL, "--set", "checkpoints.eval_job={enable: true}"], "checkpoints.eval_job.enable: unknown key"),
+]
+
+
+@pytest.mark.parametrize("extra,fragment", BAD, ids=[b[1].split(":")[0] + str(i) for i, b in enumerate(BAD)])
+def test_every_eval_field_refuses_in_one_line(extra, fragment, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli([TINY, "--dry-run", *extra], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (out, err)
+    assert fragment in lines[0], lines[0]
+    assert not (tmp_path / "logs").exists()
+
+
+def test_evaluate_refusals(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    code, _, err = run_cli(["--evaluate", run_dir], capsys)
+    assert code == 2 and "not a run directory (no config.yaml)" in err
+    (run_dir / "config.yaml").write_text(TINY.read_text())
+    code, _, err = run_cli(["--evaluate", run_dir], capsys)
+    assert code == 2 and "has no eval.sources and no eval.prompts" in err, err
+    code, _, err = run_cli(["--evaluate", run_dir, "--set", EVAL], capsys)
+    assert code == 2 and "no complete checkpoint" in err, err
+    code, _, err = run_cli(["--step", "3", str(TINY)], capsys)
+    assert code == 2 and "--step" in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = run_cli(["--evaluate", run_dir, "--local"], capsys)
+    assert code == 2 and "--evaluate" in err and "--local" in err, err
+
+
+def test_the_child_gets_no_variable_of_the_training_job(monkeypatch):
+    """An sbatch run inside an allocation would hand the evaluation job this job's layout."""
+    from nanotrain.runtime.eval_jobs import child_env
+
+    for name in ("SLURM_NTASKS", "SLURM_JOB_ID", "SBATCH_PARTITION", "RANK", "MASTER_ADDR", "SUBMITIT_FOLDER"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("KEPT_FOR_THE_JOB", "yes")
+    env = child_env()
+    assert env["KEPT_FOR_THE_JOB"] == "yes" and env["PATH"] == os.environ["PATH"]
+    assert not [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SUBMITIT_")) or k in ("RANK", "MASTER_ADDR")]
