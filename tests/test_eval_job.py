@@ -5,9 +5,11 @@ jobs themselves on the real SLURM cluster: tests/test_slurm_eval_job.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -152,3 +154,48 @@ def test_the_child_gets_no_variable_of_the_training_job(monkeypatch):
     env = child_env()
     assert env["KEPT_FOR_THE_JOB"] == "yes" and env["PATH"] == os.environ["PATH"]
     assert not [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SUBMITIT_")) or k in ("RANK", "MASTER_ADDR")]
+
+
+def test_a_local_run_evaluates_each_async_checkpoint_beside_its_ranks(tmp_path):
+    """`--local`: each committed checkpoint (here async saves, committed a step later or at the
+    end) is evaluated by a process beside the ranks; the run returns once they are done, with
+    `eval/held/loss` at both steps equal to the in-loop `val/loss` on the same corpus, even with
+    keep_last 1 (the first checkpoint stays until its evaluation has read it)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    held = tmp_path / "held.txt"
+    held.write_text("".join(p.read_text() for p in sorted(Path(json.__file__).parent.glob("*.py"))))
+    items = [
+        f"logging.dir={tmp_path}",
+        "logging.run_name=loc",
+        "parallelism.dp=1",
+        "parallelism.tp=1",
+        "parallelism.pp=1",
+        "training.train_steps=10",
+        "checkpoints.interval=5",
+        "checkpoints.keep_last=1",
+        "checkpoints.async_save=true",
+        "training.eval_interval=5",
+        f"data.validation={{source: {held}}}",
+        f"eval.sources=[{{name: held, source: {held}}}]",
+        "eval.prompts=['def ']",
+        "eval.sample_tokens=4",
+        "checkpoints.eval_job.enabled=true",
+    ]
+    argv = [sys.executable, str(TINY.parents[1] / "submit.py"), str(TINY), "--local"]
+    for item in items:
+        argv += ["--set", item]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = tmp_path / "loc"
+    records = eval_record.read_records(run_dir)
+    assert [(r["step"], r["state"], r["launcher"], r["read"]) for r in records] == [
+        (5, "done", "local", True),
+        (10, "done", "local", True),
+    ], records
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    val = {e.step: e.value for e in events.Scalars("val/loss")}
+    evals = {e.step: e.value for e in events.Scalars("eval/held/loss")}
+    assert sorted(evals) == [5, 10] and all(evals[s] == pytest.approx(val[s], abs=1e-5) for s in evals), (evals, val)
+    assert "eval job: evaluating step 5" in proc.stdout, proc.stdout[-3000:]

@@ -42,6 +42,10 @@ def dry_run(config: Config, layout: SlurmLayout | None, run_dir: Path, config_ar
         print(line)
     if layout is not None and sbatch.partition_problem(config):
         print(f"warning: {sbatch.partition_problem(config)} (sbatch here would refuse the job)")
+    if config.checkpoints.eval_job.enabled:
+        from nanotrain.launch.eval_job import describe
+
+        print(describe(config, local=layout is None))
     print(grid_summary(config))
     if layout is None:
         print(

@@ -59,6 +59,16 @@ def executor_parameters(config: Config, step: int) -> dict:
     return params
 
 
+def describe(config: Config, local: bool) -> str:
+    """`--dry-run`'s line for `checkpoints.eval_job`."""
+    if local:
+        return "eval job: after each checkpoint, a process beside the ranks evaluates it (--local)"
+    e = config.checkpoints.eval_job
+    partition = e.partition or config.slurm.partition or "the default partition"
+    gpus = f", {e.gpus} GPU(s)" if e.gpus else ""
+    return f"eval job: after each checkpoint, 1 task x {e.cpus} cpus{gpus}, {e.time} min, on {partition}"
+
+
 def submit_eval_job(run_dir: Path, step: int) -> int:
     """Submit the evaluation job of ``step``; 0 once queued, 1 when sbatch refused it (recorded)."""
     config = run_config(run_dir)

@@ -6,7 +6,7 @@ has yet to read (``eval_record.protects``).
 The child gets the rank's environment less the variables of this job and of torch.distributed
 (``SLURM_*``, ``RANK``, ``MASTER_ADDR``...): an sbatch run from inside an allocation would
 otherwise hand the evaluation job this job's task layout. Its output goes to
-``<run>/eval/step_<N>.log``. At the rank's normal end, rank 0 waits for the children it started:
+``<run>/eval/step_<N>.log``. At the rank's end, however it ends, rank 0 waits for the children it started:
 on SLURM the submissions (seconds: the job would end and take them with it), locally the
 evaluations themselves, so that a ``--local`` run returns with every checkpoint evaluated.
 """
@@ -42,9 +42,16 @@ class EvalJobs:
 
     def committed(self, step: int) -> None:
         """Start the evaluation of the checkpoint of ``step``, just committed, unless one was
-        started for it already (a resumed run saving a step again)."""
+        started for it already (a resumed run saving a step again). Never raises: a record that
+        cannot be written (a full disk) is a warning, and training goes on."""
         if not self.enabled:
             return
+        try:
+            self._start(step)
+        except Exception as exc:  # noqa: BLE001 - nothing of an evaluation may stop training
+            print(f"warning: the evaluation of step {step} was not started: {exc}", file=sys.stderr, flush=True)
+
+    def _start(self, step: int) -> None:
         self.children = [(s, p) for s, p in self.children if p.poll() is None]  # reap the ended
         if eval_record.read_record(self.run_dir, step) is not None:
             return
@@ -76,10 +83,15 @@ class EvalJobs:
 
     def protects(self, step: int) -> bool:
         """Whether ``keep_last`` must keep the checkpoint of ``step`` for its evaluation."""
-        return self.enabled and eval_record.protects(self.run_dir, step)
+        if not self.enabled:
+            return False
+        try:
+            return eval_record.protects(self.run_dir, step)
+        except Exception:  # noqa: BLE001 - an unreadable record: keep the checkpoint, never fail the save
+            return True
 
     def wait(self) -> None:
-        """Wait for the children still running (the rank's normal end)."""
+        """Wait for the children still running (the rank's end, however it ends)."""
         for step, child in self.children:
             if child.poll() is None:
                 if self.local:

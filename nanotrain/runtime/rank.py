@@ -46,13 +46,17 @@ def run_rank(config_path: str, preemption: PreemptionHandler) -> dict:
     pc = build_parallel_context(config)  # its groups time out after the watchdog (hang_timeouts)
     watchdog = hang_watchdog(config, env, run_dir)
     evals = EvalJobs(config, run_dir, env.launcher, env.rank)
-    with ending(config, env, run_dir, pc, watchdog, preemption) as end:
-        end.claim = claim_run(run_dir, Path(config.checkpoints.path), env, World(pc).broadcast)
-        report = smoke_step(pc, env, run_dir)  # a cheap preflight: every group answers
-        trainer = DistributedTrainer(build_parts(config, pc, run_dir, run_id=end.claim.run_id), preemption.poll, evals)
-        end.outcome, end.step, end.stop_code = train_and_close(trainer)
-        del trainer  # nothing here may keep a group alive when the ending destroys them
-    evals.wait()  # rank 0: the evaluations (locally) or submissions it started (checkpoints.eval_job)
+    try:
+        with ending(config, env, run_dir, pc, watchdog, preemption) as end:
+            end.claim = claim_run(run_dir, Path(config.checkpoints.path), env, World(pc).broadcast)
+            report = smoke_step(pc, env, run_dir)  # a cheap preflight: every group answers
+            trainer = DistributedTrainer(
+                build_parts(config, pc, run_dir, run_id=end.claim.run_id), preemption.poll, evals
+            )
+            end.outcome, end.step, end.stop_code = train_and_close(trainer)
+            del trainer  # nothing here may keep a group alive when the ending destroys them
+    finally:  # rank 0: the evaluations (locally) or submissions it started (checkpoints.eval_job)
+        evals.wait()
     report["outcome"] = end.outcome
     return report
 
