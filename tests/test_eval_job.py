@@ -199,3 +199,23 @@ def test_a_local_run_evaluates_each_async_checkpoint_beside_its_ranks(tmp_path):
     evals = {e.step: e.value for e in events.Scalars("eval/held/loss")}
     assert sorted(evals) == [5, 10] and all(evals[s] == pytest.approx(val[s], abs=1e-5) for s in evals), (evals, val)
     assert "eval job: evaluating step 5" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_eval_fields_built_in_code_meet_the_same_checks():
+    import re
+
+    from nanotrain.config import Config, ConfigError, validate
+    from nanotrain.config.schema import EvalSourceArgs
+
+    for mutate, fragment in [
+        (
+            lambda c: setattr(c.eval, "sources", [EvalSourceArgs("a", "stdlib", 0)]),
+            "eval.sources[0].batches: 0 is below",
+        ),
+        (lambda c: setattr(c.checkpoints.eval_job, "cpus", 0), "checkpoints.eval_job.cpus: 0 is below the minimum 1"),
+        (lambda c: setattr(c.eval, "sample_tokens", 5000), "eval.sample_tokens: 5000 is above the maximum 4096"),
+    ]:
+        config = Config()
+        mutate(config)
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            validate(config)
