@@ -219,3 +219,19 @@ def test_eval_fields_built_in_code_meet_the_same_checks():
         mutate(config)
         with pytest.raises(ConfigError, match=re.escape(fragment)):
             validate(config)
+
+
+def test_status_asks_the_scheduler_about_a_job_that_died_without_a_word(tmp_path, monkeypatch):
+    """A job killed before it could record anything (a time limit, a node failure) still says
+    `queued` in its record; `--status` shows what the scheduler knows."""
+    from nanotrain.commands import status
+
+    eval_record.update_record(tmp_path, 10, state="queued", launcher="slurm", job_id="77", read=False)
+    results = {"held": {"loss": 3.25, "perplexity": 25.79}}
+    eval_record.update_record(tmp_path, 20, state="done", launcher="slurm", job_id="78", read=True, results=results)
+    monkeypatch.setattr(status, "slurm_job_info", lambda job: status.JobInfo(job, state="TIMEOUT", exit_code=0))
+    assert status.eval_lines(tmp_path) == [
+        "eval jobs: 2 (1 done, 1 queued)",
+        "  step 10: job 77 queued, but the job is TIMEOUT (exit code 0)",
+        "  step 20: job 78 done: held loss 3.2500 ppl 25.79",
+    ]
