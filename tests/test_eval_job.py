@@ -235,3 +235,38 @@ def test_status_asks_the_scheduler_about_a_job_that_died_without_a_word(tmp_path
         "  step 10: job 77 queued, but the job is TIMEOUT (exit code 0)",
         "  step 20: job 78 done: held loss 3.2500 ppl 25.79",
     ]
+
+
+def test_a_checkpoint_is_evaluated_once_and_again_only_when_saved_anew(tmp_path, monkeypatch):
+    """A resumed run committing a step it already evaluated starts nothing; the same step saved
+    again with other weights (its COMPLETE, meta.json's sha256, differs) is evaluated again."""
+    from types import SimpleNamespace
+
+    from nanotrain.runtime import eval_jobs
+
+    started = []
+
+    class Child:
+        pid = os.getpid()
+
+        def __init__(self, argv, **kwargs):
+            started.append(argv)
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(eval_jobs.subprocess, "Popen", Child)
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "step_000010").mkdir(parents=True)
+    (checkpoints / "step_000010" / "COMPLETE").write_text("aaa\n")
+    config = SimpleNamespace(checkpoints=SimpleNamespace(eval_job=SimpleNamespace(enabled=True), path=str(checkpoints)))
+    jobs = eval_jobs.EvalJobs(config, tmp_path, "local", rank=0)
+    jobs.committed(10)
+    eval_record.update_record(tmp_path, 10, state="done", read=True, results={"held": {}})
+    jobs.committed(10)
+    assert len(started) == 1 and started[0][-3:] == [str(tmp_path), "10", "--local"]
+    (checkpoints / "step_000010" / "COMPLETE").write_text("bbb\n")
+    jobs.committed(10)
+    record = eval_record.read_record(tmp_path, 10)
+    assert len(started) == 2 and record["state"] == "submitting" and not record["read"] and "results" not in record
+    assert eval_jobs.EvalJobs(config, tmp_path, "local", rank=1).enabled is False  # rank 0 only

@@ -36,6 +36,7 @@ class EvalJobs:
 
     def __init__(self, config, run_dir: Path, launcher: str, rank: int):
         self.enabled = rank == 0 and config.checkpoints.eval_job.enabled
+        self.checkpoints = Path(config.checkpoints.path or Path(run_dir) / "checkpoints")
         slurm = launcher == "slurm" or (launcher == "torchrun" and "SLURM_JOB_ID" in os.environ)
         self.run_dir, self.local = Path(run_dir), not slurm
         self.children: list[tuple[int, subprocess.Popen]] = []
@@ -53,12 +54,28 @@ class EvalJobs:
 
     def _start(self, step: int) -> None:
         self.children = [(s, p) for s, p in self.children if p.poll() is None]  # reap the ended
-        if eval_record.read_record(self.run_dir, step) is not None:
+        # The checkpoint's identity: its COMPLETE file holds meta.json's sha256. A step saved
+        # again with other weights (a resume from an older checkpoint after the latest was found
+        # damaged) is evaluated again; the same checkpoint (a resumed run) is not.
+        try:
+            identity = (self.checkpoints / f"step_{step:06d}" / "COMPLETE").read_text().strip()
+        except OSError:
+            identity = None
+        earlier = eval_record.read_record(self.run_dir, step)
+        if earlier is not None and earlier.get("checkpoint") == identity:
             return
         launcher = "local" if self.local else "slurm"
         log = eval_record.record_path(self.run_dir, step).with_suffix(".log")
         eval_record.update_record(
-            self.run_dir, step, state="submitting", launcher=launcher, submitted=time.time(), read=False, log=str(log)
+            self.run_dir,
+            step,
+            fresh=True,
+            state="submitting",
+            launcher=launcher,
+            submitted=time.time(),
+            read=False,
+            log=str(log),
+            checkpoint=identity,
         )
         argv = [sys.executable, "-m", "nanotrain.launch.eval_job", str(self.run_dir), str(step)]
         try:

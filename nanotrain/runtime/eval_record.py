@@ -78,14 +78,20 @@ def _locked(run_dir: Path, step: int) -> Iterator[None]:
 
 
 def update_record(
-    run_dir: Path, step: int, only_if_state: tuple[str, ...] | None = None, whole: bool = False, **fields
+    run_dir: Path,
+    step: int,
+    only_if_state: tuple[str, ...] | None = None,
+    whole: bool = False,
+    fresh: bool = False,
+    **fields,
 ) -> dict:
-    """Merge ``fields`` into the record of ``step`` (made if missing) and write it atomically.
-    ``only_if_state``: unless the record's state is one of these, the state is left as it is (a
-    submitter that answers after its job already started must not turn ``running`` back into
-    ``queued``), and with ``whole`` nothing is written at all. Returns the record."""
+    """Merge ``fields`` into the record of ``step`` (made if missing; ``fresh``: replacing it)
+    and write it atomically. ``only_if_state``: unless the record's state is one of these, the
+    state is left as it is (a submitter that answers after its job already started must not turn
+    ``running`` back into ``queued``), and with ``whole`` nothing is written at all. Returns the
+    record."""
     with _locked(run_dir, step):
-        record = read_record(run_dir, step) or {"step": int(step)}
+        record = {"step": int(step)} if fresh else read_record(run_dir, step) or {"step": int(step)}
         if only_if_state is not None and record.get("state") not in only_if_state:
             if whole:
                 return record
