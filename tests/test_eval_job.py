@@ -270,3 +270,13 @@ def test_a_checkpoint_is_evaluated_once_and_again_only_when_saved_anew(tmp_path,
     record = eval_record.read_record(tmp_path, 10)
     assert len(started) == 2 and record["state"] == "submitting" and not record["read"] and "results" not in record
     assert eval_jobs.EvalJobs(config, tmp_path, "local", rank=1).enabled is False  # rank 0 only
+
+
+def test_status_names_a_record_edited_by_hand_instead_of_failing(tmp_path):
+    from nanotrain.commands import status
+
+    eval_record.update_record(tmp_path, 10, state="done", results=["not", "a", "mapping"])
+    eval_record.update_record(tmp_path, 20, state="failed", error="bad\x1b[31m line\nsecond")
+    lines = status.eval_lines(tmp_path)
+    assert lines[1] == f"  step 10: {eval_record.record_path(tmp_path, 10)} is unreadable", lines
+    assert lines[2] == "  step 20: - failed: bad\\x1b[31m line; second", lines

@@ -21,6 +21,7 @@ from typing import Optional, TextIO
 
 from nanotrain.commands.prepare import prepared_line
 from nanotrain.config import ConfigError
+from nanotrain.config.cli_args import one_line
 from nanotrain.logging.metrics import PROGRESS_FILE, format_eta
 from nanotrain.runtime import eval_record, rundir, slurm_commands
 from nanotrain.runtime.hang_status import hang_lines
@@ -282,25 +283,34 @@ def eval_lines(run_dir: Path, shown: int = 10) -> list[str]:
         return []
     rows = []
     for r in records[-shown:]:
-        state, job = r.get("state", "unknown"), r.get("job_id")
-        where = f"job {job}" if job else ("local pid " + str(r.get("pid")) if r.get("launcher") == "local" else "-")
-        if state not in eval_record.FINISHED and job and r.get("launcher") != "local":
-            info = slurm_job_info(str(job))
-            if info.state is not None and info.state not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
-                state = f"{state}, but the job is {info.state}" + (
-                    f" (exit code {info.exit_code})" if info.exit_code is not None else ""
-                )
-        losses = ", ".join(
-            f"{name} loss {v['loss']:.4f} ppl {v['perplexity']:.2f}" for name, v in r.get("results", {}).items()
-        )
-        detail = "; ".join(x for x in (losses, r.get("error")) if x)
-        log = f" (log {r['log']})" if r.get("log") and r.get("state") == "failed" else ""
-        rows.append(f"  step {r['step']}: {where} {state}" + (f": {detail}" if detail else "") + log)
+        try:
+            rows.append("  " + one_line(_eval_row(r)))
+        except (TypeError, ValueError, KeyError, AttributeError):  # a record edited by hand: named, not a traceback
+            rows.append(f"  step {r['step']}: {eval_record.record_path(run_dir, r['step'])} is unreadable")
     counts = {}
     for r in records:
-        counts[r.get("state", "unknown")] = counts.get(r.get("state", "unknown"), 0) + 1
+        state = str(r.get("state", "unknown"))
+        counts[state] = counts.get(state, 0) + 1
     summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
-    return [f"eval jobs: {len(records)} ({summary})", *rows]
+    return [one_line(f"eval jobs: {len(records)} ({summary})"), *rows]
+
+
+def _eval_row(r: dict) -> str:
+    """One evaluation record as a line of ``--status``."""
+    state, job = r.get("state", "unknown"), r.get("job_id")
+    where = f"job {job}" if job else ("local pid " + str(r.get("pid")) if r.get("launcher") == "local" else "-")
+    if state not in eval_record.FINISHED and job and r.get("launcher") != "local":
+        info = slurm_job_info(str(job))
+        if info.state is not None and info.state not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
+            state = f"{state}, but the job is {info.state}" + (
+                f" (exit code {info.exit_code})" if info.exit_code is not None else ""
+            )
+    losses = ", ".join(
+        f"{name} loss {v['loss']:.4f} ppl {v['perplexity']:.2f}" for name, v in r.get("results", {}).items()
+    )
+    detail = "; ".join(x for x in (losses, r.get("error")) if x)
+    log = f" (log {r['log']})" if r.get("log") and r.get("state") == "failed" else ""
+    return f"step {r['step']}: {where} {state}" + (f": {detail}" if detail else "") + log
 
 
 def skipped_line(run_dir: Path, shown: int = 10) -> Optional[str]:
