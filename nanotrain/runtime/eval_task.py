@@ -81,13 +81,14 @@ def evaluate_checkpoint(
         on_read()
     print(f"evaluating {ckpt} (step {step}) on {device}: loaded in {time.perf_counter() - started:.2f} s", file=out)
     results, errors, samples = {}, [], []
-    print(f"{'source':<16} {'batches':>7} {'windows':>8} {'tokens':>10} {'loss':>8} {'perplexity':>11}", file=out)
+    if config.eval.sources:
+        print(f"{'source':<16} {'batches':>7} {'windows':>8} {'tokens':>10} {'loss':>8} {'perplexity':>11}", file=out)
     for (where, args), entry in zip(eval_source_args(config), config.eval.sources):
         try:
             r = evaluate_source(model, config, where, entry.name, args, entry.batches)
         except (ValueError, OSError, FloatingPointError) as exc:  # DataError is a ValueError
             errors.append(f"{entry.name}: {as_entry(str(exc), where)}")
-            print(f"{entry.name:<16} failed: {exc}", file=out, flush=True)
+            print(f"{entry.name:<16} failed: {as_entry(str(exc), where)}", file=out, flush=True)
             continue
         results[entry.name] = asdict(r)
         print(
