@@ -106,18 +106,25 @@ def test_eval_jobs_write_both_checkpoints_and_a_failed_one_shows_in_status(slurm
         line = f"  step {r['step']}: job {r['job_id']} failed: held loss "
         assert line in status.stdout and "eval.sources[1].source: no such file" in status.stdout, status.stdout
 
-    gone.write_text(corpus())  # back: by hand, both sources evaluate
-    for step in (10, 20):
-        by_hand = subprocess.run(
+    gone.write_text(corpus())  # back: by hand, both sources evaluate (the two steps at once)
+    by_hand = {
+        step: subprocess.Popen(
             [sys.executable, str(ROOT / "submit.py"), "--evaluate", str(run_dir), "--step", str(step)],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=120,
         )
-        assert by_hand.returncode == 0, by_hand.stdout + by_hand.stderr
-        rows = {line.split()[0]: line.split() for line in by_hand.stdout.splitlines() if line[:4] in ("held", "gone")}
-        assert rows["held"][4] == rows["gone"][4], by_hand.stdout  # one corpus under two names
-        assert float(rows["held"][4]) == pytest.approx(losses[step][0], abs=1e-4), by_hand.stdout
+        for step in (10, 20)
+    }
+    for step, child in by_hand.items():
+        try:
+            out, err = child.communicate(timeout=120)
+        finally:
+            child.kill()
+        assert child.returncode == 0, out + err
+        rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:4] in ("held", "gone")}
+        assert rows["held"][4] == rows["gone"][4], out  # one corpus under two names
+        assert float(rows["held"][4]) == pytest.approx(losses[step][0], abs=1e-4), out
     after = tb_scalars(run_dir, "eval/held/loss")
     for step in (10, 20):
         assert len(after[step]) == 2, after  # the job's and the one by hand, at the checkpoint's step
