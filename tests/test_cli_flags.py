@@ -11,6 +11,7 @@ import pytest
 
 from nanotrain.commands import flags
 from nanotrain.commands.cli import build_parser, main
+from nanotrain.config.cli_args import non_negative_int
 
 PARSER = build_parser()
 ACTIONS = [a for a in PARSER._actions if a.dest != "help"]
@@ -20,7 +21,7 @@ def argv_of(action, tmp_path) -> list[str]:
     """A value the parser takes for this argument (paths that do not exist: never read)."""
     if action.nargs == 0:
         return [action.option_strings[0]]
-    if action.type in (int, float):
+    if action.type in (int, float, non_negative_int):
         value = "1"
     elif action.dest == "set":
         value = "training.steps=1"

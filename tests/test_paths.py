@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
 BAD = ("fifo", "loop", "long", "proc")
 # A list-typed path field needs the other keys its entries require.
-LIST_ENTRY = {"data.sources": "{{name: s0, {leaf}: {value}}}"}
+LIST_ENTRY = {"data.sources": "{{name: s0, {leaf}: {value}}}", "eval.sources": "{{name: e0, {leaf}: {value}}}"}
 
 
 def _script(name: str):
@@ -101,6 +101,7 @@ def test_the_schema_marks_every_path_field():
         "data.sources[].source": DATA_SOURCE,
         "data.validation.source": DATA_SOURCE,
         "data.cache_dir": "create dir",
+        "eval.sources[].source": DATA_SOURCE,
         "checkpoints.path": "create dir",
         "checkpoints.init_from_hf": HF_DIR,
         "logging.dir": "create dir",

@@ -100,7 +100,7 @@ def quick_problems(ckpt_dir: Path) -> tuple[list[str], dict | None]:
     return problems, meta
 
 
-def prune(root: Path, step: int, keep_last: int, run_id: str | None = None) -> list[Path]:
+def prune(root: Path, step: int, keep_last: int, run_id: str | None = None, protected=None) -> list[Path]:
     """Keep the checkpoint of ``step`` (just written and checked) and the ``keep_last - 1`` newest
     complete ones before it; delete older ones.
 
@@ -109,9 +109,11 @@ def prune(root: Path, step: int, keep_last: int, run_id: str | None = None) -> l
     the kept ones only after a size check (``quick_problems``): one that fails is moved aside,
     so the last good checkpoint is never pruned in favour of a damaged one. Complete
     checkpoints after ``step`` (an abandoned future of a rolled-back run) are left alone.
-    Returns the directories deleted."""
+    ``protected(step)``: true for a checkpoint that must stay beyond ``keep_last`` for now (an
+    evaluation job has yet to read it); asked only of one that would be deleted, and not counted
+    among the kept. Returns the directories deleted."""
     kept, removed = 0, []
-    for _, p in (sp for sp in fmt.complete_checkpoints(root) if sp[0] < step):  # newest first
+    for s, p in (sp for sp in fmt.complete_checkpoints(root) if sp[0] < step):  # newest first
         problems, meta = quick_problems(p)
         if meta is not None and meta.get("run_id") != run_id:
             continue  # another run's checkpoint: not ours to delete
@@ -119,6 +121,8 @@ def prune(root: Path, step: int, keep_last: int, run_id: str | None = None) -> l
             quarantine(p, problems)
         elif kept < keep_last - 1:
             kept += 1
+        elif protected is not None and protected(s):
+            log.info("keeping %s beyond checkpoints.keep_last: its evaluation job has not read it yet", p)
         else:
             fmt.remove_dir(p)
             removed.append(p)

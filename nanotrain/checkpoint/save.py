@@ -65,6 +65,7 @@ def save_checkpoint(
     rank_state: dict | None = None,
     granularity: str = "rank",
     run_id: str | None = None,
+    protected: Callable[[int], bool] | None = None,
 ) -> Path:
     """Write ``<root>/step_<step>/`` on all ranks together; returns its path once committed.
 
@@ -76,7 +77,9 @@ def save_checkpoint(
     ``--resume``; its ``checkpoints.keep_last`` applies unless ``keep_last`` is given (None and
     no config: keep all). ``rank_state``: JSON-able per-rank state (e.g. a data iterator's
     position) stored next to the RNG states. ``run_id``: the identity of the run that writes
-    (stored in meta.json; pruning never deletes a checkpoint of another run id). Saving a step
+    (stored in meta.json; pruning never deletes a checkpoint of another run id). ``protected``:
+    rank 0's ``protected(step)`` keeps an older checkpoint beyond ``keep_last`` for now
+    (``damage.prune``). Saving a step
     that ``latest`` already names is a no-op if that checkpoint verifies completely (every
     tensor's sha256, on rank 0; callers that know they just wrote it skip the call instead),
     otherwise it is moved aside and written again.
@@ -98,6 +101,7 @@ def save_checkpoint(
         rank_state=rank_state,
         granularity=granularity,
         run_id=run_id,
+        protected=protected,
     )
     return pending if isinstance(pending, Path) else pending.finish()
 
@@ -117,6 +121,7 @@ def begin_save(
     granularity: str = "rank",
     run_id: str | None = None,
     background: bool = False,
+    protected: Callable[[int], bool] | None = None,
 ) -> "PendingSave | Path":
     """Steps 1-2 of the protocol (collectives on the world group, at the step boundary) and this
     rank's state taken as it is now; returns the path when the save is skipped, else a
@@ -186,6 +191,7 @@ def begin_save(
         live=live,
         t0=t0,
         topology=topology_of(pc, optimizer, cfg),
+        protected=protected,
     )
     write = (lambda: Written(error=work_error)) if work is None else (lambda: write_rank(tmp, work, granularity))
     return PendingSave(world, commit, None if work is None else work.snapshot, write, background)
@@ -218,6 +224,7 @@ class _Commit:
     live: _Live | None  # rank 0 only
     t0: float
     topology: dict
+    protected: Callable[[int], bool] | None = None  # rank 0: keep beyond keep_last (damage.prune)
 
 
 class PendingSave:
@@ -375,7 +382,7 @@ def _commit(c: _Commit, reports: list[Written]) -> dict:
         fmt.commit_rename(c.tmp, c.final)
         fmt.update_latest(c.root, c.final.name)
         if c.keep_last:
-            prune(c.root, c.step, c.keep_last, c.run_id)
+            prune(c.root, c.step, c.keep_last, c.run_id, c.protected)
         return {"bytes": sum(f["bytes"] for f in meta["files"].values())}
     except Exception:
         return {"error": traceback.format_exc()}

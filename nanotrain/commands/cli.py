@@ -42,6 +42,10 @@ def dry_run(config: Config, layout: SlurmLayout | None, run_dir: Path, config_ar
         print(line)
     if layout is not None and sbatch.partition_problem(config):
         print(f"warning: {sbatch.partition_problem(config)} (sbatch here would refuse the job)")
+    if config.checkpoints.eval_job.enabled:
+        from nanotrain.launch.eval_job import describe
+
+        print(describe(config, local=layout is None))
     print(grid_summary(config))
     if layout is None:
         print(
@@ -172,6 +176,7 @@ def check_path_arguments(args) -> None:
         raise ConfigError("config: an empty path (an unset shell variable?): give a path")
     for flag, value, kind in (
         ("--status", args.status, DIR),
+        ("--evaluate", args.evaluate, DIR),
         ("--resume", args.resume, DIR),
         ("--emit", args.emit, CREATE_DIR),
     ):
@@ -216,6 +221,10 @@ def _main(argv: list[str] | None):
             from nanotrain.commands.sweep_status import show_any_status
 
             return show_any_status(args.status)
+        if mode is Mode.EVALUATE:
+            from nanotrain.commands.evaluate import evaluate_run
+
+            return evaluate_run(args.evaluate, args.step, args.set)
         if args.sweep or args.sweep_mode:
             from nanotrain.commands.sweep import run_sweep
 

@@ -20,7 +20,7 @@ import enum
 from dataclasses import dataclass
 
 from nanotrain.config import ConfigError
-from nanotrain.config.cli_args import ArgParser
+from nanotrain.config.cli_args import ArgParser, non_negative_int
 
 CONFIG = "CONFIG"  # the positional config file, as the usage line names it
 PLAN_FLAGS = ("--gpus", "--gpu-memory-gb", "--gpu-tflops", "--efficiency", "--intra-node-gbs", "--inter-node-gbs")
@@ -35,6 +35,7 @@ class Mode(enum.Enum):
     REHEARSE = "--rehearse"
     PREPARE_DATA = "--prepare-data"
     STATUS = "--status"
+    EVALUATE = "--evaluate"
     RESUME = "--resume"
     EMIT = "--emit"
     DRY_RUN = "--dry-run"
@@ -72,6 +73,7 @@ MODES = (
     Row("--rehearse", "runs a config's ranks here", (CONFIG,), ("--set", *REHEARSE_FLAGS)),
     Row("--prepare-data", "tokenises a config's data sources", (CONFIG,), ("--set", "--local")),
     Row("--status", "takes a run directory and shows where it stands", (), ()),
+    Row("--evaluate", "evaluates a run's checkpoint here", (), ("--step", "--set")),
     Row("--resume", "takes a run directory instead of a config", (), ("--set", "--local")),
     Row("--emit", "writes a SLURM script", EITHER, ("--set",)),
     Row("--dry-run", "validates and shows the launch", EITHER, ("--set", "--local", *SWEEP_FLAGS)),
@@ -133,7 +135,8 @@ def check_flags(flags: list[str]) -> Mode:
 
 USAGE = """`submit.py CONFIG [--dry-run] [--emit DIR] [--local] [--set section.field=value ...]`,
 `submit.py CONFIG [--dry-run] [--local] --sweep section.field=V1,V2 [--sweep ...] [--sweep-mode zip]`,
-`submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]`, or `submit.py --status RUN_DIR|SWEEP_DIR`."""
+`submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]`, `submit.py --evaluate RUN_DIR [--step N]`,
+or `submit.py --status RUN_DIR|SWEEP_DIR`."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +146,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--status",
         metavar="RUN_DIR",
         help="show a run's job state, requeues, last step, loss, tokens/s and ETA (a sweep's: one row per point)",
+    )
+    parser.add_argument(
+        "--evaluate",
+        metavar="RUN_DIR",
+        help="evaluate a checkpoint of the run here (eval.sources: loss and perplexity; eval.prompts: "
+        "samples), into its TensorBoard at the checkpoint's step",
+    )
+    parser.add_argument(
+        "--step",
+        type=non_negative_int,
+        metavar="N",
+        help="--evaluate: the checkpoint of this step (default: the latest complete one)",
     )
     parser.add_argument(
         "--resume",

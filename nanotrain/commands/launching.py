@@ -96,6 +96,10 @@ def check_launch(
     from nanotrain.data import check_data_config
 
     check_data_config(config.data, vocab_size=config.model.vocab_size, config=config)
+    if config.eval.sources or config.eval.prompts:  # what --evaluate and checkpoints.eval_job will read
+        from nanotrain.data.check import check_eval_config
+
+        check_eval_config(config)
     if mode is not Mode.PREPARE_DATA:
         from nanotrain.data import missing_cache_problem
 

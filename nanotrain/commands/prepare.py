@@ -21,7 +21,7 @@ from pathlib import Path
 
 from nanotrain.config import Config, load_config
 from nanotrain.data import TokenDataset, default_cache_dir
-from nanotrain.data.check import all_source_args
+from nanotrain.data.check import all_source_args, eval_source_args
 from nanotrain.launch import sbatch
 from nanotrain.runtime import rundir
 
@@ -32,7 +32,7 @@ def prepare_sources(config: Config, progress: bool, out=None) -> list[dict]:
     """Tokenise (or find) every training and validation source; one summary line each."""
     out = out or sys.stdout
     results = []
-    for where, args in all_source_args(config.data):
+    for where, args in all_source_args(config.data) + eval_source_args(config):
         started = time.perf_counter()
         ds = TokenDataset.build(
             args,

@@ -21,8 +21,9 @@ from typing import Optional, TextIO
 
 from nanotrain.commands.prepare import prepared_line
 from nanotrain.config import ConfigError
+from nanotrain.config.cli_args import one_line
 from nanotrain.logging.metrics import PROGRESS_FILE, format_eta
-from nanotrain.runtime import rundir, slurm_commands
+from nanotrain.runtime import eval_record, rundir, slurm_commands
 from nanotrain.runtime.hang_status import hang_lines
 from nanotrain.runtime.rundir import Launcher
 
@@ -267,7 +268,49 @@ def show_status(run_dir: str | Path, out: TextIO | None = None) -> int:
     skipped = skipped_line(run_dir)
     if skipped is not None:
         print(skipped, file=out)
+    for line in eval_lines(run_dir):
+        print(line, file=out)
     return 0
+
+
+def eval_lines(run_dir: Path, shown: int = 10) -> list[str]:
+    """The evaluation jobs of ``checkpoints.eval_job`` (``<run>/eval/step_N.json``): a count by
+    state, then one line per checkpoint (the last ``shown``). A job whose record still says it is
+    queued or running is asked of the scheduler, which knows when it died without a word (a
+    time limit, a node failure, a cancellation)."""
+    records = eval_record.read_records(run_dir)
+    if not records:
+        return []
+    rows = []
+    for r in records[-shown:]:
+        try:
+            rows.append("  " + one_line(_eval_row(r)))
+        except (TypeError, ValueError, KeyError, AttributeError):  # a record edited by hand: named, not a traceback
+            rows.append(f"  step {r['step']}: {eval_record.record_path(run_dir, r['step'])} is unreadable")
+    counts = {}
+    for r in records:
+        state = str(r.get("state", "unknown"))
+        counts[state] = counts.get(state, 0) + 1
+    summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+    return [one_line(f"eval jobs: {len(records)} ({summary})"), *rows]
+
+
+def _eval_row(r: dict) -> str:
+    """One evaluation record as a line of ``--status``."""
+    state, job = r.get("state", "unknown"), r.get("job_id")
+    where = f"job {job}" if job else ("local pid " + str(r.get("pid")) if r.get("launcher") == "local" else "-")
+    if state not in eval_record.FINISHED and job and r.get("launcher") != "local":
+        info = slurm_job_info(str(job))
+        if info.state is not None and info.state not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
+            state = f"{state}, but the job is {info.state}" + (
+                f" (exit code {info.exit_code})" if info.exit_code is not None else ""
+            )
+    losses = ", ".join(
+        f"{name} loss {v['loss']:.4f} ppl {v['perplexity']:.2f}" for name, v in r.get("results", {}).items()
+    )
+    detail = "; ".join(x for x in (losses, r.get("error")) if x)
+    log = f" (log {r['log']})" if r.get("log") and r.get("state") == "failed" else ""
+    return f"step {r['step']}: {where} {state}" + (f": {detail}" if detail else "") + log
 
 
 def skipped_line(run_dir: Path, shown: int = 10) -> Optional[str]:

@@ -205,6 +205,22 @@ class DataArgs:
 
 
 @dataclass
+class EvalJobArgs:
+    """`checkpoints.eval_job`: the evaluation of each committed checkpoint as a job of its own."""
+
+    enabled: bool = doc(
+        False,
+        "after each committed checkpoint rank 0 submits, without waiting, one SLURM job that evaluates "
+        "it (eval.sources, eval.prompts) into the run's TensorBoard; --local: a process beside the ranks",
+    )
+    partition: Optional[str] = doc(None, "SLURM partition; default slurm.partition")
+    cpus: int = bounded(2, 1, 65536, doc="CPU cores of the one task")
+    gpus: int = bounded(0, 0, 64, doc="GPUs of the one task (0: it evaluates on the CPU)")
+    time: int = slurm_time(30, doc="time limit: minutes, or a SLURM time (HH:MM:SS, D-HH:MM:SS)")
+    mem_gb: Optional[float] = bounded(None, 0.0, 1e6, doc="memory of the job", above=True)
+
+
+@dataclass
 class CheckpointArgs:
     path: Optional[str] = doc(None, "default <run dir>/checkpoints", path="create dir")
     interval: int = bounded(0, 0, doc="save every N steps; 0 = only on demand / preemption")
@@ -224,6 +240,35 @@ class CheckpointArgs:
         "run has no checkpoint yet (optimizer and step start fresh)",
         path=HF_DIR,
     )
+    eval_job: EvalJobArgs = field(
+        default_factory=EvalJobArgs,
+        metadata={"doc": "an evaluation job per committed checkpoint (enabled, partition, cpus, gpus, time)"},
+    )
+
+
+@dataclass
+class EvalSourceArgs:
+    """One entry of `eval.sources`: a corpus whose loss every evaluation of a checkpoint reports."""
+
+    name: str = doc("", "label of the source: TensorBoard eval/<name>/loss and eval/<name>/perplexity; unique")
+    source: str = doc("", "files/dir/glob, a hub dataset name, or 'stdlib', as data.source", path=DATA_SOURCE)
+    batches: int = bounded(
+        1,
+        1,
+        1000000,
+        doc="global batches (dp x micro-batches x micro_batch_size windows each, as training) read in order "
+        "from the source's first window",
+    )
+    text_column: Optional[str] = doc(None, "column holding the text; default data.text_column")
+
+
+@dataclass
+class EvalArgs:
+    """`eval`: what `--evaluate` and `checkpoints.eval_job` compute from a checkpoint."""
+
+    sources: list[EvalSourceArgs] = doc(list, "corpora whose loss and perplexity each evaluation reports")
+    prompts: list[str] = doc(list, "prompts continued greedily at each evaluation (TensorBoard text eval/samples)")
+    sample_tokens: int = bounded(32, 1, 4096, doc="new tokens generated per prompt")
 
 
 @dataclass
@@ -283,3 +328,4 @@ class Config:
     checkpoints: CheckpointArgs = field(default_factory=CheckpointArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     slurm: SlurmArgs = field(default_factory=SlurmArgs)
+    eval: EvalArgs = field(default_factory=EvalArgs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from nanotrain.config.families import validate_family
 from nanotrain.config.loader import ConfigError, check_fields
 from nanotrain.config.schema import MAX_WORLD, Config
+from nanotrain.config.validate_eval import validate_eval
 from nanotrain.config.validate_slurm import RUN_NAME, SlurmLayout, parallel_product, slurm_layout, validate_names
 
 # training.collective_timeout_s: the process groups get more on top (training.builder.hang_timeouts),
@@ -322,5 +323,6 @@ def validate(config: Config, *, slurm: bool = False) -> SlurmLayout | None:
     validate_model(config)
     validate_optimizer(config)
     validate_data(config)
+    validate_eval(config)
     validate_names(config)
     return slurm_layout(config) if slurm else None

@@ -9,6 +9,7 @@ of a few files (`sample_check.py`).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Optional
 
 from nanotrain.data.dataset import (
@@ -160,3 +161,58 @@ def _checked(data_args, vocab_size: Optional[int], config) -> tuple[Source, Opti
             f"{t.batch_accumulation_per_replica} x training.micro_batch_size={t.micro_batch_size}",
         )
     return source, bound
+
+
+def eval_source_args(config) -> list[tuple[str, object]]:
+    """(``eval.sources[i]``, per-source `DataArgs`) of every evaluation corpus: its source and
+    text column (or `data.text_column`), tokenised as training's data (`data.tokenizer`)."""
+    d = config.data
+    return [
+        (f"eval.sources[{i}]", replace(d, source=s.source, sources=[], text_column=s.text_column or d.text_column))
+        for i, s in enumerate(config.eval.sources)
+    ]
+
+
+def as_entry(message: str, where: str) -> str:
+    """A data error about `data.source` / `data.text_column` (what one source's check names) as
+    one about the evaluation source ``where`` (``eval.sources[1]``)."""
+    for field in ("data.source", "data.text_column"):
+        message = message.replace(field, where + "." + field.split(".")[1])
+    return message
+
+
+def check_eval_config(config) -> None:
+    """Before a launch with `checkpoints.eval_job` or an `--evaluate`: every `eval.sources` entry
+    as `check_source` checks a training source (errors naming the entry), with enough windows for
+    its `batches` where the size is known (an upper bound: windows it certainly lacks), and every
+    `eval.prompts` entry encoding to at least one token with room for `eval.sample_tokens` more
+    within the model's context. Raises DataError (one line)."""
+    t = config.training
+    per_batch = config.parallelism.batch_replicas * t.micro_batch_size * t.batch_accumulation_per_replica
+    for (where, args), entry in zip(eval_source_args(config), config.eval.sources):
+        try:
+            _, bound = _checked(args, config.model.vocab_size, None)
+        except DataError as exc:
+            raise DataError(as_entry(str(exc), where)) from None
+        need = entry.batches * per_batch
+        if bound is not None and max(0, (bound - 1) // t.sequence_length) < need:
+            raise DataError(
+                f"{where}.batches: {entry.batches} global batches of {per_batch} samples = {need} windows of "
+                f"training.sequence_length+1={t.sequence_length + 1} tokens, but {entry.source!r} holds at most "
+                f"{max(0, (bound - 1) // t.sequence_length)}: lower batches or add data"
+            )
+    if not config.eval.prompts:
+        return
+    tokenizer = load_tokenizer(config.data.tokenizer, config.model.vocab_size)
+    limit = config.model.max_position_embeddings
+    if config.model.sliding_window is not None:
+        limit = min(limit, config.model.sliding_window)
+    for i, prompt in enumerate(config.eval.prompts):
+        n = len(tokenizer.encode_batch([prompt])[0])
+        if n == 0:
+            raise DataError(f"eval.prompts[{i}]: encodes to no token; give some text")
+        if n + config.eval.sample_tokens > limit + 1:  # the last new token is never fed
+            raise DataError(
+                f"eval.prompts[{i}]: {n} tokens + eval.sample_tokens {config.eval.sample_tokens} exceed the "
+                f"model's context ({limit} tokens): shorten the prompt or lower eval.sample_tokens"
+            )

@@ -36,6 +36,7 @@ def run_rank(config_path: str, preemption: PreemptionHandler) -> dict:
     # torch, and what is built on it: only now (see the module docstring)
     from nanotrain.checkpoint.comm import World
     from nanotrain.runtime.ending import ending, hang_watchdog
+    from nanotrain.runtime.eval_jobs import EvalJobs
     from nanotrain.runtime.hang import nccl_debug_env
     from nanotrain.runtime.smoke import smoke_step
     from nanotrain.training.builder import build_parallel_context, build_parts
@@ -44,12 +45,18 @@ def run_rank(config_path: str, preemption: PreemptionHandler) -> dict:
     nccl_debug_env(run_dir)  # NCCL's flight recorder (the hang reports' dump) and its own dump
     pc = build_parallel_context(config)  # its groups time out after the watchdog (hang_timeouts)
     watchdog = hang_watchdog(config, env, run_dir)
-    with ending(config, env, run_dir, pc, watchdog, preemption) as end:
-        end.claim = claim_run(run_dir, Path(config.checkpoints.path), env, World(pc).broadcast)
-        report = smoke_step(pc, env, run_dir)  # a cheap preflight: every group answers
-        trainer = DistributedTrainer(build_parts(config, pc, run_dir, run_id=end.claim.run_id), preemption.poll)
-        end.outcome, end.step, end.stop_code = train_and_close(trainer)
-        del trainer  # nothing here may keep a group alive when the ending destroys them
+    evals = EvalJobs(config, run_dir, env.launcher, env.rank)
+    try:
+        with ending(config, env, run_dir, pc, watchdog, preemption) as end:
+            end.claim = claim_run(run_dir, Path(config.checkpoints.path), env, World(pc).broadcast)
+            report = smoke_step(pc, env, run_dir)  # a cheap preflight: every group answers
+            trainer = DistributedTrainer(
+                build_parts(config, pc, run_dir, run_id=end.claim.run_id), preemption.poll, evals
+            )
+            end.outcome, end.step, end.stop_code = train_and_close(trainer)
+            del trainer  # nothing here may keep a group alive when the ending destroys them
+    finally:  # rank 0: the evaluations (locally) or submissions it started (checkpoints.eval_job)
+        evals.wait()
     report["outcome"] = end.outcome
     return report
 

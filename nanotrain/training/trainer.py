@@ -51,9 +51,11 @@ class DistributedTrainer:
             `training.spike.max_consecutive_skips` steps in a row were skipped.
     """
 
-    def __init__(self, parts: TrainingParts, stop_code: Callable[[], int]):
+    def __init__(self, parts: TrainingParts, stop_code: Callable[[], int], eval_jobs=None):
         """Train with what ``parts`` holds (the trainer keeps its fields, not ``parts``);
-        ``stop_code()`` is this rank's stop request (``runtime.preemption`` codes), polled once a step."""
+        ``stop_code()`` is this rank's stop request (``runtime.preemption`` codes), polled once a step.
+        ``eval_jobs``: told of every committed checkpoint (``committed(step)``) and asked which older
+        ones pruning must keep (``protects(step)``): ``checkpoints.eval_job``; None: no hooks."""
         self.config, self.pc, self.run_id, self.device = parts.config, parts.pc, parts.run_id, parts.pc.device
         self.model, self.engine, self.message = parts.model, parts.engine, parts.message
         self.grad_sync, self.optimizer, self.scheduler = parts.grad_sync, parts.optimizer, parts.scheduler
@@ -69,6 +71,7 @@ class DistributedTrainer:
         self.pending_save = None  # an async save being written (checkpoints.async_save), not committed
         self.stop_code = 0  # the stop request all ranks agreed on (runtime.preemption codes)
         self.votes = StopVote(stop_code, self.device)
+        self.eval_jobs = eval_jobs
 
     def train(self) -> Outcome:
         """Run to `training.train_steps` (COMPLETED), or until the ranks agree to stop
@@ -291,11 +294,13 @@ class DistributedTrainer:
         if self.spike is not None:  # the median window and the skipped steps (bit-exact resume)
             extra["spike"] = self.spike.state_dict()
         args = (self.config.checkpoints.path, self.step, self.model, self.optimizer, self.scheduler, self.pc)
+        keep = dict(config=self.config, run_id=self.run_id, protected=self.eval_jobs and self.eval_jobs.protects)
         if wait:
-            save_checkpoint(*args, extra=extra, config=self.config, run_id=self.run_id)
+            save_checkpoint(*args, extra=extra, **keep)
             self.saved_step = self.step
+            self.committed(self.step)
             return
-        pending = begin_save(*args, extra=extra, config=self.config, run_id=self.run_id, background=True)
+        pending = begin_save(*args, extra=extra, background=True, **keep)
         if isinstance(pending, Path):  # already saved and verified
             self.saved_step = self.step
         else:
@@ -309,6 +314,13 @@ class DistributedTrainer:
         pending, self.pending_save = self.pending_save, None
         pending.finish()
         self.saved_step = pending.step
+        self.committed(pending.step)
+
+    def committed(self, step: int) -> None:
+        """A checkpoint of ``step`` was just committed (every rank): its evaluation job starts
+        (rank 0, ``checkpoints.eval_job``; training does not wait for it)."""
+        if self.eval_jobs is not None:
+            self.eval_jobs.committed(step)
 
     def close(self) -> None:
         if self.profiler is not None:
