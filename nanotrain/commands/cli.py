@@ -40,6 +40,11 @@ def dry_run(config: Config, layout: SlurmLayout | None, run_dir: Path, config_ar
 
     for line in describe_memory(config):
         print(line)
+    if layout is not None and layout.min_nodes is not None:
+        from nanotrain.estimate.resize import describe_range
+
+        for line in describe_range(config):  # slurm.nodes 'min-max': the layouts at both ends
+            print(line)
     if layout is not None and sbatch.partition_problem(config):
         print(f"warning: {sbatch.partition_problem(config)} (sbatch here would refuse the job)")
     if config.checkpoints.eval_job.enabled:

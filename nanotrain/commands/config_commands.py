@@ -33,6 +33,11 @@ def plan(args) -> int:
     result = planner.make_plan(config, gpus, memory, hw)
     for line in planner.render(result, args.config, memory, args.set):
         print(line)
+    if config.slurm.nodes is not None:  # a node range: what the job runs at on its fewest and most nodes
+        from nanotrain.estimate.resize import describe_range
+
+        for line in describe_range(config):
+            print(line)
     if not result.proposals:
         raise ConfigError(planner.explain_none(result, config))
     return 0

@@ -28,7 +28,7 @@ def describe_layout(config: Config, layout: SlurmLayout | None) -> str:
     if layout is None:
         return f"{grid}; {p.world_size} local processes"
     gpus = f", {layout.gpus_per_node} GPUs per node" if layout.gpus_per_node else " (CPU)"
-    return f"{grid}; {layout.nodes} node(s) x {layout.tasks_per_node} tasks{gpus}"
+    return f"{grid}; {layout.nodes_text} node(s) x {layout.tasks_per_node} tasks{gpus}"
 
 
 def metrics_rank(config: Config) -> int:
@@ -83,6 +83,10 @@ def check_launch(
     run's owner. Returns the layout (None locally) and the run directory; raises ValueError
     (ConfigError, DataError: one `error:` line)."""
     layout = validate(config, slurm=use_slurm)
+    if layout is not None and layout.min_nodes is not None:  # slurm.nodes 'min-max': a layout for
+        from nanotrain.estimate.resize import range_layouts  # every count, before anything is queued
+
+        range_layouts(config)
     check_path_fields(config)
     if not use_slurm:
         from nanotrain.launch.local import check_process_count

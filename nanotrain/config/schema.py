@@ -302,6 +302,13 @@ class SlurmArgs:
     qos: Optional[str] = doc(None, "SLURM quality of service")
     constraint: Optional[str] = doc(None, "node features, e.g. h100")
     exclusive: bool = doc(False, "whole nodes")
+    # --- continue on another number of nodes (validate_slurm.node_range, estimate/resize.py) ---
+    nodes: Optional[str] = doc(
+        None,
+        "null = the grid's node count; 'min-max' (e.g. '1-2', max = the grid's count): the job may start or "
+        "requeue on fewer nodes, each count at --plan's layout of the same global batch (README)",
+    )
+    # --- end: continue on another number of nodes ---
     max_requeues: int = bounded(3, 0, doc="requeues after preemption / time limit")
     array_parallelism: int = bounded(
         0, 0, 100000, doc="--sweep: at most this many points of the job array run at once; 0 = all"

@@ -113,6 +113,7 @@ def validate_names(config: Config) -> None:
         if not _ENV_KEY.match(key):
             _fail(f"slurm.env.{key}: not a valid environment variable name")
         _one_line(f"slurm.env.{key}", value)
+    node_range(config)  # slurm.nodes' text, for a local run too (its maximum: slurm_layout)
 
 
 def _one_line(where: str, text: str) -> None:
@@ -154,6 +155,12 @@ class SlurmLayout:
     nodes: int
     tasks_per_node: int
     gpus_per_node: int
+    min_nodes: int | None = None  # slurm.nodes 'min-max' with min < max: the fewest nodes it may run on
+
+    @property
+    def nodes_text(self) -> str:
+        """sbatch's --nodes value: the count, or 'min-max'."""
+        return str(self.nodes) if self.min_nodes is None else f"{self.min_nodes}-{self.nodes}"
 
 
 def slurm_layout(config: Config) -> SlurmLayout:
@@ -192,7 +199,9 @@ def slurm_layout(config: Config) -> SlurmLayout:
             f"parallelism: {parallel_product(config)} is not a multiple of slurm.{field} ({per_node}): "
             f"make the product a multiple of {per_node}, or set slurm.{field} to a divisor of {world}"
         )
-    return SlurmLayout(nodes=world // per_node, tasks_per_node=per_node, gpus_per_node=s.gpus_per_node)
+    nodes = world // per_node
+    low = _range_against_grid(config, nodes, per_node, field)
+    return SlurmLayout(nodes=nodes, tasks_per_node=per_node, gpus_per_node=s.gpus_per_node, min_nodes=low)
 
 
 def check_world_size(config: Config, world_size: int, where: str) -> None:
@@ -211,3 +220,53 @@ def check_world_size(config: Config, world_size: int, where: str) -> None:
             f"change dp (or tp/pp) so that the product is {world_size}, "
             f"or launch {config.parallelism.world_size} processes"
         )
+
+
+# --- continue on another number of nodes: slurm.nodes 'min-max' ---
+_NODE_RANGE = re.compile(r"^\s*(\d{1,9})\s*(?:-\s*(\d{1,9})\s*)?$")
+
+
+def node_range(config: Config) -> tuple[int, int] | None:
+    """``slurm.nodes`` as (min, max), or None when unset; the text alone is checked here (the
+    maximum against the grid: ``slurm_layout``).
+
+    Raises:
+        ConfigError: not 'N' or 'min-max' with whole numbers, a minimum below 1, or min > max.
+    """
+    text = config.slurm.nodes
+    if text is None:
+        return None
+    match = _NODE_RANGE.match(text)
+    if match is None:
+        _fail(
+            f"slurm.nodes: {text!r} is not a node count or range: write 'min-max' with whole numbers "
+            "(e.g. '1-2'), or null for the grid's count"
+        )
+    low, high = int(match.group(1)), int(match.group(2) or match.group(1))
+    if low < 1:
+        _fail(f"slurm.nodes: {text!r}: the minimum must be at least 1 node")
+    if low > high:
+        _fail(f"slurm.nodes: {text!r}: the minimum {low} is above the maximum {high}: write 'min-max' with min <= max")
+    return low, high
+
+
+def _range_against_grid(config: Config, nodes: int, per_node: int, field: str) -> int | None:
+    """The range's minimum when it is below the grid's node count (None: the job has a fixed
+    count). The config's own layout is the one for the most nodes, so the maximum must be the
+    count its grid needs; the layouts of the smaller counts come from the planner (checked per
+    count at submission: ``estimate/resize.py``)."""
+    bounds = node_range(config)
+    if bounds is None:
+        return None
+    low, high = bounds
+    if high != nodes:
+        fix = f"'{min(low, nodes)}-{nodes}'" if low <= nodes else f"'1-{nodes}'"
+        _fail(
+            f"slurm.nodes: {config.slurm.nodes!r}: the maximum must be the grid's node count, {nodes} "
+            f"({parallel_product(config)} / slurm.{field} {per_node}), the size the parallel layout is for: "
+            f"write {fix}, or change the parallel sizes"
+        )
+    return low if low < high else None
+
+
+# --- end: continue on another number of nodes ---

@@ -263,6 +263,8 @@ def make_plan(config: Config, gpus: int, gpu_memory_gb: float, hw: Hardware, sho
     ``check_request``; ``render`` and ``explain_none`` turn the plan into lines."""
     budget = gpu_memory_gb * (1 - MARGIN) - RESERVED_GB
     slurm = config.slurm.gpus_per_node > 0
+    # A node range ('min-max') is the config's own size; each candidate is a job of its own count.
+    config = _with(config, slurm=dict(nodes=None))
     scored, leanest, count = [], [], 0
     for cand in candidates(config, gpus, hw):
         count += 1

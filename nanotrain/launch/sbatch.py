@@ -17,6 +17,7 @@ from pathlib import Path
 from submitit.slurm.slurm import _make_sbatch_string
 
 from nanotrain.config import Config, SlurmLayout
+from nanotrain.config.validate_slurm import node_range
 from nanotrain.runtime import slurm_commands
 
 
@@ -34,7 +35,20 @@ def setup_lines(config: Config) -> list[str]:
     if s.signal != "USR2":
         env["SUBMITIT_PREEMPT_SIGNAL"] = s.signal  # submitit's handler listens for this signal
     lines += [f"export {key}={shlex.quote(value)}" for key, value in env.items()]
+    lines += node_range_lines(config)
     return lines
+
+
+def node_range_lines(config: Config) -> list[str]:
+    """slurm.nodes 'min-max': srun's task count from the nodes this allocation has. A requeued
+    job's batch environment keeps the task count of its first allocation (SLURM_NTASKS=8 on the
+    one node of a requeue after two), and srun would start that many tasks; each incarnation
+    derives it again (ints only: no value of the user's reaches this line)."""
+    bounds = node_range(config)
+    if bounds is None or bounds[0] == bounds[1]:
+        return []
+    tasks = f"$((SLURM_JOB_NUM_NODES * {int(config.slurm.gpus_per_node or config.slurm.tasks_per_node or 1)}))"
+    return [f"export SLURM_NTASKS={tasks} SLURM_NPROCS={tasks}"]
 
 
 def executor_parameters(config: Config, layout: SlurmLayout) -> dict:
@@ -69,6 +83,8 @@ def executor_parameters(config: Config, layout: SlurmLayout) -> dict:
     extra["requeue"] = True  # preemption/time-limit saves requeue the job (off on some clusters)
     if s.signal != "USR2":  # submitit always renders USR2; the configured signal replaces it
         extra["signal"] = f"{s.signal}@{s.signal_delay_s}"
+    if layout.min_nodes is not None:  # slurm.nodes 'min-max': replaces the --nodes line; submitit's
+        extra["nodes"] = layout.nodes_text  # own `nodes` stays an int (it multiplies it into a task count)
     if extra:
         params["additional_parameters"] = extra
     return params

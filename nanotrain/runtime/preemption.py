@@ -157,7 +157,9 @@ def request_requeue(max_requeues: int) -> bool:
         return False
     if requeued_by_slurm(job_id, restarts):
         print(f"preemption: SLURM requeued job {job_id} itself (restart {restarts + 1})", flush=True)
+        _restore_node_range(job_id)
         return True
+    _restore_node_range(job_id)  # before the requeue: SLURM ends this process with the job
     try:
         proc = slurm_commands.run(["scontrol", "requeue", job_id])
     except slurm_commands.SlurmCommandError as exc:
@@ -168,3 +170,24 @@ def request_requeue(max_requeues: int) -> bool:
         return False
     print(f"preemption: requeued job {job_id} (restart {restarts + 1} of at most {max_requeues})", flush=True)
     return True
+
+
+# --- continue on another number of nodes: a requeued job gets its node range back ---
+_NODE_RANGE: list[tuple[str, int, int]] = []  # slurm.nodes, its minimum's tasks and CPUs (set by the rank)
+
+
+def keep_node_range_on_requeue(nodes: str, tasks: int, cpus: int) -> None:
+    """This job was submitted with the node range ``nodes`` ('min-max') whose fewest nodes run
+    ``tasks`` tasks on ``cpus`` CPUs: a requeue of it sets them back
+    (``node_range.restore_after_requeue``)."""
+    _NODE_RANGE[:] = [(nodes, tasks, cpus)]
+
+
+def _restore_node_range(job_id: str) -> None:
+    if _NODE_RANGE:
+        from nanotrain.runtime.node_range import restore_after_requeue
+
+        restore_after_requeue(job_id, *_NODE_RANGE[0])
+
+
+# --- end: continue on another number of nodes ---

@@ -12,13 +12,14 @@ before this module runs: `runtime/task.py`.)
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 from nanotrain.config import Config, check_world_size, load_config, validate
 from nanotrain.runtime import ownership
 from nanotrain.runtime.env import DistEnv, export_user_env, setup_distributed_env
-from nanotrain.runtime.preemption import PreemptionHandler, request_requeue
+from nanotrain.runtime.preemption import PreemptionHandler, keep_node_range_on_requeue, request_requeue
 from nanotrain.runtime.rundir import resolve_run, write_run_dir
 
 
@@ -28,8 +29,10 @@ def run_rank(config_path: str, preemption: PreemptionHandler) -> dict:
     config = read_config(config_path)
     preemption.use(config.slurm.signal)  # the configured stop signal and SIGTERM (the others: as before)
     env = rank_env(config.slurm.env)
-    check_world_size(config, env.world_size, f"this {env.launcher} job")
-    run_dir = run_directory(config, config_path, env)
+    allocated = layout_for_allocation(config, env)  # slurm.nodes 'min-max': the layout of the nodes given
+    check_world_size(allocated, env.world_size, f"this {env.launcher} job")
+    run_dir = run_directory(config, config_path, env)  # the run keeps its own config (full size)
+    config = with_layout(config, allocated)
     if env.launcher == "slurm" and env.rank == 0:  # a warning before the first step: nothing to save
         preemption.act_before_training(lambda: requeue_during_startup(config))
 
@@ -76,6 +79,41 @@ def rank_env(user_env: dict) -> DistEnv:
     env:// ones."""
     export_user_env(user_env)
     return setup_distributed_env()
+
+
+def layout_for_allocation(config: Config, env: DistEnv) -> Config:
+    """The config this rank trains with: ``config`` itself, or, for a SLURM job with a node range
+    (``slurm.nodes``), the layout for the nodes this allocation has (``estimate/resize.py``),
+    which every rank derives alike from the config and ``SLURM_JOB_NUM_NODES``; rank 0 prints it
+    in one line, and a requeue of the job gets the range back (``node_range.py``)."""
+    if env.launcher != "slurm" or config.slurm.nodes is None:
+        return config
+    from nanotrain.config.validate_slurm import slurm_layout
+    from nanotrain.estimate.resize import allocation_line, layout_for_nodes
+
+    layout = slurm_layout(config)
+    if layout.min_nodes is None:
+        return config
+    tasks = layout.min_nodes * layout.tasks_per_node
+    keep_node_range_on_requeue(layout.nodes_text, tasks, tasks * config.slurm.cpus_per_task)
+    chosen = layout_for_nodes(config, env.num_nodes)
+    if env.rank == 0:
+        print(allocation_line(config, chosen, env.num_nodes), flush=True)
+    return chosen
+
+
+def with_layout(config: Config, allocated: Config) -> Config:
+    """``config`` (its paths resolved by ``run_directory``) at ``allocated``'s layout: the sections
+    the planner chooses from (parallelism, training, optimizer) and its exact-count ``slurm``."""
+    if allocated is config:
+        return config
+    return dataclasses.replace(
+        config,
+        parallelism=allocated.parallelism,
+        training=allocated.training,
+        optimizer=allocated.optimizer,
+        slurm=allocated.slurm,
+    )
 
 
 def run_directory(config: Config, config_path: str, env: DistEnv) -> Path:
