@@ -361,7 +361,7 @@ class BucketedGradSync:
                 )
                 for b in self.buckets:  # gradients so far: into fresh buffers, reduced at the next finish
                     if any(p.grad is not None for p in b.params):
-                        self.accumulator._allocate(b)
+                        self.accumulator.allocate(b)
         elif self.shards > 1 and (stage == 2) != (self.accumulator is not None):
             raise RuntimeError(f"BucketedGradSync is sharded for another ZeRO stage than {stage}")
         return self.buckets

@@ -152,7 +152,8 @@ class ShardAccumulator:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets if b.buffer is not None)
 
     # ------------------------------------------------------------------ gradients arriving
-    def _allocate(self, b) -> None:
+    def allocate(self, b) -> None:
+        """A zeroed full buffer for bucket ``b``; its parameters' ``.grad`` (moved in) become views."""
         ref = b.params[0]
         b.buffer = torch.zeros(b.size, dtype=ref.dtype, device=ref.device)
         self.buffer_log.append(("alloc", b.index, b.buffer.numel() * b.buffer.element_size()))
@@ -168,7 +169,7 @@ class ShardAccumulator:
         if b.launched:  # a new gradient while the last one's reduce-scatter runs (another round)
             self._complete(b)
         if b.buffer is None:
-            self._allocate(b)
+            self.allocate(b)
         else:
             view = self._view(b, p)
             if not _same_storage(p.grad, view):  # .grad was replaced: add the new gradient
@@ -183,7 +184,7 @@ class ShardAccumulator:
         for other in list(self.in_flight):  # at most one reduce-scatter in flight
             self._complete(other)
         if b.buffer is None:  # no gradient this round: zeros keep the ranks' collectives in step
-            self._allocate(b)
+            self.allocate(b)
         for q in b.params:  # later gradients must not land in a buffer being reduced
             q.grad = None
         if self.divisor > 1:
