@@ -7,10 +7,13 @@ Few process launches, each doing many checks (a launch costs seconds of torch im
     loads: every rank falls back to step N together, the warning names the file; params,
     optimizer states, scheduler, lr and RNG are restored bit-exactly and the M steps give `==`
     losses. Loads run with pickle.load(s)/Unpickler/torch.load patched to raise;
+  * dp2 x tp2, ZeRO-2: the same round trip (ZeRO-1's partition and files; no gradient state);
   * dp2 x pp2 (1f1b engine), tied embeddings, ZeRO-1: the same round trip;
   * tp4 (ZeRO-1 at dp1), dp4 (ZeRO-0), one process: load the dp2 x tp2 ZeRO-1 checkpoint; full
     params and optimizer states equal the saved ones exactly, M steps continue within rel 1e-5;
     tp4 also loads the copy written by scripts/reshard_checkpoint.py (no resharding needed);
+    dp4 also loads the ZeRO-1 checkpoint at ZeRO-2 and the ZeRO-2 one at ZeRO-1, one process the
+    ZeRO-2 one at ZeRO-0 (continued losses within 1e-6);
     one process also loads the dp2 x pp2 tied checkpoint;
   * 2 ranks, one SIGKILLed while writing; single-process kills at every stage of the commit.
 """
@@ -176,7 +179,7 @@ def full_state(run: Run, pc, zero: int) -> dict:
             flat = torch.zeros(p.numel(), dtype=p.dtype)
             if s is not None:
                 flat[s["start"] : s["stop"]] = s[k].reshape(-1)
-            if zero == 1 and pc.dp_size > 1:
+            if zero >= 1 and pc.dp_size > 1:
                 dist.all_reduce(flat, group=pc.dp_cp_pg)
             entry[k] = gather_full(flat.view(p.shape), info, pc.tp_pg)
         step = torch.tensor([float(s["step"]) if s is not None else 0.0])
@@ -289,6 +292,8 @@ def launch_dp2_tp2(root: str) -> dict:
     # ZeRO-1: rank 3 (dp1, tp1) alone reads this optimizer range; ZeRO-0: tp rank 1 reads its model shard.
     out[1] = same_topology_round_trip(pc, root, 1, "optimizer/pp-00_tp-01_dp-01.safetensors", "flip")
     out[0] = same_topology_round_trip(pc, root, 0, "model/pp-00_tp-01.safetensors", "truncate")
+    # ZeRO-2: the same partition as ZeRO-1, so the same files; its gradients never reach a file
+    out[2] = same_topology_round_trip(pc, root, 2, "optimizer/pp-00_tp-00_dp-01.safetensors", "truncate")
     pc.destroy()
     return out
 
@@ -323,7 +328,22 @@ def launch_reshard(src_root: str, dp: int, tp: int, zero: int, out_root: str, of
     return out
 
 
-def launch_single(root: str, src_root: str, out_root: str, pp_root: str) -> dict:
+def launch_dp4(z1_root: str, z2_root: str, out_root: str) -> dict:
+    """dp4: the dp2 x tp2 ZeRO-1 checkpoint loaded at ZeRO-0 and at ZeRO-2, the ZeRO-2 one at
+    ZeRO-1 (one launch)."""
+    from nanotrain.parallel.parallel_context import ParallelContext
+
+    pc = ParallelContext(data_parallel_size=4)
+    out = {
+        "z1_to_z0": reshard_load(pc, z1_root, 0, out_root),
+        "z2_to_z1": reshard_load(pc, z2_root, 1, out_root + "_z2_to_z1"),
+        "z1_to_z2": reshard_load(pc, z1_root, 2, out_root + "_z1_to_z2"),
+    }
+    pc.destroy()
+    return out
+
+
+def launch_single(root: str, src_root: str, out_root: str, pp_root: str, z2_root: str) -> dict:
     from nanotrain.parallel.parallel_context import ParallelContext
 
     pc = ParallelContext()
@@ -331,6 +351,7 @@ def launch_single(root: str, src_root: str, out_root: str, pp_root: str) -> dict
         "round_trip": same_topology_round_trip(pc, root, 0, "model/pp-00_tp-00.safetensors", "flip"),
         "reshard": reshard_load(pc, src_root, 0, out_root),
         "from_pp": reshard_load(pc, pp_root, 0, out_root + "_from_pp", args=TIED),
+        "from_z2": reshard_load(pc, z2_root, 0, out_root + "_from_z2"),
     }
     pc.destroy()
     return out
@@ -402,9 +423,18 @@ def runs(tmp_path_factory):
     out["tp4"] = run_distributed(launch_reshard, 4, str(src), 1, 4, 1, str(base / "re_tp4"), str(offline), timeout=240)[
         0
     ]
-    out["dp4"] = run_distributed(launch_reshard, 4, str(src), 4, 1, 0, str(base / "re_dp4"), timeout=240)[0]
+    z2 = base / "dp2tp2" / "z2"  # the clean dp2 x tp2 ZeRO-2 checkpoint at step N
+    out["zero_dp4"] = run_distributed(launch_dp4, 4, str(src), str(z2), str(base / "re_dp4"), timeout=240)[0]
+    out["dp4"] = out["zero_dp4"]["z1_to_z0"]
     out["single"] = run_distributed(
-        launch_single, 1, str(base / "single"), str(src), str(base / "re_single"), str(base / "pp" / "z1"), timeout=240
+        launch_single,
+        1,
+        str(base / "single"),
+        str(src),
+        str(base / "re_single"),
+        str(base / "pp" / "z1"),
+        str(z2),
+        timeout=240,
     )[0]
     return out
 
@@ -413,7 +443,7 @@ def runs(tmp_path_factory):
 @pytest.mark.timeout(900)
 def test_round_trip_same_topology_is_exact(runs):
     """The checks run inside the ranks (same_topology_round_trip); here: the runs trained."""
-    for zero in (0, 1):
+    for zero in (0, 1, 2):
         losses = runs["dp2tp2"][0][zero]["losses"]
         assert len(losses) == TOTAL and losses[-1] < losses[0]
     # dp2 x tp2 and one process train the same run (test_training_dp_tp): rel 1e-5.
@@ -438,6 +468,23 @@ def test_reshard_is_exact_and_training_continues(runs, target):
         atol=0,
         msg=lambda m: f"{target}: continued losses: {m}",
     )
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("source,target", [(2, "zero_dp4/z2_to_z1"), (2, "single/from_z2"), (1, "zero_dp4/z1_to_z2")])
+def test_zero2_checkpoint_reshards_across_stages_and_dp(runs, source, target):
+    """Saved at dp2 x tp2 with ZeRO-2, loaded at dp4 ZeRO-1 and at one process (ZeRO-0); saved
+    with ZeRO-1, loaded at dp4 ZeRO-2: params and states exact, training continues within 1e-6
+    relative of the run that saved (one on-disk format for every stage)."""
+    ref = runs["dp2tp2"][0][source]["ref"]
+    launch, name = target.split("/")
+    got = runs[launch][name]
+    assert_full_equal(got["full"], ref, f"zero{source} -> {target}")
+    uninterrupted = runs["dp2tp2"][0][source]["losses"][N:]
+    assert max(abs(a - b) / b for a, b in zip(got["losses"], uninterrupted)) < 1e-6, (got["losses"], uninterrupted)
+    # ZeRO-1 and 2 train the same run (same partition, other gradient reduction order)
+    z1, z2 = runs["dp2tp2"][0][1]["losses"], runs["dp2tp2"][0][2]["losses"]
+    assert max(abs(a - b) / b for a, b in zip(z2, z1)) < 1e-6
 
 
 @pytest.mark.timeout(900)

@@ -4,7 +4,8 @@ meta device at the config's real shape and world size).
 
 Shapes: Llama 1B (TinyLlama), 8B and 70B (Llama 3) widths, heads and vocabularies, with few layers
 (the estimate's arithmetic is per layer; the rehearsal's cost is per op), and the MoE config.
-Layouts: 1f1b pipeline, tp with sequence parallelism, cp, and tp x pp under full recompute.
+Layouts: 1f1b pipeline, tp with sequence parallelism, cp, ZeRO-2 over dp4, and tp x pp under full
+recompute.
 Asserted: every rehearsed pp rank's peak within 10% of that rank's estimate, and the busiest
 within 10% of the estimate `--dry-run` prints; every axis's bytes per step within 5% of the
 planner's. `make test` runs the 1B grid and the MoE config; `make test-full` all of them.
@@ -75,6 +76,15 @@ LAYOUTS = {
         "parallelism.cp=2",
         "model.num_layers=2",
         "training.batch_accumulation_per_replica=2",
+    ],
+    # ZeRO-2: sharded gradients plus the two full buckets; a reduce-scatter per micro-batch
+    "dp4-zero2": [
+        "parallelism.dp=4",
+        "parallelism.tp=1",
+        "parallelism.pp=1",
+        "model.num_layers=2",
+        "training.batch_accumulation_per_replica=4",
+        "optimizer.zero_stage=2",
     ],
     "tp2-pp2-full": [
         "parallelism.dp=1",

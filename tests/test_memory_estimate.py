@@ -118,3 +118,33 @@ def test_context_parallel_divides_activations_and_zero_shards():
     two = estimate_memory(load_config(TINY, base + ["parallelism.cp=2"]))
     assert two.optimizer == pytest.approx(one.optimizer / 2)  # ZeRO-1 shards over dp x cp
     assert one.activations / 2 < two.activations < one.activations * 0.6  # s/cp, plus gathered k/v
+
+
+def test_zero2_divides_gradients_and_counts_two_full_buckets():
+    """ZeRO-2: the gradients persist as this rank's shard (1/(dp x cp), as the optimizer states)
+    plus the two full-size buckets alive during backward; traffic counts one reduce-scatter per
+    micro-batch and the all-gather ((m + 1)(d - 1)/d of the gradient bytes)."""
+    from nanotrain.estimate.comm_volume import traffic_bytes
+    from nanotrain.estimate.memory import BUCKET_CAP_BYTES, zero2_bucket_bytes
+    from nanotrain.models import llama_arch
+    from nanotrain.parallel.data_parallel.buckets import DEFAULT_BUCKET_CAP_MB, cap_bytes
+
+    assert BUCKET_CAP_BYTES == cap_bytes(DEFAULT_BUCKET_CAP_MB)  # the trainer's buckets
+
+    base = ["parallelism.dp=4", "parallelism.tp=1", "parallelism.pp=1", "training.batch_accumulation_per_replica=4"]
+    zero0, zero1, zero2 = (load_config(TINY, base + [f"optimizer.zero_stage={z}"]) for z in (0, 1, 2))
+    e0, e1, e2 = map(estimate_memory, (zero0, zero1, zero2))
+    rank = llama_arch.rank_summaries(zero2.model)[0]
+    assert e2.optimizer == pytest.approx(e1.optimizer) == pytest.approx(e0.optimizer / 4)
+    assert e1.grads == e0.grads
+    assert e2.grads * GB == pytest.approx(e0.grads * GB / 4 + zero2_bucket_bytes(zero2, rank))
+    assert "ZeRO-2 over dp4 (grads too, reduce-scattered in each of 4 micro-batch(es))" in describe(zero2)[0]
+    # an 8B model at dp4: a quarter of ZeRO-1's 30 GB, plus two 2 GB buckets (the embedding alone)
+    big = [*base, "model.hidden_size=4096", "model.num_layers=32", "model.num_attention_heads=32"]
+    big += ["model.num_key_value_heads=8", "model.intermediate_size=14336", "model.vocab_size=128256"]
+    g1, g2 = (estimate_memory(load_config(TINY, big + [f"optimizer.zero_stage={z}"])).grads for z in (1, 2))
+    assert g2 < 0.4 * g1
+    dp0, dp1, dp2 = (traffic_bytes(c)["dp"] for c in (zero0, zero1, zero2))
+    assert dp0 == dp1 and dp2 == pytest.approx(dp1 * (4 + 1) / 2)
+    one = load_config(TINY, [*base[:3], "training.batch_accumulation_per_replica=1", "optimizer.zero_stage=2"])
+    assert traffic_bytes(one)["dp"] == pytest.approx(traffic_bytes(load_config(TINY, base[:3]))["dp"])

@@ -217,3 +217,21 @@ def test_plan_answers_in_under_2_cpu_seconds(gpus):
     assert proc.returncode == 0, proc.stderr
     assert f"plan: {gpus} GPUs" in proc.stdout and "#1 " in proc.stdout
     assert cpu < 2.0, f"--plan for {gpus} GPUs took {cpu:.2f} CPU s ({wall:.2f} s wall)"
+
+
+def test_plan_proposes_zero2_where_zero1_does_not_fit():
+    """An 8B model on 16 GPUs of 24 GB with a small global batch: a layout whose ZeRO-2
+    variant fits and whose ZeRO-1 variant does not is proposed at stage 2."""
+    extra = ["parallelism.dp=16", "parallelism.tp=1", "parallelism.pp=1", "parallelism.cp=1"]
+    extra += ["training.micro_batch_size=1", "training.batch_accumulation_per_replica=2"]
+    config = load_config(CONFIG, LLAMA_8B + extra)
+    plan = planner.make_plan(config, 16, 24, planner.hardware(config))
+    helped = [
+        p
+        for p in plan.proposals
+        if p.config.optimizer.zero_stage == 2
+        and estimate_memory(planner._with(p.config, optimizer=dict(zero_stage=1))).total > plan.budget_gb
+    ]
+    assert helped, [p.summary() for p in plan.proposals]
+    assert all(p.memory_gb <= plan.budget_gb for p in helped)
+    assert "--set optimizer.zero_stage=2" in helped[0].set_args()

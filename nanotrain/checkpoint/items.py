@@ -89,7 +89,7 @@ def optimizer_layout(optimizer) -> dict[str, OptSlot]:
 def zero_stage_of(optimizer) -> int | None:
     if optimizer is None:
         return None
-    return 1 if isinstance(optimizer, ZeroOneOptimizer) else 0
+    return optimizer.stage if isinstance(optimizer, ZeroOneOptimizer) else 0
 
 
 def config_as_dict(config) -> dict | None:

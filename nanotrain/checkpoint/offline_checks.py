@@ -157,8 +157,8 @@ def plan_reshard(src: str | Path, dst_root: str | Path, overrides: list[str] = (
             "resume with cp > 1 instead (the loader reshards online)"
         )
     zero = config.optimizer.zero_stage
-    if (meta.get("index") or {}).get("optimizer") and zero not in (0, 1):
-        raise ConfigError(f"optimizer.zero_stage ({zero}): offline resharding writes ZeRO stage 0 or 1")
+    if (meta.get("index") or {}).get("optimizer") and zero not in (0, 1, 2):
+        raise ConfigError(f"optimizer.zero_stage ({zero}): offline resharding writes ZeRO stage 0, 1 or 2")
     return ReshardPlan(ckpt, meta, config)
 
 

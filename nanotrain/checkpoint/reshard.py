@@ -75,7 +75,7 @@ def optimizer_ranges(
     model, zero: int, dp: int, dp_rank: int, ep: int, ep_rank: int, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
 ) -> list[tuple[str, int, int]]:
     """(name, start, stop) of the optimizer states one rank holds, in ``build_optimizer``'s order:
-    whole parameters for ZeRO-0; for ZeRO-1 the ranges ``ZeroOneOptimizer`` gives rank
+    whole parameters for ZeRO-0; for ZeRO-1 and 2 (one partition) the ranges ``ZeroOneOptimizer`` gives rank
     (dp_rank, ep_rank), the dense parameters' buckets sharded over dp x ep and the experts' over
     dp (each set bucketed by its own gradient sync, in model order, ``bucket_cap_mb`` the
     trainer's)."""
@@ -172,7 +172,7 @@ def _write(plan: ReshardPlan, meta: dict, full: dict, full_opt: dict, tmp: Path,
                     shard_files.merge_index(model_index, i)
             if not full_opt:
                 continue
-            for dp_rank in range(dp if zero == 1 else 1):
+            for dp_rank in range(dp if zero >= 1 else 1):
                 for tp_rank, skel in enumerate(stages):
                     ranges = optimizer_ranges(skel, zero, dp, dp_rank, ep, ep_rank)
                     items = _optimizer_items(skel, ranges, full_opt, seen, src)

@@ -147,7 +147,11 @@ class OptimizerArgs:
     )
     decay_shape: Literal["linear", "1-sqrt"] = doc("1-sqrt", "wsd: shape of the decay to min_lr")
     min_lr: float = bounded(0.0, 0.0, doc="final learning rate")
-    zero_stage: Literal[0, 1] = doc(0, "1 shards optimizer states across dp")
+    zero_stage: Literal[0, 1, 2] = doc(
+        0,
+        "1 shards optimizer states across dp; 2 also gradients (reduce-scattered every micro-batch, "
+        "1/dp of the gradient memory for m reduce-scatters per step instead of one all-reduce)",
+    )
 
 
 @dataclass

@@ -36,7 +36,9 @@ def traffic_bytes(config: Config, pp_rank: int | None = None) -> dict[str, float
     pp: each micro-batch's activation forward and its gradient backward (the whole activation:
     tp ranks hold it replicated, a 1/tp shard with sequence parallelism); dp: the fp32 gradients
     of this rank's parameters over their replicas (dp x cp; experts over dp x cp, the dense
-    rest over dp x cp x ep), 2 (d - 1)/d of them (ZeRO-1's reduce-scatter + all-gather too)."""
+    rest over dp x cp x ep), 2 (d - 1)/d of them (ZeRO-1's reduce-scatter + all-gather too);
+    ZeRO-2 reduce-scatters every micro-batch: (m + 1)(d - 1)/d of them (m reduce-scatters and
+    the parameters' all-gather)."""
     p = config.parallelism
     ranks = llama_arch.rank_summaries(config.model, p.pp, p.pp_virtual_stages)
     if pp_rank is not None:
@@ -71,5 +73,13 @@ def _rank_traffic(config: Config, pp_rank: int, rank: llama_arch.RankSummary) ->
         "tp": tp_ops * acc * ring(p.tp) * activation,
         "cp": cp_collectives_per_layer(t.recompute) * (p.cp - 1) * kv * len(layer_ids) * acc,
         "pp": sends * message,
-        "dp": 4 * (ring(p.dp * p.cp * p.ep) * dense + ring(p.dp * p.cp) * experts),
+        "dp": 4 * (dp_share(config, p.dp * p.cp * p.ep) * dense + dp_share(config, p.dp * p.cp) * experts),
     }
+
+
+def dp_share(config: Config, group: int) -> float:
+    """Bytes a rank sends per step over a data-parallel group of ``group`` ranks, per byte of its
+    fp32 gradients: one ring all-reduce (ZeRO-0), a reduce-scatter and an all-gather (ZeRO-1),
+    or one reduce-scatter per micro-batch and the all-gather (ZeRO-2)."""
+    rounds = config.training.batch_accumulation_per_replica + 1 if config.optimizer.zero_stage == 2 else 2
+    return rounds * (group - 1) / group

@@ -5,8 +5,11 @@ busiest rank: each pipeline rank's blocks are those the pipeline step keeps ther
 own cost-balanced split, ``llama_arch.rank_blocks``), and the largest total is reported.
 - weights: fp32 master copy (the bf16 copies autocast makes are saved for backward: they are
   counted in the activations, per micro-batch in flight);
-- gradients: fp32 (accumulated in fp32 across micro-batches);
-- optimizer: AdamW exp_avg + exp_avg_sq in fp32, divided by dp*cp under ZeRO-1;
+- gradients: fp32 (accumulated in fp32 across micro-batches); under ZeRO-2 only this rank's
+  shard persists (divided like the optimizer states), plus the full-size bucket buffers alive at
+  once during backward (``zero2_bucket_bytes``: the one being reduce-scattered and the one
+  filling, each the bucket cap or the rank's largest parameter, whichever is larger);
+- optimizer: AdamW exp_avg + exp_avg_sq in fp32, divided by dp*cp under ZeRO-1 and 2;
 - activations: what autograd keeps per layer in this implementation, for ``training.recompute``
   (``llama_parallelize_costs.activation_bytes_per_layer``, measured by ``benchmarks/memory.py``), times the
   micro-batches a stage holds at once (``micro_batches_in_flight``: all m for afab, pp - rank for
@@ -36,6 +39,9 @@ from nanotrain.config import Config
 from nanotrain.models import llama_arch, llama_parallelize_costs
 
 GB = 1024**3
+# The trainer's gradient bucket size (``parallel/data_parallel/buckets.DEFAULT_BUCKET_CAP_MB``,
+# equal by test): that module imports torch, which the estimate never does (``--plan`` speed).
+BUCKET_CAP_BYTES = 25 * 1024 * 1024
 # No accelerator holds this much (the largest have ~300 GB): an estimate above it means a model
 # shape typo (hidden_size 10**12), and deserves a warning even without slurm.gpu_memory_gb.
 ABSURD_GB = 1024.0
@@ -151,6 +157,19 @@ def _per_layer_bytes(config: Config) -> dict[str, float]:
     return out
 
 
+def zero2_bucket_bytes(config: Config, rank: llama_arch.RankSummary) -> float:
+    """The full-size gradient buckets ZeRO-2 holds at once during backward on a rank holding
+    ``rank``'s blocks: two (one reduce-scattering, one filling; ``shard_grads.py``), each the
+    bucket cap or the largest parameter (a parameter never splits across buckets)."""
+    m, p = config.model, config.parallelism
+    largest = 2 * (m.intermediate_size // p.tp) * m.hidden_size  # the fused gate/up matrix
+    if any(name in ("embed", "lm_head") for name in rank.others):
+        largest = max(largest, llama_arch.vocab_rows_per_rank(m, p.tp) * m.hidden_size)
+    if m.moe is not None and rank.moe_layers:  # the stacked experts' gate/up
+        largest = max(largest, m.moe.num_experts // p.ep * 2 * llama_arch.expert_ffn(m) * m.hidden_size)
+    return 2 * max(BUCKET_CAP_BYTES, 4 * largest)
+
+
 def _stage_estimate(config: Config, pp_rank: int, rank, bytes_of: dict[str, float]) -> MemoryEstimate:
     """The estimate of pipeline rank ``pp_rank``, whose blocks ``rank`` (a RankSummary) says."""
     p, t, mdl = config.parallelism, config.training, config.model
@@ -160,11 +179,11 @@ def _stage_estimate(config: Config, pp_rank: int, rank, bytes_of: dict[str, floa
     params, experts = llama_arch.rank_parameters(mdl, rank, p.tp, p.ep)
     weights = grads = 4 * params
     # ZeRO-1 shards the dense states over dp x cp x ep (their replicas) and the routed experts'
-    # over dp x cp (each expert shard's replicas).
-    if config.optimizer.zero_stage == 1:
-        optimizer = 8 * ((params - experts) / (p.dp * p.cp * p.ep) + experts / (p.dp * p.cp))
-    else:
-        optimizer = 8 * params
+    # over dp x cp (each expert shard's replicas); ZeRO-2 the gradients the same way.
+    sharded = (params - experts) / (p.dp * p.cp * p.ep) + experts / (p.dp * p.cp)
+    optimizer = 8 * (sharded if config.optimizer.zero_stage >= 1 else params)
+    if config.optimizer.zero_stage == 2:
+        grads = 4 * sharded + zero2_bucket_bytes(config, rank)
     mode = t.recompute
     stack = layers * bytes_of[f"layer/{mode}"] + (moe_layers * bytes_of[f"moe/{mode}"] if moe_layers else 0.0)
     in_flight = micro_batches_in_flight(config, pp_rank)
@@ -195,7 +214,11 @@ def describe(config: Config) -> list[str]:
     over = " x ".join(f"{axis}{n}" for axis, n in (("dp", p.dp), ("cp", p.cp), ("ep", p.ep)) if n > 1 or axis == "dp")
     if p.ep > 1:
         over += f" (experts over dp{p.dp}" + (f" x cp{p.cp})" if p.cp > 1 else ")")
-    zero = f", ZeRO-1 over {over}" if config.optimizer.zero_stage == 1 else ""
+    stage = config.optimizer.zero_stage
+    zero = f", ZeRO-{stage} over {over}" if stage else ""
+    if stage == 2:
+        m = config.training.batch_accumulation_per_replica
+        zero += f" (grads too, reduce-scattered in each of {m} micro-batch(es))"
     recompute = f", recompute {config.training.recompute}" if config.training.recompute != "none" else ""
     if llama_parallelize_costs.head_chunk_rows(config):
         recompute += f", loss in chunks of {llama_parallelize_costs.loss_chunk_tokens(config)} tokens"
@@ -223,6 +246,6 @@ def describe(config: Config) -> list[str]:
     elif limit is not None and est.total > limit:
         lines.append(
             f"warning: the estimate {est.total:.1f} GB exceeds slurm.gpu_memory_gb ({limit:g} GB): "
-            "raise tp/pp, use optimizer.zero_stage: 1, or lower training.micro_batch_size"
+            "raise tp/pp, use optimizer.zero_stage: 1 or 2, or lower training.micro_batch_size"
         )
     return lines

@@ -1,4 +1,4 @@
-"""Optimizer (AdamW, ZeRO-0/1), LR schedule, global gradient clipping."""
+"""Optimizer (AdamW, ZeRO-0/1/2), LR schedule, global gradient clipping."""
 
 from nanotrain.optim.clip import clip_grad_norm_, global_grad_norm
 from nanotrain.optim.optimizer import (

@@ -15,6 +15,8 @@ model-parallel group ``pc.mp_pg`` (ep x pp x tp: one copy of the model, ``grid.p
   ``grad_sync.grad_shards()``): their squares are first summed over the sync's group (one
   2-element fp64 all-reduce per sync), then go into the same model-parallel sum; a parameter
   replicated over ep counts on ep rank 0 only after that sum; the tp and tied rules hold per piece.
+  Under ZeRO-2 the pieces are the sync's accumulator (the parameters have no ``.grad``): the
+  same sums, and clipping scales the accumulator.
 
 Then every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``, as torch does.
 """
@@ -59,9 +61,9 @@ def _sum_of_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
 def _sharded_sum_of_squares(shards, pc: Optional[ParallelContext], device) -> torch.Tensor:
     """This rank's share of the squares of one reduce-scattered sync's parameters (module doc)."""
     over_ep, others = [], []
-    for p, start, stop in shards.pieces:
-        if p.grad is not None and (pc is None or _counted_here(p, pc, ("tp",))):
-            (over_ep if _sharded_over(p, "ep") else others).append(p.grad.detach().reshape(-1)[start:stop])
+    for p, grad in shards.piece_grads():
+        if pc is None or _counted_here(p, pc, ("tp",)):
+            (over_ep if _sharded_over(p, "ep") else others).append(grad)
     part = torch.stack([_sum_of_squares(over_ep, device), _sum_of_squares(others, device)])
     if dist.get_world_size(shards.group) > 1:
         collectives.all_reduce(part, op=dist.ReduceOp.SUM, group=shards.group, what="all_reduce grad norm over dp")
@@ -73,7 +75,8 @@ def global_grad_norm(params: Iterable[torch.Tensor], pc: Optional[ParallelContex
     one process holding the whole model. ``shards``: ``grad_sync.grad_shards()`` (None: every
     gradient holds the full average)."""
     params = list({id(p): p for p in params if p.grad is not None}.values())  # tied: once
-    device = params[0].grad.device if params else torch.device("cpu")
+    held = [p.grad for p in params] + [t for sh in shards or () for t in sh.tensors or ()]
+    device = held[0].device if held else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float64, device=device)
     covered: set[int] = set()
     for sh in shards or ():
@@ -101,7 +104,8 @@ def clip_grad_norm_(
     if max_norm is None or max_norm <= 0:
         return total_norm
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for (device, dtype), grads in _by_device_and_dtype([p.grad.detach() for p in params]).items():
+    owned = [t for sh in shards or () for t in sh.tensors or ()]  # ZeRO-2's accumulator
+    for (device, dtype), grads in _by_device_and_dtype([p.grad.detach() for p in params] + owned).items():
         torch._foreach_mul_(grads, clip_coef.to(device, dtype))
     return total_norm
 

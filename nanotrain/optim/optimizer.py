@@ -1,4 +1,6 @@
-"""Build the AdamW optimizer: plain (ZeRO-0) or with dp-sharded states (ZeRO-1).
+"""Build the AdamW optimizer: plain (ZeRO-0), with dp-sharded states (ZeRO-1), or with dp-sharded
+states and gradients (ZeRO-2: the same optimizer, its gradients reduce-scattered every
+micro-batch into an owned accumulator by the gradient sync).
 
 Weight decay goes to parameters with 2 or more dimensions (linear weights, embeddings) and not to
 1-D ones (RMSNorm weights, biases), the usual Llama / nanoGPT practice: decaying a norm's gain or a
@@ -56,8 +58,10 @@ def build_optimizer(
 
     ``zero_stage`` (default ``args.zero_stage``): 0 = ``torch.optim.AdamW``; 1 =
     ``ZeroOneOptimizer`` (an AdamW subclass) sharding states over ``dp_group`` (pass
-    ``pc.dp_cp_pg``). Either way param_groups carry ``param_names`` and an LR scheduler drives
-    ``param_groups[i]["lr"]``. Gradients must be dp-averaged before ``step()``.
+    ``pc.dp_cp_pg``); 2 = the same, the gradient sync (built first) turned into per-micro-batch
+    reduce-scatters into owned shards (``data_parallel/shard_grads.py``). Either way
+    param_groups carry ``param_names`` and an LR scheduler drives ``param_groups[i]["lr"]``.
+    Gradients must be dp-averaged before ``step()``.
 
     With experts (ep > 1) pass ``dp_group=pc.dense_replica_pg`` (dp x cp x ep) and
     ``expert_dp_group=pc.dp_cp_pg``: ZeRO-1 then shards the expert parameters over the latter
@@ -67,7 +71,7 @@ def build_optimizer(
     takes a ``found_inf`` flag, which ``training.spike.policy: skip`` sets (``training/spike.py``).
 
     Raises:
-        ValueError: no trainable parameter, or a ``zero_stage`` other than 0 and 1.
+        ValueError: no trainable parameter, or a ``zero_stage`` other than 0, 1 and 2.
     """
     stage = args.zero_stage if zero_stage is None else zero_stage
     groups = weight_decay_groups(named_params, args.weight_decay)
@@ -79,9 +83,11 @@ def build_optimizer(
         kwargs["fused"] = True  # one kernel for all tensors (torch's default on CUDA is foreach)
     if stage == 0:
         return torch.optim.AdamW(groups, **kwargs)
-    if stage == 1:
-        return ZeroOneOptimizer(groups, dp_group, expert_group=expert_dp_group, is_expert=is_expert_param, **kwargs)
-    raise ValueError(f"zero_stage must be 0 or 1, got {stage!r}")
+    if stage in (1, 2):
+        return ZeroOneOptimizer(
+            groups, dp_group, expert_group=expert_dp_group, is_expert=is_expert_param, stage=stage, **kwargs
+        )
+    raise ValueError(f"zero_stage must be 0, 1 or 2, got {stage!r}")
 
 
 def optimizer_groups(pc: ParallelContext) -> dict:

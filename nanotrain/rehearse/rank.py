@@ -320,7 +320,9 @@ def _label(tracker: DeviceTracker, trainer) -> None:
     params = list(trainer.model.parameters())
     tracker.relabel(params, "weights")
     tracker.relabel([p.grad for p in params if p.grad is not None], "grads")
-    tracker.relabel([b.buffer for b in getattr(trainer.grad_sync, "buckets", ())], "grads")
+    tracker.relabel([b.buffer for b in getattr(trainer.grad_sync, "buckets", ()) if b.buffer is not None], "grads")
+    syncs = getattr(trainer.grad_sync, "syncs", [trainer.grad_sync])
+    tracker.relabel([s.accumulator.flat for s in syncs if s.accumulator is not None], "grads")  # ZeRO-2
     tracker.relabel(_state_tensors(trainer.optimizer), "optimizer")
 
 

@@ -11,13 +11,13 @@ same number a single process gets from the same samples.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Optional, Sequence
 
 import torch
 
 from nanotrain.optim import clip_grad_norm_
 from nanotrain.parallel import collectives
+from nanotrain.parallel.data_parallel.shard_grads import reduced_grad_of
 from nanotrain.parallel.observe.hang_record import HANG_RECORD
 from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.parallel.pipeline_parallel import MessageSpec, PipelineEngine, TensorPointer, allreduce_tied_grads_
@@ -62,12 +62,13 @@ def micro_loss(model: torch.nn.Module, microbatch: MicroBatch) -> torch.Tensor:
 
 
 def forward_backward(model: torch.nn.Module, microbatches: Sequence[MicroBatch], grad_sync) -> torch.Tensor:
-    """Gradient accumulation; the DP all-reduces start only in the last micro-batch's backward."""
+    """Gradient accumulation; the DP all-reduces start only in the last micro-batch's backward
+    (ZeRO-2: every micro-batch's backward reduce-scatters, ``grad_sync.backward_scope``)."""
     total = None
     count = len(microbatches)
     for index, microbatch in enumerate(microbatches):
         last = index == count - 1
-        with nullcontext() if last else grad_sync.no_sync():
+        with grad_sync.backward_scope(last):
             HANG_RECORD.mark("forward")  # the hang record (progress.py): plain attribute writes
             loss = micro_loss(model, microbatch) / count
             HANG_RECORD.mark("backward")
@@ -94,10 +95,12 @@ def optimizer_step(
     HANG_RECORD.mark("optimizer (gradient sync)")
     grad_sync.finish_grad_sync()
     HANG_RECORD.mark("optimizer (clip, step)")
-    allreduce_sequence_parallel_grads_(model.sequence_parallel_params(), pc.tp_pg)
+    shards = grad_sync.grad_shards()  # ZeRO-1/2: the pieces this rank reduced (ZeRO-2: its accumulator)
+    grad_of = reduced_grad_of(shards)
+    allreduce_sequence_parallel_grads_(model.sequence_parallel_params(), pc.tp_pg, grad_of)
     if pc.embedding_pg is not None and pc.pp_size > 1:  # first and last stage
-        allreduce_tied_grads_(model.parameters(), pc.embedding_pg)
-    grad_norm = clip_grad_norm_(model.parameters(), clip_grad, pc, grad_sync.grad_shards())  # ZeRO-1: pieces
+        allreduce_tied_grads_(model.parameters(), pc.embedding_pg, grad_of)
+    grad_norm = clip_grad_norm_(model.parameters(), clip_grad, pc, shards)
     lr = optimizer.param_groups[0]["lr"]
     skipped = None
     if judge is not None:

@@ -8,9 +8,9 @@ dp x cp x ep: the average over every rank whose tokens could reach it, the same 
 process training on the whole global batch (Megatron's expert gradient scaling).
 
 ``build_grad_sync`` returns one ``BucketedGradSync`` when there is nothing to split (ep = 1),
-else a ``GradSyncSet`` of two driven through the same calls (``no_sync``, ``finish_grad_sync``,
-``zero_grad``, ``grad_shards``). ZeRO-1 (``ZeroOneOptimizer``) turns each into a reduce-scatter
-over its own group.
+else a ``GradSyncSet`` of two driven through the same calls (``no_sync``, ``backward_scope``,
+``finish_grad_sync``, ``zero_grad``, ``grad_shards``). ZeRO-1/2 (``ZeroOneOptimizer``) turn each
+into reduce-scatters over its own group.
 """
 
 from __future__ import annotations
@@ -44,6 +44,13 @@ class GradSyncSet:
             for s in self.syncs:
                 stack.enter_context(s.no_sync())
             yield
+
+    def backward_scope(self, last: bool, params=None):
+        """Every sync's ``backward_scope`` (each keeps the parameters of its own)."""
+        stack = contextlib.ExitStack()
+        for s in self.syncs:
+            stack.enter_context(s.backward_scope(last, params))
+        return stack
 
     def finish_grad_sync(self) -> None:
         for s in self.syncs:

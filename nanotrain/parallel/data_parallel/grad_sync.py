@@ -21,6 +21,12 @@ norm). Until the optimizer's first ``step()`` (``stop_gathering_grads()``) ``fin
 also all-gathers the pieces, so gradients taken before any update are whole; the pieces, the
 update and the norm are bitwise the same either way.
 
+ZeRO-2 (``shard(stage=2)``, ``shard_grads.py``): the same partition, but every micro-batch's
+backward is a round that reduce-scatters its buckets into a persistent fp32 accumulator of the
+owned pieces and frees each full bucket buffer; ``no_sync`` is then not used by the step (the
+engines call ``backward_scope``, which is ``no_sync`` for all but the last micro-batch at
+stages 0/1 and a round at stage 2).
+
 Use::
 
     sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg)
@@ -46,6 +52,7 @@ from torch import nn
 from nanotrain.parallel import accelerator
 from nanotrain.parallel.collectives import all_gather_into, all_reduce, reduce_scatter_into, wait
 from nanotrain.parallel.data_parallel import buckets as layout
+from nanotrain.parallel.data_parallel.shard_grads import GradShards, ShardAccumulator
 from nanotrain.parallel.observe.hang_record import HANG_RECORD
 
 _SYNC = "_nanotrain_grad_sync"  # on each parameter: a weak reference to the sync of its gradient
@@ -58,24 +65,14 @@ def grad_sync_of(p: nn.Parameter) -> Optional["BucketedGradSync"]:
 
 
 @dataclass
-class GradShards:
-    """After a sharded sync: of ``params`` (all of one sync's), only ``pieces`` (param, start,
-    stop of its flattened gradient) hold the average on this rank; the pieces of the ranks of
-    ``group`` together cover every parameter exactly once."""
-
-    group: Optional[dist.ProcessGroup]
-    params: list[nn.Parameter]
-    pieces: list[tuple[nn.Parameter, int, int]]
-
-
-@dataclass
 class Bucket:
     """One flat gradient buffer and the parameters whose ``.grad`` are views into it."""
 
     index: int
     params: list[nn.Parameter]
     offsets: list[int]  # start of each param's gradient in ``buffer``
-    buffer: torch.Tensor
+    buffer: Optional[torch.Tensor]  # ZeRO-2: None while released (``shard_grads.py``)
+    size: int  # the buffer's length (padded to a multiple of the shards when sharded)
     ready: set[int] = field(default_factory=set)  # id() of params whose grad is final this step
     launched: bool = False
     handle: Optional[dist.Work] = None
@@ -118,6 +115,7 @@ class BucketedGradSync:
         self.shards = 1  # the group size once ``shard()`` cut the buckets: reduce-scatter
         self.gather_grads = False  # after a reduce-scatter, all-gather the pieces (module doc)
         self._pieces: list[tuple[nn.Parameter, int, int]] = []
+        self.accumulator: Optional[ShardAccumulator] = None  # ZeRO-2 (``shard(stage=2)``)
         # The sum is divided by ``divisor`` (default the group size): expert parameters sum over
         # dp x cp but average over dp x cp x ep, the ranks whose tokens reached them.
         self.divisor = divisor or self.world_size
@@ -147,7 +145,7 @@ class BucketedGradSync:
         self.launch_log: list[tuple[int, int, bool]] = []
 
     # ------------------------------------------------------------------ construction
-    def _build_buckets(self, shards: int = 1) -> list[Bucket]:
+    def _build_buckets(self, shards: int = 1, allocate: bool = True) -> list[Bucket]:
         cut = layout.sharded_layout if shards > 1 else layout.bucket_layout
         buckets = []
         for i, indices in enumerate(cut(self.params, self.bucket_cap_bytes)):
@@ -156,8 +154,9 @@ class BucketedGradSync:
             for p in ps:
                 offsets.append(n)
                 n += p.numel()
-            buf = torch.zeros(n if shards == 1 else layout.padded(n, shards), dtype=ps[0].dtype, device=ps[0].device)
-            buckets.append(Bucket(i, ps, offsets, buf))
+            size = n if shards == 1 else layout.padded(n, shards)
+            buf = torch.zeros(size, dtype=ps[0].dtype, device=ps[0].device) if allocate else None
+            buckets.append(Bucket(i, ps, offsets, buf, size))
         return buckets
 
     def _index_views(self) -> None:
@@ -166,7 +165,8 @@ class BucketedGradSync:
         for b in self.buckets:
             for p, off in zip(b.params, b.offsets):
                 self._bucket_of[id(p)] = b
-                self._view_of[id(p)] = b.buffer[off : off + p.numel()].view_as(p)
+                if b.buffer is not None:
+                    self._view_of[id(p)] = b.buffer[off : off + p.numel()].view_as(p)
 
     def _attach_views(self, copy_existing: bool) -> None:
         for p in self.params:
@@ -178,6 +178,13 @@ class BucketedGradSync:
 
     # ------------------------------------------------------------------ backward hooks
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if self.accumulator is not None:
+            if self._new_round:
+                self._new_round = False
+                self.launch_log, self.accumulator.buffer_log = [], []
+            self._hooks_fired += 1
+            self.accumulator.on_grad(p)
+            return
         view = self._view_of[id(p)]
         if not _same_storage(p.grad, view):
             # Someone replaced .grad (e.g. optimizer.zero_grad(set_to_none=True)); autograd then
@@ -226,7 +233,19 @@ class BucketedGradSync:
         b.launched = True
         self.launch_log.append((b.index, self._hooks_fired, from_hook))
 
+    def _log_launch(self, index: int, from_hook: bool) -> None:
+        self.launch_log.append((index, self._hooks_fired, from_hook))
+
     # ------------------------------------------------------------------ public API
+    def backward_scope(self, last: bool, params: Optional[Iterable[nn.Parameter]] = None):
+        """The context one micro-batch's backward runs in (the engines' one call): ``no_sync()``
+        but for the step's ``last`` backward of these ``params`` (stages 0/1: reduce once per
+        step), or under ZeRO-2 a round that reduce-scatters the buckets of ``params`` (None: all
+        of this sync's) during and right after it (``shard_grads.py``)."""
+        if self.accumulator is not None:
+            return self.accumulator.round(params)
+        return contextlib.nullcontext() if last else self.no_sync()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside only accumulate into the buckets (gradient accumulation)."""
@@ -248,6 +267,10 @@ class BucketedGradSync:
         """
         if not self._sync_enabled:
             raise RuntimeError("BucketedGradSync.finish_grad_sync() called inside no_sync()")
+        if self.accumulator is not None:
+            self.accumulator.finish()
+            self._hooks_fired, self._new_round = 0, True
+            return
         for b in self.buckets[self._next_launch :]:
             for p in b.params:
                 view = self._view_of[id(p)]
@@ -284,6 +307,10 @@ class BucketedGradSync:
         Waits for any in-flight reduction first (a skipped ``finish_grad_sync``), so the buffers
         are never zeroed under a running collective.
         """
+        if self.accumulator is not None:
+            self.accumulator.zero_grad()
+            self._hooks_fired, self._new_round, self.launch_log = 0, True, []
+            return
         self._wait_and_reset()
         self.launch_log = []
         for b in self.buckets:
@@ -294,25 +321,49 @@ class BucketedGradSync:
     def _idle(self) -> bool:
         return not any(b.launched or b.handle is not None for b in self.buckets)
 
-    def shard(self) -> list[Bucket]:
+    def shard(self, stage: int = 1) -> list[Bucket]:
         """Cut every bucket into ``shards`` equal pieces, rank r owning piece r (module doc);
-        returns the buckets, whose layout is the ZeRO-1 partition. Called between steps
-        (gradients accumulated so far are kept); a group of one keeps its buckets as they are
-        (rank 0 owns everything) and nothing changes."""
+        returns the buckets, whose layout is the ZeRO partition (the same at stages 1 and 2).
+        ``stage`` 2 also turns the buffers into per-micro-batch reduce-scatters into an owned
+        accumulator (``shard_grads.py``). Called between steps (gradients accumulated so far
+        are kept); a group of one keeps its buckets as they are (rank 0 owns everything) and
+        nothing changes."""
         if not self._idle():
             raise RuntimeError("BucketedGradSync.shard() during a sync round")
         if self.world_size > 1 and self.shards == 1:
-            self.shards, self.gather_grads = self.world_size, True
-            self.buckets = self._build_buckets(self.shards)
+            if stage == 2:  # the buffers' zeros are no gradient: let them go (only real ones move)
+                empty = {id(p) for b in self.buckets if not bool(b.buffer.any()) for p in b.params}
+                for p in self.params:
+                    if id(p) in empty and _same_storage(p.grad, self._view_of[id(p)]):
+                        p.grad = None
+            self.shards, self.gather_grads = self.world_size, stage == 1
+            self.buckets = self._build_buckets(self.shards, allocate=stage == 1)
             self._index_views()
-            self._attach_views(copy_existing=True)
             self._next_launch = 0
-            sizes = [b.buffer.numel() for b in self.buckets]
+            sizes = [b.size for b in self.buckets]
             numels = [[p.numel() for p in b.params] for b in self.buckets]
             self._pieces = [
                 (self.buckets[k].params[j], a, z)
                 for k, j, a, z in layout.shard_pieces(numels, sizes, self.shards, self.rank)
             ]
+            if stage == 1:
+                self._attach_views(copy_existing=True)
+            else:
+                ref = weakref.ref(self)  # no cycle: the trainer's drop frees the sync and its group
+                self.accumulator = ShardAccumulator(
+                    self.buckets,
+                    self._pieces,
+                    self.group,
+                    self.shards,
+                    self.rank,
+                    self.divisor,
+                    lambda index, from_hook: ref()._log_launch(index, from_hook),
+                )
+                for b in self.buckets:  # gradients so far: into fresh buffers, reduced at the next finish
+                    if any(p.grad is not None for p in b.params):
+                        self.accumulator.allocate(b)
+        elif self.shards > 1 and (stage == 2) != (self.accumulator is not None):
+            raise RuntimeError(f"BucketedGradSync is sharded for another ZeRO stage than {stage}")
         return self.buckets
 
     def stop_gathering_grads(self) -> None:
@@ -327,18 +378,27 @@ class BucketedGradSync:
     def grad_shards(self) -> Optional[list[GradShards]]:
         """None when gradients are all-reduced; when reduce-scattered, this rank's pieces, which
         hold the average (for the gradient norm: ``optim/clip.py``, the same whether or not the
-        pieces were all-gathered too)."""
+        pieces were all-gathered too; under ZeRO-2 with the accumulator's tensors)."""
         if self.shards == 1:
             return None
-        return [GradShards(self.group, list(self.params), list(self._pieces))]
+        tensors = self.accumulator.piece_grads() if self.accumulator is not None else None
+        return [GradShards(self.group, list(self.params), list(self._pieces), tensors)]
+
+    def owned_grad(self, p: nn.Parameter) -> Optional[torch.Tensor]:
+        """ZeRO-2: the accumulator's view of the range of ``p`` this rank owns (1-D; None: owns
+        none). At stages 0/1 the reduced gradient is ``p.grad``."""
+        if self.accumulator is None:
+            raise RuntimeError("owned_grad: the sync is not sharded for ZeRO-2")
+        return self.accumulator.owned_grad(p)
 
     # ------------------------------------------------------------------ introspection
     def grad_view(self, p: nn.Parameter) -> torch.Tensor:
         return self._view_of[id(p)]
 
     def __repr__(self) -> str:
-        sizes = [b.buffer.numel() for b in self.buckets]
+        sizes = [b.size for b in self.buckets]
         return (
             f"BucketedGradSync(params={len(self.params)}, buckets={len(self.buckets)}, "
-            f"elements per bucket={sizes}, group size={self.world_size}, shards={self.shards})"
+            f"elements per bucket={sizes}, group size={self.world_size}, shards={self.shards}, "
+            f"zero2={self.accumulator is not None})"
         )

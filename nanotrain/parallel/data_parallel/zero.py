@@ -20,6 +20,11 @@ as usual); then one in-place all-gather per bucket of a flat parameter buffer, i
 a replaced ``param.data`` is re-bound at ``step()``. AdamW is elementwise, so this equals plain
 AdamW on every rank (tested). With ep > 1 dense parameters and expert shards are separate domains
 (sync, buffer, partition) over dp x cp x ep and dp x cp.
+
+ZeRO-2 (``stage=2``) is the same optimizer on the same partition; only its gradients come from
+elsewhere: the sync is cut with ``shard(stage=2)``, reduce-scatters every micro-batch into an
+accumulator of the owned pieces (``shard_grads.py``) and the parameters keep no ``.grad``, so
+``step()`` reads each piece's gradient from ``sync.owned_grad``. Same states, same checkpoints.
 """
 
 from __future__ import annotations
@@ -127,7 +132,8 @@ def _sync_to_follow(params: list[nn.Parameter], group, size: int) -> Optional[Bu
 
 
 class ZeroOneOptimizer(torch.optim.AdamW):
-    """AdamW with states sharded over ``group`` (ZeRO stage 1).
+    """AdamW with states sharded over ``group`` (ZeRO stage 1; ``stage=2``: gradients sharded too,
+    module doc).
 
     ``param_groups``: AdamW-style group dicts whose ``"params"`` are the model parameters and
     ``"param_names"`` their names (same length), plus per-group options (``weight_decay``...).
@@ -154,8 +160,12 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         group: Optional[dist.ProcessGroup] = None,
         expert_group: Optional[dist.ProcessGroup] = None,
         is_expert=None,
+        stage: int = 1,
         **defaults,
     ):
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroOneOptimizer: stage must be 1 or 2, got {stage!r}")
+        self.stage = stage
         names, params, group_of = [], [], []
         for gi, g in enumerate(param_groups):
             ps, ns = list(g["params"]), list(g["param_names"])
@@ -178,6 +188,7 @@ class ZeroOneOptimizer(torch.optim.AdamW):
             self.domains.append(self._domain(expert_group, [i for i, e in enumerate(expert) if e], "expert "))
 
         self.pieces: list[ShardPiece] = []
+        self._grad_syncs: list[Optional[BucketedGradSync]] = []  # per piece: its ZeRO-2 sync
         shard_groups = [dict(g, params=[], param_names=[]) for g in param_groups]
         owned = {}  # flat position -> (domain, start, stop): pieces keep the optimizer's order
         for d in self.domains:
@@ -187,6 +198,7 @@ class ZeroOneOptimizer(torch.optim.AdamW):
             d, off, start, stop = owned[i]
             shard = d.flat[off + start : off + stop]  # a leaf view (flat needs no grad)
             self.pieces.append(ShardPiece(names[i], params[i], start, stop, shard))
+            self._grad_syncs.append(d.sync if d.sync is not None and d.sync.accumulator is not None else None)
             shard_groups[group_of[i]]["params"].append(shard)
             shard_groups[group_of[i]]["param_names"].append(names[i])
         super().__init__(shard_groups, **defaults)
@@ -198,10 +210,15 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         rank = dist.get_rank(group) if initialised else 0
         ps = [self.params[i] for i in indices]
         sync = _sync_to_follow(ps, group, size)
+        if sync is None and self.stage == 2 and size > 1:
+            raise ValueError(
+                f"ZeRO-2 reduce-scatters the {what}gradients through their BucketedGradSync over the "
+                "same ranks: build it (build_grad_sync) before the optimizer"
+            )
         if sync is not None:  # the sync's buckets, padded to a multiple of size
             position = {id(p): j for j, p in enumerate(ps)}
-            layout = [[position[id(p)] for p in b.params] for b in sync.shard()]
-            lengths = [b.buffer.numel() for b in sync.buckets]
+            layout = [[position[id(p)] for p in b.params] for b in sync.shard(self.stage)]
+            lengths = [b.size for b in sync.buckets]
         else:
             layout, lengths = [list(range(len(ps)))], [padded(sum(p.numel() for p in ps), size)]
         numels = [[ps[j].numel() for j in bucket] for bucket in layout]
@@ -240,9 +257,13 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         as plain AdamW does.
         """
         self._rebind_if_replaced()
-        for piece in self.pieces:
-            g = piece.param.grad
-            piece.shard.grad = None if g is None else g.reshape(-1)[piece.start : piece.stop]
+        for piece, sync in zip(self.pieces, self._grad_syncs):
+            if sync is not None:  # ZeRO-2: the accumulator's view of exactly [start, stop)
+                g = sync.owned_grad(piece.param)
+            else:
+                g = piece.param.grad
+                g = None if g is None else g.reshape(-1)[piece.start : piece.stop]
+            piece.shard.grad = None if g is None else g.to(piece.shard.dtype)
         loss = super().step(closure)
         for piece in self.pieces:
             piece.shard.grad = None  # do not keep references to the model's grad buffers

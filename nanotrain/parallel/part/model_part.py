@@ -30,7 +30,7 @@ from nanotrain.parallel import accelerator
 from nanotrain.parallel.context_parallel import ContextParallel, zigzag_table
 from nanotrain.parallel.documents import document_attention
 from nanotrain.parallel.part.adopt import Adopting
-from nanotrain.parallel.pipeline_parallel import MessageSpec, ModelChunk
+from nanotrain.parallel.pipeline_parallel import MessageSpec, ModelChunk, is_tied_replica
 from nanotrain.parallel.tensor_parallel import TensorParallelLinearMode, has_sequence_parallel_partial_grad
 
 
@@ -77,6 +77,28 @@ class ModelPart(Adopting):
         """Params replicated over tp whose gradients are partial sums over tp (sequence shards
         under REDUCE_SCATTER, heads for the q/k norms): ``allreduce_sequence_parallel_grads_``."""
         return [p for p in self.parameters() if has_sequence_parallel_partial_grad(p)]
+
+    def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
+        """The parameters whose gradients the backward of ``chunk`` computes: those under its
+        blocks, and a tied replica (the last stage's copy of the embedding, used by the head)
+        with the last chunk; a parameter under no block of this rank goes with every chunk.
+        ZeRO-2's gradient rounds (``data_parallel/shard_grads.py``) reduce exactly these."""
+        cache = self.__dict__.setdefault("_chunk_parameters", {})
+        if chunk not in cache:
+            mine = self.chunks[chunk]
+            out = []
+            for name, p in self.named_parameters():
+                owners = [c for c in self.chunks if any(name.startswith(b + ".") for b in c.blocks)]
+                if owners:
+                    keep = mine in owners
+                elif is_tied_replica(p):
+                    keep = mine.is_last
+                else:
+                    keep = True
+                if keep:
+                    out.append(p)
+            cache[chunk] = out
+        return cache[chunk]
 
     @property
     def residual_dtype(self) -> torch.dtype:

@@ -15,9 +15,10 @@ For the forward of micro-batch i through chunk c (virtual stage s):
 For its backward: the output gradient is a receive from stage s + 1 (or the loss itself on the
 last stage); after backward, the input gradient goes to stage s - 1.
 
-Data-parallel sync: every backward runs inside ``grad_sync.no_sync()`` except a chunk's last
-micro-batch (i = m - 1), whose backward launches the bucketed all-reduces (one chunk's parameters
-get their final gradients in exactly that backward).
+Data-parallel sync: every backward runs inside ``grad_sync.backward_scope(last, chunk params)``:
+``no_sync()`` except a chunk's last micro-batch (i = m - 1), whose backward launches the bucketed
+all-reduces (one chunk's parameters get their final gradients in exactly that backward); under
+ZeRO-2 a round that reduce-scatters the chunk's buckets every micro-batch.
 
 Instrumentation (``last_stats``, per step and rank): time computing (forward + backward) vs the
 wall time of the step, so the measured bubble is ``1 - compute / total``; the peak number of
@@ -199,7 +200,10 @@ class _Step:
         chunk, mb = self.chunks[action.chunk], action.microbatch
         stage = chunk.virtual_stage
         hidden, out, nbytes = self.stored.pop((action.chunk, mb))
-        with nullcontext() if mb == self.m - 1 or grad_sync is None else grad_sync.no_sync():
+        params = getattr(self.model, "chunk_parameters", None)  # None: every parameter of the rank
+        params = params(action.chunk) if params is not None else None
+        scope = nullcontext() if grad_sync is None else grad_sync.backward_scope(mb == self.m - 1, params)
+        with scope:
             if chunk.is_last:
                 out.backward()
             else:

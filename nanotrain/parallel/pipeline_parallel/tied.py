@@ -38,11 +38,16 @@ def is_tied_replica(param: torch.Tensor) -> bool:
     return bool(getattr(param, _REPLICA, False))
 
 
-def allreduce_tied_grads_(params: Iterable[torch.Tensor], group) -> None:
+def allreduce_tied_grads_(params: Iterable[torch.Tensor], group, grad_of=None) -> None:
     """Sum the gradients of the tied copies over ``group`` (one flat all-reduce). Ranks without
-    tied parameters (middle stages) must not call it; a missing gradient counts as zero."""
+    tied parameters (middle stages) must not call it; a missing gradient counts as zero.
+    ``grad_of(p)``: the tensor holding ``p``'s gradient instead of ``p.grad`` (ZeRO-2: the owned
+    piece, the same range on both stages since a tied parameter has a bucket of its own)."""
     params = sorted((p for p in params if is_tied(p)), key=lambda p: getattr(p, _TIED))
     if not params or group is None or dist.get_world_size(group) == 1:
+        return
+    if grad_of is not None and any(grad_of(p) is not p.grad for p in params):
+        allreduce_flat_([t for t in map(grad_of, params) if t is not None], group)
         return
     for p in params:
         if p.grad is None:

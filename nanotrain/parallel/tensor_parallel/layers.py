@@ -59,12 +59,15 @@ def has_sequence_parallel_partial_grad(param: torch.Tensor) -> bool:
     return bool(getattr(param, _SP_PARTIAL, False))
 
 
-def allreduce_sequence_parallel_grads_(params: Iterable[torch.Tensor], group) -> None:
+def allreduce_sequence_parallel_grads_(params: Iterable[torch.Tensor], group, grad_of=None) -> None:
     """Sum the gradients of the marked parameters over tp, in one flat all-reduce.
 
     Call after the backward of the last micro-batch, before clipping and the optimizer step.
+    ``grad_of(p)``: the tensor holding ``p``'s gradient instead of ``p.grad`` (ZeRO-2: the owned
+    piece; tp ranks have the same bucket layout, so they own the same ranges).
     """
-    grads = [p.grad for p in params if has_sequence_parallel_partial_grad(p) and p.grad is not None]
+    grad_of = grad_of or (lambda p: p.grad)
+    grads = [g for p in params if has_sequence_parallel_partial_grad(p) for g in [grad_of(p)] if g is not None]
     if group_size(group) > 1:
         allreduce_flat_(grads, group)
 

@@ -1,0 +1,233 @@
+"""ZeRO-2 (``optimizer.zero_stage: 2``) trains like one process, and holds 1/dp of the gradients.
+
+Equality: 8 steps, fp32, every micro-batch one sample (so each replica runs several micro-batches
+and the owned accumulator sums several reduce-scatters), the loss within 1e-6 relative of the
+one-process run of the same global batch, the grad norm (clipping triggers) within 1e-5:
+  * 4 ranks: dp4; dp2 x tp2 (sequence parallel, async, full recompute); dp2 x cp2 (selective
+    recompute); dp2 x ep2 (MoE: dense parameters over dp x ep, experts over dp);
+  * 8 ranks: dp2 x tp2 x pp2 with each engine: afab (untied), 1f1b (sequence parallel, tied
+    embeddings, full recompute), interleaved 1f1b (v = 2, tied: the replica's bucket goes with
+    the last chunk's rounds).
+Memory, measured in the dp4 ranks: the storage bytes of every gradient tensor a rank holds after
+the step's backward and sync (``.grad``, bucket buffers, the accumulator) at ZeRO-2 are about 1/4
+of ZeRO-0's, and the trace of the full bucket buffers shows each one freed, never more than a
+few alive at once during backward.
+
+Three launches (1, 4, 8 ranks), each case one model in the same processes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from nanotrain.config import ModelArgs, MoEArgs, OptimizerArgs
+
+from helpers.dist import run_distributed
+
+MODEL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    dtype="float32",
+)
+MOE = MoEArgs(num_experts=4, top_k=2, expert_intermediate_size=32, num_shared_experts=1, first_dense_layers=1)
+OPTIM = OptimizerArgs(lr=3e-3, weight_decay=0.1, warmup_steps=3, min_lr=3e-4, clip_grad=0.5)
+STEPS, SEQ, MICRO_BATCH, GLOBAL_BATCH = 8, 16, 1, 8
+BUCKET_MB = 0.01  # ~2600 fp32 elements: tens of buckets
+
+# name -> (grid, options)
+FOUR = {
+    "dp4": (dict(dp=4), {}),
+    "dp2-tp2-sp-async-full": (
+        dict(dp=2, tp=2),
+        {"tp_mode": "REDUCE_SCATTER", "async": True, "recompute": "full"},
+    ),
+    "dp2-cp2-selective": (dict(dp=2, cp=2), {"recompute": "selective"}),
+    "dp2-ep2-moe": (dict(dp=2, ep=2), {"moe": True}),
+}
+EIGHT = {
+    "afab": (dict(dp=2, tp=2, pp=2), {"engine": "afab"}),
+    "1f1b-sp-tied-full": (
+        dict(dp=2, tp=2, pp=2),
+        {"engine": "1f1b", "tp_mode": "REDUCE_SCATTER", "tied": True, "recompute": "full"},
+    ),
+    "interleaved-tied": (dict(dp=2, tp=2, pp=2), {"engine": "interleaved_1f1b", "v": 2, "tied": True}),
+}
+
+
+def global_batch(step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3000 + step)
+    start = torch.randint(0, MODEL["vocab_size"], (GLOBAL_BATCH, 1), generator=gen)
+    stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=gen)
+    return (start + stride * torch.arange(SEQ + 1)) % MODEL["vocab_size"]
+
+
+def _build(pc, opts: dict, zero: int):
+    from nanotrain.models.llama_parallelize import build_llama
+    from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups
+    from nanotrain.parallel.data_parallel import build_grad_sync
+    from nanotrain.parallel.pipeline_parallel import PipelineEngine
+
+    args = ModelArgs(**MODEL, tie_word_embeddings=opts.get("tied", False), moe=MOE if opts.get("moe") else None)
+    model = build_llama(
+        args,
+        pc.tp_pg,
+        mode=opts.get("tp_mode", "ALL_REDUCE"),
+        async_communication=opts.get("async", False),
+        pp_rank=pc.pp_rank,
+        pp_size=pc.pp_size,
+        virtual_stages=opts.get("v", 1),
+        seed=7,
+        cp_pg=pc.cp_pg,
+        ep_pg=pc.ep_pg,
+        recompute=opts.get("recompute", "none"),
+    )
+    grad_sync = build_grad_sync(list(model.parameters()), pc, bucket_cap_mb=BUCKET_MB)
+    optimizer = build_optimizer(model.named_parameters(), OPTIM, zero_stage=zero, **optimizer_groups(pc))
+    scheduler = build_lr_scheduler(optimizer, OPTIM, STEPS)
+    engine = PipelineEngine(opts["engine"], pc.pp_pg) if pc.pp_size > 1 else None
+    return model, grad_sync, optimizer, scheduler, engine
+
+
+def _micro(pc, step: int) -> list:
+    per = GLOBAL_BATCH // pc.data_size
+    rows = global_batch(step)[pc.data_rank * per : (pc.data_rank + 1) * per]
+    return [(mb[:, :-1], mb[:, 1:]) for mb in rows.split(MICRO_BATCH)]
+
+
+def _train(pc, opts: dict, zero: int = 2) -> dict:
+    from nanotrain.training.step import train_step
+
+    model, grad_sync, optimizer, scheduler, engine = _build(pc, opts, zero)
+    syncs = getattr(grad_sync, "syncs", [grad_sync])
+    assert zero < 2 or all(s.accumulator is not None for s in syncs if s.world_size > 1)
+    stats = [
+        train_step(model, _micro(pc, step), grad_sync, optimizer, scheduler, pc, OPTIM.clip_grad, engine)
+        for step in range(STEPS)
+    ]
+    assert all(p.grad is None for s in syncs if s.accumulator is not None for p in s.params)
+    return {"loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats]}
+
+
+def _grad_bytes(model, grad_sync) -> int:
+    """Bytes of the distinct storages of every gradient tensor this rank holds."""
+    storages = {}
+    tensors = [p.grad for p in model.parameters() if p.grad is not None]
+    for s in getattr(grad_sync, "syncs", [grad_sync]):
+        tensors += [b.buffer for b in s.buckets if b.buffer is not None]
+        if s.accumulator is not None:
+            tensors.append(s.accumulator.flat)
+    for t in tensors:
+        st = t.untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
+def _memory(pc) -> dict:
+    """One step's backward and sync at ZeRO-0 and ZeRO-2 (dp4): the gradient bytes held, and
+    ZeRO-2's trace of full bucket buffers."""
+    from nanotrain.training.step import forward_backward
+
+    out = {}
+    for zero in (0, 2):
+        model, grad_sync, optimizer, _, _ = _build(pc, {}, zero)
+        forward_backward(model, _micro(pc, 0), grad_sync)
+        grad_sync.finish_grad_sync()
+        out[zero] = {"bytes": _grad_bytes(model, grad_sync), "params": sum(p.numel() for p in model.parameters())}
+        if zero == 2:
+            acc = grad_sync.accumulator
+            alive, peak, live = 0, 0, {}
+            for event, index, nbytes in acc.buffer_log:
+                if event == "alloc":
+                    assert index not in live, "a bucket buffer allocated twice without a free"
+                    live[index] = nbytes
+                    alive += nbytes
+                else:
+                    alive -= live.pop(index)
+                peak = max(peak, alive)
+            out[zero].update(
+                peak=peak,
+                alive_after=alive,
+                allocs=sum(e == "alloc" for e, _, _ in acc.buffer_log),
+                buckets=len(grad_sync.buckets),
+                largest=max(b.size * 4 for b in grad_sync.buckets),
+                full=sum(b.size * 4 for b in grad_sync.buckets),
+                micro_batches=len(_micro(pc, 0)),
+            )
+        grad_sync.zero_grad()
+    return out
+
+
+def launch(cases: dict, memory: bool) -> dict:
+    from nanotrain.parallel.parallel_context import ParallelContext
+
+    out = {}
+    for name, (grid, opts) in cases.items():  # the contexts live until the rank exits
+        pc = ParallelContext(
+            data_parallel_size=grid.get("dp", 1),
+            tensor_parallel_size=grid.get("tp", 1),
+            pipeline_parallel_size=grid.get("pp", 1),
+            context_parallel_size=grid.get("cp", 1),
+            expert_parallel_size=grid.get("ep", 1),
+        )
+        out[name] = _train(pc, opts)
+        if memory and name == "dp4":
+            out["memory"] = _memory(pc)
+    return out
+
+
+def reference_launch() -> dict:
+    from nanotrain.parallel.parallel_context import ParallelContext
+
+    pc = ParallelContext()
+    return {(tied, moe): _train(pc, {"tied": tied, "moe": moe}, zero=0) for tied, moe in ((0, 0), (1, 0), (0, 1))}
+
+
+@functools.lru_cache(maxsize=None)
+def reference() -> dict:
+    return run_distributed(reference_launch, 1, timeout=300)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def runs(ranks: int) -> list[dict]:
+    return run_distributed(launch, ranks, FOUR if ranks == 4 else EIGHT, ranks == 4, timeout=400)
+
+
+def _rel(got: list, ref: list) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(FOUR) + list(EIGHT))
+def test_zero2_equals_one_process(name):
+    ranks, (_, opts) = (4, FOUR[name]) if name in FOUR else (8, EIGHT[name])
+    ref = reference()[(int(opts.get("tied", False)), int(opts.get("moe", False)))]
+    assert ref["loss"][-1] < ref["loss"][0]
+    assert any(n > OPTIM.clip_grad for n in ref["grad_norm"]), "clipping never triggered"
+    for rank, res in enumerate(runs(ranks)):
+        got = res[name]
+        assert len(got["loss"]) == STEPS
+        assert _rel(got["loss"], ref["loss"]) < 1e-6, (rank, got["loss"], ref["loss"])
+        # grad norms: 1e-5 as the other equality tests; under sequence parallelism the fp32 norm
+        # of the later steps differs by ~4e-6 at ZeRO-0 and 1 alike (measured), rounding of tp
+        assert _rel(got["grad_norm"], ref["grad_norm"]) < 1e-5, (rank, got["grad_norm"], ref["grad_norm"])
+
+
+@pytest.mark.timeout(900)
+def test_zero2_holds_a_quarter_of_the_gradients_at_dp4():
+    for res in runs(4):
+        zero0, zero2 = res["memory"][0], res["memory"][2]
+        assert zero0["bytes"] >= 4 * zero0["params"]  # the whole gradient, in buckets
+        ratio = zero2["bytes"] / zero0["bytes"]
+        assert 0.24 <= ratio <= 0.26, ratio  # 1/4, plus each bucket's padding to a multiple of 4
+        # every full buffer freed after its reduce-scatter; never many alive at once
+        assert zero2["alive_after"] == 0
+        assert zero2["allocs"] >= zero2["buckets"] * zero2["micro_batches"]  # one per bucket and micro-batch
+        assert zero2["peak"] <= 3 * zero2["largest"] and zero2["peak"] < zero2["full"] / 4, zero2
