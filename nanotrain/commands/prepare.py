@@ -94,25 +94,9 @@ def prepare_locally(config: Config) -> int:
 
 def executor_parameters(config: Config) -> dict:
     """One CPU-only task on one node: the `slurm.prepare` resources, the training job's setup."""
-    s, p = config.slurm, config.slurm.prepare
-    params: dict = {
-        "job_name": f"{config.logging.run_name}-prepare",
-        "nodes": 1,
-        "ntasks_per_node": 1,
-        "cpus_per_task": p.cpus,
-        "time": p.time,
-        "stderr_to_stdout": False,
-        "setup": sbatch.setup_lines(config) + [f"export OMP_NUM_THREADS={p.cpus}"],
-    }
-    partition = p.partition or s.partition
-    if partition is not None:
-        params["partition"] = partition
-    for name in ("account", "qos"):
-        if getattr(s, name) is not None:
-            params[name] = getattr(s, name)
-    if p.mem_gb is not None:
-        params["mem"] = f"{max(1, round(p.mem_gb * 1024))}M"
-    return params
+    p = config.slurm.prepare
+    name = f"{config.logging.run_name}-prepare"
+    return sbatch.side_job_parameters(config, name, p, [f"export OMP_NUM_THREADS={p.cpus}"])
 
 
 def submit_prepare(config: Config, run_dir: Path) -> int:

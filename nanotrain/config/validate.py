@@ -10,8 +10,8 @@ from __future__ import annotations
 from nanotrain.config.families import validate_family
 from nanotrain.config.loader import ConfigError, check_fields
 from nanotrain.config.schema import MAX_WORLD, Config
-from nanotrain.config.validate_eval import validate_eval
-from nanotrain.config.validate_slurm import RUN_NAME, SlurmLayout, parallel_product, slurm_layout, validate_names
+from nanotrain.config.validate_eval import validate_eval, validate_named_sources
+from nanotrain.config.validate_slurm import SlurmLayout, parallel_product, slurm_layout, validate_names
 
 # training.collective_timeout_s: the process groups get more on top (training.builder.hang_timeouts),
 # which timedelta and torch's nanosecond clocks must still hold; a longer wait is no watchdog.
@@ -228,18 +228,7 @@ def wsd_decay_steps(decay_fraction: float, train_steps: int) -> int:
 def validate_data(config: Config) -> None:
     """The mixture, the validation split and evaluation: the rules between their fields."""
     d, t = config.data, config.training
-    names = set()
-    for i, src in enumerate(d.sources):
-        where = f"data.sources[{i}]"
-        if not src.name:
-            _fail(f"{where}.name: every source needs a name (it labels data/tokens/<name>), e.g. name: web")
-        if not RUN_NAME.match(src.name):
-            _fail(f"{where}.name: {src.name!r} must be letters, digits, '.', '_' or '-' (it names TensorBoard tags)")
-        if src.name in names:
-            _fail(f"{where}.name: {src.name!r} is used twice; give every source its own name")
-        names.add(src.name)
-        if not src.source:
-            _fail(f"{where}.source: missing; set it to files, a directory, a glob or a hub dataset name")
+    validate_named_sources(d.sources, "data.sources", "source", "data/tokens/<name>", "web")
     if d.sources and d.source != "stdlib":
         _fail(
             f"data.source ({d.source!r}) and data.sources are both set: list every corpus in data.sources "

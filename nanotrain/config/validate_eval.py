@@ -16,22 +16,28 @@ def _fail(message: str):
     raise ConfigError(message)
 
 
+def validate_named_sources(sources, field: str, what: str, labels: str, example: str) -> None:
+    """Each of ``sources`` (``data.sources``, ``eval.sources``) has a unique name fit for a
+    TensorBoard tag (it labels ``labels``) and a source."""
+    names = set()
+    for i, src in enumerate(sources):
+        where = f"{field}[{i}]"
+        if not src.name:
+            _fail(f"{where}.name: every {what} needs a name (it labels {labels}), e.g. name: {example}")
+        if not RUN_NAME.match(src.name):
+            _fail(f"{where}.name: {src.name!r} must be letters, digits, '.', '_' or '-' (it names TensorBoard tags)")
+        if src.name in names:
+            _fail(f"{where}.name: {src.name!r} is used twice; give every {what} its own name")
+        names.add(src.name)
+        if not src.source:
+            _fail(f"{where}.source: missing; set it to files, a directory, a glob or a hub dataset name")
+
+
 def validate_eval(config: Config) -> None:
     """`eval.sources` named, unique and set; `eval.prompts` not empty; an enabled
     `checkpoints.eval_job` with something to evaluate and an inert partition name."""
     e, job = config.eval, config.checkpoints.eval_job
-    names = set()
-    for i, src in enumerate(e.sources):
-        where = f"eval.sources[{i}]"
-        if not src.name:
-            _fail(f"{where}.name: every evaluation source needs a name (it labels eval/<name>/loss), e.g. name: held")
-        if not RUN_NAME.match(src.name):
-            _fail(f"{where}.name: {src.name!r} must be letters, digits, '.', '_' or '-' (it names TensorBoard tags)")
-        if src.name in names:
-            _fail(f"{where}.name: {src.name!r} is used twice; give every evaluation source its own name")
-        names.add(src.name)
-        if not src.source:
-            _fail(f"{where}.source: missing; set it to files, a directory, a glob or a hub dataset name")
+    validate_named_sources(e.sources, "eval.sources", "evaluation source", "eval/<name>/loss", "held")
     for i, prompt in enumerate(e.prompts):
         if not prompt:
             _fail(f"eval.prompts[{i}]: an empty prompt; give the text the samples continue")

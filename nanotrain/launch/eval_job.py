@@ -35,27 +35,11 @@ def job_folder(run_dir: Path) -> Path:
 
 def executor_parameters(config: Config, step: int) -> dict:
     """One task on one node with the `checkpoints.eval_job` resources; the training job's setup."""
-    s, e = config.slurm, config.checkpoints.eval_job
-    env_lines = [f"export OMP_NUM_THREADS={e.cpus}"]
-    params: dict = {
-        "job_name": f"{config.logging.run_name}-eval-{step}",
-        "nodes": 1,
-        "ntasks_per_node": 1,
-        "cpus_per_task": e.cpus,
-        "time": e.time,
-        "stderr_to_stdout": False,
-        "setup": sbatch.setup_lines(config) + env_lines,
-    }
+    e = config.checkpoints.eval_job
+    name = f"{config.logging.run_name}-eval-{step}"
+    params = sbatch.side_job_parameters(config, name, e, [f"export OMP_NUM_THREADS={e.cpus}"])
     if e.gpus:
         params["gpus_per_node"] = e.gpus
-    partition = e.partition or s.partition
-    if partition is not None:
-        params["partition"] = partition
-    for name in ("account", "qos"):
-        if getattr(s, name) is not None:
-            params[name] = getattr(s, name)
-    if e.mem_gb is not None:
-        params["mem"] = f"{max(1, round(e.mem_gb * 1024))}M"
     return params
 
 

@@ -90,6 +90,31 @@ def executor_parameters(config: Config, layout: SlurmLayout) -> dict:
     return params
 
 
+def side_job_parameters(config: Config, job_name: str, resources, setup: list[str]) -> dict:
+    """A one-task, one-node job beside the training (`slurm.prepare`, `checkpoints.eval_job`):
+    ``resources``' cpus, time, memory and partition (else the training's), the training's account
+    and qos, and its setup lines followed by ``setup``."""
+    s = config.slurm
+    params: dict = {
+        "job_name": job_name,
+        "nodes": 1,
+        "ntasks_per_node": 1,
+        "cpus_per_task": resources.cpus,
+        "time": resources.time,
+        "stderr_to_stdout": False,
+        "setup": setup_lines(config) + setup,
+    }
+    partition = resources.partition or s.partition
+    if partition is not None:
+        params["partition"] = partition
+    for name in ("account", "qos"):
+        if getattr(s, name) is not None:
+            params[name] = getattr(s, name)
+    if resources.mem_gb is not None:
+        params["mem"] = f"{max(1, round(resources.mem_gb * 1024))}M"
+    return params
+
+
 def submitit_command(run_dir: Path) -> str:
     """The command line submitit's executor puts in the script (it runs the pickled task)."""
     return f"{shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(str(job_folder(run_dir)))}"
