@@ -34,6 +34,7 @@ class Ours:
         micro=MICRO_SEQS,
         spec: dict = MODEL,
         pc=None,
+        zero=0,
     ):
         from nanotrain.models.llama_parallelize import build_llama
         from nanotrain.optim import build_lr_scheduler, build_optimizer
@@ -49,7 +50,8 @@ class Ours:
             self.args, self.pc.tp_pg, mode=mode, pp_rank=self.pc.pp_rank, pp_size=pp, virtual_stages=v, seed=SEED
         )
         self.grad_sync = BucketedGradSync(list(self.model.parameters()), self.pc.dp_cp_pg)
-        self.optimizer = build_optimizer(self.model.named_parameters(), optim_args(), self.pc.dp_cp_pg)
+        # The sync first: at ZeRO-1/2 the optimizer takes its partition from the sync's buckets.
+        self.optimizer = build_optimizer(self.model.named_parameters(), optim_args(), self.pc.dp_cp_pg, zero_stage=zero)
         self.scheduler = build_lr_scheduler(self.optimizer, optim_args(), bench.total_steps)
         self.engine = PipelineEngine(engine, self.pc.pp_pg) if pp > 1 else None
 

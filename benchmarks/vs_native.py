@@ -23,8 +23,9 @@ the launcher of ``submit.py --local``), jobs listed in ``JOBS``. Results:
 same_loss, + details) and ``latest.md`` (the table, the command, the machine, the date).
 
 The shared harness (settings, timing loop, meters) is ``bench_common.py``, the two sides compared
-``bench_sides.py``, the checkpoint rows ``bench_checkpoint.py``; this file holds the jobs, the
-launcher and the report, and is the entry point.
+``bench_sides.py``, the checkpoint rows ``bench_checkpoint.py``, the ZeRO-2 vs FSDP2 and ZeRO
+memory rows ``bench_zero.py``; this file holds the other jobs, the launcher and the report, and is
+the entry point.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from bench_common import (  # noqa: E402
     preimport,
 )
 from bench_sides import NativeFlat, NativePipeline, Ours  # noqa: E402
+from bench_zero import job_zero2  # noqa: E402
 
 
 # ===================================================================================== the jobs
@@ -181,6 +183,7 @@ JOBS = {
     "pp2_interleaved": (2, job_pp2_interleaved),
     "3d": (8, job_3d),
     "checkpoint": (2, job_checkpoint),
+    "zero2": (2, job_zero2),
 }
 
 

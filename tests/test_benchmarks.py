@@ -52,6 +52,45 @@ def test_vs_native_quick_rows(tmp_path):
     assert "| row | nanotrain | native |" in table and all(r["name"] in table for r in rows)
 
 
+def test_vs_native_zero2_rows(tmp_path):
+    """ZeRO-2 vs FSDP2 at dp2 trains the same model to the same first loss, and the measured
+    per-rank bytes are the ZeRO arithmetic: gradients halved at stage 2, AdamW states at 1 and 2."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "vs_native.py"),
+            "--only",
+            "zero2",
+            "--reps",
+            "1",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "latest.json").read_text())
+    speed, mem2, mem1 = rows
+    assert speed["unit"] == "tokens/s" and speed["same_loss"] is True and speed["loss_rel_first"] <= 1e-4, speed
+    assert len(speed["rotation_ratios"]) == 3
+    by = mem2["bytes_by_kind"]
+    z0, z1, z2 = by["zero0"], by["zero1"], by["zero2"]
+    assert z0["params"] == z1["params"] == z2["params"] == z0["grads"] == z1["grads"]
+    assert z0["optim"] == 2 * z0["params"]
+    assert abs(z1["optim"] - z0["optim"] / 2) <= 64 and abs(z2["grads"] - z0["grads"] / 2) <= 64  # + padding
+    assert z2["optim"] == z1["optim"]
+    for row in (mem2, mem1):
+        assert FIELDS <= row.keys() and row["ratio"] <= row["target"], row
+    fsdp = mem2["fsdp2_bytes_by_kind"]
+    assert fsdp["optim"] > 0 and fsdp["params"] < z0["params"]
+
+
 def test_gpu_scripts_run_on_cpu(tmp_path):
     """benchmarks/gpu_check.sh and its stages (gpu_trainer_check.py, gpu_train_bench.py) only run
     for real where a GPU is lent: CI keeps them from rotting. ``--cpu-smoke`` runs every stage's
