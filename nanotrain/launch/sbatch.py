@@ -17,7 +17,8 @@ from pathlib import Path
 from submitit.slurm.slurm import _make_sbatch_string
 
 from nanotrain.config import Config, SlurmLayout
-from nanotrain.runtime import slurm_commands
+from nanotrain.config.validate_slurm import max_excluded_nodes
+from nanotrain.runtime import exclusions, slurm_commands
 
 
 def job_folder(run_dir: Path) -> Path:
@@ -37,8 +38,9 @@ def setup_lines(config: Config) -> list[str]:
     return lines
 
 
-def executor_parameters(config: Config, layout: SlurmLayout) -> dict:
-    """Keyword arguments of submitit's `SlurmExecutor.update_parameters` for this job."""
+def executor_parameters(config: Config, layout: SlurmLayout, run_dir: Path | None = None) -> dict:
+    """Keyword arguments of submitit's `SlurmExecutor.update_parameters` for this job; with
+    ``run_dir`` (an existing run: `--resume`) its excluded nodes go to `--exclude`."""
     s = config.slurm
     params: dict = {
         "job_name": config.logging.run_name,
@@ -69,6 +71,11 @@ def executor_parameters(config: Config, layout: SlurmLayout) -> dict:
     extra["requeue"] = True  # preemption/time-limit saves requeue the job (off on some clusters)
     if s.signal != "USR2":  # submitit always renders USR2; the configured signal replaces it
         extra["signal"] = f"{s.signal}@{s.signal_delay_s}"
+    # --- node exclusion (issue 31): the nodes the run excludes stay excluded when it is resumed ---
+    excluded = exclusions.excluded(run_dir, max_excluded_nodes(config)) if run_dir is not None else []
+    if excluded:
+        extra["exclude"] = ",".join(([extra["exclude"]] if extra.get("exclude") else []) + excluded)
+    # --- end of node exclusion ---
     if extra:
         params["additional_parameters"] = extra
     return params
@@ -85,7 +92,8 @@ def task_command(config_path: Path) -> str:
 
 
 def render_sbatch(config: Config, layout: SlurmLayout, run_dir: Path, command: str) -> str:
-    return _make_sbatch_string(command=command, folder=str(job_folder(run_dir)), **executor_parameters(config, layout))
+    params = executor_parameters(config, layout, run_dir)
+    return _make_sbatch_string(command=command, folder=str(job_folder(run_dir)), **params)
 
 
 @functools.lru_cache(maxsize=1)
