@@ -244,7 +244,7 @@ class PrepareArgs:
     mem_gb: Optional[float] = bounded(None, 0.0, 1e6, doc="memory of the job", above=True)
 
 
-# --- slurm.health, slurm.max_excluded_nodes (issue 31 items 1, 4: node health and exclusion) ---
+# --- slurm.health, slurm.max_excluded_nodes: node health and exclusion ---
 @dataclass
 class HealthArgs:
     """slurm.health: the start-up health check of every node and the straggler watch (README,
@@ -311,7 +311,7 @@ class SlurmArgs:
     prepare: PrepareArgs = field(
         default_factory=PrepareArgs, metadata={"doc": "the CPU job of --prepare-data (partition, cpus, time)"}
     )
-    # --- node health and exclusion (issue 31 items 1, 4) ---
+    # --- node health and exclusion ---
     health: HealthArgs = field(
         default_factory=HealthArgs, metadata={"doc": "node health check before training, straggler watch"}
     )

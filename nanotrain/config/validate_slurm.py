@@ -213,7 +213,7 @@ def check_world_size(config: Config, world_size: int, where: str) -> None:
         )
 
 
-# --- node health and exclusion (issue 31 items 1, 4): the defaults that depend on the nodes ---
+# --- node health and exclusion: the defaults that depend on the nodes ---
 GPU_MAX_EXCLUDED_NODES = 4  # slurm.max_excluded_nodes: null on GPU nodes
 
 

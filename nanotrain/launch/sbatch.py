@@ -71,7 +71,7 @@ def executor_parameters(config: Config, layout: SlurmLayout, run_dir: Path | Non
     extra["requeue"] = True  # preemption/time-limit saves requeue the job (off on some clusters)
     if s.signal != "USR2":  # submitit always renders USR2; the configured signal replaces it
         extra["signal"] = f"{s.signal}@{s.signal_delay_s}"
-    # --- node exclusion (issue 31): the nodes the run excludes stay excluded when it is resumed ---
+    # --- node exclusion: the nodes the run excludes stay excluded when it is resumed ---
     excluded = exclusions.excluded(run_dir, max_excluded_nodes(config)) if run_dir is not None else []
     if excluded:
         extra["exclude"] = ",".join(([extra["exclude"]] if extra.get("exclude") else []) + excluded)
