@@ -17,10 +17,15 @@
 #   4. multi-gpu      (cap 120 s) tp2 x pp2 1f1b with >= 4 GPUs, pp2 1f1b with 2-3, through
 #                     `submit.py --local`, with a checkpoint and `--resume` (same loss check);
 #                     skipped on one GPU (NCCL refuses two ranks on one device);
-#   5. rehearsal      (cap  30 s) `submit.py CONFIG --rehearse --rank 0 --json` on stage 3's
+#   5. flight-recorder (cap 30 s) NCCL's flight recorder as a hang report sees it: nanotrain's
+#                     settings (the installed torch's variable names) point into the run's hang/
+#                     directory, all-reduces are recorded (nccl:all_reduce), the watchdog's report
+#                     names the last collective and embeds the record, torch's own dump file lies
+#                     beside it (hang/nccl_trace_rank_0); NCCL's own dump through its debug pipe;
+#   6. rehearsal      (cap  30 s) `submit.py CONFIG --rehearse --rank 0 --json` on stage 3's
 #                     config: its peak beside the real max_memory_allocated ("unavailable" when
 #                     submit.py has no --rehearse yet);
-#   6. bench          (cap 150 s, GPU_CHECK_BENCH=1 only) gpu_train_bench.py, the ~1.1 B model's
+#   7. bench          (cap 150 s, GPU_CHECK_BENCH=1 only) gpu_train_bench.py, the ~1.1 B model's
 #                     tokens/s and MFU (GPU_CHECK_COMPILE=1: the compiled one too, in what is left).
 # The stages are benchmarks/gpu_trainer_check.py; this script finds the Python and its packages.
 #

@@ -114,7 +114,19 @@ def test_gpu_scripts_run_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = json.loads((out / "gpu_check.json").read_text())
     stages = {s["name"]: s for s in summary["stages"]}
-    assert list(stages) == ["versions", "gpu-tests", "trainer", "multi-gpu", "rehearsal", "bench"] and summary["ok"]
+    assert (
+        list(stages)
+        == [
+            "versions",
+            "gpu-tests",
+            "trainer",
+            "multi-gpu",
+            "flight-recorder",
+            "rehearsal",
+            "bench",
+        ]
+        and summary["ok"]
+    )
     assert stages["versions"]["status"] == "passed" and stages["versions"]["torch"]
     assert stages["gpu-tests"]["status"] == "skipped" and stages["multi-gpu"]["status"] == "skipped"
     trainer = stages["trainer"]
@@ -129,6 +141,10 @@ def test_gpu_scripts_run_on_cpu(tmp_path):
         assert trainer[key]["max_abs_diff"] == 0.0
     assert trainer["compile"]["status"] == "skipped"
     assert all(r["tokens_per_sec"] > 0 and r["memory"]["peak_rss_bytes"] > 0 for r in runs.values())
+    fr = stages["flight-recorder"]  # the hang report's flight recorder (issue 31 item 4), on gloo here
+    assert fr["status"] == "passed", fr["note"]
+    assert "gloo:all_reduce" in fr["report"]["profiling_names"] and fr["report"]["file_entries"] >= 3
+    assert fr["report"]["collective"]["name"] == "all_reduce of the gpu check" and fr["torch_dump"] is None
     assert stages["rehearsal"]["status"] == "skipped"  # GPU_CHECK_SMOKE_REHEARSE=1 runs it (6-20 s here)
     bench = stages["bench"]["gpu_bench"]["result"]
     assert bench["device"] == "cpu" and bench["tokens_per_step"] == 2 * 128 and bench["tokens_per_s"] > 0

@@ -80,6 +80,46 @@ BAD_CONFIGS = [
         ["training.spike.max_consecutive_skips", "minimum 1"],
     ),
     ("spike-unknown-key", None, ["--set", "training.spike.k=3"], ["training.spike.k", "unknown key"]),
+    # slurm.health, slurm.max_excluded_nodes (issue 31 items 1, 4)
+    (
+        "health-enabled-not-bool",
+        None,
+        ["--set", "slurm.health.enabled=maybe"],
+        ["slurm.health.enabled", "true or false"],
+    ),
+    (
+        "health-matmul-one",
+        None,
+        ["--set", "slurm.health.matmul_slowdown=1"],
+        ["slurm.health.matmul_slowdown", "above 1.0"],
+    ),
+    (
+        "health-allreduce-huge",
+        None,
+        ["--set", "slurm.health.allreduce_slowdown=5000"],
+        ["slurm.health.allreduce_slowdown", "maximum"],
+    ),
+    (
+        "health-straggler-slowdown-below-one",
+        None,
+        ["--set", "slurm.health.straggler_slowdown=0.5"],
+        ["slurm.health.straggler_slowdown", "above 1.0"],
+    ),
+    (
+        "health-straggler-intervals-zero",
+        None,
+        ["--set", "slurm.health.straggler_intervals=0"],
+        ["slurm.health.straggler_intervals", "minimum 1"],
+    ),
+    ("health-not-a-mapping", lambda c: c["slurm"].update(health=3), [], ["slurm.health", "mapping"]),
+    ("health-unknown-key", None, ["--set", "slurm.health.treshold=2"], ["slurm.health.treshold", "unknown key"]),
+    (
+        "excluded-nodes-negative",
+        None,
+        ["--set", "slurm.max_excluded_nodes=-1"],
+        ["slurm.max_excluded_nodes", "minimum 0", "0 never excludes a node"],
+    ),
+    ("excluded-nodes-float", None, ["--set", "slurm.max_excluded_nodes=1.5"], ["slurm.max_excluded_nodes", "integer"]),
     (
         "loss-chunk-negative",
         lambda c: c["training"].update(loss_chunk_tokens=-1),

@@ -24,7 +24,7 @@ from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.parallel.pipeline_parallel import TensorPointer
 from nanotrain.rehearse.stand_in import MetaAccelerator, kernel_stubs
 from nanotrain.rehearse.tracker import DeviceTracker, watch_tensor_factories
-from nanotrain.runtime.hang import HangWatchdog, nccl_debug_env
+from nanotrain.runtime.hang import HangWatchdog, fr_buffer_var, nccl_debug_env
 from nanotrain.training import step
 from nanotrain.training.builder import build_parallel_context, hang_timeouts
 from nanotrain.training.stop_vote import StopVote, TrainingDiverged
@@ -138,16 +138,19 @@ def test_nccl_dumps_into_the_run_directory(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     environ: dict = {}
     nccl_debug_env(tmp_path, environ)
+    # the buffer under the installed torch's name (2.13: TORCH_FR_BUFFER_SIZE; the old one would
+    # warn "deprecated"), the file prefix under both names (newer torch reads TORCH_FR_* first)
+    prefix = str(tmp_path / "hang" / "nccl_trace_rank_")
     assert environ == {
-        "TORCH_FR_BUFFER_SIZE": "2000",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        fr_buffer_var(): "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "hang" / "nccl_trace_rank_"),
+        "TORCH_FR_DUMP_TEMP_FILE": prefix,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
     }
     assert (tmp_path / "hang").is_dir()
-    mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "500", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_"}
-    nccl_debug_env(tmp_path, mine)  # the user's settings win; the other buffer size follows theirs
-    assert mine["TORCH_FR_BUFFER_SIZE"] == "500" and mine["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/scratch/fr_"
+    mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "500", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "fr_")}
+    nccl_debug_env(tmp_path, mine)  # the user's settings win, under the other name too
+    assert mine[fr_buffer_var()] == "500" and mine["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "fr_")
 
 
 # ----------------------------------------------------- the data-build wait is no collective

@@ -88,7 +88,9 @@ def test_sigstop_of_one_of_8_local_ranks(logs):
     assert any(3 in r["collective"]["group"]["ranks"] for r in found.values() if r["collective"])
     assert assert_latest_intact(run_dir) >= 5
     status = status_of(run_dir)
-    assert "rank 3 did not reach" in status and "hung at step" in status, status
+    # the culprit with its host (item 4 of issue 31: off SLURM the node is the host), from its smoke report
+    host = json.loads((run_dir / "smoke" / "rank-3.json").read_text())["host"]
+    assert f"rank 3 (host {host}) did not reach" in status and "hung at step" in status, status
     for rank in range(8):
         assert rank_pid(run_dir, rank) is None, f"rank {rank} survived"
 
@@ -121,7 +123,10 @@ def test_rank_asleep_inside_a_pipeline_step(logs):
     if 0 in found:  # its peer waits for a pipeline message from it (or timed out already)
         assert found[0]["collective"]["group"]["ranks"] == [0, 1]
     status = status_of(run_dir)
-    assert "hung at step 3 in forward (pp F micro-batch" in status and "rank 1 did not reach" in status, status
+    assert (
+        "hung at step 3 in forward (pp F micro-batch" in status
+        and f"rank 1 (host {asleep['host']}) did not reach" in status
+    ), status
     assert time.monotonic() - started < 240
 
 

@@ -114,7 +114,7 @@ def submit_slurm(config: Config, layout: SlurmLayout, run_dir: Path) -> int:
         job = submit(
             sbatch.job_folder(run_dir),
             config.slurm.max_requeues,
-            sbatch.executor_parameters(config, layout),
+            sbatch.executor_parameters(config, layout, run_dir),
             TrainingTask(),
             str(config_path),
         )

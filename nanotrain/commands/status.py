@@ -23,7 +23,7 @@ from nanotrain.commands.prepare import prepared_line
 from nanotrain.config import ConfigError
 from nanotrain.config.cli_args import one_line
 from nanotrain.logging.metrics import PROGRESS_FILE, format_eta
-from nanotrain.runtime import eval_record, rundir, slurm_commands
+from nanotrain.runtime import eval_record, exclusions, rundir, slurm_commands
 from nanotrain.runtime.hang_status import hang_lines
 from nanotrain.runtime.rundir import Launcher
 
@@ -252,6 +252,15 @@ def show_status(run_dir: str | Path, out: TextIO | None = None) -> int:
         print(f"state: {state}", file=out)
         print(f"requeues: {info.restarts if info.restarts is not None else 'unknown'}", file=out)
         print(f"nodes: {info.nodes or '-'}", file=out)
+        waiting = info.state == "PENDING" and (info.reason or "").startswith(("BadConstraints", "ReqNodeNotAvail"))
+        excluded = [e["node"] for e in exclusions.read_record(run_dir)["nodes"]]
+        if waiting and excluded:
+            print(
+                f"note: the job waits for nodes outside the excluded {', '.join(excluded)}; continue on fewer "
+                f"nodes: scancel {job_id}, then python submit.py --resume {run_dir} --set ... (the exclusions "
+                "stay), or on them: --set slurm.max_excluded_nodes=0",
+                file=out,
+            )
         if info.exit_code is not None:
             meaning = EXIT_MEANINGS.get(info.exit_code, "killed or failed outside training: see the job log")
             print(f"exit code: {info.exit_code}, {meaning}", file=out)
@@ -264,6 +273,8 @@ def show_status(run_dir: str | Path, out: TextIO | None = None) -> int:
     prepared = prepared_line(run_dir)
     print(prepared if prepared is not None else progress_line(_read_progress(run_dir), run_dir), file=out)
     for line in hang_lines(run_dir):  # a run that hung: the culprit, from the ranks' reports
+        print(line, file=out)
+    for line in exclusions.status_lines(run_dir):  # start-up health, excluded nodes, stragglers
         print(line, file=out)
     skipped = skipped_line(run_dir)
     if skipped is not None:

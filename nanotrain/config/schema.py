@@ -293,6 +293,46 @@ class PrepareArgs:
     mem_gb: Optional[float] = bounded(None, 0.0, 1e6, doc="memory of the job", above=True)
 
 
+# --- slurm.health, slurm.max_excluded_nodes: node health and exclusion ---
+@dataclass
+class HealthArgs:
+    """slurm.health: the start-up health check of every node and the straggler watch (README,
+    "When a node is slow or hangs")."""
+
+    enabled: Optional[bool] = doc(
+        None,
+        "time a matmul and all-reduces (within each node, across nodes) on every task before training, "
+        "and watch for repeated stragglers; null = on with GPUs (slurm.gpus_per_node > 0), off on CPU nodes "
+        "(shared cores make CPU timings noisy)",
+    )
+    matmul_slowdown: float = bounded(
+        1.5, 1.0, 1000.0, above=True, doc="a task whose matmul takes more than this x the median task's is slow"
+    )
+    allreduce_slowdown: float = bounded(
+        2.0,
+        1.0,
+        1000.0,
+        above=True,
+        doc="a node whose all-reduce (within it, or with its neighbours) takes more than this x the median is slow",
+    )
+    straggler_slowdown: float = bounded(
+        1.5,
+        1.0,
+        1000.0,
+        above=True,
+        doc="a rank busy more than this x the median of its pipeline stage's ranks is straggling",
+    )
+    straggler_intervals: int = bounded(
+        5,
+        1,
+        100000,
+        doc="a rank straggling in this many log intervals in a row names its node (excluded at the next requeue)",
+    )
+
+
+# --- end of slurm.health ---
+
+
 @dataclass
 class SlurmArgs:
     gpus_per_node: int = bounded(0, 0, 1024, doc="0 = CPU-only cluster (then tasks_per_node)")
@@ -327,6 +367,19 @@ class SlurmArgs:
     prepare: PrepareArgs = field(
         default_factory=PrepareArgs, metadata={"doc": "the CPU job of --prepare-data (partition, cpus, time)"}
     )
+    # --- node health and exclusion ---
+    health: HealthArgs = field(
+        default_factory=HealthArgs, metadata={"doc": "node health check before training, straggler watch"}
+    )
+    max_excluded_nodes: Optional[int] = bounded(
+        None,
+        0,
+        100000,
+        doc="nodes named by the health check, a hang or repeated stragglers are excluded from the job's "
+        "requeues (and from --resume) up to this many; null = 4 with GPUs, 0 on CPU nodes",
+        why="0 never excludes a node, N > 0 excludes up to N, null: 4 on GPU nodes and 0 on CPU nodes",
+    )
+    # --- end of node health and exclusion ---
 
 
 @dataclass

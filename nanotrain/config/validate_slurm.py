@@ -270,3 +270,25 @@ def _range_against_grid(config: Config, nodes: int, per_node: int, field: str) -
 
 
 # --- end: continue on another number of nodes ---
+
+
+# --- node health and exclusion: the defaults that depend on the nodes ---
+GPU_MAX_EXCLUDED_NODES = 4  # slurm.max_excluded_nodes: null on GPU nodes
+
+
+def health_enabled(config: Config) -> bool:
+    """``slurm.health.enabled``, its null resolved: on with GPUs, off on CPU nodes (where tasks share
+    cores and a timing says more about the neighbours than about the node)."""
+    enabled = config.slurm.health.enabled
+    return config.slurm.gpus_per_node > 0 if enabled is None else bool(enabled)
+
+
+def max_excluded_nodes(config: Config) -> int:
+    """``slurm.max_excluded_nodes``, its null resolved: GPU_MAX_EXCLUDED_NODES with GPUs, else 0."""
+    limit = config.slurm.max_excluded_nodes
+    if limit is None:
+        return GPU_MAX_EXCLUDED_NODES if config.slurm.gpus_per_node > 0 else 0
+    return int(limit)
+
+
+# --- end of node health and exclusion ---

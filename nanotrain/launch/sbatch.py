@@ -17,8 +17,8 @@ from pathlib import Path
 from submitit.slurm.slurm import _make_sbatch_string
 
 from nanotrain.config import Config, SlurmLayout
-from nanotrain.config.validate_slurm import node_range
-from nanotrain.runtime import slurm_commands
+from nanotrain.config.validate_slurm import max_excluded_nodes, node_range
+from nanotrain.runtime import exclusions, slurm_commands
 
 
 def job_folder(run_dir: Path) -> Path:
@@ -51,8 +51,9 @@ def node_range_lines(config: Config) -> list[str]:
     return [f"export SLURM_NTASKS={tasks} SLURM_NPROCS={tasks}"]
 
 
-def executor_parameters(config: Config, layout: SlurmLayout) -> dict:
-    """Keyword arguments of submitit's `SlurmExecutor.update_parameters` for this job."""
+def executor_parameters(config: Config, layout: SlurmLayout, run_dir: Path | None = None) -> dict:
+    """Keyword arguments of submitit's `SlurmExecutor.update_parameters` for this job; with
+    ``run_dir`` (an existing run: `--resume`) its excluded nodes go to `--exclude`."""
     s = config.slurm
     params: dict = {
         "job_name": config.logging.run_name,
@@ -85,6 +86,11 @@ def executor_parameters(config: Config, layout: SlurmLayout) -> dict:
         extra["signal"] = f"{s.signal}@{s.signal_delay_s}"
     if layout.min_nodes is not None:  # slurm.nodes 'min-max': replaces the --nodes line; submitit's
         extra["nodes"] = layout.nodes_text  # own `nodes` stays an int (it multiplies it into a task count)
+    # --- node exclusion: the nodes the run excludes stay excluded when it is resumed ---
+    excluded = exclusions.excluded(run_dir, max_excluded_nodes(config)) if run_dir is not None else []
+    if excluded:
+        extra["exclude"] = ",".join(([extra["exclude"]] if extra.get("exclude") else []) + excluded)
+    # --- end of node exclusion ---
     if extra:
         params["additional_parameters"] = extra
     return params
@@ -126,7 +132,8 @@ def task_command(config_path: Path) -> str:
 
 
 def render_sbatch(config: Config, layout: SlurmLayout, run_dir: Path, command: str) -> str:
-    return _make_sbatch_string(command=command, folder=str(job_folder(run_dir)), **executor_parameters(config, layout))
+    params = executor_parameters(config, layout, run_dir)
+    return _make_sbatch_string(command=command, folder=str(job_folder(run_dir)), **params)
 
 
 @functools.lru_cache(maxsize=1)

@@ -340,8 +340,10 @@ def metrics_logger_for(
     if parallel_context is not None:
         from nanotrain.logging.stragglers import step_time_max_over_median  # torch: not for the CLI's imports
 
+        watch = straggler_watch(config, run_dir, parallel_context, enabled)
+
         def ratio(interval_s: float, steps: int) -> float:
-            return step_time_max_over_median(interval_s, steps, device)
+            return step_time_max_over_median(interval_s, steps, device, watch=watch)
 
     return MetricsLogger(
         run_dir,
@@ -358,3 +360,20 @@ def metrics_logger_for(
         start_step=start_step,
         step_time_ratio=ratio,
     )
+
+
+def straggler_watch(config, run_dir, parallel_context, writer: bool):
+    """The repeated-straggler watch (``stragglers.StragglerWatch``) when ``slurm.health`` is on and
+    the start-up check told every rank its peers' nodes; else None."""
+    from nanotrain.config.validate_slurm import health_enabled
+    from nanotrain.logging.stragglers import StragglerWatch
+    from nanotrain.parallel.observe.nodes import NODES
+
+    if not health_enabled(config) or NODES.of_rank is None:
+        return None
+    world = parallel_context.grid.world_size
+    if world == 1 or len(NODES.of_rank) != world:
+        return None
+    h = config.slurm.health
+    stages = [parallel_context.grid.coords(r).pp for r in range(world)]
+    return StragglerWatch(stages, NODES.get, h.straggler_slowdown, h.straggler_intervals, run_dir, writer)

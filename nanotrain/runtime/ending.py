@@ -9,7 +9,8 @@ order in which what the rank holds is let go.
   directory in use): one ``error:`` line, ``EXIT_USER_ERROR``;
 * divergence: one line naming the checkpoint left untouched, ``EXIT_DIVERGED``;
 * a collective that failed because a peer never answered, while training: a hang, reported as
-  the watchdog would, ``EXIT_HUNG`` (and on SLURM requeued like a node failure);
+  the watchdog would, ``EXIT_HUNG`` (and on SLURM requeued like a node failure, without the
+  culprit's node: ``exclude_culprit_node``);
 * always, in this order: the watchdog stops, the hang record is disarmed, the ownership claim
   is released, the process groups are destroyed (with a barrier only when every rank got here
   the normal way), and stop signals are ignored from then on.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +32,12 @@ from typing import Iterator, Optional
 
 from nanotrain.checkpoint import CheckpointMismatch, read_latest
 from nanotrain.config.cli_args import EXIT_USER_ERROR
+from nanotrain.config.validate_slurm import max_excluded_nodes
 from nanotrain.data import DataError
 from nanotrain.parallel.observe.hang_record import HANG_RECORD
+from nanotrain.runtime import exclusions
 from nanotrain.runtime.hang import EXIT_HUNG, HangWatchdog, is_comm_failure, is_timeout
-from nanotrain.runtime.hang_status import requeue_marker
+from nanotrain.runtime.hang_status import find_culprit, read_reports, requeue_marker
 from nanotrain.runtime.ownership import Claim, OwnershipError
 from nanotrain.runtime.preemption import SIGNAL_STOP, PreemptionHandler, classify_sigterm, request_requeue
 from nanotrain.training.builder import hang_timeouts
@@ -139,7 +143,8 @@ def decide_stop(step: int, stop_code: int, config, env, run_dir: Path, preemptio
         )
         return Outcome.CANCELLED
     print(f"preempted at step {step} ({received}, {kind}: {why}): {saved}; {resume}", flush=True)
-    return Outcome.PREEMPTED if request_requeue(config.slurm.max_requeues) else Outcome.STOPPED
+    requeued = request_requeue(config.slurm.max_requeues, run_dir, max_excluded_nodes(config))
+    return Outcome.PREEMPTED if requeued else Outcome.STOPPED
 
 
 def after_hang(config, env, run_dir: Path) -> None:
@@ -158,4 +163,50 @@ def after_hang(config, env, run_dir: Path) -> None:
     else:
         os.close(fd)
     print(f"hang: rank {env.rank} requeues job {env.job_id} from its last complete checkpoint", flush=True)
-    request_requeue(config.slurm.max_requeues)
+    limit = max_excluded_nodes(config)
+    if limit > 0:
+        exclude_culprit_node(run_dir, env, limit)
+    request_requeue(config.slurm.max_requeues, run_dir, limit)
+
+
+HANG_SETTLE_S = 2.0  # how long the requeueing rank waits for its peers' reports (SLURM kills after KillWait)
+
+
+def exclude_culprit_node(run_dir: Path, env, limit: int, settle_s: float = HANG_SETTLE_S) -> None:
+    """Exclude the hang's culprit rank's node (``exclusions.py``) once the reports name it.
+
+    The peers' watchdogs fire within moments of each other, so this waits up to ``settle_s`` for
+    every report but the culprit's (a stopped rank writes none) — all of them, or all but one
+    with none new for half a second. Fewer than that: the culprit is unclear and no node is
+    excluded. The ranks are being ended meanwhile (srun --kill-on-bad-exit): SIGTERM, which the
+    stop handler takes, then SIGKILL after SLURM's KillWait (30 s by default, 5 s here)."""
+    deadline = time.monotonic() + settle_s
+    seen, changed = -1, time.monotonic()
+    while True:
+        reports = read_reports(run_dir)
+        if len(reports) != seen:
+            seen, changed = len(reports), time.monotonic()
+        complete = seen >= env.world_size or (seen >= env.world_size - 1 and time.monotonic() - changed >= 0.5)
+        if complete or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    if seen < env.world_size - 1:
+        print(f"hang: culprit unclear ({seen} of {env.world_size} reports): no node excluded", flush=True)
+        return
+    found = find_culprit(reports, run_dir)
+    if not found or not found.get("node"):
+        print("hang: the culprit's node is unknown: no node excluded", flush=True)
+        return
+    added, note = exclusions.add(
+        run_dir,
+        found["node"],
+        "hang",
+        f"rank {found['rank']} hung the job: {found['text']}",
+        limit,
+        env.job_id,
+        env.restart_count,
+    )
+    print(f"hang: node {found['node']} of culprit rank {found['rank']}: {note}", flush=True)
+    warning = exclusions.fit_warning(run_dir, limit) if added else None
+    if warning:
+        print(f"hang: warning: {warning}", flush=True)

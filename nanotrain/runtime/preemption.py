@@ -141,8 +141,12 @@ def requeued_by_slurm(job_id: str, restart_count: int) -> bool:
     return bool(match) and int(match.group(1)) > restart_count
 
 
-def request_requeue(max_requeues: int) -> bool:
-    """Requeue this SLURM job (rank 0 only); False when the budget is spent or not on SLURM."""
+def request_requeue(max_requeues: int, run_dir=None, max_excluded: int = 0) -> bool:
+    """Requeue this SLURM job (rank 0 only); False when the budget is spent or not on SLURM.
+
+    ``run_dir`` and ``max_excluded`` (slurm.max_excluded_nodes): the nodes the run excludes
+    (``exclusions.py``: health check, hangs, stragglers) that the job does not avoid yet are
+    added to its ExcNodeList on the way (hold, update, release)."""
     job_id = os.environ.get("SLURM_JOB_ID")
     if job_id is None:
         return False
@@ -155,11 +159,30 @@ def request_requeue(max_requeues: int) -> bool:
             flush=True,
         )
         return False
+    # The exclusion record (``exclusions.py``) imports the config package: only here, after the
+    # handler of this module has long been installed.
+    from nanotrain.runtime import exclusions
+
+    exclude = exclusions.to_exclude(run_dir, job_id, restarts, max_excluded) if run_dir is not None else []
     if requeued_by_slurm(job_id, restarts):
         print(f"preemption: SLURM requeued job {job_id} itself (restart {restarts + 1})", flush=True)
         _restore_node_range(job_id)
+        if exclude:
+            _, note = exclusions.requeue_excluding(job_id, exclude, already_requeued=True)
+            exclusions.note_applied(run_dir, job_id, restarts + 1, exclude, note)
+            print(f"preemption: job {job_id} now avoids {', '.join(exclude)}: {note}", flush=True)
         return True
     _restore_node_range(job_id)  # before the requeue: SLURM ends this process with the job
+    if exclude:
+        requeued, note = exclusions.requeue_excluding(job_id, exclude)
+        if requeued:
+            exclusions.note_applied(run_dir, job_id, restarts + 1, exclude, note)
+        print(
+            f"preemption: {'requeued' if requeued else 'could not requeue'} job {job_id} (restart {restarts + 1} "
+            f"of at most {max_requeues}) avoiding {', '.join(exclude)}: {note}",
+            flush=True,
+        )
+        return requeued
     try:
         proc = slurm_commands.run(["scontrol", "requeue", job_id])
     except slurm_commands.SlurmCommandError as exc:

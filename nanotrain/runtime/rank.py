@@ -17,10 +17,11 @@ import sys
 from pathlib import Path
 
 from nanotrain.config import Config, check_world_size, load_config, validate
+from nanotrain.config.validate_slurm import max_excluded_nodes
 from nanotrain.runtime import ownership
 from nanotrain.runtime.env import DistEnv, export_user_env, setup_distributed_env
 from nanotrain.runtime.preemption import PreemptionHandler, keep_node_range_on_requeue, request_requeue
-from nanotrain.runtime.rundir import resolve_run, write_run_dir
+from nanotrain.runtime.rundir import resolve_run, run_dir_of, write_run_dir
 
 
 def run_rank(config_path: str, preemption: PreemptionHandler) -> dict:
@@ -41,8 +42,10 @@ def run_rank(config_path: str, preemption: PreemptionHandler) -> dict:
     from nanotrain.runtime.ending import ending, hang_watchdog
     from nanotrain.runtime.eval_jobs import EvalJobs
     from nanotrain.runtime.hang import nccl_debug_env
+    from nanotrain.runtime.health import startup_health
     from nanotrain.runtime.smoke import smoke_step
     from nanotrain.training.builder import build_parallel_context, build_parts
+    from nanotrain.training.outcome import Outcome
     from nanotrain.training.trainer import DistributedTrainer, train_and_close
 
     nccl_debug_env(run_dir)  # NCCL's flight recorder (the hang reports' dump) and its own dump
@@ -53,11 +56,15 @@ def run_rank(config_path: str, preemption: PreemptionHandler) -> dict:
         with ending(config, env, run_dir, pc, watchdog, preemption) as end:
             end.claim = claim_run(run_dir, Path(config.checkpoints.path), env, World(pc).broadcast)
             report = smoke_step(pc, env, run_dir)  # a cheap preflight: every group answers
-            trainer = DistributedTrainer(
-                build_parts(config, pc, run_dir, run_id=end.claim.run_id), preemption.poll, evals
-            )
-            end.outcome, end.step, end.stop_code = train_and_close(trainer)
-            del trainer  # nothing here may keep a group alive when the ending destroys them
+            # slurm.health: a slow node is excluded and the job requeued before training
+            health = startup_health(pc, config, env, run_dir, World(pc).broadcast)
+            if health is not None and health["requeued"]:
+                end.outcome = Outcome.REQUEUED
+            else:
+                parts = build_parts(config, pc, run_dir, run_id=end.claim.run_id)
+                trainer = DistributedTrainer(parts, preemption.poll, evals)
+                end.outcome, end.step, end.stop_code = train_and_close(trainer)
+                del trainer, parts  # nothing here may keep a group alive when the ending destroys them
     finally:  # rank 0: the evaluations (locally) or submissions it started (checkpoints.eval_job)
         evals.wait()
     report["outcome"] = end.outcome
@@ -141,4 +148,4 @@ def requeue_during_startup(config: Config) -> None:
         f"preemption: SIG{config.slurm.signal} during start-up, before any step: nothing to save, requeueing now",
         flush=True,
     )
-    request_requeue(config.slurm.max_requeues)
+    request_requeue(config.slurm.max_requeues, run_dir_of(config), max_excluded_nodes(config))

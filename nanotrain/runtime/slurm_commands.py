@@ -58,16 +58,24 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.communicate()  # reap it and close its pipes
 
 
-def run(argv: list[str], limit_s: float | None = None) -> subprocess.CompletedProcess:
+# ``run(..., survive_term=True)``: the command ignores SIGTERM (an ignored signal stays ignored
+# across exec). A requeue from inside the job (runtime/exclusions.py) sends every process of the
+# job step SIGTERM — the commands this task starts after it too — and SIGKILL only KillWait
+# seconds later; the commands that follow the requeue (update ExcNodeList, release) must finish.
+_IGNORE_TERM = ["/bin/sh", "-c", 'trap "" TERM; exec "$@"', "sh"]
+
+
+def run(argv: list[str], limit_s: float | None = None, survive_term: bool = False) -> subprocess.CompletedProcess:
     """Run ``argv`` (argv[0] a SLURM command), stdout and stderr captured as text; the caller
-    judges the exit status. ``limit_s`` replaces the command's default bound. Raises
-    SlurmCommandError when the command cannot be started (not installed) or runs past its bound
-    (it and its children are killed first)."""
+    judges the exit status. ``limit_s`` replaces the command's default bound; ``survive_term``:
+    the command ignores SIGTERM (see ``_IGNORE_TERM``). Raises SlurmCommandError when the command
+    cannot be started (not installed) or runs past its bound (it and its children are killed
+    first)."""
     name = os.path.basename(argv[0])
     limit = timeout_s(name, limit_s)
     try:
         proc = subprocess.Popen(
-            argv,
+            (_IGNORE_TERM + argv) if survive_term else argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,

@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nanotrain.parallel.observe.nodes import node_name
 from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.runtime.env import DistEnv
+from nanotrain.runtime.hang_status import SMOKE_DIR
 
 AXES = ("tp", "cp", "dp", "pp", "ep", "dp_cp", "dp_cp_ep", "world")
 
@@ -38,14 +40,16 @@ def smoke_step(pc: ParallelContext, env: DistEnv, run_dir: Path) -> dict:
         "local_rank": env.local_rank,
         "node_rank": env.node_rank,
         "job_id": env.job_id,
+        "restart": env.restart_count,
         "host": socket.gethostname(),
+        "node": node_name(),  # SLURM's node name: hosts may share a host name
         "backend": pc.backend,
         "device": str(pc.device),
         "coords": pc.grid.coords(rank)._asdict(),
         "sums": sums,
         "ok": ok,
     }
-    out = run_dir / "smoke"
+    out = run_dir / SMOKE_DIR
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank-{rank}.json").write_text(json.dumps(report, indent=1))
     flags = torch.tensor([0.0 if ok else 1.0], device=pc.device)

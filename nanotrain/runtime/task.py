@@ -6,14 +6,16 @@ stop handler is installed first; `runtime/rank.py` then runs the rank step by st
 `runtime/ending.py` — not the trainer — decides what its ending means: exit codes, requeue or
 not, one-line errors:
 
-    0   completed, or stopped and saved (preempted and requeued; locally: any stop signal)
+    0   completed, or stopped and saved (preempted and requeued; locally: any stop signal), or
+        requeued at start-up without a node that failed the health check (slurm.health)
     2   a user error found inside a rank (data, a checkpoint of another model or run, a run
         directory in use): one `error:` line, from the rank that found it
     3   training diverged (non-finite loss or grad norm): nothing saved after the last finite step
     4   the job hung: a rank's step did not advance for training.collective_timeout_s (or a
         collective failed because a peer never answered); reports in <run>/hang/rank-R.json,
         `submit.py --status` names the culprit. On SLURM it is requeued like a node failure
-        (from the last complete checkpoint, while slurm.max_requeues allows)
+        (from the last complete checkpoint, while slurm.max_requeues allows), without the
+        culprit's node while slurm.max_excluded_nodes allows
     75  stopped and saved, but not requeued (a user's scancel, or the requeue budget is spent)
 """
 

@@ -16,6 +16,7 @@ class Outcome(str, Enum):
     PREEMPTED = "preempted"  # stopped and saved at a step boundary; requeued on SLURM (or local)
     CANCELLED = "cancelled"  # stopped and saved: a user's scancel, not requeued
     STOPPED = "stopped"  # stopped and saved; SLURM will not run it again (requeue budget spent)
+    REQUEUED = "requeued"  # not trained: requeued at start-up, a node failed the health check (runtime/health.py)
 
     def __str__(self) -> str:  # the plain name in f-strings and prints, as a str would be
         return self.value
