@@ -124,3 +124,10 @@ class ModelArgs:
         doc="attention window in tokens (Mistral); null = full causal attention; at least "
         "training.sequence_length (where it changes nothing), a shorter window is refused",
     )
+    attention_kernel: Literal["auto", "sdpa_mask", "flex"] = doc(
+        "auto",
+        "kernel of document-masked attention (data.document_masking): flex = FlexAttention under a "
+        "block mask built from the document ids (compiled, no S x S tensor, skips tiles across documents; "
+        "CUDA only for training), sdpa_mask = SDPA under a materialised S x S boolean mask (the exact "
+        "reference), auto = flex on CUDA, sdpa_mask elsewhere; the same numbers either way",
+    )
