@@ -53,7 +53,8 @@ def test_vs_native_quick_rows(tmp_path):
 
 
 def test_gpu_scripts_run_on_cpu(tmp_path):
-    """benchmarks/gpu_check.sh and its stages (gpu_trainer_check.py, gpu_train_bench.py) only run
+    """benchmarks/gpu_check.sh and its stages (gpu_trainer_check.py, gpu_train_bench.py,
+    masked_attention.py) only run
     for real where a GPU is lent: CI keeps them from rotting. ``--cpu-smoke`` runs every stage's
     path on a tiny CPU model: the real task entry in bf16 with `datasets` unimportable (as on the
     GPU machine: the check writes the token cache, byte for byte nanotrain's), a sync save and a
@@ -75,7 +76,10 @@ def test_gpu_scripts_run_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = json.loads((out / "gpu_check.json").read_text())
     stages = {s["name"]: s for s in summary["stages"]}
-    assert list(stages) == ["versions", "gpu-tests", "trainer", "multi-gpu", "rehearsal", "bench"] and summary["ok"]
+    assert (
+        list(stages) == ["versions", "gpu-tests", "trainer", "multi-gpu", "rehearsal", "masked-attention", "bench"]
+        and summary["ok"]
+    )
     assert stages["versions"]["status"] == "passed" and stages["versions"]["torch"]
     assert stages["gpu-tests"]["status"] == "skipped" and stages["multi-gpu"]["status"] == "skipped"
     trainer = stages["trainer"]
@@ -91,6 +95,11 @@ def test_gpu_scripts_run_on_cpu(tmp_path):
     assert trainer["compile"]["status"] == "skipped"
     assert all(r["tokens_per_sec"] > 0 and r["memory"]["peak_rss_bytes"] > 0 for r in runs.values())
     assert stages["rehearsal"]["status"] == "skipped"  # GPU_CHECK_SMOKE_REHEARSE=1 runs it (6-20 s here)
+    masked = stages["masked-attention"]  # eager FlexAttention, forward only: the stage's logic
+    assert masked["status"] == "passed" and masked["result"]["device"] == "cpu", masked["note"]
+    assert (
+        set(masked["result"]["compare"]) == {"window", "cp2-rank1"} and masked["result"]["max_relative_error"] <= 1e-5
+    )
     bench = stages["bench"]["gpu_bench"]["result"]
     assert bench["device"] == "cpu" and bench["tokens_per_step"] == 2 * 128 and bench["tokens_per_s"] > 0
     assert len(bench["step_ms"]) == 2 and all(x == x for x in bench["loss_first_last"])  # not NaN

@@ -16,6 +16,9 @@ check (``benchmarks/gpu_check.sh``) compares its training step with this referen
   a layer without RoPE), in float32 (2e-6; the CPU kernel has no float64).
 * ``resolve_kernel``: auto is flex on CUDA and the reference elsewhere; flex refuses to train on
   the CPU in one line.
+* --dry-run and --plan say, under document masking, which kernel runs, that the memory estimate
+  adds the materialised mask (sdpa_mask) or nothing (flex), and that MFU counts the full S x S;
+  the estimate differs by exactly the mask per micro-batch in flight.
 """
 
 from __future__ import annotations
@@ -193,3 +196,36 @@ def test_resolve_kernel_rule_and_the_cpu_training_refusal():
         assert resolve_kernel("flex", cpu) == "flex"  # the CPU forward exists (evaluation)
     with pytest.raises(ValueError, match="model.attention_kernel 'flex' cannot train on the CPU"):
         document_attention(torch.zeros(1, 8, dtype=torch.long), kernel="flex")
+
+
+def test_dry_run_and_plan_say_what_memory_and_mfu_count_of_masked_attention(capsys):
+    from pathlib import Path
+
+    from nanotrain.commands.cli import main
+    from nanotrain.config import load_config
+    from nanotrain.estimate.memory import estimate_memory, mask_bytes
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "3d_16gpu.yaml"
+    outputs = {}
+    plan = ["--plan", "--gpus", "16", "--gpu-memory-gb", "80"]
+    for kernel, mode in (("auto", ["--dry-run"]), ("sdpa_mask", ["--dry-run"]), ("auto", plan)):
+        sets = ["data.document_masking=true", f"model.attention_kernel={kernel}"]
+        assert main([str(config), *mode, *(a for s in sets for a in ("--set", s))]) == 0
+        outputs[kernel, mode[0]] = capsys.readouterr().out
+    for (kernel, _), out in outputs.items():
+        lines = [line for line in out.splitlines() if line.startswith("document masking: ")]
+        assert len(lines) == 1 and "FLOPs (MFU) count the full S x S attention, an upper bound" in lines[0]
+        assert f"attention kernel {'flex' if kernel == 'auto' else 'sdpa_mask'}" in lines[0]
+    assert "materialised mask" in outputs["sdpa_mask", "--dry-run"] and "(FlexAttention" in outputs["auto", "--plan"]
+    assert main([str(config), "--dry-run"]) == 0 and "document masking" not in capsys.readouterr().out
+    # the estimate counts what the line says: the mask per micro-batch in flight, flex nothing
+    flex, dense = (
+        load_config(config, ["data.document_masking=true", f"model.attention_kernel={k}"])
+        for k in ("flex", "sdpa_mask")
+    )
+    plain = load_config(config)
+    seq = plain.training.sequence_length
+    assert mask_bytes(dense) == plain.training.micro_batch_size * seq * seq and mask_bytes(flex) == 0
+    extra = estimate_memory(dense).activations - estimate_memory(flex).activations
+    assert estimate_memory(flex).total == estimate_memory(plain).total
+    assert abs(extra * 2**30 - estimate_memory(dense).in_flight * mask_bytes(dense)) < 1e-3 * mask_bytes(dense)

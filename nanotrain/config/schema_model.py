@@ -131,3 +131,11 @@ class ModelArgs:
         "CUDA only for training), sdpa_mask = SDPA under a materialised S x S boolean mask (the exact "
         "reference), auto = flex on CUDA, sdpa_mask elsewhere; the same numbers either way",
     )
+
+
+def attention_kernel_on(model: ModelArgs, cuda: bool) -> str:
+    """``model.attention_kernel`` where it runs: ``auto`` is ``flex`` on CUDA (FlexAttention's
+    kernels) and ``sdpa_mask`` elsewhere (torch has no FlexAttention backward on the CPU)."""
+    if model.attention_kernel == "auto":
+        return "flex" if cuda else "sdpa_mask"
+    return model.attention_kernel

@@ -52,7 +52,7 @@ def resolve_kernel(choice: str, device: torch.device) -> str:
     if choice not in KERNELS:
         raise ValueError(f"model.attention_kernel {choice!r}: one of {KERNELS}")
     if choice == "auto":
-        return "flex" if device.type == "cuda" and BlockMask is not None else "sdpa_mask"
+        return "flex" if device.type == "cuda" and BlockMask is not None else "sdpa_mask"  # attention_kernel_on
     if choice == "flex":
         if BlockMask is None:
             raise ValueError("model.attention_kernel 'flex': this torch has no FlexAttention (2.5 or newer)")

@@ -27,6 +27,7 @@ from nanotrain.config import Config
 from nanotrain.data import BatchPrefetcher, GlobalSampler, build_samplers
 from nanotrain.hf.import_weights import load_hf_weights
 from nanotrain.logging import metrics_logger_for
+from nanotrain.logging.flops import attention_accounting
 from nanotrain.logging.metrics import MetricsLogger
 from nanotrain.models.family import family_of
 from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups
@@ -157,6 +158,9 @@ def build_parts(config: Config, pc: ParallelContext, run_dir: Path, run_id: Opti
     metrics = metrics_logger_for(
         config, run_dir, pc, device=pc.device, start_step=step, flops=family_of(config.model).flops_per_token(config)
     )
+    if pc.world_rank == 0:  # which attention kernel runs, and what MFU counts of it (as --dry-run says)
+        for line in attention_accounting(config, cuda=pc.device.type == "cuda"):
+            print(line, flush=True)
     profiler = StepProfiler.from_config(t.profile, run_dir, pc.world_rank)
     return TrainingParts(
         config,
