@@ -11,14 +11,16 @@ check (``benchmarks/gpu_check.sh``) compares its training step with this referen
   order). A wrong rule (a tile declared full because it is below the diagonal, whatever its
   documents) is caught by the same comparison; most tiles are skipped once documents are short.
 * The compiled CPU forward of FlexAttention under the block mask equals SDPA under the reference
-  mask: the kernel alone (grouped-query k/v) and through ``ContextParallel.attention`` for each cp
-  rank's queries over the gathered keys (zig-zag and balanced), and the whole model (GQA, q/k norm,
-  a layer without RoPE), in float32 (2e-6; the CPU kernel has no float64).
+  mask (float32, 2e-6; the CPU kernel has no float64): each cp2 rank's queries over the gathered
+  keys (zig-zag and balanced, grouped-query k/v, 16-token tiles so that the kernel skips some)
+  through ``ContextParallel.attention``, and the whole model (GQA, q/k norm, a layer without
+  RoPE) under ``model.attention_kernel: flex``.
 * ``resolve_kernel``: auto is flex on CUDA and the reference elsewhere; flex refuses to train on
   the CPU in one line.
 * --dry-run and --plan say, under document masking, which kernel runs, that the memory estimate
   adds the materialised mask (sdpa_mask) or nothing (flex), and that MFU counts the full S x S;
-  the estimate differs by exactly the mask per micro-batch in flight.
+  the estimate differs by exactly the mask per micro-batch in flight. A checkpoint resumes under
+  another kernel (it changes how, not what, the model computes).
 """
 
 from __future__ import annotations
@@ -229,3 +231,11 @@ def test_dry_run_and_plan_say_what_memory_and_mfu_count_of_masked_attention(caps
     extra = estimate_memory(dense).activations - estimate_memory(flex).activations
     assert estimate_memory(flex).total == estimate_memory(plain).total
     assert abs(extra * 2**30 - estimate_memory(dense).in_flight * mask_bytes(dense)) < 1e-3 * mask_bytes(dense)
+
+
+def test_a_checkpoint_resumes_under_another_kernel():
+    from nanotrain.checkpoint.layout import model_differences
+
+    saved = {"model": {"attention_kernel": "flex", "hidden_size": 64}}
+    assert model_differences(saved, {"model": {"attention_kernel": "sdpa_mask", "hidden_size": 64}}) == []
+    assert model_differences(saved, {"model": {"hidden_size": 32}}) == ["hidden_size (64 saved, 32 now)"]
