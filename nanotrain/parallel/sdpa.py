@@ -46,13 +46,17 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torc
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-_COMPILED: list = []
+# Wrapped once at import (compiling is lazy: the first call per shape), never inside traced code:
+# a wrapper first made while dynamo traces a compiled layer (``training.compile``) would be
+# replayed as the plain, unfused ``flex_attention``.
+_FLEX = None if flex_attention is None else torch.compile(flex_attention, dynamic=False)
 
 
+@torch.compiler.disable
 def flex_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
     """FlexAttention of ``[B, heads, S_q, d]`` q over ``[B, kv_heads, S, d]`` k, v under
-    ``block_mask``. Compiled with static shapes (one graph per length, as training has); inside a
-    compiled model (``training.compile``) dynamo inlines it."""
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(flex_attention, dynamic=False))
-    return _COMPILED[0](q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+    ``block_mask``, compiled on its own with static shapes (one graph per length, as training
+    has). A compiled layer (``training.compile``) breaks its graph around it (``disable``): traced
+    into a layer's graph, inductor's CPU kernel read the layer's q/k wrongly (torch 2.13, logits
+    off by ~10), while on its own it equals the reference; one graph break per layer is cheap."""
+    return _FLEX(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
