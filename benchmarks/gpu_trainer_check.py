@@ -52,7 +52,7 @@ temporary folder. Exit 0 only when every stage that ran passed (skipped and unav
    backward (``model.attention_kernel: flex``) on the GPU against the CPU reference (SDPA under
    the materialised document mask, float64), the whole window and a cp2 rank's zig-zag queries;
    then tokens/s and peak memory of causal, sdpa_mask and flex at S = 8192 (bf16); fails when flex
-   differs (relative 1e-5) or its peak exceeds 1.1 x causal's. Skipped with less than 45 s of the
+   differs (relative 1e-4) or its peak exceeds 1.1 x causal's. Skipped with less than 45 s of the
    budget left (GPU_CHECK_BUDGET=380 leaves it room); --cpu-smoke runs its logic on the CPU with
    eager FlexAttention, forward only.
 7. bench: ``gpu_train_bench.py`` (the ~1.1 B model's tokens/s and MFU) only with GPU_CHECK_BENCH=1

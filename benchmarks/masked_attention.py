@@ -23,7 +23,8 @@ at S >= 8192.
 
 ``--gpu-check``: on CUDA, compiled FlexAttention forward and backward (float32, S = 2048, GQA 8/2
 heads; the whole window and a cp2 rank's zig-zag queries through ``ContextParallel.attention``)
-against the CPU reference (SDPA under the materialised mask, float64): output and gradients;
+against the CPU reference (SDPA under the materialised mask, float64): output and gradients
+within 1e-4 of each one's largest entry;
 then bf16 at S = 8192: tokens/s of a forward + backward and ``max_memory_allocated`` above the
 inputs for causal, sdpa_mask and flex. ``--eager-flex`` (gpu_check's --cpu-smoke) runs that logic
 on the CPU, forward only, with eager FlexAttention (no compile).
@@ -52,6 +53,9 @@ from nanotrain.parallel.documents import document_attention  # noqa: E402
 from nanotrain.parallel.sdpa import masked_sdpa, sdpa  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
+# flex in float32 against the float64 reference, relative to each tensor's largest entry: float32
+# rounding over 2048-key sums stays near 1e-6; a wrong mask entry moves outputs by O(1).
+FLOAT32_TOLERANCE = 1e-4
 ROWS = [("causal", "fwd+bwd"), ("sdpa_mask", "fwd+bwd"), ("causal", "fwd"), ("sdpa_mask", "fwd"), ("flex", "fwd")]
 
 
@@ -190,7 +194,7 @@ def gpu_check(eager: bool) -> dict:
         errors = [((g.double().cpu() - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want)]
         result["compare"][name] = errors
         worst = max(worst, *errors)
-    result["max_relative_error"], result["ok"] = worst, worst <= 1e-5
+    result["max_relative_error"], result["ok"] = worst, worst <= FLOAT32_TOLERANCE
     if eager:
         return result
     seq, timings = 8192, {}
