@@ -67,7 +67,7 @@ def attention_accounting(config: Config, cuda: bool | None = None, layout: bool 
     else:
         t = config.training
         size = (
-            f": {t.micro_batch_size * t.sequence_length**2 / config.parallelism.cp / 2**20:,.0f} MiB" if layout else ""
+            f": {t.micro_batch_size * t.sequence_length**2 / config.parallelism.cp / 2**20:,.4g} MiB" if layout else ""
         )
         memory = (
             f"memory adds the materialised mask (micro_batch_size x S/cp x S bytes per micro-batch in flight{size})"
