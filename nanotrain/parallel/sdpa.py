@@ -57,6 +57,6 @@ def flex_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> 
     """FlexAttention of ``[B, heads, S_q, d]`` q over ``[B, kv_heads, S, d]`` k, v under
     ``block_mask``, compiled on its own with static shapes (one graph per length, as training
     has). A compiled layer (``training.compile``) breaks its graph around it (``disable``): traced
-    into a layer's graph, inductor's CPU kernel read the layer's q/k wrongly (torch 2.13, logits
-    off by ~10), while on its own it equals the reference; one graph break per layer is cheap."""
+    into a layer's graph, inductor's CPU kernel read the layer's q/k wrongly (torch 2.13: the
+    logits far off), while on its own it equals the reference; one graph break per layer is cheap."""
     return _FLEX(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
