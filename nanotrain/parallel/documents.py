@@ -23,7 +23,7 @@ The mask takes one of two forms, by ``model.attention_kernel`` (``resolve_kernel
   ``[B, S_q/128, S/128]`` plus the element-wise rule, run by compiled ``flex_attention``. No
   S x S tensor exists, and tiles that cross no document are skipped (what lets the balanced cp
   order, ``parallelism.cp_balance: documents``, pay off). Under ``training.compile`` it runs
-  outside the compiled layers' graphs (``sdpa.flex_sdpa``).
+  outside the compiled layers' graphs (``sdpa.flex_kernel``).
 * ``auto`` (default): ``flex`` on CUDA, ``sdpa_mask`` elsewhere.
 
 Why FlexAttention: it is in torch (no new dependency), takes any order of queries and keys (cp's
@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from nanotrain.parallel.document_blocks import document_block_mask
-from nanotrain.parallel.sdpa import BlockMask
+from nanotrain.parallel.sdpa import BlockMask, flex_kernel
 
 KERNELS = ("auto", "sdpa_mask", "flex")
 
@@ -104,6 +104,7 @@ def document_attention(
     if key_positions is not None:
         key_docs, keys = documents.index_select(1, key_positions), key_positions
     if kernel == "flex":
+        flex_kernel()  # made here, outside any compiled layer
         return query_rope.transpose(0, 1), document_block_mask(query_docs, query_index, key_docs, keys)
     mask = (query_docs[:, :, None] == key_docs[:, None, :]) & (query_index[:, None] >= keys[None, :])
     return query_rope.transpose(0, 1), mask[:, None]

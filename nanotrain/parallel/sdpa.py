@@ -46,17 +46,24 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torc
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-# Wrapped once at import (compiling is lazy: the first call per shape), never inside traced code:
-# a wrapper first made while dynamo traces a compiled layer (``training.compile``) would be
-# replayed as the plain, unfused ``flex_attention``.
-_FLEX = None if flex_attention is None else torch.compile(flex_attention, dynamic=False)
+_FLEX: list = []  # made by the first ``flex_kernel()`` (importing torch.compile's machinery costs seconds)
 
 
-@torch.compiler.disable
+def flex_kernel():
+    """The compiled ``flex_attention`` (static shapes: one graph per length, as training has)
+    behind a graph break (``torch.compiler.disable``). Made once, outside traced code:
+    ``documents.document_attention`` calls it when it builds a block mask, before any layer runs.
+
+    The graph break: traced into a compiled layer's graph (``training.compile``), inductor's CPU
+    kernel read the layer's q/k wrongly (torch 2.13: the logits far off), while compiled on its
+    own it equals the reference; one break per layer is cheap. A wrapper first made while dynamo
+    traces would be replayed as the plain, unfused ``flex_attention``."""
+    if not _FLEX:
+        _FLEX.append(torch.compiler.disable(torch.compile(flex_attention, dynamic=False)))
+    return _FLEX[0]
+
+
 def flex_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
     """FlexAttention of ``[B, heads, S_q, d]`` q over ``[B, kv_heads, S, d]`` k, v under
-    ``block_mask``, compiled on its own with static shapes (one graph per length, as training
-    has). A compiled layer (``training.compile``) breaks its graph around it (``disable``): traced
-    into a layer's graph, inductor's CPU kernel read the layer's q/k wrongly (torch 2.13: the
-    logits far off), while on its own it equals the reference; one graph break per layer is cheap."""
-    return _FLEX(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+    ``block_mask`` (``flex_kernel``)."""
+    return flex_kernel()(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
