@@ -26,6 +26,7 @@ check (``benchmarks/gpu_check.sh``) compares its training step with this referen
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -140,6 +141,7 @@ def test_a_wrong_tile_rule_is_caught(monkeypatch):
 
 
 def test_flex_forward_equals_sdpa_under_the_mask_for_each_cp_rank():
+    warnings.simplefilter("error", UserWarning)  # e.g. flex_attention run uncompiled (materialising)
     documents = windows()
     gen = torch.Generator().manual_seed(0)
     k, v = (torch.randn(3, 2, SEQ, 12, generator=gen) for _ in "kv")
@@ -178,6 +180,7 @@ ARGS = ModelArgs(
 
 
 def test_model_forward_with_flex_equals_the_reference():
+    warnings.simplefilter("error", UserWarning)  # flex compiled, not run unfused, inside compiled layers
     documents = windows()
     ids = torch.randint(1, ARGS.vocab_size, documents.shape, generator=torch.Generator().manual_seed(3))
     reference = build_llama(ARGS, None, seed=5)
