@@ -25,7 +25,11 @@
 #   6. rehearsal      (cap  30 s) `submit.py CONFIG --rehearse --rank 0 --json` on stage 3's
 #                     config: its peak beside the real max_memory_allocated ("unavailable" when
 #                     submit.py has no --rehearse yet);
-#   7. bench          (cap 150 s, GPU_CHECK_BENCH=1 only) gpu_train_bench.py, the ~1.1 B model's
+#   7. masked-attention (cap 90 s) compiled FlexAttention (model.attention_kernel: flex) forward +
+#                     backward against the CPU reference (the materialised document mask, float64),
+#                     whole window and a cp2 rank; tokens/s and peak memory of causal, sdpa_mask and
+#                     flex at S = 8192 (bf16); skipped with < 45 s left (GPU_CHECK_BUDGET=380);
+#   8. bench          (cap 150 s, GPU_CHECK_BENCH=1 only) gpu_train_bench.py, the ~1.1 B model's
 #                     tokens/s and MFU (GPU_CHECK_COMPILE=1: the compiled one too, in what is left).
 # The stages are benchmarks/gpu_trainer_check.py; this script finds the Python and its packages.
 #

@@ -55,7 +55,14 @@ temporary folder. Exit 0 only when every stage that ran passed (skipped and unav
    rehearsed peak total / the uninterrupted run's ``max_memory_allocated``; "unavailable" while
    submit.py has no --rehearse. Skipped by --cpu-smoke (it starts a fresh interpreter for each
    rehearsed rank: 6-20 s on 2 cores) unless GPU_CHECK_SMOKE_REHEARSE=1.
-7. bench: ``gpu_train_bench.py`` (the ~1.1 B model's tokens/s and MFU) only with GPU_CHECK_BENCH=1
+7. masked-attention: ``masked_attention.py --gpu-check``: compiled FlexAttention forward and
+   backward (``model.attention_kernel: flex``) on the GPU against the CPU reference (SDPA under
+   the materialised document mask, float64), the whole window and a cp2 rank's zig-zag queries;
+   then tokens/s and peak memory of causal, sdpa_mask and flex at S = 8192 (bf16); fails when flex
+   differs (relative 1e-4) or its peak exceeds 1.1 x causal's. Skipped with less than 45 s of the
+   budget left (GPU_CHECK_BUDGET=380 leaves it room); --cpu-smoke runs its logic on the CPU with
+   eager FlexAttention, forward only.
+8. bench: ``gpu_train_bench.py`` (the ~1.1 B model's tokens/s and MFU) only with GPU_CHECK_BENCH=1
    (GPU_CHECK_COMPILE=1: also compiled, in what is left); --cpu-smoke runs its own smoke.
 
 Under --cpu-smoke the Python runs fork from one process that imported torch and nanotrain once
@@ -93,8 +100,10 @@ CAPS_S = {
     "multi-gpu": 120,
     "flight-recorder": 30,
     "rehearsal": 30,
+    "masked-attention": 90,
     "bench": 150,
 }
+MASKED_MIN_S = 45.0  # less left than this for the masked-attention stage: skipped (two flex compiles)
 RUN_CAP_S = 60.0  # one trainer run (the compiled one: COMPILE_CAP_S)
 COMPILE_CAP_S = 90.0
 MIN_STAGE_S = 5.0  # less left than this: the stage is skipped, not started
@@ -1109,6 +1118,24 @@ def stage_bench(check: Check, deadline: float) -> dict:
     return {"status": "passed", "note": "; ".join(notes), **out}
 
 
+def stage_masked_attention(check: Check, deadline: float) -> dict:
+    if deadline - time.monotonic() < MASKED_MIN_S:
+        left = deadline - time.monotonic()
+        return {"status": "skipped", "note": f"{left:.0f} s left: raise GPU_CHECK_BUDGET (380 leaves it room)"}
+    result_path = check.logs / "masked_attention.json"
+    mode = "--eager-flex" if check.smoke else "--gpu-check"
+    r = check.run([PY, "benchmarks/masked_attention.py", mode, "--out", str(result_path)], "masked-attention", deadline)
+    res = json.loads(result_path.read_text()) if result_path.is_file() else None
+    if res is None:
+        return {"status": "timeout" if r["rc"] == 124 else "failed", "note": f"rc {r['rc']} (see {r['log']})", **r}
+    note = f"flex vs the CPU reference: max relative error {res['max_relative_error']:.1e}"
+    timings = res.get("s8192_bf16_16x128")
+    if timings:
+        speeds = ", ".join(f"{k} {v['tokens_per_s']:,}" for k, v in timings.items())
+        note += f"; S 8192 bf16 fwd+bwd tokens/s: {speeds}; flex peak {res['flex_peak_over_causal']} x causal's"
+    return {"status": "passed" if res["ok"] else "failed", "note": note, **r, "result": res}
+
+
 STAGES = [
     ("versions", stage_versions),
     ("gpu-tests", stage_gpu_tests),
@@ -1116,6 +1143,7 @@ STAGES = [
     ("multi-gpu", stage_multi_gpu),
     ("flight-recorder", stage_flight_recorder),
     ("rehearsal", stage_rehearsal),
+    ("masked-attention", stage_masked_attention),
     ("bench", stage_bench),
 ]
 

@@ -92,7 +92,8 @@ def test_vs_native_zero2_rows(tmp_path):
 
 
 def test_gpu_scripts_run_on_cpu(tmp_path):
-    """benchmarks/gpu_check.sh and its stages (gpu_trainer_check.py, gpu_train_bench.py) only run
+    """benchmarks/gpu_check.sh and its stages (gpu_trainer_check.py, gpu_train_bench.py,
+    masked_attention.py) only run
     for real where a GPU is lent: CI keeps them from rotting. ``--cpu-smoke`` runs every stage's
     path on a tiny CPU model: the real task entry in bf16 with `datasets` unimportable (as on the
     GPU machine: the check writes the token cache, byte for byte nanotrain's), a sync save and a
@@ -123,6 +124,7 @@ def test_gpu_scripts_run_on_cpu(tmp_path):
             "multi-gpu",
             "flight-recorder",
             "rehearsal",
+            "masked-attention",
             "bench",
         ]
         and summary["ok"]
@@ -146,6 +148,11 @@ def test_gpu_scripts_run_on_cpu(tmp_path):
     assert "gloo:all_reduce" in fr["report"]["profiling_names"] and fr["report"]["file_entries"] >= 3
     assert fr["report"]["collective"]["name"] == "all_reduce of the gpu check" and fr["torch_dump"] is None
     assert stages["rehearsal"]["status"] == "skipped"  # GPU_CHECK_SMOKE_REHEARSE=1 runs it (6-20 s here)
+    masked = stages["masked-attention"]  # eager FlexAttention, forward only: the stage's logic
+    assert masked["status"] == "passed" and masked["result"]["device"] == "cpu", masked["note"]
+    assert (
+        set(masked["result"]["compare"]) == {"window", "cp2-rank1"} and masked["result"]["max_relative_error"] <= 1e-5
+    )
     bench = stages["bench"]["gpu_bench"]["result"]
     assert bench["device"] == "cpu" and bench["tokens_per_step"] == 2 * 128 and bench["tokens_per_s"] > 0
     assert len(bench["step_ms"]) == 2 and all(x == x for x in bench["loss_first_last"])  # not NaN

@@ -172,6 +172,12 @@ BAD_CONFIGS = [
         ["parallelism.cp_balance 'documents'", "data.document_masking: true"],
     ),
     (
+        "flex-kernel-without-document-masking",
+        lambda c: c["model"].update(attention_kernel="flex"),
+        [],
+        ["model.attention_kernel 'flex'", "data.document_masking: true"],
+    ),
+    (
         "seq-vs-cp-tp-rs",
         lambda c: (
             c["parallelism"].update(cp=2, dp=1, tp=4, tp_mode="REDUCE_SCATTER"),

@@ -148,12 +148,16 @@ def read_meta(ckpt_dir: Path) -> dict:
     return meta
 
 
+# Model fields that say how, not what, the model computes: a resumed run may change them.
+COMPUTE_ONLY = ("dtype", "attention_kernel")
+
+
 def _model_fields(config: dict | None) -> dict:
     """The ``model`` section of a config dict, with every field it lacks at its default: a
     checkpoint written before a field existed computed what the default computes."""
     defaults = config_to_dict(Config())["model"]
     model = dict((config or {}).get("model") or {})
-    out = {k: v for k, v in {**defaults, **model}.items() if k != "dtype"}
+    out = {k: v for k, v in {**defaults, **model}.items() if k not in COMPUTE_ONLY}
     if isinstance(out.get("moe"), dict):
         moe_defaults = config_to_dict(Config(model=ModelArgs(moe=MoEArgs())))["model"]["moe"]
         out["moe"] = {**moe_defaults, **out["moe"]}
@@ -161,8 +165,9 @@ def _model_fields(config: dict | None) -> dict:
 
 
 def model_differences(saved: dict | None, mine: dict | None) -> list[str]:
-    """Fields of the `model` sections of two config dicts that differ (dtype aside: a resumed run
-    may change its compute dtype), as 'name (saved value saved, value now)'."""
+    """Fields of the `model` sections of two config dicts that differ (``COMPUTE_ONLY`` aside: a
+    resumed run may change its compute dtype or attention kernel), as 'name (saved value saved,
+    value now)'."""
     saved, mine = _model_fields(saved), _model_fields(mine)
     return [
         f"{k} ({saved.get(k)!r} saved, {mine.get(k)!r} now)"

@@ -20,6 +20,7 @@ def plan(args) -> int:
     """`--plan`: the best layouts for the GPUs asked (plan.py); one `error:` line and exit 2
     for a bad request, or when no layout fits (with what would help)."""
     from nanotrain.estimate import plan as planner
+    from nanotrain.logging.flops import attention_accounting
 
     config = config_for(args, "--plan", "submit.py CONFIG --plan [--gpus N] [--gpu-memory-gb G]")
     gpus, memory = planner.check_request(config, args.gpus, args.gpu_memory_gb)
@@ -31,7 +32,7 @@ def plan(args) -> int:
         inter_node_gbs=args.inter_node_gbs,
     )
     result = planner.make_plan(config, gpus, memory, hw)
-    for line in planner.render(result, args.config, memory, args.set):
+    for line in planner.render(result, args.config, memory, args.set) + attention_accounting(config, layout=False):
         print(line)
     if config.slurm.nodes is not None:  # a node range: what the job runs at on its fewest and most nodes
         from nanotrain.estimate.resize import describe_range

@@ -124,3 +124,18 @@ class ModelArgs:
         doc="attention window in tokens (Mistral); null = full causal attention; at least "
         "training.sequence_length (where it changes nothing), a shorter window is refused",
     )
+    attention_kernel: Literal["auto", "sdpa_mask", "flex"] = doc(
+        "auto",
+        "kernel of document-masked attention (data.document_masking): flex = FlexAttention under a "
+        "block mask built from the document ids (compiled, no S x S tensor, skips tiles across documents; "
+        "CUDA only for training), sdpa_mask = SDPA under a materialised S x S boolean mask (the exact "
+        "reference), auto = flex on CUDA, sdpa_mask elsewhere; the same numbers either way",
+    )
+
+
+def attention_kernel_on(model: ModelArgs, cuda: bool) -> str:
+    """``model.attention_kernel`` where it runs: ``auto`` is ``flex`` on CUDA (FlexAttention's
+    kernels) and ``sdpa_mask`` elsewhere (torch has no FlexAttention backward on the CPU)."""
+    if model.attention_kernel == "auto":
+        return "flex" if cuda else "sdpa_mask"
+    return model.attention_kernel

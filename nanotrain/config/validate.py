@@ -113,6 +113,11 @@ def validate_model(config: Config) -> None:
         )
     if p.cp_balance == "documents" and not config.data.document_masking:
         _fail("parallelism.cp_balance 'documents' evens document-masked work: set data.document_masking: true")
+    if m.attention_kernel == "flex" and not config.data.document_masking:
+        _fail(
+            "model.attention_kernel 'flex' runs document-masked attention: set data.document_masking: true "
+            "(causal attention runs SDPA's own causal kernel) or model.attention_kernel: auto"
+        )
     local_seq = t.sequence_length // p.cp
     if p.tp_mode == "REDUCE_SCATTER" and local_seq % p.tp:
         what = (

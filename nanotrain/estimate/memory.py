@@ -25,10 +25,13 @@ own cost-balanced split, ``llama_arch.rank_blocks``), and the largest total is r
   (k routed copies of each token, the experts' intermediates) are
   ``llama_parallelize_costs.moe_extra_activation_bytes``.
 It ignores allocator fragmentation, communication buffers and the CUDA context (~1-3 GB).
-Attention is counted as the causal kernel holds it (inputs, output, log-sum-exp): under
-``data.document_masking`` it leaves out the boolean mask each chunk builds per micro-batch in
-flight (``micro_batch_size * S/cp * S`` bytes, shared by its layers: 64 MiB at S = 8192) and the
-per-sample RoPE tables (``parallel/documents.py``).
+Attention is counted as the causal kernel holds it (inputs, output, log-sum-exp). Under
+``data.document_masking`` (``attention_accounting`` says it in --dry-run, --plan and the run's
+first lines): the FlexAttention kernel (``model.attention_kernel`` flex, auto's choice on a GPU)
+holds the same plus tile lists of ``B * S/cp/128 * S/128`` entries (left out); the materialised
+mask (sdpa_mask, auto's on a CPU cluster) adds its boolean mask per micro-batch in flight
+(``micro_batch_size * S/cp * S`` bytes, shared by the layers: 64 MiB at S = 8192), counted here.
+Per-sample RoPE tables are left out (``parallel/documents.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanotrain.config import Config
+from nanotrain.config.schema_model import attention_kernel_on
+from nanotrain.logging.flops import attention_accounting
 from nanotrain.models import llama_arch, llama_parallelize_costs
 
 GB = 1024**3
@@ -187,7 +192,7 @@ def _stage_estimate(config: Config, pp_rank: int, rank, bytes_of: dict[str, floa
     mode = t.recompute
     stack = layers * bytes_of[f"layer/{mode}"] + (moe_layers * bytes_of[f"moe/{mode}"] if moe_layers else 0.0)
     in_flight = micro_batches_in_flight(config, pp_rank)
-    saved = in_flight * stack
+    saved = in_flight * (stack + (mask_bytes(config) if layers else 0.0))
     # One layer's dropped tensors, rebuilt in backward (an MoE layer's when the stage has one).
     recomputing = bytes_of["layer/none"] - bytes_of[f"layer/{mode}"]
     if moe_layers:
@@ -205,6 +210,15 @@ def _stage_estimate(config: Config, pp_rank: int, rank, bytes_of: dict[str, floa
     return MemoryEstimate(
         weights / GB, grads / GB, optimizer / GB, (saved + working) / GB, in_flight, layers, (saved + head_kept) / GB
     )
+
+
+def mask_bytes(config: Config) -> float:
+    """Bytes of the materialised document mask one micro-batch's layers share (0 unless
+    ``data.document_masking`` runs the ``sdpa_mask`` kernel on this cluster)."""
+    t, cuda = config.training, config.slurm.gpus_per_node != 0
+    if not config.data.document_masking or attention_kernel_on(config.model, cuda) != "sdpa_mask":
+        return 0.0
+    return float(t.micro_batch_size * (t.sequence_length // config.parallelism.cp) * t.sequence_length)
 
 
 def describe(config: Config) -> list[str]:
@@ -228,6 +242,7 @@ def describe(config: Config) -> list[str]:
         f"({est.in_flight:g} micro-batch(es) in flight x {est.layers_per_stage} layers{recompute})"
         f" = {_gb(est.total)} GB"
     ]
+    lines += attention_accounting(config)
     if config.model.moe is not None:
         count, moe = llama_arch.parameter_count(config.model), config.model.moe
         lines.append(

@@ -1,13 +1,18 @@
-"""GPU peak throughput: the denominator of MFU.
+"""GPU peak throughput: the denominator of MFU; and what the numerator counts of masked attention.
 
 The numerator, model FLOPs per token, is a property of the model and lives with its other
 arithmetic: ``nanotrain.models.llama_arch.training_flops_per_token`` (PaLM convention).
+``attention_accounting`` is the one sentence --dry-run, --plan and a run's first lines print
+under document masking about it and the memory estimate.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Optional
+
+from nanotrain.config import Config
+from nanotrain.config.schema_model import attention_kernel_on
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peaks in TFLOP/s from the vendors' data sheets, matched
 # against `torch.cuda.get_device_name()`. Order matters: the first pattern that matches wins, so
@@ -45,3 +50,30 @@ def peak_bf16_tflops(device_name: Optional[str]) -> Optional[float]:
         if re.search(pattern, device_name, flags=re.IGNORECASE):
             return tflops
     return None
+
+
+def attention_accounting(config: Config, cuda: bool | None = None, layout: bool = True) -> list[str]:
+    """The line that says, under ``data.document_masking``, which kernel runs and what the memory
+    estimate and the FLOP counter (MFU) count for attention: the same words in --dry-run, --plan
+    and a run's first lines. ``cuda``: where it runs (default: a GPU unless
+    ``slurm.gpus_per_node`` is 0); ``layout`` False (--plan, whose proposals differ in cp and
+    micro-batch): no mask size."""
+    if not config.data.document_masking:
+        return []
+    cuda = config.slurm.gpus_per_node != 0 if cuda is None else cuda
+    kernel = attention_kernel_on(config.model, cuda)
+    if kernel == "flex":
+        memory = "memory as causal attention's (FlexAttention's tile lists are negligible)"
+    else:
+        t = config.training
+        size = (
+            f": {t.micro_batch_size * t.sequence_length**2 / config.parallelism.cp / 2**20:,.4g} MiB" if layout else ""
+        )
+        memory = (
+            f"memory adds the materialised mask (micro_batch_size x S/cp x S bytes per micro-batch in flight{size})"
+        )
+    return [
+        f"document masking: attention kernel {kernel} (model.attention_kernel {config.model.attention_kernel}); "
+        f"{memory}; FLOPs (MFU) count the full S x S attention, an upper bound of the causal and of the "
+        "masked work, which depends on the document lengths"
+    ]

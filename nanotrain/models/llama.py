@@ -108,8 +108,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class CausalKernel(nn.Module):
     """Causal attention of ``[B, heads, S, d]`` q, k, v (k/v may have fewer heads); with a boolean
-    ``mask`` ``[B, 1, S, S]`` (document masking, ``parallel/documents.py``) attention under that
-    mask instead. The mask is an argument, not state, so a recomputed kernel reruns with it."""
+    ``mask`` ``[B, 1, S, S]`` or a FlexAttention block mask (document masking,
+    ``parallel/documents.py``, ``model.attention_kernel``) attention under that mask instead. The
+    mask is an argument, not state, so a recomputed kernel reruns with it."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
@@ -321,7 +322,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """``documents``: per-token document ids ``[B, S]`` (``data.document_masking``): attention
         stays within each document and positions restart at each (``parallel/documents.py``)."""
-        positions, mask = document_attention(documents) if documents is not None else (None, None)
+        positions, mask = None, None
+        if documents is not None:
+            positions, mask = document_attention(documents, kernel=self.args.attention_kernel)
         return self.head(self.run_layers(self.embed_tokens(input_ids), None, positions, mask), targets)
 
     # ------------------------------------------------------------------ rotary tables

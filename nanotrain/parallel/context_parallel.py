@@ -34,6 +34,10 @@ both. This is the all-gather variant (Llama 3's, torchtitan's ``allgather`` rota
   rank's queries attend once over all gathered keys under that mask. Through the materialised
   mask that is S/cp x S dense work per rank (zig-zag's cut chunks do about half): the balance
   pays with a kernel that skips masked blocks.
+* Under ``model.attention_kernel: flex`` the mask is a FlexAttention block mask built for this
+  rank's query positions over the gathered keys' positions (``document_blocks.py``): one flex
+  call for both chunks, whatever the order, whose skipped tiles give zig-zag's causal cut and the
+  documents' savings alike.
 
 Everything outside attention (norms, MLP, LM head, loss, pipeline transfers) is per token and
 runs unchanged on the local tokens.
@@ -45,7 +49,7 @@ import torch
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from nanotrain.parallel.sdpa import masked_sdpa, sdpa
+from nanotrain.parallel.sdpa import BlockMask, masked_sdpa, sdpa
 from nanotrain.parallel.tensor_parallel import gather_along_dim0, group_rank, group_size
 
 
@@ -135,7 +139,7 @@ class ContextParallel:
         the whole sequence's keys and values ``[B, heads, S, d]`` (position order); with a boolean
         ``mask`` ``[B, 1, S/cp, S]`` (document masking) attention under that mask instead; under a
         balanced order (keys in gather order) all queries at once under the mask."""
-        if self.balanced:
+        if self.balanced or isinstance(mask, BlockMask):  # a block mask knows every query's keys
             if mask is None:
                 raise ValueError("cp balance 'documents' needs document masking (data.document_masking)")
             return masked_sdpa(q, k, v, mask)

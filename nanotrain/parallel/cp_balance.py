@@ -11,9 +11,10 @@ and the step waits for the slowest rank.
 What is counted (host arithmetic, numpy, no torch): per rank, the (query, key) pairs its queries
 attend to under the block-causal mask, summed over the rows of the micro-batch (one token order
 serves the whole micro-batch, so that every row's ``[S/cp]`` slice has the same shape). This is the
-work of a kernel that skips masked pairs (FlexAttention's block mask, a variable-length kernel);
-the materialised-mask SDPA path (``masked_sdpa``) computes every pair of its query chunk against
-the keys up to the chunk's end, masked or not. FLOPs are the forward's matrix products only:
+work of a kernel that skips masked pairs (``model.attention_kernel: flex``, whose block mask
+skips masked 128 x 128 tiles: the pairs up to the tiles' edges); the materialised-mask SDPA path
+(``sdpa_mask``) computes every pair of its query chunk against the keys up to the chunk's end,
+masked or not. FLOPs are the forward's matrix products only:
 ``4 * head_dim * heads * pairs`` (2*d for q.k and 2*d for p.v per pair and head); the backward
 is about twice that and the max/mean ratio is the same.
 

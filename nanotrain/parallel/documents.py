@@ -14,16 +14,57 @@ without a host sync (no value is read back, every shape is known), into what att
   document id. Context parallelism hands in its queries' zig-zag global positions: each rank's
   queries then see exactly the keys of their own document among the gathered keys.
 
-The mask is a materialised boolean ``[B, 1, S_q, S]`` tensor given to SDPA (``attn_mask``):
-the exact reference on the CPU, and what runs on a GPU too (SDPA's memory-efficient kernel takes
-it; O(S^2) bytes per sample, 64 MiB at S = 8192). Not built yet: a FlexAttention block mask or
-a variable-length kernel for GPUs, which would never materialise S x S (and would let
-``parallelism.cp_balance: documents`` pay off).
+The mask takes one of two forms, by ``model.attention_kernel`` (``resolve_kernel``):
+
+* ``sdpa_mask``: a materialised boolean ``[B, 1, S_q, S]`` tensor given to SDPA (``attn_mask``),
+  the exact reference. O(S^2) bytes per sample (64 MiB at S = 8192, shared by the layers), and
+  every pair is computed, masked or not.
+* ``flex``: a FlexAttention ``BlockMask`` (``document_blocks.py``): per-tile lists of
+  ``[B, S_q/128, S/128]`` plus the element-wise rule, run by compiled ``flex_attention``. No
+  S x S tensor exists, and tiles that cross no document are skipped (what lets the balanced cp
+  order, ``parallelism.cp_balance: documents``, pay off). Under ``training.compile`` it runs
+  outside the compiled layers' graphs (``sdpa.flex_kernel``).
+* ``auto`` (default): ``flex`` on CUDA, ``sdpa_mask`` elsewhere.
+
+Why FlexAttention: it is in torch (no new dependency), takes any order of queries and keys (cp's
+zig-zag and balanced orders, where the varlen kernels need each document's tokens contiguous and
+their lengths on the host, a sync per micro-batch), takes grouped-query k/v as they are, and its
+masks are built from the document ids on the device. SDPA's nested-tensor path needs per-document
+lengths on the host; FlashAttention's varlen is an extra package. torch has no FlexAttention
+backward on the CPU (its compiled CPU forward, float32 and bf16 only, equals the reference to
+float32 rounding: the tests compare them), so the CPU trains on the reference. Peak activation
+bytes and tokens/s of each kernel against causal attention, and their command, are in the
+README's masked-attention kernel section (``benchmarks/masked_attention.py``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from nanotrain.parallel.document_blocks import document_block_mask
+from nanotrain.parallel.sdpa import BlockMask, flex_kernel
+
+KERNELS = ("auto", "sdpa_mask", "flex")
+
+
+def resolve_kernel(choice: str, device: torch.device) -> str:
+    """``model.attention_kernel`` on ``device``: ``auto`` is ``flex`` on CUDA and ``sdpa_mask``
+    elsewhere. ``flex`` where torch has no kernel for it is an error: training on the CPU (no
+    FlexAttention backward there; its no-grad forward runs) or a torch without FlexAttention."""
+    if choice not in KERNELS:
+        raise ValueError(f"model.attention_kernel {choice!r}: one of {KERNELS}")
+    if choice == "auto":
+        # the rule of config's attention_kernel_on, which the torch-free estimate uses
+        return "flex" if device.type == "cuda" and BlockMask is not None else "sdpa_mask"
+    if choice == "flex":
+        if BlockMask is None:
+            raise ValueError("model.attention_kernel 'flex': this torch has no FlexAttention (2.5 or newer)")
+        if device.type == "cpu" and torch.is_grad_enabled():
+            raise ValueError(
+                "model.attention_kernel 'flex' cannot train on the CPU (torch has no FlexAttention backward "
+                "there): use auto or sdpa_mask"
+            )
+    return choice
 
 
 def document_positions(documents: torch.Tensor) -> torch.Tensor:
@@ -38,14 +79,19 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
 
 
 def document_attention(
-    documents: torch.Tensor, query_positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    documents: torch.Tensor,
+    query_positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
+    kernel: str = "sdpa_mask",
+):
     """What attention needs for the queries at window positions ``query_positions`` (``[S_q]``;
     None: all S) over the keys at window positions ``key_positions`` (``[S]``, a permutation:
     the order gathered keys arrive in under cp's balanced order; None: position order) of
     windows with ``documents`` ``[B, S]``: the queries' RoPE positions ``[S_q, B]``
-    (sequence-first, as the hidden states) and the boolean block-causal mask ``[B, 1, S_q, S]``
-    (True: attend)."""
+    (sequence-first, as the hidden states) and the block-causal mask: boolean ``[B, 1, S_q, S]``
+    (True: attend), or under ``kernel`` (``model.attention_kernel``, ``resolve_kernel``) flex the
+    same mask as a ``BlockMask``."""
+    kernel = resolve_kernel(kernel, documents.device)
     keys = torch.arange(documents.shape[1], device=documents.device)
     positions = document_positions(documents)
     if query_positions is None:
@@ -57,5 +103,8 @@ def document_attention(
     key_docs = documents
     if key_positions is not None:
         key_docs, keys = documents.index_select(1, key_positions), key_positions
+    if kernel == "flex":
+        flex_kernel()  # made here, outside any compiled layer
+        return query_rope.transpose(0, 1), document_block_mask(query_docs, query_index, key_docs, keys)
     mask = (query_docs[:, :, None] == key_docs[:, None, :]) & (query_index[:, None] >= keys[None, :])
     return query_rope.transpose(0, 1), mask[:, None]

@@ -23,14 +23,16 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.checkpoint import load_checkpoint
-from nanotrain.config import Config
+from nanotrain.config import Config, ConfigError
 from nanotrain.data import BatchPrefetcher, GlobalSampler, build_samplers
 from nanotrain.hf.import_weights import load_hf_weights
 from nanotrain.logging import metrics_logger_for
+from nanotrain.logging.flops import attention_accounting
 from nanotrain.logging.metrics import MetricsLogger
 from nanotrain.models.family import family_of
 from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups
 from nanotrain.parallel.data_parallel import build_grad_sync
+from nanotrain.parallel.documents import resolve_kernel
 from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.parallel.part.model_part import ModelPart
 from nanotrain.parallel.pipeline_parallel import PipelineEngine
@@ -157,6 +159,14 @@ def build_parts(config: Config, pc: ParallelContext, run_dir: Path, run_id: Opti
     metrics = metrics_logger_for(
         config, run_dir, pc, device=pc.device, start_step=step, flops=family_of(config.model).flops_per_token(config)
     )
+    if config.data.document_masking:  # flex where torch cannot train it: one line now, not at step 1
+        try:
+            resolve_kernel(config.model.attention_kernel, pc.device)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if pc.world_rank == 0:  # which attention kernel runs, and what MFU counts of it (as --dry-run says)
+        for line in attention_accounting(config, cuda=pc.device.type == "cuda"):
+            print(line, flush=True)
     profiler = StepProfiler.from_config(t.profile, run_dir, pc.world_rank)
     return TrainingParts(
         config,

@@ -142,14 +142,15 @@ class ModelPart(Adopting):
         if part.is_first:
             hidden = model.embed_tokens(self.cp.local(input_ids, order=order)).to(self.residual_dtype)
         layers = [name.split(".", 1)[1] for name in part.blocks if name.startswith("layers.")]
+        kernel = model.args.attention_kernel
         if documents is None:
             hidden = model.run_layers(hidden, layers, self._positions(hidden))
         elif order is not None:  # balanced: this rank's queries over the keys in gather order
-            attention = document_attention(documents, order[self.cp.rank], order.reshape(-1))
+            attention = document_attention(documents, order[self.cp.rank], order.reshape(-1), kernel)
             hidden = model.run_layers(hidden, layers, *attention)
         else:  # the queries attention sees: the whole window's (tp, both modes) or this cp rank's
             queries = self.cp.positions(documents.shape[1], documents.device) if self.cp.enabled else None
-            hidden = model.run_layers(hidden, layers, *document_attention(documents, queries))
+            hidden = model.run_layers(hidden, layers, *document_attention(documents, queries, kernel=kernel))
         if not part.is_last:
             return hidden
         return model.head(hidden, None if targets is None else self.cp.local(targets, order=order))
