@@ -262,6 +262,9 @@ def test_a_requeue_that_leaves_too_few_nodes_is_said(monkeypatch, tmp_path):
     assert "needs 2 node(s) and partition debug has 1 usable outside the excluded n2" in warning
     assert "scancel 7" in warning and "--resume" in warning
     assert exclusions.fit_warning(tmp_path, 4, {**env, "SLURM_JOB_NUM_NODES": "1"}) is None
+    # slurm.nodes '1-2': the requeue gets its range back and may land on the one node left
+    assert exclusions.fit_warning(tmp_path, 4, env, min_nodes=1) is None
+    assert "needs 2 node(s)" in exclusions.fit_warning(tmp_path, 4, {**env, "SLURM_JOB_NUM_NODES": "1"}, min_nodes=2)
 
 
 def test_a_resume_submits_with_the_runs_exclusions(tmp_path):

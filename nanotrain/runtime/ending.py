@@ -39,7 +39,13 @@ from nanotrain.runtime import exclusions
 from nanotrain.runtime.hang import EXIT_HUNG, HangWatchdog, is_comm_failure, is_timeout
 from nanotrain.runtime.hang_status import find_culprit, read_reports, requeue_marker
 from nanotrain.runtime.ownership import Claim, OwnershipError
-from nanotrain.runtime.preemption import SIGNAL_STOP, PreemptionHandler, classify_sigterm, request_requeue
+from nanotrain.runtime.preemption import (
+    SIGNAL_STOP,
+    PreemptionHandler,
+    classify_sigterm,
+    request_requeue,
+    requeue_min_nodes,
+)
 from nanotrain.training.builder import hang_timeouts
 from nanotrain.training.outcome import Outcome
 from nanotrain.training.stop_vote import TrainingDiverged
@@ -165,14 +171,16 @@ def after_hang(config, env, run_dir: Path) -> None:
     print(f"hang: rank {env.rank} requeues job {env.job_id} from its last complete checkpoint", flush=True)
     limit = max_excluded_nodes(config)
     if limit > 0:
-        exclude_culprit_node(run_dir, env, limit)
+        exclude_culprit_node(run_dir, env, limit, min_nodes=requeue_min_nodes())
     request_requeue(config.slurm.max_requeues, run_dir, limit)
 
 
 HANG_SETTLE_S = 2.0  # how long the requeueing rank waits for its peers' reports (SLURM kills after KillWait)
 
 
-def exclude_culprit_node(run_dir: Path, env, limit: int, settle_s: float = HANG_SETTLE_S) -> None:
+def exclude_culprit_node(
+    run_dir: Path, env, limit: int, settle_s: float = HANG_SETTLE_S, min_nodes: int | None = None
+) -> None:
     """Exclude the hang's culprit rank's node (``exclusions.py``) once the reports name it.
 
     The peers' watchdogs fire within moments of each other, so this waits up to ``settle_s`` for
@@ -207,6 +215,6 @@ def exclude_culprit_node(run_dir: Path, env, limit: int, settle_s: float = HANG_
         env.restart_count,
     )
     print(f"hang: node {found['node']} of culprit rank {found['rank']}: {note}", flush=True)
-    warning = exclusions.fit_warning(run_dir, limit) if added else None
+    warning = exclusions.fit_warning(run_dir, limit, min_nodes=min_nodes) if added else None
     if warning:
         print(f"hang: warning: {warning}", flush=True)

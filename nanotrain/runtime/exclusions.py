@@ -201,10 +201,13 @@ def to_exclude(run_dir: Path, job_id, restart: int, limit: int) -> list[str]:
     return [n for n in nodes if n not in avoided]
 
 
-def fit_warning(run_dir: Path, limit: int, environ=os.environ) -> Optional[str]:
+def fit_warning(run_dir: Path, limit: int, environ=os.environ, min_nodes: Optional[int] = None) -> Optional[str]:
     """Inside a SLURM job: why the requeued job will not start, when the job's partition has fewer
-    usable nodes outside the excluded ones than the job has (None when it fits, or unknown)."""
-    partition, needed = environ.get("SLURM_JOB_PARTITION"), environ.get("SLURM_JOB_NUM_NODES", "")
+    usable nodes outside the excluded ones than the job needs: ``min_nodes``, the fewest of a
+    node range (``slurm.nodes: min-max``: the requeue gets its range back), else the nodes it has
+    (None when it fits, or unknown)."""
+    partition = environ.get("SLURM_JOB_PARTITION")
+    needed = str(min_nodes) if min_nodes is not None else environ.get("SLURM_JOB_NUM_NODES", "")
     if not partition or not needed.isdigit():
         return None
     out = slurm_commands.answer(["sinfo", "-h", "-N", "-p", partition, "-o", "%N %T"])

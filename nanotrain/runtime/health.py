@@ -53,7 +53,7 @@ import torch.distributed as dist
 from nanotrain.config.validate_slurm import health_enabled, max_excluded_nodes
 from nanotrain.parallel.observe.nodes import NODES, node_name
 from nanotrain.runtime import exclusions
-from nanotrain.runtime.preemption import request_requeue
+from nanotrain.runtime.preemption import request_requeue, requeue_min_nodes
 
 SLOW_NODE_ENV = "NANOTRAIN_TEST_SLOW_NODE"
 STARTUP_FILE = exclusions.STARTUP_FILE
@@ -357,7 +357,7 @@ def _exclude_and_requeue(verdict: dict, config, env, run_dir: Path) -> bool:
             flush=True,
         )
         return False
-    warning = exclusions.fit_warning(run_dir, limit)
+    warning = exclusions.fit_warning(run_dir, limit, min_nodes=requeue_min_nodes())
     if warning:
         print(f"health: warning: {warning}", flush=True)
     print(f"health: requeueing job {env.job_id} without {', '.join(exclusions.excluded(run_dir, limit))}", flush=True)

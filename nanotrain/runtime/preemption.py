@@ -206,6 +206,12 @@ def keep_node_range_on_requeue(nodes: str, tasks: int, cpus: int) -> None:
     _NODE_RANGE[:] = [(nodes, tasks, cpus)]
 
 
+def requeue_min_nodes() -> int | None:
+    """The fewest nodes a requeue of this job may land on (its node range's minimum), or None
+    for a job of a fixed node count."""
+    return int(_NODE_RANGE[0][0].split("-")[0]) if _NODE_RANGE else None
+
+
 def _restore_node_range(job_id: str) -> None:
     if _NODE_RANGE:
         from nanotrain.runtime.node_range import restore_after_requeue
