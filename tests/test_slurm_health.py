@@ -30,6 +30,7 @@ from helpers.runs import TINY, cli, set_args, warm_data_cache
 from helpers.slurm import (
     TERMINAL,
     cancel,
+    job_field,
     job_state,
     restart_count,
     start_now_if_requeued,
@@ -38,12 +39,6 @@ from helpers.slurm import (
 )
 
 STEPS = 4
-
-
-def _scontrol_field(job_id: str, name: str) -> str | None:
-    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
-    match = re.search(rf"(?<![\w/]){name}=(\S*)", out)
-    return match.group(1) if match else None
 
 
 def _sacct(job_id: str) -> list[list[str]]:
@@ -104,7 +99,7 @@ def test_a_slow_node_is_excluded_on_requeue_and_the_job_continues_on_the_other(s
 
         assert wait_until(finished, 180, "the job to finish on n1", job, interval=1.0) == "COMPLETED"
         print(f"submit -> continued on one node and completed: {time.monotonic() - t0:.1f} s")
-        assert _scontrol_field(job, "ExcNodeList") == "n2"
+        assert job_field(job, "ExcNodeList") == "n2"
         record = json.loads((run_dir / "excluded_nodes.json").read_text())
         assert [(e["node"], e["source"]) for e in record["nodes"]] == [("n2", "health")], record
         assert record["applied"][-1]["nodes"] == ["n2"] and record["applied"][-1]["job_id"] == job

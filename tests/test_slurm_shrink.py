@@ -27,6 +27,7 @@ from helpers.processes import step_of
 from helpers.slurm import (
     TERMINAL,
     cancel,
+    job_field,
     job_state,
     restart_count,
     start_now_if_requeued,
@@ -44,12 +45,6 @@ def losses(run_dir: Path) -> dict[int, float]:
     events = EventAccumulator(str(run_dir / "tb"))
     events.Reload()
     return {e.step: e.value for e in events.Scalars("train/loss")}
-
-
-def job_field(job_id: str, name: str) -> str | None:
-    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
-    match = re.search(rf"\b{name}=(\S*)", out)
-    return match.group(1) if match else None
 
 
 def scontrol(*args: str) -> None:

@@ -69,6 +69,13 @@ def wait_until(predicate, timeout: float, what: str, job_id: str | None = None, 
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def job_field(job_id: str, name: str) -> str | None:
+    """One field of ``scontrol show job`` (``NumTasks``, ``ExcNodeList``, ...), or None."""
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
+    match = re.search(rf"(?<![\w/]){name}=(\S*)", out)
+    return match.group(1) if match else None
+
+
 def start_now_if_requeued(job_id: str) -> None:
     """A requeued job waits `cred_expire` (30 s here) in PENDING/BeginTime; start it at once."""
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True, timeout=30)
