@@ -59,7 +59,8 @@ def build_optimizer(
     ``zero_stage`` (default ``args.zero_stage``): 0 = ``torch.optim.AdamW``; 1 =
     ``ZeroOneOptimizer`` (an AdamW subclass) sharding states over ``dp_group`` (pass
     ``pc.dp_cp_pg``); 2 = the same, the gradient sync (built first) turned into per-micro-batch
-    reduce-scatters into owned shards (``data_parallel/shard_grads.py``). Either way
+    reduce-scatters into owned shards (``data_parallel/shard_grads.py``); 3 = the parameters
+    sharded too, each layer gathered when it computes (``data_parallel/shard_params.py``). Either way
     param_groups carry ``param_names`` and an LR scheduler drives ``param_groups[i]["lr"]``.
     Gradients must be dp-averaged before ``step()``.
 
@@ -71,7 +72,7 @@ def build_optimizer(
     takes a ``found_inf`` flag, which ``training.spike.policy: skip`` sets (``training/spike.py``).
 
     Raises:
-        ValueError: no trainable parameter, or a ``zero_stage`` other than 0, 1 and 2.
+        ValueError: no trainable parameter, or a ``zero_stage`` other than 0, 1, 2 and 3.
     """
     stage = args.zero_stage if zero_stage is None else zero_stage
     groups = weight_decay_groups(named_params, args.weight_decay)
@@ -83,11 +84,11 @@ def build_optimizer(
         kwargs["fused"] = True  # one kernel for all tensors (torch's default on CUDA is foreach)
     if stage == 0:
         return torch.optim.AdamW(groups, **kwargs)
-    if stage in (1, 2):
+    if stage in (1, 2, 3):
         return ZeroOneOptimizer(
             groups, dp_group, expert_group=expert_dp_group, is_expert=is_expert_param, stage=stage, **kwargs
         )
-    raise ValueError(f"zero_stage must be 0, 1 or 2, got {stage!r}")
+    raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {stage!r}")
 
 
 def optimizer_groups(pc: ParallelContext) -> dict:

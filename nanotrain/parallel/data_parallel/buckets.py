@@ -38,9 +38,14 @@ def cap_bytes(bucket_cap_mb: float) -> int:
 
 
 def bucket_layout(
-    params: Sequence[torch.Tensor], cap: int, alone: Optional[Callable[[torch.Tensor], bool]] = None
+    params: Sequence[torch.Tensor],
+    cap: int,
+    alone: Optional[Callable[[torch.Tensor], bool]] = None,
+    units: Optional[Sequence[str]] = None,
 ) -> list[list[int]]:
-    """Indices into ``params`` of each bucket's parameters, in bucket order (see module doc)."""
+    """Indices into ``params`` of each bucket's parameters, in bucket order (see module doc).
+    ``units`` (ZeRO-3: each parameter's gather unit, ``shard_params.unit_of_name``): a bucket
+    never spans two units."""
     groups: list[list[int]] = []
     size = 0
     last_alone = False
@@ -55,6 +60,7 @@ def bucket_layout(
             or size + nbytes > cap
             or params[groups[-1][0]].dtype != p.dtype
             or params[groups[-1][0]].device != p.device
+            or (units is not None and units[groups[-1][0]] != units[i])
         ):
             groups.append([])
             size = 0
@@ -88,20 +94,26 @@ def shard_pieces(
     return out
 
 
-def sharded_layout(params: Sequence[torch.Tensor], cap: int) -> list[list[int]]:
-    """``bucket_layout`` for ZeRO-1: tied parameters alone (module doc)."""
-    return bucket_layout(params, cap, alone=is_tied)
+def sharded_layout(params: Sequence[torch.Tensor], cap: int, units: Optional[Sequence[str]] = None) -> list[list[int]]:
+    """``bucket_layout`` for ZeRO-1/2/3: tied parameters alone (module doc); at ZeRO-3 cut at
+    ``units`` too."""
+    return bucket_layout(params, cap, alone=is_tied, units=units)
 
 
 def zero_ranges(
-    params: Sequence[torch.Tensor], shards: int, rank: int, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    params: Sequence[torch.Tensor],
+    shards: int,
+    rank: int,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    units: Optional[Sequence[str]] = None,
 ) -> list[tuple[int, int, int]]:
     """(index into ``params``, start, stop) of what ``rank`` of ``shards`` owns when a
     ``BucketedGradSync`` over ``params`` (the trainable ones, in model order) is sharded for
     ZeRO-1: the ranges ``ZeroOneOptimizer`` holds, computed from the sizes alone (offline
-    resharding). A group of one keeps the unsharded buckets, where rank 0 owns everything."""
+    resharding). A group of one keeps the unsharded buckets, where rank 0 owns everything.
+    ``units``: ZeRO-3's gather unit of each parameter (its buckets are cut at them)."""
     layout = (
-        sharded_layout(params, cap_bytes(bucket_cap_mb))
+        sharded_layout(params, cap_bytes(bucket_cap_mb), units)
         if shards > 1
         else bucket_layout(params, cap_bytes(bucket_cap_mb))
     )

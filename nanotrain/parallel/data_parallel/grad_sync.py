@@ -145,10 +145,14 @@ class BucketedGradSync:
         self.launch_log: list[tuple[int, int, bool]] = []
 
     # ------------------------------------------------------------------ construction
-    def _build_buckets(self, shards: int = 1, allocate: bool = True) -> list[Bucket]:
-        cut = layout.sharded_layout if shards > 1 else layout.bucket_layout
+    def _build_buckets(self, shards: int = 1, allocate: bool = True, units: Optional[dict] = None) -> list[Bucket]:
+        if shards > 1:
+            unit_list = None if units is None else [units[id(p)] for p in self.params]
+            cuts = layout.sharded_layout(self.params, self.bucket_cap_bytes, unit_list)
+        else:
+            cuts = layout.bucket_layout(self.params, self.bucket_cap_bytes)
         buckets = []
-        for i, indices in enumerate(cut(self.params, self.bucket_cap_bytes)):
+        for i, indices in enumerate(cuts):
             ps = [self.params[j] for j in indices]
             offsets, n = [], 0
             for p in ps:
@@ -321,23 +325,24 @@ class BucketedGradSync:
     def _idle(self) -> bool:
         return not any(b.launched or b.handle is not None for b in self.buckets)
 
-    def shard(self, stage: int = 1) -> list[Bucket]:
+    def shard(self, stage: int = 1, units: Optional[dict[int, str]] = None) -> list[Bucket]:
         """Cut every bucket into ``shards`` equal pieces, rank r owning piece r (module doc);
-        returns the buckets, whose layout is the ZeRO partition (the same at stages 1 and 2).
-        ``stage`` 2 also turns the buffers into per-micro-batch reduce-scatters into an owned
+        returns the buckets, whose layout is the ZeRO partition (the same at stages 1 and 2;
+        at 3 also cut at the ``units``, id(param) -> gather unit: ``shard_params.py``).
+        ``stage`` 2 and 3 also turn the buffers into per-micro-batch reduce-scatters into an owned
         accumulator (``shard_grads.py``). Called between steps (gradients accumulated so far
         are kept); a group of one keeps its buckets as they are (rank 0 owns everything) and
         nothing changes."""
         if not self._idle():
             raise RuntimeError("BucketedGradSync.shard() during a sync round")
         if self.world_size > 1 and self.shards == 1:
-            if stage == 2:  # the buffers' zeros are no gradient: let them go (only real ones move)
+            if stage >= 2:  # the buffers' zeros are no gradient: let them go (only real ones move)
                 empty = {id(p) for b in self.buckets if not bool(b.buffer.any()) for p in b.params}
                 for p in self.params:
                     if id(p) in empty and _same_storage(p.grad, self._view_of[id(p)]):
                         p.grad = None
             self.shards, self.gather_grads = self.world_size, stage == 1
-            self.buckets = self._build_buckets(self.shards, allocate=stage == 1)
+            self.buckets = self._build_buckets(self.shards, allocate=stage == 1, units=units if stage == 3 else None)
             self._index_views()
             self._next_launch = 0
             sizes = [b.size for b in self.buckets]
@@ -362,7 +367,7 @@ class BucketedGradSync:
                 for b in self.buckets:  # gradients so far: into fresh buffers, reduced at the next finish
                     if any(p.grad is not None for p in b.params):
                         self.accumulator.allocate(b)
-        elif self.shards > 1 and (stage == 2) != (self.accumulator is not None):
+        elif self.shards > 1 and (stage >= 2) != (self.accumulator is not None):
             raise RuntimeError(f"BucketedGradSync is sharded for another ZeRO stage than {stage}")
         return self.buckets
 

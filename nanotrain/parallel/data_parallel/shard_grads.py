@@ -130,6 +130,7 @@ class ShardAccumulator:
         # finished) step, cleared by its first gradient like the sync's launch log: the evidence
         # that only a few of them are alive at once (tests, profiling).
         self.buffer_log: list[tuple[str, int, int]] = []
+        self.after_round: list[Callable[[], None]] = []  # ZeRO-3: release what a backward gathered
 
     # ------------------------------------------------------------------ views
     def _view(self, b, p: nn.Parameter) -> torch.Tensor:
@@ -242,6 +243,11 @@ class ShardAccumulator:
             self._rounds += 1
         finally:
             self._round = None
+            self._ended()
+
+    def _ended(self) -> None:
+        for fn in self.after_round:
+            fn()
 
     # ------------------------------------------------------------------ the step
     def finish(self) -> None:
@@ -253,6 +259,7 @@ class ShardAccumulator:
         for b in list(self.in_flight):
             self._complete(b)
         self._rounds = 0
+        self._ended()
 
     def zero_grad(self) -> None:
         for b in list(self.in_flight):

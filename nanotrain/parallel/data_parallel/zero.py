@@ -29,6 +29,7 @@ accumulator of the owned pieces (``shard_grads.py``) and the parameters keep no 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -40,6 +41,7 @@ from nanotrain.parallel import accelerator
 from nanotrain.parallel.collectives import all_gather_into, wait
 from nanotrain.parallel.data_parallel.buckets import padded, shard_pieces
 from nanotrain.parallel.data_parallel.grad_sync import BucketedGradSync, grad_sync_of
+from nanotrain.parallel.data_parallel.shard_params import ParamGather, ShardedStore, unit_of_name
 
 
 def zero_partition(numels: Sequence[int], dp: int) -> list[list[tuple[int, int, int]]]:
@@ -97,12 +99,20 @@ class _Domain:
     offsets: list[int]  # element offset of each of them in ``flat``
     partition: list[list[tuple[int, int, int]]]  # per group rank: (position in indices, start, stop)
     buckets: list[tuple[int, int]]
-    flat: torch.Tensor
+    flat: Optional[torch.Tensor]  # None at ZeRO-3: the parameters live in ``store``
     sync: Optional[BucketedGradSync] = None
+    store: Optional[ShardedStore] = None  # ZeRO-3 (``shard_params.py``)
+
+    def owned(self, j: int, start: int, stop: int) -> torch.Tensor:
+        """The optimizer's tensor for elements [start, stop) of parameter ``j`` (owned here)."""
+        if self.store is not None:
+            return self.store.owned(j, start, stop)
+        return self.flat[self.offsets[j] + start : self.offsets[j] + stop]
 
     def all_gather(self) -> None:
-        """Every rank's pieces into every rank's buffer, in place, all buckets posted at once."""
-        if self.size == 1:
+        """Every rank's pieces into every rank's buffer, in place, all buckets posted at once
+        (ZeRO-3: nothing, each layer is gathered when it computes)."""
+        if self.size == 1 or self.store is not None:
             return
         handles = []
         for start, length in self.buckets:
@@ -163,8 +173,8 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         stage: int = 1,
         **defaults,
     ):
-        if stage not in (1, 2):
-            raise ValueError(f"ZeroOneOptimizer: stage must be 1 or 2, got {stage!r}")
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeroOneOptimizer: stage must be 1, 2 or 3, got {stage!r}")
         self.stage = stage
         names, params, group_of = [], [], []
         for gi, g in enumerate(param_groups):
@@ -193,15 +203,16 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         owned = {}  # flat position -> (domain, start, stop): pieces keep the optimizer's order
         for d in self.domains:
             for j, start, stop in d.partition[d.rank]:
-                owned[d.indices[j]] = (d, d.offsets[j], start, stop)
+                owned[d.indices[j]] = (d, j, start, stop)
         for i in sorted(owned):
-            d, off, start, stop = owned[i]
-            shard = d.flat[off + start : off + stop]  # a leaf view (flat needs no grad)
+            d, j, start, stop = owned[i]
+            shard = d.owned(j, start, stop)  # a leaf view (the buffers need no grad)
             self.pieces.append(ShardPiece(names[i], params[i], start, stop, shard))
             self._grad_syncs.append(d.sync if d.sync is not None and d.sync.accumulator is not None else None)
             shard_groups[group_of[i]]["params"].append(shard)
             shard_groups[group_of[i]]["param_names"].append(names[i])
         super().__init__(shard_groups, **defaults)
+        self.param_gather = self._param_gather() if stage == 3 else None
 
     def _domain(self, group, indices: list[int], what: str) -> _Domain:
         """Move ``indices``' parameters into one flat buffer (see module doc) sharded over ``group``."""
@@ -210,14 +221,15 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         rank = dist.get_rank(group) if initialised else 0
         ps = [self.params[i] for i in indices]
         sync = _sync_to_follow(ps, group, size)
-        if sync is None and self.stage == 2 and size > 1:
+        if sync is None and self.stage >= 2 and size > 1:
             raise ValueError(
-                f"ZeRO-2 reduce-scatters the {what}gradients through their BucketedGradSync over the "
+                f"ZeRO-{self.stage} reduce-scatters the {what}gradients through their BucketedGradSync over the "
                 "same ranks: build it (build_grad_sync) before the optimizer"
             )
         if sync is not None:  # the sync's buckets, padded to a multiple of size
             position = {id(p): j for j, p in enumerate(ps)}
-            layout = [[position[id(p)] for p in b.params] for b in sync.shard(self.stage)]
+            units = {id(p): unit_of_name(self.names[i]) for i, p in zip(indices, ps)}
+            layout = [[position[id(p)] for p in b.params] for b in sync.shard(self.stage, units)]
             lengths = [b.size for b in sync.buckets]
         else:
             layout, lengths = [list(range(len(ps)))], [padded(sum(p.numel() for p in ps), size)]
@@ -238,6 +250,9 @@ class ZeroOneOptimizer(torch.optim.AdamW):
                 off += ps[j].numel()
             buckets.append((start, length))
             start += length
+        if self.stage == 3 and size > 1:  # each bucket its own buffer, released until gathered
+            store = ShardedStore(ps, layout, lengths, group, size, rank)
+            return _Domain(group, size, rank, indices, offsets, partition, buckets, None, sync, store)
         ref = self.params[0]
         flat = torch.zeros(start, dtype=ref.dtype, device=ref.device)
         with torch.no_grad():
@@ -246,6 +261,27 @@ class ZeroOneOptimizer(torch.optim.AdamW):
                 view.copy_(p)
                 p.data = view
         return _Domain(group, size, rank, indices, offsets, partition, buckets, flat, sync)
+
+    def _param_gather(self) -> Optional[ParamGather]:
+        """ZeRO-3: the gather units (one per decoder layer, the embedding, the head) over the
+        domains' buckets, released after each backward round of the gradient syncs."""
+        units: dict[str, list] = {}
+        params: dict[str, list] = {}
+        for d in self.domains:
+            if d.store is None:
+                continue
+            for k, positions in enumerate(d.store.layout):
+                name = unit_of_name(self.names[d.indices[positions[0]]])
+                units.setdefault(name, []).append((d.store, k))
+                params.setdefault(name, []).extend(self.params[d.indices[j]] for j in positions)
+        if not units:
+            return None
+        gather = ParamGather(units, params)
+        ref = weakref.ref(gather)
+        for d in self.domains:
+            if d.store is not None:
+                d.sync.accumulator.after_round.append(lambda ref=ref: ref() is not None and ref().end_round())
+        return gather
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -275,6 +311,8 @@ class ZeroOneOptimizer(torch.optim.AdamW):
 
     def _rebind_if_replaced(self) -> None:
         for d in self.domains:
+            if d.store is not None:  # ZeRO-3: the parameters are views of the store for good
+                continue
             for i, off in zip(d.indices, d.offsets):
                 p = self.params[i]
                 view = d.flat[off : off + p.numel()]

@@ -21,12 +21,14 @@ Parameter names are the plain model's (``Adopting``): ``layers.7.attn.qkv.weight
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
 from torch import nn
 
 from nanotrain.parallel import accelerator
+from nanotrain.parallel.data_parallel.shard_params import gather_of_params
 from nanotrain.parallel.context_parallel import ContextParallel, zigzag_table
 from nanotrain.parallel.documents import document_attention
 from nanotrain.parallel.part.adopt import Adopting
@@ -140,7 +142,8 @@ class ModelPart(Adopting):
         part, model = self.chunks[chunk], self.inner
         order = self._order(documents, cp_order)
         if part.is_first:
-            hidden = model.embed_tokens(self.cp.local(input_ids, order=order)).to(self.residual_dtype)
+            ids = self.cp.local(input_ids, order=order)
+            hidden = self._gathered((model.embed,), model.embed_tokens, ids).to(self.residual_dtype)
         layers = [name.split(".", 1)[1] for name in part.blocks if name.startswith("layers.")]
         kernel = model.args.attention_kernel
         if documents is None:
@@ -153,7 +156,42 @@ class ModelPart(Adopting):
             hidden = model.run_layers(hidden, layers, *document_attention(documents, queries, kernel=kernel))
         if not part.is_last:
             return hidden
-        return model.head(hidden, None if targets is None else self.cp.local(targets, order=order))
+        targets = None if targets is None else self.cp.local(targets, order=order)
+        return self._gathered((model.final_norm, model.lm_head), model.head, hidden, targets)
+
+    # ------------------------------------------------------------------ ZeRO-3
+    def _gathered(self, modules, fn, *args):
+        """``fn(*args)`` with the full weights of ``modules`` (ZeRO-3: their units gathered for
+        it, ``data_parallel/shard_params.py``; below, just the call)."""
+        gather = self._param_gather()
+        if gather is None:
+            return fn(*args)
+        names = gather.units_of(p for m in modules for p in m.parameters())
+        gather.before_forward(names)
+        out = fn(*args)
+        gather.after_forward(names, out)
+        return out
+
+    def _param_gather(self):
+        """The optimizer's ParamGather at ZeRO-3 (None below), hooked on first use around every
+        decoder layer this rank holds, with each pipeline chunk's units as its prefetch order."""
+        ref = self.__dict__.get("_gather_ref")
+        gather = ref() if ref is not None else None
+        if gather is not None:
+            return gather
+        gather = gather_of_params(self.parameters())
+        if gather is None:
+            return None
+        gather.set_chunks([gather.units_of(self.chunk_parameters(c)) for c in range(len(self.chunks))])
+        gref = weakref.ref(gather)
+        for name in gather.units:
+            if name.startswith("layers."):
+                layer, unit = self.inner.layers[name.split(".", 1)[1]], [name]
+                # a hook outliving its gather (another optimizer built for this model) does nothing
+                layer.register_forward_pre_hook(lambda m, a, unit=unit: (g := gref()) and g.before_forward(unit))
+                layer.register_forward_hook(lambda m, a, out, unit=unit: (g := gref()) and g.after_forward(unit, out))
+        self.__dict__["_gather_ref"] = gref
+        return gather
 
     def _order(self, documents, cp_order) -> torch.Tensor | None:
         """The micro-batch's token order ``[cp, S/cp]`` under cp's balanced order (zig-zag's table
