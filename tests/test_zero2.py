@@ -165,7 +165,7 @@ def _memory(pc) -> dict:
     return out
 
 
-def launch(cases: dict, memory: bool) -> dict:
+def launch(cases: dict, memory: bool, zero: int = 2) -> dict:
     from nanotrain.parallel.parallel_context import ParallelContext
 
     out = {}
@@ -177,7 +177,7 @@ def launch(cases: dict, memory: bool) -> dict:
             context_parallel_size=grid.get("cp", 1),
             expert_parallel_size=grid.get("ep", 1),
         )
-        out[name] = _train(pc, opts)
+        out[name] = _train(pc, opts, zero)
         if memory and name == "dp4":
             out["memory"] = _memory(pc)
     return out

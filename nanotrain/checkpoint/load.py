@@ -46,6 +46,7 @@ from nanotrain.checkpoint.items import (
 )
 from nanotrain.checkpoint.layout import model_differences
 from nanotrain.optim.optimizer import load_optimizer_state_by_name
+from nanotrain.parallel.data_parallel.shard_params import full_parameters
 from nanotrain.parallel.sharding import copy_from_full_, get_shard_info
 
 log = logging.getLogger("nanotrain.checkpoint")
@@ -308,7 +309,9 @@ def _apply(
 ) -> LoadedCheckpoint:
     reader = ShardReader(cand)
     resharded = not plan.same_grid
-    with torch.no_grad():
+    # ZeRO-3: the parameters whole while they are written, then cut back to the owned pieces
+    whole = full_parameters([p for ps in params.values() for p in ps], write_back=True)
+    with torch.no_grad(), whole:
         for name, (entries, fast) in plan.model.items():
             if fast:
                 src = reader.get(entries[0]["file"], entries[0]["key"])

@@ -46,6 +46,7 @@ from nanotrain.checkpoint.damage import full_problems, prune, quarantine
 from nanotrain.checkpoint.format import CheckpointError
 from nanotrain.checkpoint.items import Models, config_as_dict, named_params, topology_of
 from nanotrain.checkpoint.save_rank import Written, plan_records, take_work, write_rank
+from nanotrain.parallel.data_parallel.shard_params import gather_of_params
 from nanotrain.checkpoint.snapshot import HostSnapshot
 
 log = logging.getLogger("nanotrain.checkpoint")
@@ -169,7 +170,7 @@ def begin_save(
             writer.setdefault(k, r)
     work = work_error = None
     try:
-        work = take_work(world.rank, plan, writer, pc, rank_state, background)
+        work = take_work(world.rank, plan, writer, pc, rank_state, background, _gathered_values(plan, writer, world.rank))
     except Exception:  # reported by the commit, on every rank together
         work_error = world.error_here()
     live = None
@@ -195,6 +196,16 @@ def begin_save(
     )
     write = (lambda: Written(error=work_error)) if work is None else (lambda: write_rank(tmp, work, granularity))
     return PendingSave(world, commit, None if work is None else work.snapshot, write, background)
+
+
+def _gathered_values(plan, writer: dict[str, int], rank: int) -> dict[str, torch.Tensor] | None:
+    """ZeRO-3: host copies of the parameters this rank writes, gathered one layer at a time (every
+    rank of the data-parallel groups takes part); None below ZeRO-3 (the parameters are whole)."""
+    gather = gather_of_params(p for ps in plan.params.values() for p in ps)
+    if gather is None:
+        return None
+    mine = {id(ps[0]): n for n, ps in plan.params.items() if writer[plan.keys[("model", n)]] == rank}
+    return gather.host_copies(mine)
 
 
 @dataclass

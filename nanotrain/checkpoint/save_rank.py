@@ -75,9 +75,13 @@ def plan_records(params: dict[str, list[torch.Tensor]], optimizer) -> RankPlan:
     return RankPlan(params, infos, opt, keys)
 
 
-def take_work(rank: int, plan: RankPlan, writer: dict[str, int], pc, rank_state, snapshot: bool) -> RankWork:
+def take_work(
+    rank: int, plan: RankPlan, writer: dict[str, int], pc, rank_state, snapshot: bool, values: dict | None = None
+) -> RankWork:
     """What this rank writes, taken now: its assigned records (copied to the host when
-    ``snapshot``: an async save), its RNG states and per-rank state."""
+    ``snapshot``: an async save), its RNG states and per-rank state. ``values``: host copies of
+    the parameters it writes, already taken (ZeRO-3, whose parameters are not whole between
+    steps)."""
     params, infos, opt, keys = plan.params, plan.infos, plan.opt, plan.keys
     keep = HostSnapshot() if snapshot else (lambda t: t.detach())
     coords = coords_of(pc)
@@ -92,7 +96,11 @@ def take_work(rank: int, plan: RankPlan, writer: dict[str, int], pc, rank_state,
         dp=coords["dp"],
         cp=coords["cp"] if pc is not None and pc.cp_size > 1 else None,
     )
-    model_items = [(n, keep(ps[0]), infos[n]) for n, ps in params.items() if writer[keys[("model", n)]] == rank]
+    model_items = [
+        (n, keep(ps[0]) if values is None else values[n], infos[n])
+        for n, ps in params.items()
+        if writer[keys[("model", n)]] == rank
+    ]
     # The step count too: AdamW increments it in place (it is a view of the live state).
     opt_items = [
         (n, infos[n], e.local_shape, e.start, e.stop, keep(e.step), keep(e.exp_avg), keep(e.exp_avg_sq))

@@ -147,10 +147,12 @@ class OptimizerArgs:
     )
     decay_shape: Literal["linear", "1-sqrt"] = doc("1-sqrt", "wsd: shape of the decay to min_lr")
     min_lr: float = bounded(0.0, 0.0, doc="final learning rate")
-    zero_stage: Literal[0, 1, 2] = doc(
+    zero_stage: Literal[0, 1, 2, 3] = doc(
         0,
         "1 shards optimizer states across dp; 2 also gradients (reduce-scattered every micro-batch, "
-        "1/dp of the gradient memory for m reduce-scatters per step instead of one all-reduce)",
+        "1/dp of the gradient memory for m reduce-scatters per step instead of one all-reduce); "
+        "3 also parameters (each layer all-gathered before its forward and its backward, the next "
+        "one prefetched, released after use: 1/dp of the weights, 2m gathers per step)",
     )
 
 

@@ -32,6 +32,7 @@ from nanotrain.logging.metrics import MetricsLogger
 from nanotrain.models.family import family_of
 from nanotrain.optim import build_lr_scheduler, build_optimizer, optimizer_groups
 from nanotrain.parallel.data_parallel import build_grad_sync
+from nanotrain.parallel.data_parallel.shard_params import full_parameters
 from nanotrain.parallel.documents import resolve_kernel
 from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.parallel.part.model_part import ModelPart
@@ -204,7 +205,8 @@ def _starting_state(config, pc, model, optimizer, scheduler, run_id) -> tuple[in
                 print(f"resumed from {resumed.path} at step {resumed.step} ({resumed.provenance()})", flush=True)
             return resumed.step, resumed.extra["consumed_samples"], resumed.step, resumed.extra
     if c.init_from_hf:
-        loaded = load_hf_weights(c.init_from_hf, model, config.model)
+        with full_parameters(model.parameters(), write_back=True):  # ZeRO-3: written whole, kept as pieces
+            loaded = load_hf_weights(c.init_from_hf, model, config.model)
         if pc.world_rank == 0:
             print(
                 f"initialised from Hugging Face {c.init_from_hf}: rank 0 read "

@@ -141,6 +141,7 @@ class ModelPart(Adopting):
     def _forward(self, input_ids, targets, hidden, chunk: int, documents, cp_order) -> torch.Tensor:
         part, model = self.chunks[chunk], self.inner
         order = self._order(documents, cp_order)
+        self._param_gather()  # ZeRO-3: hooks the layers on the first forward (none below)
         if part.is_first:
             ids = self.cp.local(input_ids, order=order)
             hidden = self._gathered((model.embed,), model.embed_tokens, ids).to(self.residual_dtype)
