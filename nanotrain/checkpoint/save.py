@@ -46,8 +46,8 @@ from nanotrain.checkpoint.damage import full_problems, prune, quarantine
 from nanotrain.checkpoint.format import CheckpointError
 from nanotrain.checkpoint.items import Models, config_as_dict, named_params, topology_of
 from nanotrain.checkpoint.save_rank import Written, plan_records, take_work, write_rank
-from nanotrain.parallel.data_parallel.shard_params import gather_of_params
 from nanotrain.checkpoint.snapshot import HostSnapshot
+from nanotrain.parallel.data_parallel.shard_params import gather_of_params
 
 log = logging.getLogger("nanotrain.checkpoint")
 
@@ -170,7 +170,8 @@ def begin_save(
             writer.setdefault(k, r)
     work = work_error = None
     try:
-        work = take_work(world.rank, plan, writer, pc, rank_state, background, _gathered_values(plan, writer, world.rank))
+        values = _gathered_values(plan, writer, world.rank)
+        work = take_work(world.rank, plan, writer, pc, rank_state, background, values)
     except Exception:  # reported by the commit, on every rank together
         work_error = world.error_here()
     live = None

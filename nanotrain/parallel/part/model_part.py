@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from nanotrain.parallel import accelerator
-from nanotrain.parallel.data_parallel.shard_params import gather_of_params
 from nanotrain.parallel.context_parallel import ContextParallel, zigzag_table
+from nanotrain.parallel.data_parallel.shard_params import gather_of_params
 from nanotrain.parallel.documents import document_attention
 from nanotrain.parallel.part.adopt import Adopting
 from nanotrain.parallel.pipeline_parallel import MessageSpec, ModelChunk, is_tied_replica
