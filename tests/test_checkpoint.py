@@ -134,9 +134,12 @@ def load(root, run: Run, pc, zero, **kw):
 def snapshot(run: Run) -> dict:
     """This rank's exact state: local params, optimizer entries, scheduler, lr."""
     from nanotrain.optim import optimizer_state_by_name
+    from nanotrain.parallel.data_parallel.shard_params import full_parameters
 
+    with full_parameters(run.model.parameters()):  # ZeRO-3: gathered (below: as they are)
+        params = {n: p.detach().clone() for n, p in run.model.named_parameters()}
     return {
-        "params": {n: p.detach().clone() for n, p in run.model.named_parameters()},
+        "params": params,
         "optim": {
             n: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
             for n, s in optimizer_state_by_name(run.optimizer).items()
@@ -168,11 +171,15 @@ def full_state(run: Run, pc, zero: int) -> dict:
     collectives, without the checkpoint code: the reference the checkpoints are compared to."""
     from nanotrain.optim import optimizer_state_by_name
 
+    from nanotrain.parallel.data_parallel.shard_params import full_parameters
+
     states = optimizer_state_by_name(run.optimizer)
     params, optim = {}, {}
+    with full_parameters(run.model.parameters()):  # ZeRO-3: gathered (below: as they are)
+        whole = {name: p.detach().clone() for name, p in run.model.named_parameters()}
     for name, p in run.model.named_parameters():
         info = get_shard_info(p)
-        params[name] = gather_full(p.detach(), info, pc.tp_pg)
+        params[name] = gather_full(whole[name], info, pc.tp_pg)
         s = states.get(name)
         entry = {}
         for k in ("exp_avg", "exp_avg_sq"):
@@ -294,6 +301,8 @@ def launch_dp2_tp2(root: str) -> dict:
     out[0] = same_topology_round_trip(pc, root, 0, "model/pp-00_tp-01.safetensors", "truncate")
     # ZeRO-2: the same partition as ZeRO-1, so the same files; its gradients never reach a file
     out[2] = same_topology_round_trip(pc, root, 2, "optimizer/pp-00_tp-00_dp-01.safetensors", "truncate")
+    # ZeRO-3: the same files again (parameters written whole, gathered a layer at a time)
+    out[3] = same_topology_round_trip(pc, root, 3, "model/pp-00_tp-01.safetensors", "flip")
     pc.destroy()
     return out
 
@@ -328,9 +337,9 @@ def launch_reshard(src_root: str, dp: int, tp: int, zero: int, out_root: str, of
     return out
 
 
-def launch_dp4(z1_root: str, z2_root: str, out_root: str) -> dict:
-    """dp4: the dp2 x tp2 ZeRO-1 checkpoint loaded at ZeRO-0 and at ZeRO-2, the ZeRO-2 one at
-    ZeRO-1 (one launch)."""
+def launch_dp4(z1_root: str, z2_root: str, out_root: str, z3_root: str) -> dict:
+    """dp4: the dp2 x tp2 ZeRO-1 checkpoint loaded at ZeRO-0, 2 and 3, the ZeRO-2 and ZeRO-3
+    ones at ZeRO-1 (one launch)."""
     from nanotrain.parallel.parallel_context import ParallelContext
 
     pc = ParallelContext(data_parallel_size=4)
@@ -338,12 +347,14 @@ def launch_dp4(z1_root: str, z2_root: str, out_root: str) -> dict:
         "z1_to_z0": reshard_load(pc, z1_root, 0, out_root),
         "z2_to_z1": reshard_load(pc, z2_root, 1, out_root + "_z2_to_z1"),
         "z1_to_z2": reshard_load(pc, z1_root, 2, out_root + "_z1_to_z2"),
+        "z3_to_z1": reshard_load(pc, z3_root, 1, out_root + "_z3_to_z1"),
+        "z1_to_z3": reshard_load(pc, z1_root, 3, out_root + "_z1_to_z3"),
     }
     pc.destroy()
     return out
 
 
-def launch_single(root: str, src_root: str, out_root: str, pp_root: str, z2_root: str) -> dict:
+def launch_single(root: str, src_root: str, out_root: str, pp_root: str, z2_root: str, z3_root: str) -> dict:
     from nanotrain.parallel.parallel_context import ParallelContext
 
     pc = ParallelContext()
@@ -352,6 +363,7 @@ def launch_single(root: str, src_root: str, out_root: str, pp_root: str, z2_root
         "reshard": reshard_load(pc, src_root, 0, out_root),
         "from_pp": reshard_load(pc, pp_root, 0, out_root + "_from_pp", args=TIED),
         "from_z2": reshard_load(pc, z2_root, 0, out_root + "_from_z2"),
+        "from_z3": reshard_load(pc, z3_root, 0, out_root + "_from_z3"),
     }
     pc.destroy()
     return out
@@ -424,7 +436,8 @@ def runs(tmp_path_factory):
         0
     ]
     z2 = base / "dp2tp2" / "z2"  # the clean dp2 x tp2 ZeRO-2 checkpoint at step N
-    out["zero_dp4"] = run_distributed(launch_dp4, 4, str(src), str(z2), str(base / "re_dp4"), timeout=240)[0]
+    z3 = base / "dp2tp2" / "z3"
+    out["zero_dp4"] = run_distributed(launch_dp4, 4, str(src), str(z2), str(base / "re_dp4"), str(z3), timeout=240)[0]
     out["dp4"] = out["zero_dp4"]["z1_to_z0"]
     out["single"] = run_distributed(
         launch_single,
@@ -434,6 +447,7 @@ def runs(tmp_path_factory):
         str(base / "re_single"),
         str(base / "pp" / "z1"),
         str(z2),
+        str(z3),
         timeout=240,
     )[0]
     return out
@@ -443,7 +457,7 @@ def runs(tmp_path_factory):
 @pytest.mark.timeout(900)
 def test_round_trip_same_topology_is_exact(runs):
     """The checks run inside the ranks (same_topology_round_trip); here: the runs trained."""
-    for zero in (0, 1, 2):
+    for zero in (0, 1, 2, 3):
         losses = runs["dp2tp2"][0][zero]["losses"]
         assert len(losses) == TOTAL and losses[-1] < losses[0]
     # dp2 x tp2 and one process train the same run (test_training_dp_tp): rel 1e-5.
@@ -471,11 +485,21 @@ def test_reshard_is_exact_and_training_continues(runs, target):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("source,target", [(2, "zero_dp4/z2_to_z1"), (2, "single/from_z2"), (1, "zero_dp4/z1_to_z2")])
-def test_zero2_checkpoint_reshards_across_stages_and_dp(runs, source, target):
-    """Saved at dp2 x tp2 with ZeRO-2, loaded at dp4 ZeRO-1 and at one process (ZeRO-0); saved
-    with ZeRO-1, loaded at dp4 ZeRO-2: params and states exact, training continues within 1e-6
-    relative of the run that saved (one on-disk format for every stage)."""
+@pytest.mark.parametrize(
+    "source,target",
+    [
+        (2, "zero_dp4/z2_to_z1"),
+        (2, "single/from_z2"),
+        (1, "zero_dp4/z1_to_z2"),
+        (3, "zero_dp4/z3_to_z1"),
+        (3, "single/from_z3"),
+        (1, "zero_dp4/z1_to_z3"),
+    ],
+)
+def test_zero_checkpoint_reshards_across_stages_and_dp(runs, source, target):
+    """Saved at dp2 x tp2 with ZeRO-2 (or 3), loaded at dp4 ZeRO-1 and at one process (ZeRO-0);
+    saved with ZeRO-1, loaded at dp4 ZeRO-2 (or 3): params and states exact, training continues
+    within 1e-6 relative of the run that saved (one on-disk format for every stage)."""
     ref = runs["dp2tp2"][0][source]["ref"]
     launch, name = target.split("/")
     got = runs[launch][name]
@@ -483,8 +507,10 @@ def test_zero2_checkpoint_reshards_across_stages_and_dp(runs, source, target):
     uninterrupted = runs["dp2tp2"][0][source]["losses"][N:]
     assert max(abs(a - b) / b for a, b in zip(got["losses"], uninterrupted)) < 1e-6, (got["losses"], uninterrupted)
     # ZeRO-1 and 2 train the same run (same partition, other gradient reduction order)
-    z1, z2 = runs["dp2tp2"][0][1]["losses"], runs["dp2tp2"][0][2]["losses"]
-    assert max(abs(a - b) / b for a, b in zip(z2, z1)) < 1e-6
+    z1 = runs["dp2tp2"][0][1]["losses"]
+    for z in (2, 3):
+        zn = runs["dp2tp2"][0][z]["losses"]
+        assert max(abs(a - b) / b for a, b in zip(zn, z1)) < 1e-6, z
 
 
 @pytest.mark.timeout(900)
