@@ -1,19 +1,27 @@
-"""ZeRO-2 (``optimizer.zero_stage: 2``) trains like one process, and holds 1/dp of the gradients.
+"""ZeRO-2 and ZeRO-3 (``optimizer.zero_stage: 2 | 3``) train like one process, and hold 1/dp of
+the gradients (and at 3 of the weights).
 
 Equality: 8 steps, fp32, every micro-batch one sample (so each replica runs several micro-batches
-and the owned accumulator sums several reduce-scatters), the loss within 1e-6 relative of the
-one-process run of the same global batch, the grad norm (clipping triggers) within 1e-5:
+and the owned accumulator sums several reduce-scatters, and ZeRO-3 gathers every layer once per
+micro-batch forward and once per backward), the loss within 1e-6 relative of the one-process run
+of the same global batch, the grad norm (clipping triggers) within 1e-5:
   * 4 ranks: dp4; dp2 x tp2 (sequence parallel, async, full recompute); dp2 x cp2 (selective
     recompute); dp2 x ep2 (MoE: dense parameters over dp x ep, experts over dp);
   * 8 ranks: dp2 x tp2 x pp2 with each engine: afab (untied), 1f1b (sequence parallel, tied
     embeddings, full recompute), interleaved 1f1b (v = 2, tied: the replica's bucket goes with
     the last chunk's rounds).
+ZeRO-3 runs every case in ``make test``; ZeRO-2 runs dp4 and interleaved there (the gradient side
+of ZeRO-3 is ZeRO-2's), every case under ``make test-full`` (marker ``full``), with dp2 alone.
 Memory, measured in the dp4 ranks: the storage bytes of every gradient tensor a rank holds after
 the step's backward and sync (``.grad``, bucket buffers, the accumulator) at ZeRO-2 are about 1/4
 of ZeRO-0's, and the trace of the full bucket buffers shows each one freed, never more than a
-few alive at once during backward.
+few alive at once during backward. At ZeRO-3, on a 16-layer model: weights + gradients + AdamW
+states at most 0.3x of ZeRO-0's, and the trace of the gathers shows at most two layers whole at
+any time, each layer gathered once per micro-batch forward and backward, the next one posted
+before the current one is let go.
 
-Three launches (1, 4, 8 ranks), each case one model in the same processes.
+Launches per tier (1, 4, 8 ranks, and 2 for the full tier), each case one model in the same
+processes.
 """
 
 from __future__ import annotations
@@ -75,7 +83,9 @@ def _build(pc, opts: dict, zero: int):
     from nanotrain.parallel.data_parallel import build_grad_sync
     from nanotrain.parallel.pipeline_parallel import PipelineEngine
 
-    args = ModelArgs(**MODEL, tie_word_embeddings=opts.get("tied", False), moe=MOE if opts.get("moe") else None)
+    args = ModelArgs(
+        **opts.get("model", MODEL), tie_word_embeddings=opts.get("tied", False), moe=MOE if opts.get("moe") else None
+    )
     model = build_llama(
         args,
         pc.tp_pg,
@@ -165,21 +175,75 @@ def _memory(pc) -> dict:
     return out
 
 
-def launch(cases: dict, memory: bool, zero: int = 2) -> dict:
+TWO = {"dp2": (dict(dp=2), {})}
+CASES = {**FOUR, **EIGHT, **TWO}
+RANKS = {**{n: 4 for n in FOUR}, **{n: 8 for n in EIGHT}, **{n: 2 for n in TWO}}
+# (case, stage) run by `make test`; the rest of the grid is marked `full`
+FAST = [(n, 3) for n in (*FOUR, *EIGHT)] + [("dp4", 2), ("interleaved-tied", 2)]
+FULL = [(n, z) for n in CASES for z in (2, 3) if (n, z) not in FAST]
+DEEP = dict(MODEL, num_layers=16)  # the ZeRO-3 memory and gather-order check
+
+
+def _state_bytes(model, grad_sync, optimizer) -> int:
+    """Bytes of the distinct live storages of every weight, gradient and AdamW state this rank
+    holds (parameters, optimizer buffers and pieces, gradient buckets and accumulators)."""
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    for d in getattr(optimizer, "domains", []):
+        tensors += [d.flat] if d.flat is not None else [d.store.shard, *d.store.full]
+    for s in getattr(grad_sync, "syncs", [grad_sync]):
+        tensors += [b.buffer for b in s.buckets if b.buffer is not None]
+        if s.accumulator is not None:
+            tensors.append(s.accumulator.flat)
+    tensors += [t for st in optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+    storages = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes():
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
+def _gathers(pc) -> dict:
+    """One step of the 16-layer model at ZeRO-0 and ZeRO-3 (dp4): the bytes held after it, and
+    ZeRO-3's trace of gathers during it."""
+    from nanotrain.training.step import train_step
+
+    out = {}
+    for zero in (0, 3):
+        model, grad_sync, optimizer, scheduler, _ = _build(pc, {"model": DEEP}, zero)
+        if zero == 3:
+            optimizer.param_gather.log.clear()
+        stats = train_step(model, _micro(pc, 0), grad_sync, optimizer, scheduler, pc, OPTIM.clip_grad)
+        out[zero] = {"bytes": _state_bytes(model, grad_sync, optimizer), "loss": stats.loss}
+        if zero == 3:
+            out[zero]["log"] = list(optimizer.param_gather.log)
+            out[zero]["alive_after"] = optimizer.param_gather.alive_units()
+    out["micro_batches"] = len(_micro(pc, 0))
+    return out
+
+
+def launch(cases: list, memory: bool) -> dict:
     from nanotrain.parallel.parallel_context import ParallelContext
 
     out = {}
-    for name, (grid, opts) in cases.items():  # the contexts live until the rank exits
-        pc = ParallelContext(
-            data_parallel_size=grid.get("dp", 1),
-            tensor_parallel_size=grid.get("tp", 1),
-            pipeline_parallel_size=grid.get("pp", 1),
-            context_parallel_size=grid.get("cp", 1),
-            expert_parallel_size=grid.get("ep", 1),
-        )
-        out[name] = _train(pc, opts, zero)
-        if memory and name == "dp4":
+    contexts = {}
+    for name, zero in cases:  # the contexts live until the rank exits
+        grid = CASES[name][0]
+        key = tuple(sorted(grid.items()))
+        if key not in contexts:
+            contexts[key] = ParallelContext(
+                data_parallel_size=grid.get("dp", 1),
+                tensor_parallel_size=grid.get("tp", 1),
+                pipeline_parallel_size=grid.get("pp", 1),
+                context_parallel_size=grid.get("cp", 1),
+                expert_parallel_size=grid.get("ep", 1),
+            )
+        pc = contexts[key]
+        out[(name, zero)] = _train(pc, CASES[name][1], zero)
+        if memory and name == "dp4" and zero == 2:
             out["memory"] = _memory(pc)
+        if memory and name == "dp4" and zero == 3:
+            out["gathers"] = _gathers(pc)
     return out
 
 
@@ -196,8 +260,9 @@ def reference() -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def runs(ranks: int) -> list[dict]:
-    return run_distributed(launch, ranks, FOUR if ranks == 4 else EIGHT, ranks == 4, timeout=400)
+def runs(ranks: int, tier: str) -> list[dict]:
+    cases = [c for c in (FAST if tier == "fast" else FULL) if RANKS[c[0]] == ranks]
+    return run_distributed(launch, ranks, cases, tier == "fast" and ranks == 4, timeout=400)
 
 
 def _rel(got: list, ref: list) -> float:
@@ -205,14 +270,18 @@ def _rel(got: list, ref: list) -> float:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", list(FOUR) + list(EIGHT))
-def test_zero2_equals_one_process(name):
-    ranks, (_, opts) = (4, FOUR[name]) if name in FOUR else (8, EIGHT[name])
+@pytest.mark.parametrize(
+    "name,zero",
+    [pytest.param(n, z, id=f"{n}-zero{z}") for n, z in FAST]
+    + [pytest.param(n, z, id=f"{n}-zero{z}", marks=pytest.mark.full) for n, z in FULL],
+)
+def test_zero_equals_one_process(name, zero):
+    opts = CASES[name][1]
     ref = reference()[(int(opts.get("tied", False)), int(opts.get("moe", False)))]
     assert ref["loss"][-1] < ref["loss"][0]
     assert any(n > OPTIM.clip_grad for n in ref["grad_norm"]), "clipping never triggered"
-    for rank, res in enumerate(runs(ranks)):
-        got = res[name]
+    for rank, res in enumerate(runs(RANKS[name], "fast" if (name, zero) in FAST else "full")):
+        got = res[(name, zero)]
         assert len(got["loss"]) == STEPS
         assert _rel(got["loss"], ref["loss"]) < 1e-6, (rank, got["loss"], ref["loss"])
         # grad norms: 1e-5 as the other equality tests; under sequence parallelism the fp32 norm
@@ -222,7 +291,7 @@ def test_zero2_equals_one_process(name):
 
 @pytest.mark.timeout(900)
 def test_zero2_holds_a_quarter_of_the_gradients_at_dp4():
-    for res in runs(4):
+    for res in runs(4, "fast"):
         zero0, zero2 = res["memory"][0], res["memory"][2]
         assert zero0["bytes"] >= 4 * zero0["params"]  # the whole gradient, in buckets
         ratio = zero2["bytes"] / zero0["bytes"]
@@ -231,3 +300,31 @@ def test_zero2_holds_a_quarter_of_the_gradients_at_dp4():
         assert zero2["alive_after"] == 0
         assert zero2["allocs"] >= zero2["buckets"] * zero2["micro_batches"]  # one per bucket and micro-batch
         assert zero2["peak"] <= 3 * zero2["largest"] and zero2["peak"] < zero2["full"] / 4, zero2
+
+
+@pytest.mark.timeout(900)
+def test_zero3_holds_under_a_third_and_gathers_two_layers_at_most():
+    for res in runs(4, "fast"):
+        g = res["gathers"]
+        assert g[3]["loss"] == pytest.approx(g[0]["loss"], rel=1e-6)
+        ratio = g[3]["bytes"] / g[0]["bytes"]
+        assert ratio <= 0.3, ratio  # 1/4 of weights, gradients and states, plus padding
+        assert g[3]["alive_after"] == []  # nothing stays gathered between steps
+        alive, worst, posts = set(), 0, {}
+        layers = [f"layers.{i}" for i in range(DEEP["num_layers"])]
+        for event, unit, phase in g[3]["log"]:
+            if event == "post":
+                alive.add(unit)
+                posts[(unit, phase)] = posts.get((unit, phase), 0) + 1
+            elif event == "release":
+                alive.discard(unit)
+                i = layers.index(unit) if unit in layers else None
+                # prefetch: the neighbour the schedule runs next is already posted
+                if phase == "forward" and i is not None and i + 1 < len(layers):
+                    assert layers[i + 1] in alive, (unit, phase, sorted(alive))
+                if phase == "backward" and i is not None and i > 0:
+                    assert layers[i - 1] in alive, (unit, phase, sorted(alive))
+            worst = max(worst, len(alive & set(layers)))
+        assert worst <= 2, worst
+        m = g["micro_batches"]
+        assert all(posts.get((u, "forward")) == m and posts.get((u, "backward")) == m for u in layers), posts
