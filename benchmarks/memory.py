@@ -255,8 +255,9 @@ def _measure(config, pc, steps: int) -> dict:
     t = config.training
     model = build_model(config, pc)
     engine = build_engine(config, pc)
-    grad_sync = build_grad_sync(list(model.parameters()), pc)
-    optimizer = build_optimizer(model.named_parameters(), config.optimizer, **optimizer_groups(pc))
+    shard_size = config.optimizer.zero_shard_size
+    grad_sync = build_grad_sync(list(model.parameters()), pc, shard_size=shard_size)
+    optimizer = build_optimizer(model.named_parameters(), config.optimizer, **optimizer_groups(pc, shard_size))
     scheduler = build_lr_scheduler(optimizer, config.optimizer, steps + 2)
     micro = micro_batches(config)
 

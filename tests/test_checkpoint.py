@@ -170,7 +170,6 @@ def full_state(run: Run, pc, zero: int) -> dict:
     """Full (unsharded) params and AdamW states of this pp stage, put together here with
     collectives, without the checkpoint code: the reference the checkpoints are compared to."""
     from nanotrain.optim import optimizer_state_by_name
-
     from nanotrain.parallel.data_parallel.shard_params import full_parameters
 
     states = optimizer_state_by_name(run.optimizer)

@@ -550,6 +550,19 @@ BAD_CONFIGS = [
         [],
         ["data.tokenizer"],
     ),
+    (
+        "zero-shard-size-stage-0",
+        lambda c: c["optimizer"].update(zero_shard_size=2, zero_stage=0),
+        [],
+        ["optimizer.zero_shard_size (2)", "optimizer.zero_stage 1, 2 or 3"],
+    ),
+    (
+        "zero-shard-size-not-a-divisor",
+        lambda c: c["optimizer"].update(zero_shard_size=3, zero_stage=3),
+        [],
+        ["optimizer.zero_shard_size (3) must divide dp x cp x ep"],
+    ),
+    ("zero-shard-size-one", lambda c: c["optimizer"].update(zero_shard_size=1, zero_stage=3), [], ["zero_shard_size"]),
 ]
 
 

@@ -59,6 +59,7 @@ FOUR = {
     ),
     "dp2-cp2-selective": (dict(dp=2, cp=2), {"recompute": "selective"}),
     "dp2-ep2-moe": (dict(dp=2, ep=2), {"moe": True}),
+    "dp4-hybrid-2x2": (dict(dp=4), {"shard": 2}),  # sharded over 2 ranks, replicated across 2 blocks
 }
 EIGHT = {
     "afab": (dict(dp=2, tp=2, pp=2), {"engine": "afab"}),
@@ -99,8 +100,9 @@ def _build(pc, opts: dict, zero: int):
         ep_pg=pc.ep_pg,
         recompute=opts.get("recompute", "none"),
     )
-    grad_sync = build_grad_sync(list(model.parameters()), pc, bucket_cap_mb=BUCKET_MB)
-    optimizer = build_optimizer(model.named_parameters(), OPTIM, zero_stage=zero, **optimizer_groups(pc))
+    shard = opts.get("shard")  # hybrid sharding (optimizer.zero_shard_size)
+    grad_sync = build_grad_sync(list(model.parameters()), pc, bucket_cap_mb=BUCKET_MB, shard_size=shard)
+    optimizer = build_optimizer(model.named_parameters(), OPTIM, zero_stage=zero, **optimizer_groups(pc, shard))
     scheduler = build_lr_scheduler(optimizer, OPTIM, STEPS)
     engine = PipelineEngine(opts["engine"], pc.pp_pg) if pc.pp_size > 1 else None
     return model, grad_sync, optimizer, scheduler, engine
@@ -123,7 +125,8 @@ def _train(pc, opts: dict, zero: int = 2) -> dict:
         for step in range(STEPS)
     ]
     assert all(p.grad is None for s in syncs if s.accumulator is not None for p in s.params)
-    return {"loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats]}
+    sharded_over = [d.size for d in getattr(optimizer, "domains", [])]
+    return {"loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats], "sharded_over": sharded_over}
 
 
 def _grad_bytes(model, grad_sync) -> int:
@@ -282,6 +285,9 @@ def test_zero_equals_one_process(name, zero):
     assert any(n > OPTIM.clip_grad for n in ref["grad_norm"]), "clipping never triggered"
     for rank, res in enumerate(runs(RANKS[name], "fast" if (name, zero) in FAST else "full")):
         got = res[(name, zero)]
+        grid = CASES[name][0]
+        replicas = grid.get("dp", 1) * grid.get("cp", 1) * grid.get("ep", 1)
+        assert got["sharded_over"][0] == opts.get("shard", replicas)  # hybrid: blocks of `shard`
         assert len(got["loss"]) == STEPS
         assert _rel(got["loss"], ref["loss"]) < 1e-6, (rank, got["loss"], ref["loss"])
         # grad norms: 1e-5 as the other equality tests; under sequence parallelism the fp32 norm

@@ -154,6 +154,13 @@ class OptimizerArgs:
         "3 also parameters (each layer all-gathered before its forward and its backward, the next "
         "one prefetched, released after use: 1/dp of the weights, 2m gathers per step)",
     )
+    zero_shard_size: Optional[int] = bounded(
+        None,
+        2,
+        doc="hybrid sharding: shard ZeRO state within blocks of this many consecutive dp ranks (e.g. one "
+        "node's) and replicate it across the blocks, whose gradients are summed once per step; null: "
+        "shard over all the replicas",
+    )
 
 
 @dataclass

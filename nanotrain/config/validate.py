@@ -214,6 +214,8 @@ def validate_optimizer(config: Config) -> None:
             "must be below 1: AdamW multiplies the weights by 1 - lr*weight_decay each step, which would zero "
             "or flip them; the usual weight_decay is 0.1"
         )
+    if o.zero_shard_size is not None:
+        validate_zero_shard_size(config)
     if o.lr_decay_style == "wsd":
         steps = config.training.train_steps
         decay = wsd_decay_steps(o.decay_fraction, steps)
@@ -223,6 +225,20 @@ def validate_optimizer(config: Config) -> None:
                 f"{o.decay_fraction} of {steps} steps = {decay}) exceed training.train_steps ({steps}): "
                 "lower warmup_steps or decay_fraction"
             )
+
+
+def validate_zero_shard_size(config: Config) -> None:
+    """Hybrid sharding: blocks of ``zero_shard_size`` replicas (``data_parallel/hybrid.py``)."""
+    o, p = config.optimizer, config.parallelism
+    s = o.zero_shard_size
+    if o.zero_stage == 0:
+        _fail(f"optimizer.zero_shard_size ({s}) shards ZeRO state: set optimizer.zero_stage 1, 2 or 3, or drop it")
+    replicas = {"dp x cp x ep (the dense replicas)": p.dp * p.cp * p.ep}
+    if p.ep > 1:
+        replicas["dp x cp (an expert shard's replicas)"] = p.dp * p.cp
+    for what, n in replicas.items():
+        if n % s:
+            _fail(f"optimizer.zero_shard_size ({s}) must divide {what} = {n}: pick a divisor, or drop it")
 
 
 def wsd_decay_steps(decay_fraction: float, train_steps: int) -> int:

@@ -27,6 +27,7 @@ from torch import nn
 from nanotrain.config.schema import OptimizerArgs
 from nanotrain.parallel import accelerator
 from nanotrain.parallel.data_parallel.expert_sync import is_expert_param
+from nanotrain.parallel.data_parallel.hybrid import shard_groups
 from nanotrain.parallel.data_parallel.zero import ZeroOneOptimizer, placed_state
 from nanotrain.parallel.parallel_context import ParallelContext
 
@@ -91,12 +92,16 @@ def build_optimizer(
     raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {stage!r}")
 
 
-def optimizer_groups(pc: ParallelContext) -> dict:
+def optimizer_groups(pc: ParallelContext, shard_size: Optional[int] = None) -> dict:
     """``build_optimizer``'s group keywords for a ParallelContext: the data-parallel replicas of
-    the dense parameters and, with ep > 1, of the expert shards."""
+    the dense parameters and, with ep > 1, of the expert shards; under hybrid sharding
+    (``shard_size``, ``optimizer.zero_shard_size``) this rank's block of each
+    (``data_parallel/hybrid.py``), as ``build_grad_sync`` was given."""
+    dense = shard_groups(pc, "dp_cp_ep", shard_size).shard if shard_size else pc.dense_replica_pg
     if pc.ep_size == 1:
-        return {"dp_group": pc.dense_replica_pg}
-    return {"dp_group": pc.dense_replica_pg, "expert_dp_group": pc.dp_cp_pg}
+        return {"dp_group": dense}
+    experts = shard_groups(pc, "dp_cp", shard_size).shard if shard_size else pc.dp_cp_pg
+    return {"dp_group": dense, "expert_dp_group": experts}
 
 
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer) -> dict[str, dict]:

@@ -187,6 +187,10 @@ class ParallelContext:
             self._pg_by_ranks[ranks] = pg
         return pg if self.world_rank in ranks else None
 
+    def subgroup(self, ranks: tuple[int, ...]) -> Optional[dist.ProcessGroup]:
+        """A further group (hybrid sharding's blocks), made and destroyed like the axes' ones."""
+        return self._new_group(ranks)
+
     def _groups(self, name: str) -> list[tuple[int, ...]]:
         """The groups of ``name`` this rank must create: its own, or all of them (global)."""
         return [self.grid.group_of(name, self.world_rank)] if self.local_sync else self.grid.groups(name)
@@ -338,6 +342,7 @@ class ParallelContext:
         mine += [self._placeholder_pg] if self._placeholder_pg is not None else []
         self._placeholder_pg = None
         self._pg_by_ranks.clear()
+        self.__dict__.pop("_shard_groups", None)  # hybrid sharding's (data_parallel/hybrid.py)
         for name in GROUP_NAMES:
             setattr(self, f"{name}_pg", None)
         self.embedding_pg = None

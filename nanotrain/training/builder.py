@@ -142,9 +142,11 @@ def build_parts(config: Config, pc: ParallelContext, run_dir: Path, run_id: Opti
     model = build_model(config, pc, device=pc.device)
     engine = build_engine(config, pc)
     message = model.pipeline_message(t.micro_batch_size, t.sequence_length)
-    grad_sync = build_grad_sync(list(model.parameters()), pc)
+    shard_size = config.optimizer.zero_shard_size  # hybrid sharding: this rank's block of replicas
+    grad_sync = build_grad_sync(list(model.parameters()), pc, shard_size=shard_size)
     skips = t.spike.policy in ("skip", "rewind")  # found_inf: the fused kernel (training/spike.py)
-    optimizer = build_optimizer(model.named_parameters(), config.optimizer, **optimizer_groups(pc), fused=skips)
+    groups = optimizer_groups(pc, shard_size)
+    optimizer = build_optimizer(model.named_parameters(), config.optimizer, **groups, fused=skips)
     scheduler = build_lr_scheduler(optimizer, config.optimizer, t.train_steps)
     sampler, val_sampler = build_samplers(
         config,

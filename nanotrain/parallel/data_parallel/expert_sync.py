@@ -16,12 +16,13 @@ into reduce-scatters over its own group.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 from torch import nn
 
 from nanotrain.parallel.data_parallel.buckets import DEFAULT_BUCKET_CAP_MB
 from nanotrain.parallel.data_parallel.grad_sync import BucketedGradSync
+from nanotrain.parallel.data_parallel.hybrid import shard_groups
 from nanotrain.parallel.parallel_context import ParallelContext
 from nanotrain.parallel.sharding import get_shard_info
 
@@ -66,15 +67,30 @@ class GradSyncSet:
         return None if all(p is None for p in parts) else [g for p in parts if p for g in p]
 
 
-def build_grad_sync(params: list[nn.Parameter], pc: ParallelContext, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
-    """The gradient sync of this rank's ``params`` (see the module docstring)."""
+def build_grad_sync(
+    params: list[nn.Parameter],
+    pc: ParallelContext,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    shard_size: Optional[int] = None,
+):
+    """The gradient sync of this rank's ``params`` (see the module docstring). ``shard_size``
+    (``optimizer.zero_shard_size``): hybrid sharding, each sync over this rank's block of the
+    replicas and its pieces all-reduced across the blocks (``hybrid.py``)."""
+    dense_replicas = pc.dense_replica_pg.size() if pc.dense_replica_pg is not None else 1
+
+    def sync(ps, axis: str, group):
+        if not shard_size:
+            return BucketedGradSync(ps, group, bucket_cap_mb=bucket_cap_mb, divisor=dense_replicas)
+        groups = shard_groups(pc, axis, shard_size)
+        return BucketedGradSync(
+            ps, groups.shard, bucket_cap_mb=bucket_cap_mb, divisor=dense_replicas, replicate_group=groups.replicate
+        )
+
     if pc.ep_size == 1:
-        return BucketedGradSync(params, pc.dense_replica_pg, bucket_cap_mb=bucket_cap_mb)
+        return sync(params, "dp_cp_ep", pc.dense_replica_pg)
     dense = [p for p in params if not is_expert_param(p)]
     experts = [p for p in params if is_expert_param(p)]
-    syncs = [BucketedGradSync(dense, pc.dense_replica_pg, bucket_cap_mb=bucket_cap_mb)]
+    syncs = [sync(dense, "dp_cp_ep", pc.dense_replica_pg)]
     if experts:
-        syncs.append(
-            BucketedGradSync(experts, pc.dp_cp_pg, bucket_cap_mb=bucket_cap_mb, divisor=pc.dense_replica_pg.size())
-        )
+        syncs.append(sync(experts, "dp_cp", pc.dp_cp_pg))
     return GradSyncSet(syncs)

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanotrain.parallel import accelerator
-from nanotrain.parallel.collectives import all_gather_into, all_reduce, reduce_scatter_into, wait
+from nanotrain.parallel.collectives import all_gather_into, all_reduce, allreduce_flat_, reduce_scatter_into, wait
 from nanotrain.parallel.data_parallel import buckets as layout
 from nanotrain.parallel.data_parallel.shard_grads import GradShards, ShardAccumulator
 from nanotrain.parallel.observe.hang_record import HANG_RECORD
@@ -101,6 +101,7 @@ class BucketedGradSync:
         group: Optional[dist.ProcessGroup] = None,
         bucket_cap_mb: float = layout.DEFAULT_BUCKET_CAP_MB,
         divisor: Optional[int] = None,
+        replicate_group: Optional[dist.ProcessGroup] = None,
     ):
         seen: set[int] = set()
         self.params: list[nn.Parameter] = []
@@ -119,6 +120,7 @@ class BucketedGradSync:
         # The sum is divided by ``divisor`` (default the group size): expert parameters sum over
         # dp x cp but average over dp x cp x ep, the ranks whose tokens reached them.
         self.divisor = divisor or self.world_size
+        self.replicate_group = replicate_group  # hybrid sharding: sum across the blocks (hybrid.py)
         self.bucket_cap_bytes = layout.cap_bytes(bucket_cap_mb)
         self.buckets: list[Bucket] = self._build_buckets()
         self._index_views()
@@ -274,6 +276,7 @@ class BucketedGradSync:
         if self.accumulator is not None:
             self.accumulator.finish()
             self._hooks_fired, self._new_round = 0, True
+            self._across_blocks()
             return
         for b in self.buckets[self._next_launch :]:
             for p in b.params:
@@ -286,12 +289,23 @@ class BucketedGradSync:
                     p.grad = view
         self._launch_in_order(from_hook=False, force=True)
         self._wait_and_reset()
+        self._across_blocks()
         if self.gather_grads:  # before the first update: the whole average (module doc)
             handles = [all_gather_into(b.buffer, self._owned(b), group=self.group, async_op=True) for b in self.buckets]
             for h in handles:
                 wait(h)
 
     wait = finish_grad_sync
+
+    def _across_blocks(self) -> None:
+        """Hybrid sharding: sum what this rank reduced (its pieces) across the other blocks."""
+        if self.replicate_group is None:
+            return
+        if self.accumulator is not None:
+            tensors = [self.accumulator.flat]
+        else:
+            tensors = [self._owned(b) if self.shards > 1 else b.buffer for b in self.buckets]
+        allreduce_flat_(tensors, self.replicate_group)
 
     def _wait_and_reset(self) -> None:
         for b in self.buckets:
