@@ -188,9 +188,16 @@ class ModelPart(Adopting):
         for name in gather.units:
             if name.startswith("layers."):
                 layer, unit = self.inner.layers[name.split(".", 1)[1]], [name]
-                # a hook outliving its gather (another optimizer built for this model) does nothing
-                layer.register_forward_pre_hook(lambda m, a, unit=unit: (g := gref()) and g.before_forward(unit))
-                layer.register_forward_hook(lambda m, a, out, unit=unit: (g := gref()) and g.after_forward(unit, out))
+                # A hook outliving its gather (another optimizer built for this model) does
+                # nothing. Never traced (compiled layers run their hooks inside the compiled
+                # call): a traced hook would keep the gather, and its process groups, in the
+                # compiled code's guards for good.
+                before = torch.compiler.disable(lambda m, a, unit=unit: (g := gref()) and g.before_forward(unit))
+                after = torch.compiler.disable(
+                    lambda m, a, out, unit=unit: (g := gref()) and g.after_forward(unit, out)
+                )
+                layer.register_forward_pre_hook(before)
+                layer.register_forward_hook(after)
         self.__dict__["_gather_ref"] = gref
         return gather
 
