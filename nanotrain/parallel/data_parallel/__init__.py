@@ -4,8 +4,8 @@ micro-batch into an owned accumulator, the full buffers freed), and the expert-a
 over dp x cp x ep, experts over dp x cp)."""
 
 from nanotrain.parallel.data_parallel.expert_sync import GradSyncSet, build_grad_sync, is_expert_param
-from nanotrain.parallel.data_parallel.grad_sync import Bucket, BucketedGradSync, GradShards, grad_sync_of
-from nanotrain.parallel.data_parallel.shard_grads import ShardAccumulator, reduced_grad_of
+from nanotrain.parallel.data_parallel.grad_sync import Bucket, BucketedGradSync, grad_sync_of
+from nanotrain.parallel.data_parallel.shard_grads import GradShards, ShardAccumulator, reduced_grad_of
 from nanotrain.parallel.data_parallel.zero import ShardPiece, ZeroOneOptimizer, zero_partition
 
 __all__ = [
