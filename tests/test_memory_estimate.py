@@ -191,3 +191,20 @@ def test_over_memory_warning_suggests_the_stages_above(stage, hint):
     line = describe(load_config(TINY, base + LLAMA_8B + [f"optimizer.zero_stage={stage}"]))[-1]
     assert line.startswith("warning: the estimate") and "lower training.micro_batch_size" in line
     assert (hint in line) if hint else "zero_stage" not in line, line
+
+
+def test_zero3_gathers_no_expert_kept_whole():
+    """dp1 x ep4: the routed experts' group is one rank, so ZeRO-3 keeps them whole (in the shard)
+    and gathers only the rest of an MoE layer; at dp2 it gathers the experts too."""
+    from nanotrain.estimate.memory import zero3_gathered_bytes
+    from nanotrain.models import llama_arch
+
+    sets = ["model.num_layers=4", "optimizer.zero_stage=3", "parallelism.pp=1"]
+    one, two = (load_config(ROOT / "configs" / "moe_16gpu.yaml", sets + [f"parallelism.dp={d}"]) for d in (1, 2))
+    m, rank = one.model, llama_arch.rank_summaries(one.model)[0]
+    assert rank.moe_layers == 4 and rank.others == ("embed", "final_norm", "lm_head")
+    layer = llama_arch.layer_parameters(m, 1, 0, one.parallelism.ep)
+    experts = llama_arch.routed_expert_parameters(m, one.parallelism.ep)
+    head = m.hidden_size + llama_arch.block_parameters(m, "lm_head")  # larger than a layer here
+    assert zero3_gathered_bytes(two, rank) == 4 * (layer + head)
+    assert zero3_gathered_bytes(one, rank) == 4 * (layer - experts + head)

@@ -188,7 +188,10 @@ def zero3_gathered_bytes(config: Config, rank: llama_arch.RankSummary) -> float:
     m, p = config.model, config.parallelism
     sizes = []
     if rank.first_moe is not None:
-        sizes += [llama_arch.layer_parameters(m, p.tp, rank.first_moe, p.ep)] * min(rank.moe_layers, 2)
+        moe = llama_arch.layer_parameters(m, p.tp, rank.first_moe, p.ep)
+        if p.dp * p.cp == 1:  # the experts' group is one rank: kept whole (in the shard), never gathered
+            moe -= llama_arch.routed_expert_parameters(m, p.ep)
+        sizes += [moe] * min(rank.moe_layers, 2)
     if rank.first_dense is not None:
         dense = len(rank.layers) - rank.moe_layers
         sizes += [llama_arch.layer_parameters(m, p.tp, rank.first_dense, p.ep)] * min(dense, 2)
