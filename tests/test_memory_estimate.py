@@ -148,3 +148,63 @@ def test_zero2_divides_gradients_and_counts_two_full_buckets():
     assert dp0 == dp1 and dp2 == pytest.approx(dp1 * (4 + 1) / 2)
     one = load_config(TINY, [*base[:3], "training.batch_accumulation_per_replica=1", "optimizer.zero_stage=2"])
     assert traffic_bytes(one)["dp"] == pytest.approx(traffic_bytes(load_config(TINY, base[:3]))["dp"])
+
+
+LLAMA_8B = ["model.hidden_size=4096", "model.num_layers=32", "model.num_attention_heads=32"]
+LLAMA_8B += ["model.num_key_value_heads=8", "model.intermediate_size=14336", "model.vocab_size=128256"]
+
+
+def test_zero3_shards_weights_and_counts_two_gathered_units():
+    """ZeRO-3 at dp8: the weights persist as this rank's shard plus the two units gathered at
+    once (a layer and the LM head, the largest pair here); gradients and optimizer states as
+    ZeRO-2; the dp traffic is 2m all-gathers and m reduce-scatters of the parameter bytes."""
+    from nanotrain.estimate.comm_volume import traffic_bytes
+    from nanotrain.estimate.memory import zero3_gathered_bytes
+    from nanotrain.models import llama_arch
+
+    base = ["parallelism.dp=8", "parallelism.tp=1", "parallelism.pp=1", "training.batch_accumulation_per_replica=4"]
+    base += LLAMA_8B + ["model.tie_word_embeddings=false"]
+    configs = [load_config(TINY, base + [f"optimizer.zero_stage={z}"]) for z in range(4)]
+    e0, e1, e2, e3 = map(estimate_memory, configs)
+    assert e3.total < e2.total < e1.total < e0.total
+    assert e3.grads == e2.grads and e3.optimizer == e2.optimizer == pytest.approx(e0.optimizer / 8)
+    rank = llama_arch.rank_summaries(configs[3].model)[0]
+    layer = llama_arch.layer_parameters(configs[3].model, 1, 0)
+    head = 4096 + 128256 * 4096  # final norm + LM head
+    assert zero3_gathered_bytes(configs[3], rank) == 4 * (layer + head)
+    assert e3.weights * GB == pytest.approx(e0.weights * GB / 8 + 4 * (layer + head))
+    assert 6.3 < e3.weights < 6.7 and e0.weights > 29  # 8B: 29.9 GiB whole; 3.7 shard + 2.8 gathered
+    line = describe(configs[3])[0]
+    assert "ZeRO-3 over dp8 (grads and weights too: each layer all-gathered in forward and backward" in line
+    dp = [traffic_bytes(c)["dp"] for c in configs]
+    assert dp[3] == pytest.approx(4 * e0.weights * GB / 4 * 3 * 4 * 7 / 8)  # 3m (d-1)/d, m = 4, d = 8
+    assert dp[3] == pytest.approx(dp[1] * 3 * 4 / 2) and dp[2] == pytest.approx(dp[1] * (4 + 1) / 2)
+    # one replica: nothing is sharded, nothing gathered
+    alone = ["parallelism.dp=1" if k.startswith("parallelism.dp") else k for k in base]
+    one = [estimate_memory(load_config(TINY, alone + [f"optimizer.zero_stage={z}"])) for z in (0, 3)]
+    assert one[1].weights == one[0].weights
+
+
+@pytest.mark.parametrize("stage, hint", [(0, "zero_stage: 1, 2 or 3"), (2, "zero_stage: 3,"), (3, None)])
+def test_over_memory_warning_suggests_the_stages_above(stage, hint):
+    base = ["parallelism.dp=8", "parallelism.tp=1", "parallelism.pp=1", "slurm.gpu_memory_gb=4"]
+    line = describe(load_config(TINY, base + LLAMA_8B + [f"optimizer.zero_stage={stage}"]))[-1]
+    assert line.startswith("warning: the estimate") and "lower training.micro_batch_size" in line
+    assert (hint in line) if hint else "zero_stage" not in line, line
+
+
+def test_zero3_gathers_no_expert_kept_whole():
+    """dp1 x ep4: the routed experts' group is one rank, so ZeRO-3 keeps them whole (in the shard)
+    and gathers only the rest of an MoE layer; at dp2 it gathers the experts too."""
+    from nanotrain.estimate.memory import zero3_gathered_bytes
+    from nanotrain.models import llama_arch
+
+    sets = ["model.num_layers=4", "optimizer.zero_stage=3", "parallelism.pp=1"]
+    one, two = (load_config(ROOT / "configs" / "moe_16gpu.yaml", sets + [f"parallelism.dp={d}"]) for d in (1, 2))
+    m, rank = one.model, llama_arch.rank_summaries(one.model)[0]
+    assert rank.moe_layers == 4 and rank.others == ("embed", "final_norm", "lm_head")
+    layer = llama_arch.layer_parameters(m, 1, 0, one.parallelism.ep)
+    experts = llama_arch.routed_expert_parameters(m, one.parallelism.ep)
+    head = m.hidden_size + llama_arch.block_parameters(m, "lm_head")  # larger than a layer here
+    assert zero3_gathered_bytes(two, rank) == 4 * (layer + head)
+    assert zero3_gathered_bytes(one, rank) == 4 * (layer - experts + head)

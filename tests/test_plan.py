@@ -235,3 +235,24 @@ def test_plan_proposes_zero2_where_zero1_does_not_fit():
     assert helped, [p.summary() for p in plan.proposals]
     assert all(p.memory_gb <= plan.budget_gb for p in helped)
     assert "--set optimizer.zero_stage=2" in helped[0].set_args()
+
+
+def test_plan_proposes_zero3_where_zero2_does_not_fit():
+    """An 8B model on 16 GPUs of 16 GB: a layout that fits only with the parameters sharded too
+    is proposed at stage 3 and printed as zero3; its dp time counts the 3m collectives."""
+    extra = ["parallelism.dp=16", "parallelism.tp=1", "parallelism.pp=1", "parallelism.cp=1"]
+    extra += ["training.micro_batch_size=1", "training.batch_accumulation_per_replica=2"]
+    config = load_config(CONFIG, LLAMA_8B + extra)
+    plan = planner.make_plan(config, 16, 16, planner.hardware(config))
+    helped = [
+        (p, planner._with(p.config, optimizer=dict(zero_stage=2)))
+        for p in plan.proposals
+        if p.config.optimizer.zero_stage == 3
+    ]
+    helped = [(p, two) for p, two in helped if estimate_memory(two).total > plan.budget_gb]
+    assert helped, [p.summary() for p in plan.proposals]
+    prop, two = helped[0]
+    assert prop.memory_gb <= plan.budget_gb and prop.summary().endswith(" zero3")
+    assert "--set optimizer.zero_stage=3" in prop.set_args()
+    assert any(line.startswith("#") and " zero3: memory" in line for line in planner.render(plan, "c.yaml", 16))
+    assert prop.parts["dp"] > planner.step_time(two, plan.hw)[2]["dp"]

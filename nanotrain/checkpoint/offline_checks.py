@@ -156,9 +156,6 @@ def plan_reshard(src: str | Path, dst_root: str | Path, overrides: list[str] = (
             f"parallelism.cp ({config.parallelism.cp}): offline resharding supports cp = 1; "
             "resume with cp > 1 instead (the loader reshards online)"
         )
-    zero = config.optimizer.zero_stage
-    if (meta.get("index") or {}).get("optimizer") and zero not in (0, 1, 2):
-        raise ConfigError(f"optimizer.zero_stage ({zero}): offline resharding writes ZeRO stage 0, 1 or 2")
     return ReshardPlan(ckpt, meta, config)
 
 

@@ -5,9 +5,10 @@ The target layout comes from the model code itself: for every (ep rank, pp rank,
 new topology a *skeleton* model part is built on the meta device by the family's parallelize
 plan, with stand-in tp and ep groups (size, rank) and no weight initialisation, which yields each
 parameter's name, local shape and ShardInfo exactly as the real run will have them (fused QKV /
-gate-up chunks, vocab padding, pipeline placement, tied replicas, the rank's experts). ZeRO-1 ranges come from
+gate-up chunks, vocab padding, pipeline placement, tied replicas, the rank's experts). ZeRO-1/2/3 ranges come from
 ``zero_ranges``, the partition ``ZeroOneOptimizer`` takes from the trainer's gradient buckets
-(``build_grad_sync``, default bucket size): with ep > 1 the dense parameters' buckets over
+(``build_grad_sync``, default bucket size; at ZeRO-3 cut at the gather units too, as the
+trainer cuts them; the model shards are whole parameters at every stage): with ep > 1 the dense parameters' buckets over
 dp x ep (the rank's place in ``dp_cp_ep_pg`` is ``ep_rank * dp + dp_rank``) and the routed
 experts' over dp. (Were they to differ from what a run holds, the loader cuts any saved ranges
 into its own: only slower.) Full tensors are assembled from
@@ -43,6 +44,7 @@ from nanotrain.models.family import family_of
 from nanotrain.optim.optimizer import weight_decay_groups
 from nanotrain.parallel.data_parallel import is_expert_param
 from nanotrain.parallel.data_parallel.buckets import DEFAULT_BUCKET_CAP_MB, zero_ranges
+from nanotrain.parallel.data_parallel.shard_params import unit_of_name
 from nanotrain.parallel.grid import GroupShape
 from nanotrain.parallel.sharding import ShardInfo, get_shard_info
 
@@ -78,7 +80,8 @@ def optimizer_ranges(
     whole parameters for ZeRO-0; for ZeRO-1 and 2 (one partition) the ranges ``ZeroOneOptimizer`` gives rank
     (dp_rank, ep_rank), the dense parameters' buckets sharded over dp x ep and the experts' over
     dp (each set bucketed by its own gradient sync, in model order, ``bucket_cap_mb`` the
-    trainer's)."""
+    trainer's); ZeRO-3 the same with every bucket cut at the gather units as well
+    (``shard_params.unit_of_name``: a layer, the embedding, the head)."""
     params = dict(model.named_parameters())
     order = optimizer_order(model)
     if zero == 0:
@@ -89,7 +92,8 @@ def optimizer_ranges(
     experts = [n for n in trainable if ep > 1 and is_expert_param(params[n])]
     for names, size, rank in ((dense, dp * ep, ep_rank * dp + dp_rank), (experts, dp, dp_rank)):
         if names:
-            pieces = zero_ranges([params[n] for n in names], size, rank, bucket_cap_mb)
+            units = [unit_of_name(n) for n in names] if zero == 3 else None
+            pieces = zero_ranges([params[n] for n in names], size, rank, bucket_cap_mb, units)
             out += [(names[i], a, b) for i, a, b in pieces]
     position = {n: i for i, n in enumerate(order)}
     return sorted(out, key=lambda r: position[r[0]])

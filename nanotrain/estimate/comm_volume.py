@@ -38,7 +38,7 @@ def traffic_bytes(config: Config, pp_rank: int | None = None) -> dict[str, float
     of this rank's parameters over their replicas (dp x cp; experts over dp x cp, the dense
     rest over dp x cp x ep), 2 (d - 1)/d of them (ZeRO-1's reduce-scatter + all-gather too);
     ZeRO-2 reduce-scatters every micro-batch: (m + 1)(d - 1)/d of them (m reduce-scatters and
-    the parameters' all-gather)."""
+    the parameters' all-gather); ZeRO-3 3m (d - 1)/d (``dp_share``)."""
     p = config.parallelism
     ranks = llama_arch.rank_summaries(config.model, p.pp, p.pp_virtual_stages)
     if pp_rank is not None:
@@ -79,7 +79,17 @@ def _rank_traffic(config: Config, pp_rank: int, rank: llama_arch.RankSummary) ->
 
 def dp_share(config: Config, group: int) -> float:
     """Bytes a rank sends per step over a data-parallel group of ``group`` ranks, per byte of its
-    fp32 gradients: one ring all-reduce (ZeRO-0), a reduce-scatter and an all-gather (ZeRO-1),
-    or one reduce-scatter per micro-batch and the all-gather (ZeRO-2)."""
-    rounds = config.training.batch_accumulation_per_replica + 1 if config.optimizer.zero_stage == 2 else 2
-    return rounds * (group - 1) / group
+    fp32 gradients (= its fp32 parameters): ``dp_rounds`` collectives of (d - 1)/d of them each."""
+    return dp_rounds(config) * (group - 1) / group
+
+
+def dp_rounds(config: Config) -> int:
+    """The data-parallel collectives of one step, each moving (d - 1)/d of the rank's parameter
+    bytes (an all-reduce counts two: reduce-scatter + all-gather): ZeRO-0's all-reduce and
+    ZeRO-1's reduce-scatter + all-gather, 2; ZeRO-2's reduce-scatter per micro-batch and the
+    updated parameters' all-gather, m + 1; ZeRO-3's all-gather of every unit in each micro-batch's
+    forward and again in its backward (no gathered weights are kept across micro-batches) and
+    its reduce-scatter per micro-batch, 3m, and nothing after the update (each rank keeps only
+    the piece it updated)."""
+    m, stage = config.training.batch_accumulation_per_replica, config.optimizer.zero_stage
+    return {2: m + 1, 3: 3 * m}.get(stage, 2)

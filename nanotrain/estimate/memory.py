@@ -4,12 +4,14 @@ Pure arithmetic on the config (a 512-node plan takes microseconds). The estimate
 busiest rank: each pipeline rank's blocks are those the pipeline step keeps there (the model's
 own cost-balanced split, ``llama_arch.rank_blocks``), and the largest total is reported.
 - weights: fp32 master copy (the bf16 copies autocast makes are saved for backward: they are
-  counted in the activations, per micro-batch in flight);
+  counted in the activations, per micro-batch in flight); under ZeRO-3 only this rank's shard
+  persists, plus the units gathered at once (``zero3_gathered_bytes``);
 - gradients: fp32 (accumulated in fp32 across micro-batches); under ZeRO-2 only this rank's
   shard persists (divided like the optimizer states), plus the full-size bucket buffers alive at
   once during backward (``zero2_bucket_bytes``: the one being reduce-scattered and the one
-  filling, each the bucket cap or the rank's largest parameter, whichever is larger);
-- optimizer: AdamW exp_avg + exp_avg_sq in fp32, divided by dp*cp under ZeRO-1 and 2;
+  filling, each the bucket cap or the rank's largest parameter, whichever is larger); ZeRO-3
+  the same;
+- optimizer: AdamW exp_avg + exp_avg_sq in fp32, divided by dp*cp under ZeRO-1, 2 and 3;
 - activations: what autograd keeps per layer in this implementation, for ``training.recompute``
   (``llama_parallelize_costs.activation_bytes_per_layer``, measured by ``benchmarks/memory.py``), times the
   micro-batches a stage holds at once (``micro_batches_in_flight``: all m for afab, pp - rank for
@@ -175,6 +177,33 @@ def zero2_bucket_bytes(config: Config, rank: llama_arch.RankSummary) -> float:
     return 2 * max(BUCKET_CAP_BYTES, 4 * largest)
 
 
+def zero3_gathered_bytes(config: Config, rank: llama_arch.RankSummary) -> float:
+    """The full-size fp32 weights ZeRO-3 holds gathered at once on a rank holding ``rank``'s blocks
+    (``shard_params.py``): two adjacent units, the one computing and the one prefetched (forward:
+    the next of its pipeline chunk; backward: the previous), since a unit is released once its
+    forward, or its gradients, are done. Counted: the larger of the rank's two largest decoder
+    layers and its largest layer beside its largest other unit, the embedding or the head (final
+    norm and LM head; tied, the norm and the embedding it gathers as its LM head). The buckets'
+    padding (under n elements each) is left out."""
+    m, p = config.model, config.parallelism
+    sizes = []
+    if rank.first_moe is not None:
+        moe = llama_arch.layer_parameters(m, p.tp, rank.first_moe, p.ep)
+        if p.dp * p.cp == 1:  # the experts' group is one rank: kept whole (in the shard), never gathered
+            moe -= llama_arch.routed_expert_parameters(m, p.ep)
+        sizes += [moe] * min(rank.moe_layers, 2)
+    if rank.first_dense is not None:
+        dense = len(rank.layers) - rank.moe_layers
+        sizes += [llama_arch.layer_parameters(m, p.tp, rank.first_dense, p.ep)] * min(dense, 2)
+    sizes = sorted(sizes, reverse=True) + [0, 0]
+    names = rank.others
+    embed = llama_arch.block_parameters(m, "embed", p.tp) if "embed" in names else 0
+    head = 0
+    if "final_norm" in names:
+        head = m.hidden_size + (llama_arch.block_parameters(m, "lm_head", p.tp) if "lm_head" in names else embed)
+    return 4.0 * max(sizes[0] + sizes[1], sizes[0] + max(embed, head))
+
+
 def _stage_estimate(config: Config, pp_rank: int, rank, bytes_of: dict[str, float]) -> MemoryEstimate:
     """The estimate of pipeline rank ``pp_rank``, whose blocks ``rank`` (a RankSummary) says."""
     p, t, mdl = config.parallelism, config.training, config.model
@@ -186,9 +215,12 @@ def _stage_estimate(config: Config, pp_rank: int, rank, bytes_of: dict[str, floa
     # ZeRO-1 shards the dense states over dp x cp x ep (their replicas) and the routed experts'
     # over dp x cp (each expert shard's replicas); ZeRO-2 the gradients the same way.
     sharded = (params - experts) / (p.dp * p.cp * p.ep) + experts / (p.dp * p.cp)
-    optimizer = 8 * (sharded if config.optimizer.zero_stage >= 1 else params)
-    if config.optimizer.zero_stage == 2:
+    stage = config.optimizer.zero_stage
+    optimizer = 8 * (sharded if stage >= 1 else params)
+    if stage >= 2:  # ZeRO-3's gradients are ZeRO-2's (buckets cut at the gather units: no larger)
         grads = 4 * sharded + zero2_bucket_bytes(config, rank)
+    if stage == 3 and p.dp * p.cp * p.ep > 1:  # the parameters sharded like the states, each unit
+        weights = 4 * sharded + zero3_gathered_bytes(config, rank)  # gathered around its use
     mode = t.recompute
     stack = layers * bytes_of[f"layer/{mode}"] + (moe_layers * bytes_of[f"moe/{mode}"] if moe_layers else 0.0)
     in_flight = micro_batches_in_flight(config, pp_rank)
@@ -230,9 +262,14 @@ def describe(config: Config) -> list[str]:
         over += f" (experts over dp{p.dp}" + (f" x cp{p.cp})" if p.cp > 1 else ")")
     stage = config.optimizer.zero_stage
     zero = f", ZeRO-{stage} over {over}" if stage else ""
+    m = config.training.batch_accumulation_per_replica
     if stage == 2:
-        m = config.training.batch_accumulation_per_replica
         zero += f" (grads too, reduce-scattered in each of {m} micro-batch(es))"
+    elif stage == 3:
+        zero += (
+            f" (grads and weights too: each layer all-gathered in forward and backward of each of {m} "
+            "micro-batch(es), two at a time)"
+        )
     recompute = f", recompute {config.training.recompute}" if config.training.recompute != "none" else ""
     if llama_parallelize_costs.head_chunk_rows(config):
         recompute += f", loss in chunks of {llama_parallelize_costs.loss_chunk_tokens(config)} tokens"
@@ -261,6 +298,15 @@ def describe(config: Config) -> list[str]:
     elif limit is not None and est.total > limit:
         lines.append(
             f"warning: the estimate {est.total:.1f} GB exceeds slurm.gpu_memory_gb ({limit:g} GB): "
-            "raise tp/pp, use optimizer.zero_stage: 1 or 2, or lower training.micro_batch_size"
+            f"raise tp/pp, {_zero_hint(config)}or lower training.micro_batch_size"
         )
     return lines
+
+
+def _zero_hint(config: Config) -> str:
+    """The ZeRO stages above the config's that shard more ("" at stage 3 or with one replica)."""
+    p, stage = config.parallelism, config.optimizer.zero_stage
+    if stage == 3 or p.dp * p.cp * p.ep == 1:
+        return ""
+    higher = [str(z) for z in range(stage + 1, 4)]
+    return f"use optimizer.zero_stage: {', '.join(higher[:-1]) + ' or ' if len(higher) > 1 else ''}{higher[-1]}, "

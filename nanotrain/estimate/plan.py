@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from nanotrain.config import Config, ConfigError, validate
 from nanotrain.config.schema import MAX_WORLD
-from nanotrain.estimate.comm_volume import cp_collectives_per_layer, tp_collectives_per_layer, traffic_bytes
+from nanotrain.estimate.comm_volume import cp_collectives_per_layer, dp_rounds, tp_collectives_per_layer, traffic_bytes
 from nanotrain.estimate.memory import estimate_memory
 from nanotrain.models import llama_arch, llama_parallelize_costs
 
@@ -129,7 +129,8 @@ def step_time(config: Config, hw: Hardware) -> tuple[float, float, dict]:
       an end stage sends one of the two for one of its chunks);
     - dp: the fp32 gradient all-reduce over dp x cp (ZeRO-1: reduce-scatter plus all-gather, the
       same volume) of this rank's parameters, 2 (d - 1)/d of them; ZeRO-2 reduce-scatters every
-      micro-batch, (m + 1)(d - 1)/d of them and m + 1 collectives' latency;
+      micro-batch, (m + 1)(d - 1)/d of them; ZeRO-3 gathers every layer twice and reduce-scatters
+      per micro-batch, 3m (d - 1)/d (``comm_volume.dp_rounds``), each collective's latency too;
     - every ring step and message also costs ``latency_us``; a group uses the intra-node bandwidth
       when it fits in one node (ranks are laid out tp fastest, then cp, dp, pp), the inter-node
       bandwidth otherwise.
@@ -160,7 +161,7 @@ def step_time(config: Config, hw: Hardware) -> tuple[float, float, dict]:
     )
     messages = 0 if p.pp == 1 else 2 * p.pp_virtual_stages * acc
     parts["pp"] = messages * latency + sent["pp"] / (_bandwidth(n, hw) * 1e9)
-    dp_collectives = (acc + 1) / 2 if config.optimizer.zero_stage == 2 else 1  # in all-reduces' steps
+    dp_collectives = dp_rounds(config) / 2  # in all-reduces' steps
     parts["dp"] = dp_collectives * ring_steps(p.dp * p.cp) * latency + sent["dp"] / (
         _bandwidth(p.tp * p.cp * p.dp, hw) * 1e9
     )
@@ -210,7 +211,7 @@ def candidates(config: Config, gpus: int, hw: Hardware):
     """Every layout of ``gpus`` that keeps the global batch (structurally; validation decides)."""
     batch = global_batch(config)
     for tp, cp, pp, dp in _grids(config, gpus, hw):
-        zeros = (0, 1, 2) if dp * cp > 1 else (0,)  # one replica: ZeRO shards nothing
+        zeros = (0, 1, 2, 3) if dp * cp > 1 else (0,)  # one replica: ZeRO shards nothing
         for mbs in _divisors_up_to(batch // dp, MAX_MICRO_BATCH):
             acc = batch // (dp * mbs)
             for engine, v in _engines(config, pp, acc):
@@ -222,14 +223,15 @@ def candidates(config: Config, gpus: int, hw: Hardware):
 
 def fewest_gpus(config: Config, gpus: int, budget: float, hw: Hardware, slurm: bool) -> int | None:
     """The smallest gpus x 2**k (up to ``MAX_PLAN_GPUS``) where some valid layout fits, trying
-    only the leanest variant of each grid (one micro-sample per micro-batch, ZeRO-2, sequence
+    only the leanest variant of each grid (one micro-sample per micro-batch, ZeRO-3, sequence
     parallelism, full recompute, the engine with the fewest micro-batches in flight)."""
     batch, n = global_batch(config), gpus * 2
     while n <= MAX_PLAN_GPUS:
         for tp, cp, pp, dp in _grids(config, n, hw):
             acc = batch // dp
             mode = "REDUCE_SCATTER" if tp > 1 and (config.training.sequence_length // cp) % tp == 0 else "ALL_REDUCE"
-            cand = _layout(config, tp, cp, pp, dp, *_engines(config, pp, acc)[0], mode, 1, acc, "full", 2)
+            zero = 3 if dp * cp > 1 else 0
+            cand = _layout(config, tp, cp, pp, dp, *_engines(config, pp, acc)[0], mode, 1, acc, "full", zero)
             try:
                 fits = estimate_memory(cand).total <= budget
             except ValueError:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from nanotrain.parallel import accelerator
 from nanotrain.rehearse.stand_in import STUBS, LowerRight, fake_world, fused_attention
-from nanotrain.rehearse.tracker import DeviceTracker, watch_tensor_factories
+from nanotrain.rehearse.tracker import DeviceTracker, watch_storage_resizes, watch_tensor_factories
 from nanotrain.rehearse.traffic import Traffic
 
 
@@ -235,6 +235,7 @@ def rehearse_rank(config, rank: int, steps: int = 3, train_only: bool = False) -
             with (
                 tracker,
                 watch_tensor_factories(tracker),
+                watch_storage_resizes(tracker),
                 _world_of_copies(),
                 _others_arrive_at_once(),
                 _model_stand_ins(),
@@ -324,6 +325,8 @@ def _label(tracker: DeviceTracker, trainer) -> None:
     syncs = getattr(trainer.grad_sync, "syncs", [trainer.grad_sync])
     tracker.relabel([s.accumulator.flat for s in syncs if s.accumulator is not None], "grads")  # ZeRO-2
     tracker.relabel(_state_tensors(trainer.optimizer), "optimizer")
+    stores = [d.store for d in getattr(trainer.optimizer, "domains", ()) if getattr(d, "store", None) is not None]
+    tracker.relabel([s.shard for s in stores], "weights")  # ZeRO-3: the owned pieces of the parameters
 
 
 def _watch_optimizer(tracker: DeviceTracker, trainer) -> None:

@@ -14,8 +14,9 @@ records:
 * memory: every storage an op allocates on the device is counted, live, under the category the
   rehearsal names for what is running (``phase``), until it is freed. The categories are
   relabelled by identity where identity is known (parameters are weights, ``.grad`` views are
-  gradients), and the peak keeps the breakdown at its moment. Nothing of the memory estimate's
-  arithmetic is used: these are the bytes the code really allocates.
+  gradients), and the peak keeps the breakdown at its moment; a storage resized in place (ZeRO-3's
+  gathers and releases, ``watch_storage_resizes``) is counted at its new size. Nothing of the
+  memory estimate's arithmetic is used: these are the bytes the code really allocates.
 """
 
 from __future__ import annotations
@@ -170,11 +171,23 @@ class DeviceTracker(TorchDispatchMode):
             self._storages[key] = entry
             weakref.finalize(storage, self._free, key)
             self.live[entry[1]] += entry[0]
-            total = sum(self.live.values())
-            if total > self.peak_total:
-                self.peak_total, self.peak = total, dict(self.live)
-            if self.live[entry[1]] > self.max_by_category[entry[1]]:
-                self.max_by_category[entry[1]] = self.live[entry[1]]
+            self._note_peak(entry[1])
+
+    def _note_peak(self, category: str) -> None:
+        total = sum(self.live.values())
+        if total > self.peak_total:
+            self.peak_total, self.peak = total, dict(self.live)
+        if self.live[category] > self.max_by_category[category]:
+            self.max_by_category[category] = self.live[category]
+
+    def resized(self, storage) -> None:
+        """A counted storage changed size in place (ZeRO-3 frees a gathered bucket's storage and
+        allocates it again, ``shard_params.py``: ``UntypedStorage.resize_``, below the dispatcher)."""
+        entry = self._storages.get(storage._cdata)
+        if entry is not None and not self._paused:
+            self.live[entry[1]] += storage.nbytes() - entry[0]
+            entry[0] = storage.nbytes()
+            self._note_peak(entry[1])
 
     def _free(self, key: int) -> None:
         entry = self._storages.pop(key, None)
@@ -217,3 +230,22 @@ def watch_tensor_factories(tracker: DeviceTracker):
         yield
     finally:
         torch.tensor, torch.as_tensor = originals
+
+
+@contextlib.contextmanager
+def watch_storage_resizes(tracker: DeviceTracker):
+    """``UntypedStorage.resize_`` frees or allocates a storage's bytes without an op the
+    dispatcher sees: tell ``tracker`` (ZeRO-3's gathers and releases are such resizes)."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):
+        out = original(storage, size)
+        if storage.device == tracker.device:
+            tracker.resized(storage)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
