@@ -72,20 +72,24 @@ class Run:
     scheduler: object
     engine: object
     args: object
+    dp_group: object  # the ranks the optimizer states are sharded over (a block under hybrid sharding)
 
 
-def setup(pc, zero: int, seed: int = 5, args=MODEL) -> Run:
+def setup(pc, zero: int, seed: int = 5, args=MODEL, shard: int | None = None) -> Run:
+    """``shard``: hybrid sharding in blocks of that many dp ranks (``optimizer.zero_shard_size``)."""
     from nanotrain.models.llama_parallelize import build_llama
     from nanotrain.optim import build_lr_scheduler, build_optimizer
-    from nanotrain.parallel.data_parallel import BucketedGradSync
+    from nanotrain.parallel.data_parallel import build_grad_sync
+    from nanotrain.parallel.data_parallel.hybrid import shard_groups
     from nanotrain.parallel.pipeline_parallel import PipelineEngine
 
     model = build_llama(args, pc.tp_pg, pp_rank=pc.pp_rank, pp_size=pc.pp_size, seed=seed)
-    grad_sync = BucketedGradSync(list(model.parameters()), pc.dp_cp_pg, bucket_cap_mb=0.05)
-    optimizer = build_optimizer(model.named_parameters(), OPTIM, pc.dp_cp_pg, zero_stage=zero)
+    grad_sync = build_grad_sync(list(model.parameters()), pc, bucket_cap_mb=0.05, shard_size=shard)
+    group = shard_groups(pc, "dp_cp_ep", shard).shard if shard else pc.dp_cp_pg
+    optimizer = build_optimizer(model.named_parameters(), OPTIM, group, zero_stage=zero)
     scheduler = build_lr_scheduler(optimizer, OPTIM, TOTAL)
     engine = PipelineEngine("1f1b", pc.pp_pg) if pc.pp_size > 1 else None
-    return Run(model, grad_sync, optimizer, scheduler, engine, args)
+    return Run(model, grad_sync, optimizer, scheduler, engine, args, group)
 
 
 def steps(run: Run, pc, start: int, stop: int) -> list[float]:
@@ -186,7 +190,7 @@ def full_state(run: Run, pc, zero: int) -> dict:
             if s is not None:
                 flat[s["start"] : s["stop"]] = s[k].reshape(-1)
             if zero >= 1 and pc.dp_size > 1:
-                dist.all_reduce(flat, group=pc.dp_cp_pg)
+                dist.all_reduce(flat, group=run.dp_group)
             entry[k] = gather_full(flat.view(p.shape), info, pc.tp_pg)
         step = torch.tensor([float(s["step"]) if s is not None else 0.0])
         if pc.dp_size > 1:
@@ -306,8 +310,10 @@ def launch_dp2_tp2(root: str) -> dict:
     return out
 
 
-def reshard_load(pc, src_root: str, zero: int, out_root: str, offline_root: str | None = None, args=MODEL) -> dict:
-    run = setup(pc, zero, seed=99, args=args)
+def reshard_load(
+    pc, src_root: str, zero: int, out_root: str, offline_root: str | None = None, args=MODEL, shard=None
+) -> dict:
+    run = setup(pc, zero, seed=99, args=args, shard=shard)
     with forbid_pickle(), captured_warnings() as warned:
         res = load(src_root, run, pc, zero)
     assert res.step == N and res.resharded and not res.rng_restored and res.rank_state is None, res
@@ -348,7 +354,13 @@ def launch_dp4(z1_root: str, z2_root: str, out_root: str, z3_root: str) -> dict:
         "z1_to_z2": reshard_load(pc, z1_root, 2, out_root + "_z1_to_z2"),
         "z3_to_z1": reshard_load(pc, z3_root, 1, out_root + "_z3_to_z1"),
         "z1_to_z3": reshard_load(pc, z1_root, 3, out_root + "_z1_to_z3"),
+        # hybrid sharding, 2 blocks of 2: loaded, saved (each block's ranges once), loaded unsharded
+        "z1_to_z3_hybrid": reshard_load(pc, z1_root, 3, out_root + "_z1_to_z3_hybrid", shard=2),
     }
+    back = setup(pc, 1, seed=97)
+    load(out_root + "_z1_to_z3_hybrid", back, pc, 1)
+    full = full_state(back, pc, 1)  # collectives: every rank
+    out["z3_hybrid_to_z1"] = {"full": full} if pc.world_rank == 0 else {}
     pc.destroy()
     return out
 
@@ -493,6 +505,7 @@ def test_reshard_is_exact_and_training_continues(runs, target):
         (3, "zero_dp4/z3_to_z1"),
         (3, "single/from_z3"),
         (1, "zero_dp4/z1_to_z3"),
+        (1, "zero_dp4/z1_to_z3_hybrid"),
     ],
 )
 def test_zero_checkpoint_reshards_across_stages_and_dp(runs, source, target):
@@ -510,6 +523,14 @@ def test_zero_checkpoint_reshards_across_stages_and_dp(runs, source, target):
     for z in (2, 3):
         zn = runs["dp2tp2"][0][z]["losses"]
         assert max(abs(a - b) / b for a, b in zip(zn, z1)) < 1e-6, z
+
+
+@pytest.mark.timeout(900)
+def test_hybrid_sharded_checkpoint_loads_unsharded(runs):
+    """Saved at dp4 ZeRO-3 in 2 blocks of 2 (each block's optimizer ranges are the same records,
+    written once), loaded at dp4 ZeRO-1 over all four: the full state of the source, exactly."""
+    ref = runs["dp2tp2"][0][1]["ref"]
+    assert_full_equal(runs["zero_dp4"]["z3_hybrid_to_z1"]["full"], ref, "hybrid zero3 -> zero1")
 
 
 @pytest.mark.timeout(900)
