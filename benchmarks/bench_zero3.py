@@ -54,24 +54,62 @@ def gathered_peak(gather) -> dict[str, int]:
     return peak
 
 
+class TransientPeak:
+    """The most bytes of full buffers alive at once in ZeRO-3 steps: gathered parameter units plus
+    full gradient buckets, together (each one's own peak, ``gathered_peak`` and
+    ``peak_full_buffers``, need not fall at the same moment).
+
+    Why sampled where it is: a unit's buffers are gathered or released only where ``ParamGather``
+    logs an event (sampled as the event is logged; at a release, the unit's bytes are added back:
+    the moment just before it), and gradient buckets are allocated only in the gradients'
+    post-accumulate hooks (sampled by one more hook, registered after the runtime's)."""
+
+    def __init__(self, gather, accumulator, params):
+        self.gather, self.accumulator, self.peak = gather, accumulator, 0
+        meter = self
+
+        class SampledLog(list):
+            def append(self, event):
+                super().append(event)
+                meter.sample(event)
+
+        gather.log = SampledLog(gather.log)
+        self.hooks = [p.register_post_accumulate_grad_hook(lambda p: self.sample(None)) for p in params]
+
+    def sample(self, event) -> None:
+        units = self.gather.units
+        live = sum(store.nbytes(k) for u in units.values() for store, k in u.buckets if store.alive(k))
+        if event is not None and event[0] == "release":
+            live += sum(store.nbytes(k) for store, k in units[event[1]].buckets)
+        self.peak = max(self.peak, live + self.accumulator.live_buffer_bytes())
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
 def _memory_rows(b: Bench) -> list[dict]:
     """Per-rank bytes after two training steps of ``MEMORY_MODEL`` at ZeRO-1 and ZeRO-3 (max over
-    the ranks), and ZeRO-3's peak within a step: those bytes + the gathered parameter units + the
-    full gradient bucket buffers, each at its own peak (a bound: the two peaks need not coincide)."""
+    the ranks), and ZeRO-3's peak within a step: those bytes + the most full buffers (gathered
+    parameter units and gradient buckets) alive at once (``TransientPeak``)."""
     measured, peaks = {}, {}
     for zero in (1, 3):
         side = Ours(b, dp=2, zero=zero, spec=MEMORY_MODEL)
+        if zero == 3:
+            meter = TransientPeak(side.optimizer.param_gather, side.grad_sync.accumulator, side.model.parameters())
         for i in range(2):
             side.step(i)
         measured[zero] = max_bytes(state_bytes(side.model, side.optimizer, side.grad_sync))
         if zero == 3:
             peaks = max_bytes(gathered_peak(side.optimizer.param_gather))
             peaks["grad_buckets"] = int(max_over_ranks(peak_full_buffers(side.grad_sync.accumulator)))
+            peaks["together"] = int(max_over_ranks(meter.peak))
+            meter.remove()
             unit = side.optimizer.param_gather.units["layers.0"]
             layer_bytes = int(max_over_ranks(sum(store.nbytes(k) for store, k in unit.buckets)))
         del side
     z1, z3 = measured[1], measured[3]
-    peak3 = z3["total"] + peaks["bytes"] + peaks["grad_buckets"]
+    peak3 = z3["total"] + peaks["together"]
     layers = MEMORY_MODEL["num_layers"]
     common = {
         "unit": "bytes",
@@ -103,10 +141,12 @@ def _memory_rows(b: Bench) -> list[dict]:
         "zero3_peak_units_alive": peaks["units"],
         "zero3_peak_layer_units_alive": peaks["layer_units"],
         "zero3_peak_full_grad_bucket_bytes": peaks["grad_buckets"],
+        "zero3_peak_transient_bytes": peaks["together"],
         "zero3_layer_unit_bytes": layer_bytes,
-        "note": "ZeRO-3: between-step bytes + peak gathered parameter units (ParamGather.log, ShardedStore.nbytes) "
-        "+ peak full gradient buckets (accumulator.buffer_log), each at its own peak (an upper bound); "
-        "ZeRO-1 holds the same bytes throughout the step",
+        "note": "ZeRO-3: between-step bytes + the most full buffers alive at once, gathered parameter units "
+        "(ParamGather.log, ShardedStore.nbytes) and full gradient buckets together (sampled at every gather event "
+        "and gradient hook); each alone at its own peak in the zero3_peak_* fields; ZeRO-1 holds the same bytes "
+        "throughout the step",
     }
     return [between, during]
 

@@ -125,6 +125,9 @@ def test_vs_native_zero3_rows(tmp_path):
     assert FIELDS <= between.keys() and between["ratio"] <= between["target"], between
     assert during["zero3_peak_layer_units_alive"] == 2 and during["zero3_peak_units_alive"] <= 3, during
     assert during["zero3_peak_gathered_param_bytes"] <= 3 * during["zero3_layer_unit_bytes"]
+    gathered, buckets = during["zero3_peak_gathered_param_bytes"], during["zero3_peak_full_grad_bucket_bytes"]
+    assert max(gathered, buckets) <= during["zero3_peak_transient_bytes"] <= gathered + buckets, during
+    assert during["ours"] == between["ours"] + during["zero3_peak_transient_bytes"]
     assert between["ours"] < during["ours"] < during["native"], during
     fsdp, ours = speed["bytes_between_steps"]["fsdp2"], speed["bytes_between_steps"]["zero3"]
     assert fsdp["params"] == ours["params"] and fsdp["optim"] == ours["optim"], (fsdp, ours)
