@@ -28,9 +28,15 @@ class NativeFSDP2:
     ``torch.optim.AdamW`` over the sharded DTensor parameters (sharded states). ``reshard``:
     ``reshard_after_forward`` of every module, False = the ZeRO-2 setting, True = ZeRO-3 (the
     root too, explicitly: left to its default FSDP2 keeps the root's parameters from the forward
-    to the backward, where nanotrain's ZeRO-3 releases the embedding and head units)."""
+    to the backward, where nanotrain's ZeRO-3 releases the embedding and head units).
 
-    def __init__(self, bench: Bench, dp: int, micro=MICRO_SEQS, reshard: bool = False):
+    ``prefetch``: nanotrain ZeRO-3's gather schedule, which FSDP2 does not take by default on CPU:
+    its all-gathers are synchronous there (the overlap it gets on CUDA comes from side streams), so
+    each layer would wait for its own gather. With it the gathers are posted asynchronously, the
+    next layer's while one runs forward, the previous layer's while one runs backward (FSDP2's
+    explicit prefetching), as ``ParamGather`` posts them."""
+
+    def __init__(self, bench: Bench, dp: int, micro=MICRO_SEQS, reshard: bool = False, prefetch: bool = False):
         import torch.distributed as dist
         from native_llama import build_native
         from torch.distributed.device_mesh import init_device_mesh
@@ -43,6 +49,14 @@ class NativeFSDP2:
         for layer in self.model.layers.values():
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(self.model, mesh=mesh, reshard_after_forward=reshard)
+        if prefetch:
+            layers = list(self.model.layers.values())
+            self.model._set_unshard_async_op(True)  # private in torch 2.13; documented for this use
+            self.model.set_modules_to_forward_prefetch(layers[:1])
+            self.model.set_modules_to_backward_prefetch(layers[-1:])
+            for a, b in zip(layers, layers[1:]):
+                a.set_modules_to_forward_prefetch([b])
+                b.set_modules_to_backward_prefetch([a])
         self.optimizer, self.scheduler = native_optimizer([self.model], bench)
 
     def step(self, i: int) -> float:
