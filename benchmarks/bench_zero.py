@@ -24,10 +24,19 @@ ROTATIONS = 3  # runs of the A B A B timing, the side that goes first alternatin
 
 
 class NativeFSDP2:
-    """FSDP2 ``fully_shard`` (ZeRO-2 setting) over the dp ranks: every decoder layer, then the
-    root; ``torch.optim.AdamW`` over the sharded DTensor parameters (sharded states)."""
+    """FSDP2 ``fully_shard`` over the dp ranks: every decoder layer, then the root;
+    ``torch.optim.AdamW`` over the sharded DTensor parameters (sharded states). ``reshard``:
+    ``reshard_after_forward`` of every module, False = the ZeRO-2 setting, True = ZeRO-3 (the
+    root too, explicitly: left to its default FSDP2 keeps the root's parameters from the forward
+    to the backward, where nanotrain's ZeRO-3 releases the embedding and head units).
 
-    def __init__(self, bench: Bench, dp: int, micro=MICRO_SEQS):
+    ``prefetch``: nanotrain ZeRO-3's gather schedule, which FSDP2 does not take by default on CPU:
+    its all-gathers are synchronous there (the overlap it gets on CUDA comes from side streams), so
+    each layer would wait for its own gather. With it the gathers are posted asynchronously, the
+    next layer's while one runs forward, the previous layer's while one runs backward (FSDP2's
+    explicit prefetching), as ``ParamGather`` posts them."""
+
+    def __init__(self, bench: Bench, dp: int, micro=MICRO_SEQS, reshard: bool = False, prefetch: bool = False):
         import torch.distributed as dist
         from native_llama import build_native
         from torch.distributed.device_mesh import init_device_mesh
@@ -38,8 +47,16 @@ class NativeFSDP2:
         mesh = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
         self.model = build_native(model_args(), SEQ, SEED)
         for layer in self.model.layers.values():
-            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-        fully_shard(self.model, mesh=mesh, reshard_after_forward=False)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(self.model, mesh=mesh, reshard_after_forward=reshard)
+        if prefetch:
+            layers = list(self.model.layers.values())
+            self.model._set_unshard_async_op(True)  # private in torch 2.13; documented for this use
+            self.model.set_modules_to_forward_prefetch(layers[:1])
+            self.model.set_modules_to_backward_prefetch(layers[-1:])
+            for a, b in zip(layers, layers[1:]):
+                a.set_modules_to_forward_prefetch([b])
+                b.set_modules_to_backward_prefetch([a])
         self.optimizer, self.scheduler = native_optimizer([self.model], bench)
 
     def step(self, i: int) -> float:
@@ -84,14 +101,17 @@ def state_bytes(model, optimizer, grad_sync=None) -> dict[str, int]:
     """This rank's parameter, gradient and optimizer-state bytes as they are stored now.
 
     Gradients: every ``.grad`` plus, with nanotrain's sync, its bucket buffers (ZeRO-0/1: the
-    full flat gradient; ZeRO-2: the full buffers alive at this moment) and the ZeRO-2 owned
-    accumulator; storages shared by several of them are counted once."""
+    full flat gradient; ZeRO-2: the full buffers alive at this moment) and the ZeRO-2/3 owned
+    accumulator; at ZeRO-3 the parameters' full buffers are released between steps (0 bytes) and
+    the owned pieces (each domain's ``store.shard``) are what persists; storages shared by several
+    of them are counted once."""
     params = list(model.parameters())
+    params += [d.store.shard for d in getattr(optimizer, "domains", ()) if getattr(d, "store", None) is not None]
     grads = [p.grad for p in params]
-    if grad_sync is not None:
-        grads += [b.buffer for b in grad_sync.buckets]
-        if grad_sync.accumulator is not None:
-            grads.append(grad_sync.accumulator.flat)
+    for sync in getattr(grad_sync, "syncs", [grad_sync] if grad_sync is not None else []):  # a GradSyncSet: each
+        grads += [b.buffer for b in sync.buckets]
+        if sync.accumulator is not None:
+            grads.append(sync.accumulator.flat)
     states = [v for s in optimizer.state.values() for k, v in s.items() if k != "step" and hasattr(v, "shape")]
     out = {"params": storage_bytes(params), "grads": storage_bytes(grads), "optim": storage_bytes(states)}
     out["total"] = sum(out.values())
@@ -108,12 +128,12 @@ def peak_full_buffers(accumulator) -> int:
     return peak
 
 
-def _max_bytes(d: dict[str, int]) -> dict[str, int]:
+def max_bytes(d: dict[str, int]) -> dict[str, int]:
     return {k: int(max_over_ranks(v)) for k, v in d.items()}
 
 
 # ------------------------------------------------------------------------------------ the job
-def _rotated_throughput(b: Bench, ours: Ours, native: NativeFSDP2) -> dict:
+def rotated_throughput(b: Bench, ours: Ours, native: NativeFSDP2, name: str) -> dict:
     """``ROTATIONS`` runs of the alternating timing, ours first in even runs and native first in
     odd ones; the row is the run with the median ratio, every run's ratio and losses kept."""
     rows = []
@@ -125,7 +145,7 @@ def _rotated_throughput(b: Bench, ours: Ours, native: NativeFSDP2) -> dict:
     row = dict(sorted(rows, key=lambda r: r["ratio"])[len(rows) // 2])
     first = rows[0]  # identical initial weights: the first step of the first run decides same_loss
     row.update(
-        name="dp2 ZeRO-2 vs FSDP2 fully_shard (per layer + root, reshard_after_forward=False)",
+        name=name,
         ratio=round(statistics.median(ratios), 3),
         ratio_paired=round(statistics.median(r["ratio_paired"] for r in rows), 3),
         same_loss=first["same_loss"],
@@ -148,11 +168,11 @@ def _memory_rows(b: Bench, native: NativeFSDP2) -> list[dict]:
         side = Ours(b, dp=2, zero=zero)
         for i in range(2):
             side.step(i)
-        measured[zero] = _max_bytes(state_bytes(side.model, side.optimizer, side.grad_sync))
+        measured[zero] = max_bytes(state_bytes(side.model, side.optimizer, side.grad_sync))
         if zero == 2:
             transient = int(max_over_ranks(peak_full_buffers(side.grad_sync.accumulator)))
         del side
-    fsdp = _max_bytes(state_bytes(native.model, native.optimizer))
+    fsdp = max_bytes(state_bytes(native.model, native.optimizer))
     rows = []
     for zero, analytic in ((2, 10 / 16), (1, 12 / 16)):
         m, z0 = measured[zero], measured[0]
@@ -180,6 +200,7 @@ def _memory_rows(b: Bench, native: NativeFSDP2) -> list[dict]:
 def job_zero2(b: Bench) -> list[dict]:
     b.total_steps *= ROTATIONS  # one LR schedule across the rotated runs
     ours, native = Ours(b, dp=2, zero=2), NativeFSDP2(b, dp=2)
-    row = _rotated_throughput(b, ours, native)
+    name = "dp2 ZeRO-2 vs FSDP2 fully_shard (per layer + root, reshard_after_forward=False)"
+    row = rotated_throughput(b, ours, native, name)
     del ours
     return [row, *_memory_rows(b, native)]

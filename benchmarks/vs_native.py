@@ -24,8 +24,8 @@ same_loss, + details) and ``latest.md`` (the table, the command, the machine, th
 
 The shared harness (settings, timing loop, meters) is ``bench_common.py``, the two sides compared
 ``bench_sides.py``, the checkpoint rows ``bench_checkpoint.py``, the ZeRO-2 vs FSDP2 and ZeRO
-memory rows ``bench_zero.py``; this file holds the other jobs, the launcher and the report, and is
-the entry point.
+memory rows ``bench_zero.py``, the ZeRO-3 ones ``bench_zero3.py``; this file holds the other jobs,
+the launcher and the report, and is the entry point.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from bench_common import (  # noqa: E402
 )
 from bench_sides import NativeFlat, NativePipeline, Ours  # noqa: E402
 from bench_zero import job_zero2  # noqa: E402
+from bench_zero3 import job_zero3  # noqa: E402
 
 
 # ===================================================================================== the jobs
@@ -184,6 +185,7 @@ JOBS = {
     "3d": (8, job_3d),
     "checkpoint": (2, job_checkpoint),
     "zero2": (2, job_zero2),
+    "zero3": (2, job_zero3),
 }
 
 

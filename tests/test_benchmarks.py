@@ -91,6 +91,48 @@ def test_vs_native_zero2_rows(tmp_path):
     assert fsdp["optim"] > 0 and fsdp["params"] < z0["params"]
 
 
+def test_vs_native_zero3_rows(tmp_path):
+    """ZeRO-3 vs FSDP2 (reshard_after_forward=True) at dp2 trains the same model to the same first
+    loss, and the measured per-rank bytes are ZeRO-3's: parameters, gradients and AdamW states all
+    halved between steps (ZeRO-1 halves the states only), at most two layers gathered at once."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "vs_native.py"),
+            "--only",
+            "zero3",
+            "--reps",
+            "1",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    speed, between, during = json.loads((tmp_path / "latest.json").read_text())
+    assert speed["unit"] == "tokens/s" and speed["same_loss"] is True and speed["loss_rel_first"] <= 1e-4, speed
+    assert "reshard_after_forward=True" in speed["name"] and len(speed["rotation_ratios"]) == 3
+    z1, z3 = between["bytes_by_kind"]["zero1"], between["bytes_by_kind"]["zero3"]
+    assert z1["params"] == z1["grads"] == z1["optim"]  # fp32: full 4 B + 4 B, AdamW's 8 B halved
+    assert abs(z3["params"] - z1["params"] / 2) <= 64 * 18 and z3["grads"] == z3["params"]  # + padding per unit
+    assert z3["optim"] == z1["optim"]
+    assert FIELDS <= between.keys() and between["ratio"] <= between["target"], between
+    assert during["zero3_peak_layer_units_alive"] == 2 and during["zero3_peak_units_alive"] <= 3, during
+    assert during["zero3_peak_gathered_param_bytes"] <= 3 * during["zero3_layer_unit_bytes"]
+    gathered, buckets = during["zero3_peak_gathered_param_bytes"], during["zero3_peak_full_grad_bucket_bytes"]
+    assert max(gathered, buckets) <= during["zero3_peak_transient_bytes"] <= gathered + buckets, during
+    assert during["ours"] == between["ours"] + during["zero3_peak_transient_bytes"]
+    assert between["ours"] < during["ours"] < during["native"], during
+    fsdp, ours = speed["bytes_between_steps"]["fsdp2"], speed["bytes_between_steps"]["zero3"]
+    assert fsdp["params"] == ours["params"] and fsdp["optim"] == ours["optim"], (fsdp, ours)
+
+
 def test_gpu_scripts_run_on_cpu(tmp_path):
     """benchmarks/gpu_check.sh and its stages (gpu_trainer_check.py, gpu_train_bench.py,
     masked_attention.py) only run
