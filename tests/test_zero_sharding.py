@@ -6,7 +6,9 @@ and the owned accumulator sums several reduce-scatters, and ZeRO-3 gathers every
 micro-batch forward and once per backward), the loss within 1e-6 relative of the one-process run
 of the same global batch, the grad norm (clipping triggers) within 1e-5:
   * 4 ranks: dp4; dp2 x tp2 (sequence parallel, async, full recompute); dp2 x cp2 (selective
-    recompute); dp2 x ep2 (MoE: dense parameters over dp x ep, experts over dp);
+    recompute); dp2 x ep2 (MoE: dense parameters over dp x ep, experts over dp); dp4 as 2 x 2
+    hybrid sharding (sharded within blocks of 2, summed across them); dp4 with tied embeddings
+    (at ZeRO-3 the head's backward gathers the embedding's unit);
   * 8 ranks: dp2 x tp2 x pp2 with each engine: afab (untied), 1f1b (sequence parallel, tied
     embeddings, full recompute), interleaved 1f1b (v = 2, tied: the replica's bucket goes with
     the last chunk's rounds).
@@ -18,7 +20,8 @@ of ZeRO-0's, and the trace of the full bucket buffers shows each one freed, neve
 few alive at once during backward. At ZeRO-3, on a 16-layer model: weights + gradients + AdamW
 states at most 0.3x of ZeRO-0's, and the trace of the gathers shows at most two layers whole at
 any time, each layer gathered once per micro-batch forward and backward, the next one posted
-before the current one is let go.
+before the current one is let go; the embedding is gathered for its forward only (its backward
+reads no weights) and the head once per micro-batch (kept into its backward).
 
 Launches per tier (1, 4, 8 ranks, and 2 for the full tier), each case one model in the same
 processes.
@@ -60,6 +63,7 @@ FOUR = {
     "dp2-cp2-selective": (dict(dp=2, cp=2), {"recompute": "selective"}),
     "dp2-ep2-moe": (dict(dp=2, ep=2), {"moe": True}),
     "dp4-hybrid-2x2": (dict(dp=4), {"shard": 2}),  # sharded over 2 ranks, replicated across 2 blocks
+    "dp4-tied": (dict(dp=4), {"tied": True}),  # ZeRO-3: the head's backward gathers the embedding unit
 }
 EIGHT = {
     "afab": (dict(dp=2, tp=2, pp=2), {"engine": "afab"}),
@@ -334,3 +338,6 @@ def test_zero3_holds_under_a_third_and_gathers_two_layers_at_most():
         assert worst <= 2, worst
         m = g["micro_batches"]
         assert all(posts.get((u, "forward")) == m and posts.get((u, "backward")) == m for u in layers), posts
+        # the embedding's backward reads no weights; the head stays gathered for its backward
+        assert ("embed", "backward") not in posts and ("head", "backward") not in posts, posts
+        assert posts[("embed", "forward")] == m and posts[("head", "forward")] == m, posts

@@ -23,6 +23,10 @@ the head, and hooks it on every decoder layer):
   end of each round    (a backward of one micro-batch / pipeline chunk) release whatever a backward
                        gathered and did not release (a unit whose parameters got no gradient).
 
+Two call sites say more (``after_forward``): the embedding's backward reads no weights, so it is
+neither gathered nor prefetched for it; the head stays gathered into its backward, which follows
+at once (it produces the loss), saving one gather per micro-batch.
+
 So at most two layers' full weights are alive at a time (the one computing and the one being
 fetched), and with pipeline parallelism every micro-batch gathers each unit twice, forward and
 backward: m micro-batches move 2m times the unit bytes per step instead of keeping the stage's
@@ -174,6 +178,7 @@ class ParamGather:
         self.next_of: dict[str, Optional[str]] = {}
         self.previous_of: dict[str, Optional[str]] = {}
         self.set_chunks([list(self.units)])
+        self.weightless_backward: set[str] = set()  # units whose backward reads no weights (embedding)
         # (event, unit, phase): "post" | "wait" | "release"; phase "forward" | "backward" | "state"
         self.log: list[tuple[str, str, str]] = []
         ref = weakref.ref(self)
@@ -232,16 +237,24 @@ class ParamGather:
         if following is not None:
             self._post(self.units[following], "forward")
 
-    def after_forward(self, names: list[str], output) -> None:
-        """Release the units; under grad, hook the outputs so backward gathers them again."""
-        if torch.is_grad_enabled():
+    def after_forward(self, names: list[str], output, backward_reads: bool = True, keep: bool = False) -> None:
+        """Release the units; under grad, hook the outputs so backward gathers them again.
+
+        ``backward_reads`` False: this call's backward reads none of the weights (an embedding's
+        gradient is its output gradient scattered by the ids): no gather for it, and none
+        prefetched for it. ``keep``: the units stay gathered for the backward that follows
+        right away (the head: its backward is the next thing this rank runs in every engine
+        but afab's), one gather per micro-batch instead of two."""
+        if torch.is_grad_enabled() and backward_reads:
             ref = weakref.ref(self)
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(lambda grad, ref=ref, names=tuple(names): ref()._before_backward(names, grad))
+        elif torch.is_grad_enabled():
+            self.weightless_backward.update(names)
         for n in names:
             u = self.units[n]
-            if not u.backward:
+            if not u.backward and not (keep and torch.is_grad_enabled()):
                 self._release(u, "forward")
 
     def _before_backward(self, names, grad):
@@ -251,7 +264,7 @@ class ParamGather:
                 u.backward, u.waiting = True, {id(p) for p in u.params}
             self._wait(u, "backward")
         previous = self.previous_of.get(names[0])
-        if previous is not None:
+        if previous is not None and previous not in self.weightless_backward:
             self._post(self.units[previous], "backward")
         return grad
 

@@ -144,7 +144,8 @@ class ModelPart(Adopting):
         self._param_gather()  # ZeRO-3: hooks the layers on the first forward (none below)
         if part.is_first:
             ids = self.cp.local(input_ids, order=order)
-            hidden = self._gathered((model.embed,), model.embed_tokens, ids).to(self.residual_dtype)
+            hidden = self._gathered((model.embed,), model.embed_tokens, ids, backward_reads=False)
+            hidden = hidden.to(self.residual_dtype)
         layers = [name.split(".", 1)[1] for name in part.blocks if name.startswith("layers.")]
         kernel = model.args.attention_kernel
         if documents is None:
@@ -158,19 +159,20 @@ class ModelPart(Adopting):
         if not part.is_last:
             return hidden
         targets = None if targets is None else self.cp.local(targets, order=order)
-        return self._gathered((model.final_norm, model.lm_head), model.head, hidden, targets)
+        return self._gathered((model.final_norm, model.lm_head), model.head, hidden, targets, keep=True)
 
     # ------------------------------------------------------------------ ZeRO-3
-    def _gathered(self, modules, fn, *args):
+    def _gathered(self, modules, fn, *args, backward_reads: bool = True, keep: bool = False):
         """``fn(*args)`` with the full weights of ``modules`` (ZeRO-3: their units gathered for
-        it, ``data_parallel/shard_params.py``; below, just the call)."""
+        it, ``data_parallel/shard_params.py``, whose ``after_forward`` says what ``backward_reads``
+        and ``keep`` do; below, just the call)."""
         gather = self._param_gather()
         if gather is None:
             return fn(*args)
         names = gather.units_of(p for m in modules for p in m.parameters())
         gather.before_forward(names)
         out = fn(*args)
-        gather.after_forward(names, out)
+        gather.after_forward(names, out, backward_reads, keep)
         return out
 
     def _param_gather(self):
