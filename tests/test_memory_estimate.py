@@ -157,7 +157,8 @@ LLAMA_8B += ["model.num_key_value_heads=8", "model.intermediate_size=14336", "mo
 def test_zero3_shards_weights_and_counts_two_gathered_units():
     """ZeRO-3 at dp8: the weights persist as this rank's shard plus the two units gathered at
     once (a layer and the LM head, the largest pair here); gradients and optimizer states as
-    ZeRO-2; the dp traffic is 2m all-gathers and m reduce-scatters of the parameter bytes."""
+    ZeRO-2; the dp traffic is 2m all-gathers (m for the embedding and the head) and m
+    reduce-scatters of the parameter bytes."""
     from nanotrain.estimate.comm_volume import traffic_bytes
     from nanotrain.estimate.memory import zero3_gathered_bytes
     from nanotrain.models import llama_arch
@@ -177,8 +178,11 @@ def test_zero3_shards_weights_and_counts_two_gathered_units():
     line = describe(configs[3])[0]
     assert "ZeRO-3 over dp8 (grads and weights too: each layer all-gathered in forward and backward" in line
     dp = [traffic_bytes(c)["dp"] for c in configs]
-    assert dp[3] == pytest.approx(4 * e0.weights * GB / 4 * 3 * 4 * 7 / 8)  # 3m (d-1)/d, m = 4, d = 8
-    assert dp[3] == pytest.approx(dp[1] * 3 * 4 / 2) and dp[2] == pytest.approx(dp[1] * (4 + 1) / 2)
+    # 3m (d-1)/d of the parameter bytes, m = 4, d = 8, but the embedding and the head are gathered
+    # once per micro-batch (the embedding's backward reads no weights; the head is kept into its own)
+    once = 4 * 4 * 7 / 8 * (128256 * 4096 + head)
+    assert dp[3] == pytest.approx(4 * e0.weights * GB / 4 * 3 * 4 * 7 / 8 - once)
+    assert dp[3] == pytest.approx(dp[1] * 3 * 4 / 2 - once) and dp[2] == pytest.approx(dp[1] * (4 + 1) / 2)
     # one replica: nothing is sharded, nothing gathered
     alone = ["parallelism.dp=1" if k.startswith("parallelism.dp") else k for k in base]
     one = [estimate_memory(load_config(TINY, alone + [f"optimizer.zero_stage={z}"])) for z in (0, 3)]
@@ -208,3 +212,16 @@ def test_zero3_gathers_no_expert_kept_whole():
     head = m.hidden_size + llama_arch.block_parameters(m, "lm_head")  # larger than a layer here
     assert zero3_gathered_bytes(two, rank) == 4 * (layer + head)
     assert zero3_gathered_bytes(one, rank) == 4 * (layer - experts + head)
+
+
+def test_hybrid_sharding_traffic_is_block_collectives_plus_one_all_reduce_across():
+    """optimizer.zero_shard_size 2 at dp4, ZeRO-3 (m = 4): the gathers and reduce-scatters run in
+    blocks of 2, (2-1)/2 of the bytes each, and one all-reduce of the owned half crosses the 2
+    blocks: 2 (2-1)/2 x 1/2 more; without hybrid sharding every collective moves 3/4."""
+    from nanotrain.estimate.comm_volume import dp_share
+
+    base = ["parallelism.dp=4", "parallelism.tp=1", "parallelism.pp=1", "training.batch_accumulation_per_replica=4"]
+    base += ["optimizer.zero_stage=3"]
+    plain, hybrid = load_config(TINY, base), load_config(TINY, base + ["optimizer.zero_shard_size=2"])
+    assert dp_share(plain, 4) == pytest.approx(12 * 3 / 4)
+    assert dp_share(hybrid, 4) == pytest.approx(12 * 1 / 2 + 2 * 1 / 2 / 2)

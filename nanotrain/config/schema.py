@@ -154,6 +154,13 @@ class OptimizerArgs:
         "3 also parameters (each layer all-gathered before its forward and its backward, the next "
         "one prefetched, released after use: 1/dp of the weights, 2m gathers per step)",
     )
+    grad_reduce_dtype: Literal["float32", "bfloat16"] = doc(
+        "float32",
+        "dtype the data-parallel gradient reduction sends and sums in (all-reduce, or ZeRO's "
+        "reduce-scatters): float32 reduces the gradients as they are (fp32 master gradients); "
+        "bfloat16 halves the bytes, the sums going back into the fp32 gradients (ZeRO-2/3: the "
+        "fp32 accumulator)",
+    )
     zero_shard_size: Optional[int] = bounded(
         None,
         2,

@@ -73,14 +73,44 @@ def _rank_traffic(config: Config, pp_rank: int, rank: llama_arch.RankSummary) ->
         "tp": tp_ops * acc * ring(p.tp) * activation,
         "cp": cp_collectives_per_layer(t.recompute) * (p.cp - 1) * kv * len(layer_ids) * acc,
         "pp": sends * message,
-        "dp": 4 * (dp_share(config, p.dp * p.cp * p.ep) * dense + dp_share(config, p.dp * p.cp) * experts),
+        "dp": 4 * (dp_share(config, p.dp * p.cp * p.ep) * dense + dp_share(config, p.dp * p.cp) * experts)
+        - 4 * acc * gather_share(config, p.dp * p.cp * p.ep) * zero3_gathered_once(config, names),
     }
+
+
+def _block(config: Config, group: int) -> int:
+    """The ranks ZeRO shards over within ``group``: all, or a hybrid block (``zero_shard_size``)."""
+    s = config.optimizer.zero_shard_size
+    return s if s and config.optimizer.zero_stage >= 1 and group % s == 0 else group
+
+
+def gather_share(config: Config, group: int) -> float:
+    """One ZeRO collective's share of the bytes, (d - 1)/d over the ranks it runs on."""
+    d = _block(config, group)
+    return (d - 1) / d
 
 
 def dp_share(config: Config, group: int) -> float:
     """Bytes a rank sends per step over a data-parallel group of ``group`` ranks, per byte of its
-    fp32 gradients (= its fp32 parameters): ``dp_rounds`` collectives of (d - 1)/d of them each."""
-    return dp_rounds(config) * (group - 1) / group
+    fp32 gradients (= its fp32 parameters): ``dp_rounds`` collectives of (d - 1)/d of them each;
+    under hybrid sharding d is a block's size, plus one all-reduce of the 1/d owned across the
+    g/d blocks (``data_parallel/hybrid.py``)."""
+    d = _block(config, group)
+    outer = group // d
+    return dp_rounds(config) * (d - 1) / d + (2 * (outer - 1) / outer / d if outer > 1 else 0.0)
+
+
+def zero3_gathered_once(config: Config, names: tuple[str, ...]) -> int:
+    """Parameters of this rank that ZeRO-3 gathers once per micro-batch, not twice: the
+    embedding (its backward reads no weights) and the head (kept from its forward into its
+    backward), ``shard_params.ParamGather.after_forward``; with tied embeddings on one stage the
+    head's forward gathers the embedding again, so it saves nothing there. 0 below stage 3."""
+    m = config.model
+    if config.optimizer.zero_stage != 3:
+        return 0
+    tied_here = m.tie_word_embeddings and "embed" in names and "final_norm" in names
+    heads = ("final_norm", "lm_head") + (() if tied_here else ("embed",))
+    return sum(llama_arch.block_parameters(m, n, config.parallelism.tp) for n in names if n in heads)
 
 
 def dp_rounds(config: Config) -> int:

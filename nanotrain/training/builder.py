@@ -143,7 +143,9 @@ def build_parts(config: Config, pc: ParallelContext, run_dir: Path, run_id: Opti
     engine = build_engine(config, pc)
     message = model.pipeline_message(t.micro_batch_size, t.sequence_length)
     shard_size = config.optimizer.zero_shard_size  # hybrid sharding: this rank's block of replicas
-    grad_sync = build_grad_sync(list(model.parameters()), pc, shard_size=shard_size)
+    # optimizer.grad_reduce_dtype: bf16 on the wire, or the gradients' own dtype (fp32 masters)
+    reduce_dtype = torch.bfloat16 if config.optimizer.grad_reduce_dtype == "bfloat16" else None
+    grad_sync = build_grad_sync(list(model.parameters()), pc, shard_size=shard_size, reduce_dtype=reduce_dtype)
     skips = t.spike.policy in ("skip", "rewind")  # found_inf: the fused kernel (training/spike.py)
     groups = optimizer_groups(pc, shard_size)
     optimizer = build_optimizer(model.named_parameters(), config.optimizer, **groups, fused=skips)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional
 
+import torch
 from torch import nn
 
 from nanotrain.parallel.data_parallel.buckets import DEFAULT_BUCKET_CAP_MB
@@ -72,19 +73,21 @@ def build_grad_sync(
     pc: ParallelContext,
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     shard_size: Optional[int] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
 ):
     """The gradient sync of this rank's ``params`` (see the module docstring). ``shard_size``
     (``optimizer.zero_shard_size``): hybrid sharding, each sync over this rank's block of the
-    replicas and its pieces all-reduced across the blocks (``hybrid.py``)."""
+    replicas and its pieces all-reduced across the blocks (``hybrid.py``). ``reduce_dtype``
+    (``optimizer.grad_reduce_dtype``): the dtype the gradients travel and are summed in (None:
+    theirs)."""
     dense_replicas = pc.dense_replica_pg.size() if pc.dense_replica_pg is not None else 1
+    kw = dict(bucket_cap_mb=bucket_cap_mb, divisor=dense_replicas, reduce_dtype=reduce_dtype)
 
     def sync(ps, axis: str, group):
         if not shard_size:
-            return BucketedGradSync(ps, group, bucket_cap_mb=bucket_cap_mb, divisor=dense_replicas)
+            return BucketedGradSync(ps, group, **kw)
         groups = shard_groups(pc, axis, shard_size)
-        return BucketedGradSync(
-            ps, groups.shard, bucket_cap_mb=bucket_cap_mb, divisor=dense_replicas, replicate_group=groups.replicate
-        )
+        return BucketedGradSync(ps, groups.shard, replicate_group=groups.replicate, **kw)
 
     if pc.ep_size == 1:
         return sync(params, "dp_cp_ep", pc.dense_replica_pg)

@@ -52,7 +52,7 @@ from torch import nn
 from nanotrain.parallel import accelerator
 from nanotrain.parallel.collectives import all_gather_into, all_reduce, reduce_scatter_into, wait
 from nanotrain.parallel.data_parallel import buckets as layout
-from nanotrain.parallel.data_parallel.shard_grads import ShardAccumulator
+from nanotrain.parallel.data_parallel.shard_grads import ShardAccumulator, on_the_wire, piece_of
 from nanotrain.parallel.data_parallel.sync_sharding import ZeroSharding
 from nanotrain.parallel.observe.hang_record import HANG_RECORD
 
@@ -77,6 +77,7 @@ class Bucket:
     ready: set[int] = field(default_factory=set)  # id() of params whose grad is final this step
     launched: bool = False
     handle: Optional[dist.Work] = None
+    wire: Optional[torch.Tensor] = None  # what the collective reduces: ``buffer``, or its copy in the reduce dtype
 
     @property
     def complete(self) -> bool:
@@ -103,6 +104,7 @@ class BucketedGradSync(ZeroSharding):
         bucket_cap_mb: float = layout.DEFAULT_BUCKET_CAP_MB,
         divisor: Optional[int] = None,
         replicate_group: Optional[dist.ProcessGroup] = None,
+        reduce_dtype: Optional[torch.dtype] = None,
     ):
         seen: set[int] = set()
         self.params: list[nn.Parameter] = []
@@ -122,6 +124,8 @@ class BucketedGradSync(ZeroSharding):
         # dp x cp but average over dp x cp x ep, the ranks whose tokens reached them.
         self.divisor = divisor or self.world_size
         self.replicate_group = replicate_group  # hybrid sharding: sum across the blocks (hybrid.py)
+        # ``optimizer.grad_reduce_dtype``: None reduces in the gradients' dtype (fp32 master grads)
+        self.reduce_dtype = reduce_dtype
         self.bucket_cap_bytes = layout.cap_bytes(bucket_cap_mb)
         self.buckets: list[Bucket] = self._build_buckets()
         self._index_views()
@@ -227,11 +231,14 @@ class BucketedGradSync(ZeroSharding):
     def _launch(self, b: Bucket, from_hook: bool) -> None:
         if self.divisor > 1:
             b.buffer.div_(self.divisor)
+        b.wire = on_the_wire(b.buffer, self.reduce_dtype) if self.world_size > 1 else b.buffer
         if self.shards > 1:  # in place: the output is this rank's piece of the input
-            b.handle = reduce_scatter_into(self._owned(b), b.buffer, group=self.group, async_op=True)
+            b.handle = reduce_scatter_into(
+                piece_of(b.wire, self.shards, self.rank), b.wire, group=self.group, async_op=True
+            )
         elif self.world_size > 1:
             b.handle = all_reduce(
-                b.buffer,
+                b.wire,
                 op=dist.ReduceOp.SUM,
                 group=self.group,
                 async_op=True,
@@ -304,7 +311,12 @@ class BucketedGradSync(ZeroSharding):
                 op = "reduce_scatter" if self.shards > 1 else "all_reduce"
                 HANG_RECORD.entering(f"wait {op} gradient bucket {b.index}", self.group)
                 wait(b.handle)
-            b.handle, b.launched = None, False
+            if b.wire is not None and b.wire is not b.buffer:  # back from the reduce dtype
+                if self.shards > 1:
+                    self._owned(b).copy_(piece_of(b.wire, self.shards, self.rank))
+                else:
+                    b.buffer.copy_(b.wire)
+            b.handle, b.launched, b.wire = None, False, None
             b.ready.clear()
         self._next_launch = 0
         self._hooks_fired = 0

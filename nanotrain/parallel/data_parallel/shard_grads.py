@@ -68,6 +68,19 @@ class GradShards:
         return [(p, p.grad.detach().reshape(-1)[a:b]) for p, a, b in self.pieces if p.grad is not None]
 
 
+def on_the_wire(buffer: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """What a gradient collective reduces: ``buffer`` itself, or its copy in ``dtype``
+    (``optimizer.grad_reduce_dtype: bfloat16``: half the bytes, summed in bf16; the result goes
+    back into the fp32 buffer or accumulator)."""
+    return buffer if dtype is None or dtype == buffer.dtype else buffer.to(dtype)
+
+
+def piece_of(flat: torch.Tensor, shards: int, rank: int) -> torch.Tensor:
+    """Piece ``rank`` of ``shards`` equal pieces of ``flat`` (its length is a multiple)."""
+    chunk = flat.numel() // shards
+    return flat[rank * chunk : (rank + 1) * chunk]
+
+
 def reduced_grad_of(shards: Optional[list[GradShards]]):
     """``p -> the tensor to treat as p's reduced gradient on this rank``: ``p.grad``, or under
     ZeRO-2 the accumulator's view of the range of ``p`` this rank owns (None where it owns none),
@@ -99,8 +112,10 @@ class ShardAccumulator:
         rank: int,
         divisor: int,
         log: Callable[[int, bool], None],
+        reduce_dtype: Optional[torch.dtype] = None,
     ):
         self.buckets, self.group, self.shards, self.rank, self.divisor = buckets, group, shards, rank, divisor
+        self.reduce_dtype = reduce_dtype
         self._log = log
         ref = buckets[0].params[0]
         dtype = torch.promote_types(ref.dtype, torch.float32)
@@ -136,10 +151,6 @@ class ShardAccumulator:
     def _view(self, b, p: nn.Parameter) -> torch.Tensor:
         off = self._offset[id(p)]
         return b.buffer[off : off + p.numel()].view_as(p)
-
-    def _piece(self, b) -> torch.Tensor:
-        chunk = b.size // self.shards
-        return b.buffer[self.rank * chunk : (self.rank + 1) * chunk]
 
     def _acc(self, b) -> torch.Tensor:
         start = self._acc_start[b.index]
@@ -190,7 +201,10 @@ class ShardAccumulator:
             q.grad = None
         if self.divisor > 1:
             b.buffer.div_(self.divisor)
-        b.handle = reduce_scatter_into(self._piece(b), b.buffer, group=self.group, async_op=True)
+        b.wire = on_the_wire(b.buffer, self.reduce_dtype)
+        b.handle = reduce_scatter_into(
+            piece_of(b.wire, self.shards, self.rank), b.wire, group=self.group, async_op=True
+        )
         b.launched = True
         b.ready.clear()
         self.in_flight.append(b)
@@ -200,9 +214,9 @@ class ShardAccumulator:
         """Wait for ``b``'s reduce-scatter, add its piece into the accumulator, free its buffer."""
         HANG_RECORD.entering(f"wait reduce_scatter gradient bucket {b.index}", self.group)
         wait(b.handle)
-        self._acc(b).add_(self._piece(b))
+        self._acc(b).add_(piece_of(b.wire, self.shards, self.rank))
         self.buffer_log.append(("free", b.index, b.buffer.numel() * b.buffer.element_size()))
-        b.buffer, b.handle, b.launched = None, None, False
+        b.buffer, b.wire, b.handle, b.launched = None, None, None, False
         self.in_flight.remove(b)
 
     def _advance(self, from_hook: bool, force: bool = False) -> None:

@@ -60,6 +60,7 @@ class ZeroSharding:
                     self.rank,
                     self.divisor,
                     lambda index, from_hook: ref()._log_launch(index, from_hook),
+                    self.reduce_dtype,
                 )
                 for b in self.buckets:  # gradients so far: into fresh buffers, reduced at the next finish
                     if any(p.grad is not None for p in b.params):
