@@ -225,3 +225,17 @@ def test_hybrid_sharding_traffic_is_block_collectives_plus_one_all_reduce_across
     plain, hybrid = load_config(TINY, base), load_config(TINY, base + ["optimizer.zero_shard_size=2"])
     assert dp_share(plain, 4) == pytest.approx(12 * 3 / 4)
     assert dp_share(hybrid, 4) == pytest.approx(12 * 1 / 2 + 2 * 1 / 2 / 2)
+
+
+def test_hybrid_sharding_memory_and_bf16_reduction_traffic():
+    """Hybrid blocks of 2 at dp4 hold half of the state, not a quarter, and --dry-run says so; a
+    bf16 gradient reduction halves the reduce-scatters' bytes (ZeRO-3: m of its 3m collectives)."""
+    from nanotrain.estimate.comm_volume import dp_share
+
+    base = ["parallelism.dp=4", "parallelism.tp=1", "parallelism.pp=1", "training.batch_accumulation_per_replica=4"]
+    base += ["optimizer.zero_stage=3"]
+    plain, hybrid = load_config(TINY, base), load_config(TINY, base + ["optimizer.zero_shard_size=2"])
+    assert estimate_memory(hybrid).optimizer == pytest.approx(2 * estimate_memory(plain).optimizer)
+    assert "ZeRO-3 over blocks of 2 of dp4 (hybrid" in describe(hybrid)[0]
+    bf16 = load_config(TINY, base + ["optimizer.grad_reduce_dtype=bfloat16"])
+    assert dp_share(bf16, 4) == pytest.approx((12 - 2) * 3 / 4)

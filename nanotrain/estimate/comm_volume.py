@@ -97,7 +97,13 @@ def dp_share(config: Config, group: int) -> float:
     g/d blocks (``data_parallel/hybrid.py``)."""
     d = _block(config, group)
     outer = group // d
-    return dp_rounds(config) * (d - 1) / d + (2 * (outer - 1) / outer / d if outer > 1 else 0.0)
+    rounds = dp_rounds(config)
+    if config.optimizer.grad_reduce_dtype == "bfloat16":  # the reductions move 2 bytes, not 4
+        o = config.optimizer
+        rounds -= 0.5 * (
+            2 if o.zero_stage == 0 else 1 if o.zero_stage == 1 else config.training.batch_accumulation_per_replica
+        )
+    return rounds * (d - 1) / d + (2 * (outer - 1) / outer / d if outer > 1 else 0.0)
 
 
 def zero3_gathered_once(config: Config, names: tuple[str, ...]) -> int:

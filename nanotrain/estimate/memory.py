@@ -214,7 +214,9 @@ def _stage_estimate(config: Config, pp_rank: int, rank, bytes_of: dict[str, floa
     weights = grads = 4 * params
     # ZeRO-1 shards the dense states over dp x cp x ep (their replicas) and the routed experts'
     # over dp x cp (each expert shard's replicas); ZeRO-2 the gradients the same way.
-    sharded = (params - experts) / (p.dp * p.cp * p.ep) + experts / (p.dp * p.cp)
+    # Hybrid sharding (optimizer.zero_shard_size): over a block of that many replicas instead.
+    block = config.optimizer.zero_shard_size
+    sharded = (params - experts) / (block or p.dp * p.cp * p.ep) + experts / (block or p.dp * p.cp)
     stage = config.optimizer.zero_stage
     optimizer = 8 * (sharded if stage >= 1 else params)
     if stage >= 2:  # ZeRO-3's gradients are ZeRO-2's (buckets cut at the gather units: no larger)
@@ -260,7 +262,9 @@ def describe(config: Config) -> list[str]:
     over = " x ".join(f"{axis}{n}" for axis, n in (("dp", p.dp), ("cp", p.cp), ("ep", p.ep)) if n > 1 or axis == "dp")
     if p.ep > 1:
         over += f" (experts over dp{p.dp}" + (f" x cp{p.cp})" if p.cp > 1 else ")")
-    stage = config.optimizer.zero_stage
+    stage, block = config.optimizer.zero_stage, config.optimizer.zero_shard_size
+    if block:
+        over = f"blocks of {block} of {over} (hybrid: replicated across the blocks)"
     zero = f", ZeRO-{stage} over {over}" if stage else ""
     m = config.training.batch_accumulation_per_replica
     if stage == 2:
