@@ -14,29 +14,21 @@ ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {"name", "ours", "native", "unit", "ratio", "target", "same_loss"}
 
 
-def test_vs_native_quick_rows(tmp_path):
+def quick_rows(tmp_path: Path, *jobs: str) -> list[dict]:
+    """``benchmarks/vs_native.py --only JOBS`` at one repetition of one step: the rows it writes."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "vs_native.py"),
-            "--only",
-            "tp2_ar",
-            "pp2_1f1b",
-            "--reps",
-            "1",
-            "--steps",
-            "1",
-            "--warmup",
-            "1",
-            "--out",
-            str(tmp_path),
-        ],
+        [sys.executable, str(ROOT / "benchmarks" / "vs_native.py"), "--only", *jobs]
+        + ["--reps", "1", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "latest.json").read_text())
+    return json.loads((tmp_path / "latest.json").read_text())
+
+
+def test_vs_native_quick_rows(tmp_path):
+    rows = quick_rows(tmp_path, "tp2_ar", "pp2_1f1b")
     names = [r["name"] for r in rows]
     assert any(n.startswith("tp2 ALL_REDUCE") for n in names) and any(n.startswith("pp2 1f1b") for n in names)
     assert any("1f1b vs afab" in n for n in names)
@@ -55,27 +47,7 @@ def test_vs_native_quick_rows(tmp_path):
 def test_vs_native_zero2_rows(tmp_path):
     """ZeRO-2 vs FSDP2 at dp2 trains the same model to the same first loss, and the measured
     per-rank bytes are the ZeRO arithmetic: gradients halved at stage 2, AdamW states at 1 and 2."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "vs_native.py"),
-            "--only",
-            "zero2",
-            "--reps",
-            "1",
-            "--steps",
-            "1",
-            "--warmup",
-            "1",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "latest.json").read_text())
+    rows = quick_rows(tmp_path, "zero2")
     speed, mem2, mem1 = rows
     assert speed["unit"] == "tokens/s" and speed["same_loss"] is True and speed["loss_rel_first"] <= 1e-4, speed
     assert len(speed["rotation_ratios"]) == 3
@@ -95,27 +67,7 @@ def test_vs_native_zero3_rows(tmp_path):
     """ZeRO-3 vs FSDP2 (reshard_after_forward=True) at dp2 trains the same model to the same first
     loss, and the measured per-rank bytes are ZeRO-3's: parameters, gradients and AdamW states all
     halved between steps (ZeRO-1 halves the states only), at most two layers gathered at once."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "vs_native.py"),
-            "--only",
-            "zero3",
-            "--reps",
-            "1",
-            "--steps",
-            "1",
-            "--warmup",
-            "1",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    speed, between, during = json.loads((tmp_path / "latest.json").read_text())
+    speed, between, during = quick_rows(tmp_path, "zero3")
     assert speed["unit"] == "tokens/s" and speed["same_loss"] is True and speed["loss_rel_first"] <= 1e-4, speed
     assert "reshard_after_forward=True" in speed["name"] and len(speed["rotation_ratios"]) == 3
     z1, z3 = between["bytes_by_kind"]["zero1"], between["bytes_by_kind"]["zero3"]

@@ -136,18 +136,24 @@ def _train(pc, opts: dict, zero: int = 2) -> dict:
     return {"loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats], "sharded_over": sharded_over}
 
 
-def _grad_bytes(model, grad_sync) -> int:
-    """Bytes of the distinct storages of every gradient tensor this rank holds."""
-    storages = {}
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct live storages of ``tensors`` (a released one holds none)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(n for ptr, n in storages.items() if n)
+
+
+def _grad_tensors(model, grad_sync) -> list:
+    """Every gradient tensor this rank holds: ``.grad``, bucket buffers, accumulators."""
     tensors = [p.grad for p in model.parameters() if p.grad is not None]
     for s in getattr(grad_sync, "syncs", [grad_sync]):
         tensors += [b.buffer for b in s.buckets if b.buffer is not None]
         if s.accumulator is not None:
             tensors.append(s.accumulator.flat)
-    for t in tensors:
-        st = t.untyped_storage()
-        storages[st.data_ptr()] = st.nbytes()
-    return sum(storages.values())
+    return tensors
+
+
+def _grad_bytes(model, grad_sync) -> int:
+    return _storage_bytes(_grad_tensors(model, grad_sync))
 
 
 def _memory(pc) -> dict:
@@ -197,20 +203,11 @@ DEEP = dict(MODEL, num_layers=16)  # the ZeRO-3 memory and gather-order check
 def _state_bytes(model, grad_sync, optimizer) -> int:
     """Bytes of the distinct live storages of every weight, gradient and AdamW state this rank
     holds (parameters, optimizer buffers and pieces, gradient buckets and accumulators)."""
-    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors = list(model.parameters()) + _grad_tensors(model, grad_sync)
     for d in getattr(optimizer, "domains", []):
         tensors += [d.flat] if d.flat is not None else [d.store.shard, *d.store.full]
-    for s in getattr(grad_sync, "syncs", [grad_sync]):
-        tensors += [b.buffer for b in s.buckets if b.buffer is not None]
-        if s.accumulator is not None:
-            tensors.append(s.accumulator.flat)
     tensors += [t for st in optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
-    storages = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        if st.nbytes():
-            storages[st.data_ptr()] = st.nbytes()
-    return sum(storages.values())
+    return _storage_bytes(tensors)
 
 
 def _gathers(pc) -> dict:
