@@ -103,13 +103,16 @@ def _build(pc, opts: dict, zero: int):
         cp_pg=pc.cp_pg,
         ep_pg=pc.ep_pg,
         recompute=opts.get("recompute", "none"),
+        compute_dtype=opts.get("compute_dtype"),
     )
     shard = opts.get("shard")  # hybrid sharding (optimizer.zero_shard_size)
     reduce = opts.get("reduce")  # optimizer.grad_reduce_dtype: bfloat16
     grad_sync = build_grad_sync(
         list(model.parameters()), pc, bucket_cap_mb=BUCKET_MB, shard_size=shard, reduce_dtype=reduce
     )
-    optimizer = build_optimizer(model.named_parameters(), OPTIM, zero_stage=zero, **optimizer_groups(pc, shard))
+    optimizer = build_optimizer(
+        model.named_parameters(), OPTIM, zero_stage=zero, **optimizer_groups(pc, shard), gather_dtype=opts.get("gather")
+    )
     scheduler = build_lr_scheduler(optimizer, OPTIM, STEPS)
     engine = PipelineEngine(opts["engine"], pc.pp_pg) if pc.pp_size > 1 else None
     return model, grad_sync, optimizer, scheduler, engine
@@ -229,6 +232,33 @@ def _gathers(pc) -> dict:
     return out
 
 
+def _bf16_compute(pc) -> dict:
+    """dp4 under bf16 autocast: ZeRO-0, and ZeRO-3 gathering in bf16 and in fp32: the losses, the
+    bytes the gathers received, and whether the weights gathered for a checkpoint are the exact
+    fp32 pieces the optimizer holds."""
+    from nanotrain.parallel.data_parallel.shard_params import full_parameters
+    from nanotrain.training.step import train_step
+
+    out = {}
+    for name, zero, gather in (("zero0", 0, None), ("bf16", 3, torch.bfloat16), ("fp32", 3, None)):
+        opts = {"compute_dtype": torch.bfloat16, "gather": gather}  # autocast over fp32 master weights
+        model, grad_sync, optimizer, scheduler, _ = _build(pc, opts, zero)
+        assert model.compute_dtype == torch.bfloat16
+        losses = [
+            train_step(model, _micro(pc, step), grad_sync, optimizer, scheduler, pc, OPTIM.clip_grad).loss
+            for step in range(STEPS)
+        ]
+        out[name] = {"loss": losses}
+        if zero == 3:
+            out[name]["bytes"] = sum(d.store.gathered_bytes for d in optimizer.domains)
+            with full_parameters(model.parameters()):
+                out[name]["exact"] = all(
+                    torch.equal(piece.param.detach().reshape(-1)[piece.start : piece.stop], piece.shard)
+                    for piece in optimizer.pieces
+                )
+    return out
+
+
 def launch(cases: list, memory: bool) -> dict:
     from nanotrain.parallel.parallel_context import ParallelContext
 
@@ -254,6 +284,7 @@ def launch(cases: list, memory: bool) -> dict:
             # optimizer.grad_reduce_dtype: bfloat16, through the all-reduce (0), the in-place
             # reduce-scatter (1) and the accumulator's (3)
             out["bf16"] = {z: _train(pc, {"reduce": torch.bfloat16}, z) for z in (0, 1, 3)}
+            out["bf16_compute"] = _bf16_compute(pc)
     return out
 
 
@@ -356,3 +387,21 @@ def test_bf16_gradient_reduction_stays_close_to_fp32():
         for zero, got in res["bf16"].items():
             rel = _rel(got["loss"], ref["loss"])
             assert 1e-6 < rel < 2e-3, (zero, rel, got["loss"], ref["loss"])  # above fp32 equality
+
+
+@pytest.mark.timeout(900)
+def test_zero3_gathers_in_the_compute_dtype():
+    """Under bf16 autocast ZeRO-3's training gathers send the owned pieces in bf16 (half the
+    bytes of fp32 gathers; the matmuls cast the weights to bf16 anyway) and train like ZeRO-0
+    under the same autocast; checkpoint gathers still give the exact fp32 pieces."""
+    for res in runs(4, "fast"):
+        got = res["bf16_compute"]
+        assert got["bf16"]["bytes"] * 2 == got["fp32"]["bytes"], got
+        assert got["bf16"]["exact"] and got["fp32"]["exact"]
+        # the first step's weights are the same in bf16 for every op that reads them (the matmuls
+        # cast them, the residual stream is bf16, the norms' ones are exact): the same loss
+        assert got["bf16"]["loss"][0] == got["fp32"]["loss"][0], got
+        # later the norms' gains see bf16-rounded values; bf16 autocast's rounding elsewhere:
+        # measured 7.3e-5 (bf16 gathers) and 2.3e-5 (fp32 gathers) relative to ZeRO-0 over 8 steps
+        assert _rel(got["fp32"]["loss"], got["zero0"]["loss"]) < 2e-4, got
+        assert _rel(got["bf16"]["loss"], got["zero0"]["loss"]) < 1e-3, got

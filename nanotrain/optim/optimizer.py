@@ -54,6 +54,7 @@ def build_optimizer(
     zero_stage: Optional[int] = None,
     expert_dp_group: Optional[dist.ProcessGroup] = None,
     fused: bool = False,
+    gather_dtype: Optional[torch.dtype] = None,
 ) -> torch.optim.AdamW:
     """AdamW over ``named_params`` (``model.named_parameters()`` of this pp stage / tp shard).
 
@@ -68,6 +69,9 @@ def build_optimizer(
     With experts (ep > 1) pass ``dp_group=pc.dense_replica_pg`` (dp x cp x ep) and
     ``expert_dp_group=pc.dp_cp_pg``: ZeRO-1 then shards the expert parameters over the latter
     (``ZeroOneOptimizer``'s domains); ZeRO-0 ignores both. ``optimizer_groups(pc)`` gives the pair.
+
+    ``gather_dtype`` (stage 3): the model's compute dtype; below the parameters' (bf16 under
+    autocast) training's gathers send the owned pieces in it, half the bytes.
 
     ``fused``: the fused kernel on the CPU too (always on accelerators): the only AdamW that
     takes a ``found_inf`` flag, which ``training.spike.policy: skip`` sets (``training/spike.py``).
@@ -87,7 +91,13 @@ def build_optimizer(
         return torch.optim.AdamW(groups, **kwargs)
     if stage in (1, 2, 3):
         return ZeroOneOptimizer(
-            groups, dp_group, expert_group=expert_dp_group, is_expert=is_expert_param, stage=stage, **kwargs
+            groups,
+            dp_group,
+            expert_group=expert_dp_group,
+            is_expert=is_expert_param,
+            stage=stage,
+            gather_dtype=gather_dtype,
+            **kwargs,
         )
     raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {stage!r}")
 

@@ -148,7 +148,9 @@ def build_parts(config: Config, pc: ParallelContext, run_dir: Path, run_id: Opti
     grad_sync = build_grad_sync(list(model.parameters()), pc, shard_size=shard_size, reduce_dtype=reduce_dtype)
     skips = t.spike.policy in ("skip", "rewind")  # found_inf: the fused kernel (training/spike.py)
     groups = optimizer_groups(pc, shard_size)
-    optimizer = build_optimizer(model.named_parameters(), config.optimizer, **groups, fused=skips)
+    optimizer = build_optimizer(
+        model.named_parameters(), config.optimizer, **groups, fused=skips, gather_dtype=model.compute_dtype
+    )
     scheduler = build_lr_scheduler(optimizer, config.optimizer, t.train_steps)
     sampler, val_sampler = build_samplers(
         config,

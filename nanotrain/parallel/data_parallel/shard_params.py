@@ -87,9 +87,17 @@ class ShardedStore:
     buffers (``layout``: positions in ``params`` per bucket, ``lengths`` multiples of ``size``),
     of which only this rank's pieces persist, in ``shard``."""
 
-    def __init__(self, params: list[nn.Parameter], layout, lengths, group, size: int, rank: int):
+    def __init__(self, params: list[nn.Parameter], layout, lengths, group, size: int, rank: int, gather_dtype=None):
         self.group, self.size, self.rank = group, size, rank
         ref = params[0]
+        # The compute dtype (bf16 under autocast) when lower than the parameters': a copy of the
+        # owned pieces in it, refreshed after each update, is what training's gathers send
+        # (``gather``); checkpoints and loads gather the exact pieces.
+        lower = gather_dtype is not None and torch.finfo(gather_dtype).bits < torch.finfo(ref.dtype).bits
+        self.gather_dtype = gather_dtype if lower else None
+        self.low: Optional[torch.Tensor] = None
+        self.landing: dict[int, torch.Tensor] = {}  # bucket -> its gather in the compute dtype
+        self.gathered_bytes = 0  # received by gathers (tests, profiling)
         self.lengths = list(lengths)
         self.layout = [list(bucket) for bucket in layout]
         self.full: list[torch.Tensor] = []
@@ -115,6 +123,12 @@ class ShardedStore:
                 start += chunk
         for k in range(len(self.full)):
             self.release(k)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """The compute-dtype copy of the owned pieces after they changed (an update, a load)."""
+        if self.gather_dtype is not None:
+            self.low = self.shard.to(self.gather_dtype)
 
     def piece(self, k: int) -> torch.Tensor:
         """This rank's piece of bucket ``k`` (persistent)."""
@@ -132,17 +146,33 @@ class ShardedStore:
     def nbytes(self, k: int) -> int:
         return self.lengths[k] * self.full[k].element_size()
 
-    def gather(self, k: int, what: str):
-        """Allocate bucket ``k``'s full buffer and post the all-gather of the pieces into it."""
+    def gather(self, k: int, what: str, exact: bool = False):
+        """Allocate bucket ``k``'s full buffer and post the all-gather of the pieces into it: in
+        the compute dtype (into a landing buffer, ``land`` copies it over) unless ``exact``."""
         full = self.full[k]
         full.untyped_storage().resize_(self.nbytes(k))
         if self.size == 1:
             full.copy_(self.piece(k))
             return None
         HANG_RECORD.entering(f"all_gather parameters of {what}", self.group)
+        if self.low is not None and not exact:
+            chunk = self.lengths[k] // self.size
+            wire = self.landing[k] = torch.empty(self.lengths[k], dtype=self.gather_dtype, device=full.device)
+            self.gathered_bytes += wire.numel() * wire.element_size()
+            low = self.low[self.piece_start[k] : self.piece_start[k] + chunk]
+            return all_gather_into(wire, low, group=self.group, async_op=True)
+        self.gathered_bytes += self.nbytes(k)
         return all_gather_into(full, self.piece(k), group=self.group, async_op=True)
 
+    def land(self, k: int) -> None:
+        """After bucket ``k``'s gather completed: a compute-dtype gather into the full buffer."""
+        wire = self.landing.pop(k, None)
+        if wire is not None:
+            with torch.no_grad():
+                self.full[k].copy_(wire)
+
     def release(self, k: int) -> None:
+        self.landing.pop(k, None)
         self.full[k].untyped_storage().resize_(0)
 
     def write_back(self, k: int) -> None:
@@ -150,6 +180,8 @@ class ShardedStore:
         chunk = self.lengths[k] // self.size
         with torch.no_grad():
             self.piece(k).copy_(self.full[k][self.rank * chunk : (self.rank + 1) * chunk])
+            if self.low is not None:
+                self.low[self.piece_start[k] : self.piece_start[k] + chunk].copy_(self.piece(k))
 
 
 @dataclass
@@ -206,7 +238,8 @@ class ParamGather:
     def _post(self, u: Unit, phase: str) -> None:
         if u.state != "released":
             return
-        u.handles = [h for store, k in u.buckets if (h := store.gather(k, u.name)) is not None]
+        exact = phase == "state"  # checkpoints and loads: the fp32 pieces, not the compute dtype
+        u.handles = [h for store, k in u.buckets if (h := store.gather(k, u.name, exact)) is not None]
         u.state = "posted"
         self.log.append(("post", u.name, phase))
 
@@ -216,6 +249,8 @@ class ParamGather:
         if u.state == "posted":
             for h in u.handles:
                 wait(h)
+            for store, k in u.buckets:
+                store.land(k)
             u.handles, u.state = [], "gathered"
             self.log.append(("wait", u.name, phase))
 

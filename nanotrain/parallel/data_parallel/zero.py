@@ -171,11 +171,13 @@ class ZeroOneOptimizer(torch.optim.AdamW):
         expert_group: Optional[dist.ProcessGroup] = None,
         is_expert=None,
         stage: int = 1,
+        gather_dtype: Optional[torch.dtype] = None,
         **defaults,
     ):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOneOptimizer: stage must be 1, 2 or 3, got {stage!r}")
         self.stage = stage
+        self.gather_dtype = gather_dtype  # ZeRO-3: the dtype training's gathers send (shard_params.py)
         names, params, group_of = [], [], []
         for gi, g in enumerate(param_groups):
             ps, ns = list(g["params"]), list(g["param_names"])
@@ -251,7 +253,7 @@ class ZeroOneOptimizer(torch.optim.AdamW):
             buckets.append((start, length))
             start += length
         if self.stage == 3 and size > 1:  # each bucket its own buffer, released until gathered
-            store = ShardedStore(ps, layout, lengths, group, size, rank)
+            store = ShardedStore(ps, layout, lengths, group, size, rank, self.gather_dtype)
             return _Domain(group, size, rank, indices, offsets, partition, buckets, None, sync, store)
         ref = self.params[0]
         flat = torch.zeros(start, dtype=ref.dtype, device=ref.device)
@@ -305,6 +307,8 @@ class ZeroOneOptimizer(torch.optim.AdamW):
             piece.shard.grad = None  # do not keep references to the model's grad buffers
         for d in self.domains:
             d.all_gather()
+            if d.store is not None:  # ZeRO-3: the compute-dtype copy the next gathers send
+                d.store.refresh()
             if d.sync is not None:  # from now on the gradients stay on their owners' pieces
                 d.sync.stop_gathering_grads()
         return loss
