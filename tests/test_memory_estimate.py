@@ -229,7 +229,8 @@ def test_hybrid_sharding_traffic_is_block_collectives_plus_one_all_reduce_across
 
 def test_hybrid_sharding_memory_and_bf16_reduction_traffic():
     """Hybrid blocks of 2 at dp4 hold half of the state, not a quarter, and --dry-run says so; a
-    bf16 gradient reduction halves the reduce-scatters' bytes (ZeRO-3: m of its 3m collectives)."""
+    bf16 gradient reduction halves the reduce-scatters' bytes (ZeRO-3: m of its 3m collectives),
+    bf16 autocast the gathers' (2m of them)."""
     from nanotrain.estimate.comm_volume import dp_share
 
     base = ["parallelism.dp=4", "parallelism.tp=1", "parallelism.pp=1", "training.batch_accumulation_per_replica=4"]
@@ -239,3 +240,6 @@ def test_hybrid_sharding_memory_and_bf16_reduction_traffic():
     assert "ZeRO-3 over blocks of 2 of dp4 (hybrid" in describe(hybrid)[0]
     bf16 = load_config(TINY, base + ["optimizer.grad_reduce_dtype=bfloat16"])
     assert dp_share(bf16, 4) == pytest.approx((12 - 2) * 3 / 4)
+    # under bf16 autocast ZeRO-3's 2m gathers send bf16 too
+    autocast = load_config(TINY, base + ["model.dtype=bfloat16"])
+    assert dp_share(autocast, 4) == pytest.approx((12 - 4) * 3 / 4)

@@ -74,7 +74,11 @@ def _rank_traffic(config: Config, pp_rank: int, rank: llama_arch.RankSummary) ->
         "cp": cp_collectives_per_layer(t.recompute) * (p.cp - 1) * kv * len(layer_ids) * acc,
         "pp": sends * message,
         "dp": 4 * (dp_share(config, p.dp * p.cp * p.ep) * dense + dp_share(config, p.dp * p.cp) * experts)
-        - 4 * acc * gather_share(config, p.dp * p.cp * p.ep) * zero3_gathered_once(config, names),
+        - 4
+        * acc
+        * gather_share(config, p.dp * p.cp * p.ep)
+        * zero3_gathered_once(config, names)
+        * _gather_weight(config),
     }
 
 
@@ -97,13 +101,17 @@ def dp_share(config: Config, group: int) -> float:
     g/d blocks (``data_parallel/hybrid.py``)."""
     d = _block(config, group)
     outer = group // d
-    rounds = dp_rounds(config)
-    if config.optimizer.grad_reduce_dtype == "bfloat16":  # the reductions move 2 bytes, not 4
-        o = config.optimizer
-        rounds -= 0.5 * (
-            2 if o.zero_stage == 0 else 1 if o.zero_stage == 1 else config.training.batch_accumulation_per_replica
-        )
+    o, m = config.optimizer, config.training.batch_accumulation_per_replica
+    reduces = 2 if o.zero_stage == 0 else 1 if o.zero_stage == 1 else m  # of dp_rounds' collectives
+    gathers = 2 * m if o.zero_stage == 3 else 0  # stage 3's per-unit gathers
+    rounds = dp_rounds(config) - reduces - gathers  # the rest: ZeRO-1/2's parameter all-gather (fp32)
+    rounds += reduces * (0.5 if o.grad_reduce_dtype == "bfloat16" else 1.0) + gathers * _gather_weight(config)
     return rounds * (d - 1) / d + (2 * (outer - 1) / outer / d if outer > 1 else 0.0)
+
+
+def _gather_weight(config: Config) -> float:
+    """ZeRO-3's training gathers send the compute dtype (bf16 under autocast): its bytes per 4."""
+    return llama_parallelize_costs.compute_bytes(config.model) / 4
 
 
 def zero3_gathered_once(config: Config, names: tuple[str, ...]) -> int:
