@@ -12,8 +12,8 @@ of the same global batch, the grad norm (clipping triggers) within 1e-5:
   * 8 ranks: dp2 x tp2 x pp2 with each engine: afab (untied), 1f1b (sequence parallel, tied
     embeddings, full recompute), interleaved 1f1b (v = 2, tied: the replica's bucket goes with
     the last chunk's rounds).
-ZeRO-3 runs every case in ``make test``; ZeRO-2 runs dp4 and interleaved there (the gradient side
-of ZeRO-3 is ZeRO-2's), every case under ``make test-full`` (marker ``full``), with dp2 alone.
+ZeRO-3 runs every case in ``make test``; ZeRO-2 runs dp4 there (the gradient side of ZeRO-3 is
+ZeRO-2's), every case under ``make test-full`` (marker ``full``), with dp2 alone.
 Memory, measured in the dp4 ranks: the storage bytes of every gradient tensor a rank holds after
 the step's backward and sync (``.grad``, bucket buffers, the accumulator) at ZeRO-2 are about 1/4
 of ZeRO-0's, and the trace of the full bucket buffers shows each one freed, never more than a
@@ -198,7 +198,7 @@ TWO = {"dp2": (dict(dp=2), {})}
 CASES = {**FOUR, **EIGHT, **TWO}
 RANKS = {**{n: 4 for n in FOUR}, **{n: 8 for n in EIGHT}, **{n: 2 for n in TWO}}
 # (case, stage) run by `make test`; the rest of the grid is marked `full`
-FAST = [(n, 3) for n in (*FOUR, *EIGHT)] + [("dp4", 2), ("interleaved-tied", 2)]
+FAST = [(n, 3) for n in (*FOUR, *EIGHT)] + [("dp4", 2)]
 FULL = [(n, z) for n in CASES for z in (2, 3) if (n, z) not in FAST]
 DEEP = dict(MODEL, num_layers=16)  # the ZeRO-3 memory and gather-order check
 
