@@ -133,7 +133,7 @@ def test_weight_decay_groups_and_names():
     assert no_decay["param_names"] == ["norm", "fc.bias"] and no_decay["weight_decay"] == 0.0
     assert decay["betas"] == (0.8, 0.9) and decay["eps"] == 1e-7 and decay["lr"] == 1e-3
     with pytest.raises(ValueError, match="zero_stage"):
-        build_optimizer(m.named_parameters(), args, None, zero_stage=3)
+        build_optimizer(m.named_parameters(), args, None, zero_stage=4)
 
 
 @pytest.mark.parametrize("src_stage,dst_stage", [(0, 0), (1, 1), (0, 1), (1, 0)])
