@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.parallel import accelerator
+from nanotrain.parallel.compiled_graphs import forget_compiled_graphs
 from nanotrain.parallel.grid import Coords, RankGrid
 from nanotrain.parallel.observe.hang_record import HANG_RECORD
 
@@ -338,6 +339,7 @@ class ParallelContext:
         if synchronize:
             dist.barrier()
         HANG_RECORD.forget_groups()  # the hang record holds the last collective's group
+        forget_compiled_graphs()  # compiled layers' graphs hold the groups they traced (tp's)
         mine = [pg for ranks, pg in self._pg_by_ranks.items() if self.world_rank in ranks]
         mine += [self._placeholder_pg] if self._placeholder_pg is not None else []
         self._placeholder_pg = None
