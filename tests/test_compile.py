@@ -77,7 +77,7 @@ def compiled_tp_rank() -> tuple:
 @pytest.mark.timeout(300)
 def test_compiled_layers_let_their_tp_group_go():
     """Dynamo keeps each compiled graph as a module global, and a graph of the tp linears holds the
-    tp group it traced: ``destroy`` drops them (``parallel/compiled_graphs.py``), so no group
+    tp group it traced: ``destroy`` drops them (``parallel/teardown.py``), so no group
     outlives it to be torn down during interpreter shutdown (a planted skip of that drop fails
     here with "process group(s) still referenced after destroy")."""
     problem = compile_backend_problem("cpu")

@@ -1,9 +1,9 @@
 """How a config field is declared: its range (``bounded``), its description (``doc``), SLURM times,
 and the limits every integer field shares.
 
-The schema (``schema.py``, ``schema_model.py``) declares each field once with these; the loader reads
-the metadata they attach (ranges, descriptions, path kinds, the fix a refusal names), so parsing,
-validation and the config reference all come from the declaration.
+The schema (``schema.py``, ``schema_model.py``, ``schema_slurm.py``) declares each field once with
+these; the loader reads the metadata they attach (ranges, descriptions, path kinds, the fix a
+refusal names), so parsing, validation and the config reference all come from the declaration.
 """
 
 from __future__ import annotations

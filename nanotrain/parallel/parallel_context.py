@@ -13,10 +13,8 @@ without asking torch, from ``ParallelContext.group_ranks(name)``.
 
 from __future__ import annotations
 
-import gc
 import importlib
 import os
-import warnings
 import weakref
 from datetime import timedelta
 from typing import Optional
@@ -25,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.parallel import accelerator
-from nanotrain.parallel.compiled_graphs import forget_compiled_graphs
 from nanotrain.parallel.grid import Coords, RankGrid
 from nanotrain.parallel.observe.hang_record import HANG_RECORD
+from nanotrain.parallel.teardown import check_freed, destroy_process_groups  # noqa: F401 (also the benchmarks')
 
 # Group attributes created on every ParallelContext, in creation order: each rank creates its own
 # group of each, in this order (torch names locally synchronised groups by their ranks and the
@@ -339,7 +337,6 @@ class ParallelContext:
         if synchronize:
             dist.barrier()
         HANG_RECORD.forget_groups()  # the hang record holds the last collective's group
-        forget_compiled_graphs()  # compiled layers' graphs hold the groups they traced (tp's)
         mine = [pg for ranks, pg in self._pg_by_ranks.items() if self.world_rank in ranks]
         mine += [self._placeholder_pg] if self._placeholder_pg is not None else []
         self._placeholder_pg = None
@@ -358,48 +355,3 @@ class ParallelContext:
                 dist.destroy_process_group(mine[-1])
             mine.pop()
         check_freed(refs)
-
-
-def destroy_process_groups(synchronize: bool = True) -> None:
-    """Destroy every process group of this process, the default one last, and check that they
-    are really gone: the one clean way for a rank to end.
-
-    Why not just ``dist.destroy_process_group()``: it unregisters the groups but frees none
-    that something else still references. A gloo group owns C++ threads (its work loop and
-    socket loop) and, through its store, rank 0's TCPStore server thread; they stop only when the
-    group object is freed. A group kept by a live object (a model's layers, a gradient sync, an
-    autograd graph no collector can free) is freed by the interpreter's final garbage collection,
-    after Python is already marked as finalizing, or never: its threads then run on through the
-    interpreter's teardown and ``exit()``, which is where a gloo rank dies with "terminate called
-    without an active exception" (SIGABRT) once in a while.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if synchronize:
-        dist.barrier()
-    HANG_RECORD.forget_groups()  # the hang record holds the last collective's group
-    # Every registered group (ours, DeviceMesh's, ...); a private map, so read defensively.
-    registered = list(getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", {}))
-    refs = [weakref.ref(pg) for pg in registered]
-    del registered
-    dist.destroy_process_group()
-    check_freed(refs)
-
-
-def check_freed(refs: list) -> None:
-    """Warn (once per call, naming them) about process groups that survive their destruction.
-
-    A warning and not an error: the run itself succeeded. ``benchmarks/exit_stress.py`` and the
-    tests treat it as a failure."""
-    gc.collect()  # plain Python cycles (a module and its hooks) are not a leak
-    alive = [pg for pg in (r() for r in refs) if pg is not None]
-    if alive:
-        names = ", ".join(f"{getattr(pg, 'group_name', '?')} (size {pg.size()})" for pg in alive)
-        warnings.warn(
-            f"{len(alive)} process group(s) still referenced after destroy: {names}. Their C++ "
-            "threads outlive the process group and are torn down during interpreter shutdown, "
-            "which can abort the process; drop what holds them (model, gradient sync, optimizer, "
-            "autograd graphs) before destroying the groups.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
