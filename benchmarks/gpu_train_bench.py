@@ -104,18 +104,12 @@ def main() -> int:
     pc = ParallelContext()  # world size 1: NCCL on the GPU
     device = pc.device
     args = model_args(opts.config)
-    if opts.cpu_smoke:
+    if opts.cpu_smoke:  # the check's tiny CPU model (gpu_stages/limits.py), at this sequence length
+        from gpu_stages.limits import CPU_MODEL
+
         from nanotrain.config import ModelArgs
 
-        args = ModelArgs(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=opts.seq,
-        )
+        args = ModelArgs(**dict(CPU_MODEL, max_position_embeddings=opts.seq))
     t0 = time.perf_counter()
     model = build_llama(
         args, pc.tp_pg, seed=0, device=device, compute_dtype=torch.bfloat16, compile_layers=opts.compile
