@@ -85,7 +85,8 @@ def param_gather_of(p: nn.Parameter) -> Optional["ParamGather"]:
 class ShardedStore:
     """One domain's parameters at ZeRO-3 (module doc): ``params`` moved into per-bucket full
     buffers (``layout``: positions in ``params`` per bucket, ``lengths`` multiples of ``size``),
-    of which only this rank's pieces persist, in ``shard``."""
+    of which only this rank's pieces persist, in ``shard``. Over a group of two ranks or more (a
+    group of one keeps its parameters whole: ``ZeroOneOptimizer._domain``)."""
 
     def __init__(self, params: list[nn.Parameter], layout, lengths, group, size: int, rank: int, gather_dtype=None):
         self.group, self.size, self.rank = group, size, rank
@@ -130,9 +131,13 @@ class ShardedStore:
         if self.gather_dtype is not None:
             self.low = self.shard.to(self.gather_dtype)
 
+    def _span(self, k: int) -> slice:
+        """Where this rank's piece of bucket ``k`` lies in ``shard`` (and ``low``)."""
+        return slice(self.piece_start[k], self.piece_start[k] + self.lengths[k] // self.size)
+
     def piece(self, k: int) -> torch.Tensor:
         """This rank's piece of bucket ``k`` (persistent)."""
-        return self.shard[self.piece_start[k] : self.piece_start[k] + self.lengths[k] // self.size]
+        return self.shard[self._span(k)]
 
     def owned(self, j: int, start: int, stop: int) -> torch.Tensor:
         """The persistent view of elements [start, stop) of parameter ``j`` (this rank owns them)."""
@@ -151,16 +156,11 @@ class ShardedStore:
         the compute dtype (into a landing buffer, ``land`` copies it over) unless ``exact``."""
         full = self.full[k]
         full.untyped_storage().resize_(self.nbytes(k))
-        if self.size == 1:
-            full.copy_(self.piece(k))
-            return None
         HANG_RECORD.entering(f"all_gather parameters of {what}", self.group)
         if self.low is not None and not exact:
-            chunk = self.lengths[k] // self.size
             wire = self.landing[k] = torch.empty(self.lengths[k], dtype=self.gather_dtype, device=full.device)
             self.gathered_bytes += wire.numel() * wire.element_size()
-            low = self.low[self.piece_start[k] : self.piece_start[k] + chunk]
-            return all_gather_into(wire, low, group=self.group, async_op=True)
+            return all_gather_into(wire, self.low[self._span(k)], group=self.group, async_op=True)
         self.gathered_bytes += self.nbytes(k)
         return all_gather_into(full, self.piece(k), group=self.group, async_op=True)
 
@@ -181,7 +181,7 @@ class ShardedStore:
         with torch.no_grad():
             self.piece(k).copy_(self.full[k][self.rank * chunk : (self.rank + 1) * chunk])
             if self.low is not None:
-                self.low[self.piece_start[k] : self.piece_start[k] + chunk].copy_(self.piece(k))
+                self.low[self._span(k)].copy_(self.piece(k))
 
 
 @dataclass
@@ -239,7 +239,7 @@ class ParamGather:
         if u.state != "released":
             return
         exact = phase == "state"  # checkpoints and loads: the fp32 pieces, not the compute dtype
-        u.handles = [h for store, k in u.buckets if (h := store.gather(k, u.name, exact)) is not None]
+        u.handles = [store.gather(k, u.name, exact) for store, k in u.buckets]
         u.state = "posted"
         self.log.append(("post", u.name, phase))
 

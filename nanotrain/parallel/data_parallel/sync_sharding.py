@@ -13,7 +13,7 @@ from torch import nn
 
 from nanotrain.parallel.collectives import allreduce_flat_
 from nanotrain.parallel.data_parallel import buckets as layout
-from nanotrain.parallel.data_parallel.shard_grads import GradShards, ShardAccumulator, _same_storage
+from nanotrain.parallel.data_parallel.shard_grads import GradShards, ShardAccumulator, _same_storage, piece_of
 
 
 class ZeroSharding:
@@ -75,8 +75,7 @@ class ZeroSharding:
         self.gather_grads = False
 
     def _owned(self, b) -> torch.Tensor:
-        chunk = b.buffer.numel() // self.shards
-        return b.buffer[self.rank * chunk : (self.rank + 1) * chunk]
+        return piece_of(b.buffer, self.shards, self.rank)
 
     def grad_shards(self) -> Optional[list[GradShards]]:
         """None when gradients are all-reduced; when reduce-scattered, this rank's pieces, which

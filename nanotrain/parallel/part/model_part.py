@@ -29,7 +29,7 @@ from torch import nn
 
 from nanotrain.parallel import accelerator
 from nanotrain.parallel.context_parallel import ContextParallel, zigzag_table
-from nanotrain.parallel.data_parallel.shard_params import gather_of_params
+from nanotrain.parallel.data_parallel.shard_params import param_gather_of
 from nanotrain.parallel.documents import document_attention
 from nanotrain.parallel.part.adopt import Adopting
 from nanotrain.parallel.pipeline_parallel import MessageSpec, ModelChunk, is_tied_replica
@@ -141,10 +141,10 @@ class ModelPart(Adopting):
     def _forward(self, input_ids, targets, hidden, chunk: int, documents, cp_order) -> torch.Tensor:
         part, model = self.chunks[chunk], self.inner
         order = self._order(documents, cp_order)
-        self._param_gather()  # ZeRO-3: hooks the layers on the first forward (none below)
+        gather = self._param_gather()  # ZeRO-3 (None below): hooks the layers on the first forward
         if part.is_first:
             ids = self.cp.local(input_ids, order=order)
-            hidden = self._gathered((model.embed,), model.embed_tokens, ids, backward_reads=False)
+            hidden = _gathered(gather, (model.embed,), model.embed_tokens, ids, backward_reads=False)
             hidden = hidden.to(self.residual_dtype)
         layers = [name.split(".", 1)[1] for name in part.blocks if name.startswith("layers.")]
         kernel = model.args.attention_kernel
@@ -159,22 +159,9 @@ class ModelPart(Adopting):
         if not part.is_last:
             return hidden
         targets = None if targets is None else self.cp.local(targets, order=order)
-        return self._gathered((model.final_norm, model.lm_head), model.head, hidden, targets, keep=True)
+        return _gathered(gather, (model.final_norm, model.lm_head), model.head, hidden, targets, keep=True)
 
     # ------------------------------------------------------------------ ZeRO-3
-    def _gathered(self, modules, fn, *args, backward_reads: bool = True, keep: bool = False):
-        """``fn(*args)`` with the full weights of ``modules`` (ZeRO-3: their units gathered for
-        it, ``data_parallel/shard_params.py``, whose ``after_forward`` says what ``backward_reads``
-        and ``keep`` do; below, just the call)."""
-        gather = self._param_gather()
-        if gather is None:
-            return fn(*args)
-        names = gather.units_of(p for m in modules for p in m.parameters())
-        gather.before_forward(names)
-        out = fn(*args)
-        gather.after_forward(names, out, backward_reads, keep)
-        return out
-
     def _param_gather(self):
         """The optimizer's ParamGather at ZeRO-3 (None below), hooked on first use around every
         decoder layer this rank holds, with each pipeline chunk's units as its prefetch order."""
@@ -182,7 +169,9 @@ class ModelPart(Adopting):
         gather = ref() if ref is not None else None
         if gather is not None:
             return gather
-        gather = gather_of_params(self.parameters())
+        # The first parameter is a dense one (an embedding or a layer's norm), sharded whenever any
+        # parameter is (dense replicas dp x cp x ep >= an expert's dp x cp): one lookup per forward.
+        gather = param_gather_of(next(self.parameters()))
         if gather is None:
             return None
         gather.set_chunks([gather.units_of(self.chunk_parameters(c)) for c in range(len(self.chunks))])
@@ -221,6 +210,19 @@ class ModelPart(Adopting):
         if self.cp.enabled:
             return self.cp.positions(seq, hidden.device)
         return self.inner.default_positions(seq, hidden.device)
+
+
+def _gathered(gather, modules, fn, *args, backward_reads: bool = True, keep: bool = False):
+    """``fn(*args)`` with the full weights of ``modules`` (ZeRO-3: their units gathered for it by
+    ``gather``, ``data_parallel/shard_params.py``, whose ``after_forward`` says what
+    ``backward_reads`` and ``keep`` do; without one, just the call)."""
+    if gather is None:
+        return fn(*args)
+    names = gather.units_of(p for m in modules for p in m.parameters())
+    gather.before_forward(names)
+    out = fn(*args)
+    gather.after_forward(names, out, backward_reads, keep)
+    return out
 
 
 def _check_input(name: str, tensor: torch.Tensor | None, device: torch.device, integer: bool) -> None:
