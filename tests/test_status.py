@@ -83,7 +83,8 @@ def test_status_with_a_config_is_an_error(tmp_path, capsys):
 
 
 def test_scheduler_fallbacks(monkeypatch):
-    """squeue forgets a finished job, sacct may be off or lagging: scontrol still answers."""
+    """squeue forgets a finished job, sacct may be off or lagging: scontrol still answers; a job
+    squeue lists as COMPLETING has ended, and sacct says how."""
     from nanotrain.commands import status as status_mod
 
     scontrol = (
@@ -108,6 +109,14 @@ def test_scheduler_fallbacks(monkeypatch):
     answers.update(squeue="PENDING||Priority\n", scontrol=scontrol.replace("COMPLETED", "PENDING"))
     info = status_mod.slurm_job_info("7")
     assert (info.state, info.source, info.reason, info.nodes) == ("PENDING", "squeue", "Priority", None)
+
+    # COMPLETING (squeue, scontrol): the job has ended, SLURM still cleans up; sacct knows how it
+    # ended (seen on the local cluster right after a preempted job exited 75)
+    answers.update(squeue="COMPLETING|n[1-2]|\n", sacct="7|FAILED|n[1-2]|75:0\n", scontrol=None)
+    info = status_mod.slurm_job_info("7")
+    assert (info.state, info.source, info.exit_code) == ("FAILED", "sacct", 75)
+    answers.update(sacct=None)  # no accounting: squeue's word is all there is
+    assert (status_mod.slurm_job_info("7").state, status_mod.slurm_job_info("7").source) == ("COMPLETING", "squeue")
 
     answers.update(squeue=None, sacct=None, scontrol=None)
     assert status_mod.slurm_job_info("7").state is None

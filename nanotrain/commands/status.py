@@ -4,7 +4,9 @@ The scheduler is asked in order of freshness: `squeue` knows pending and running
 knows finished ones (when accounting is on), `scontrol` knows both for a few minutes after the end
 (MinJobAge) and is the only one that counts requeues directly (`Restarts=`); `sacct -D` counts
 them as one record per incarnation. Whichever answers first gives the state, so the command
-works on clusters without accounting and right after a job ends, before sacct has caught up.
+works on clusters without accounting and right after a job ends, before sacct has caught up;
+but a job squeue still lists as COMPLETING has ended, and the state it ended in (FAILED, ...)
+comes from the source that knows it.
 Training progress comes from `<run_dir>/progress.json`, written atomically by the logging rank.
 """
 
@@ -109,10 +111,13 @@ def slurm_job_info(job_id: str) -> JobInfo:
     for name, query in (("squeue", query_squeue), ("sacct", query_sacct), ("scontrol", query_scontrol)):
         info.asked.append(name)
         answers[name] = query(info.job_id)
-    for name in ("squeue", "sacct", "scontrol"):
-        if answers[name]:
-            info.state, info.source = answers[name]["state"], name
-            break
+    # COMPLETING: the job has ended and SLURM is cleaning up (epilog, tasks being killed); how it
+    # ended is already in sacct (or scontrol), so a source that says so wins over squeue's word.
+    answered = [name for name in ("squeue", "sacct", "scontrol") if answers[name]]
+    ended = [name for name in answered if answers[name]["state"] != "COMPLETING"]
+    if answered:
+        info.source = (ended or answered)[0]
+        info.state = answers[info.source]["state"]
     if info.state is not None:
         info.reason = answers[info.source].get("reason") or (answers["scontrol"] or {}).get("reason")
         # A pending job has no nodes; scontrol still names those of a requeued job's last run.
